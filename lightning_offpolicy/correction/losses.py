@@ -42,6 +42,9 @@ class PolicyLossInfo:
         clipped_tokens: kept tokens where the clip (PPO ratio or current-policy weight) was active.
         dual_clipped_tokens: kept tokens where the dual clip was active.
         approx_kl_sum: sum over kept tokens of ``(r - 1) - log r``, ``r = pi_theta / pi_prox``.
+        rollout_kl_sum: sum over response tokens of the rollout KL estimator (reported even when
+            its coefficient is 0, whenever rollout logprobs are given).
+        response_tokens: number of response tokens.
     """
 
     policy_loss: torch.Tensor
@@ -51,6 +54,8 @@ class PolicyLossInfo:
     clipped_tokens: torch.Tensor
     dual_clipped_tokens: torch.Tensor
     approx_kl_sum: torch.Tensor
+    rollout_kl_sum: torch.Tensor
+    response_tokens: torch.Tensor
 
 
 def aggregate(
@@ -178,9 +183,15 @@ def policy_loss(
     with torch.no_grad():
         if anchor is not None:
             log_r = log_ratio(logprobs.detach(), anchor, kept).clamp(-20, 20)
-            approx_kl = masked(torch.expm1(log_r) - log_r, kept).sum()
+            approx_kl = masked(torch.expm1(log_r) - log_r, kept).double().sum()
         else:
             approx_kl = zero.detach()
+        if rollout_logprobs is not None:
+            rollout_kl_sum = kl_estimate(
+                logprobs.detach(), rollout_logprobs, valid, loss_cfg.rollout_kl_estimator
+            ).double().sum()
+        else:
+            rollout_kl_sum = zero.detach()
         info = PolicyLossInfo(
             policy_loss=pg.detach(),
             rollout_kl=rollout_kl.detach(),
@@ -189,6 +200,8 @@ def policy_loss(
             clipped_tokens=(clipped & kept).sum().to(torch.float64),
             dual_clipped_tokens=(dual & kept).sum().to(torch.float64),
             approx_kl_sum=approx_kl.to(torch.float64),
+            rollout_kl_sum=rollout_kl_sum.to(torch.float64),
+            response_tokens=valid.sum().to(torch.float64),
         )
     return total, info
 

@@ -1,0 +1,428 @@
+"""torchmetrics classes for the off-policy mismatch, exact across devices.
+
+Every state is a running sum, count, max or min (float64 sums, ``dist_reduce_fx`` ``"sum"`` /
+``"max"`` / ``"min"``), never a mean of means: two ranks on half batches report exactly what one
+rank reports on the whole batch. Each metric updates from the
+:class:`~lightning_offpolicy.correction.CorrectionStats` of ``compute_correction`` (or the
+:class:`~lightning_offpolicy.correction.PolicyLossInfo` of ``policy_loss``); the functional twins
+(``*_sums``) return the sums one update adds.
+
+Conventions (``rho_t = pi_prox / pi_rollout`` of a sampled token, from log space clamped to
+[-20, 20]; ``S_i = sum_t log rho_t`` over the response of sequence ``i``; means over response
+tokens or over sequences with at least one response token):
+
+============================  ===============================================================
+``kl``                        ``mean_t(log pi_rollout - log pi_prox)``: the k1 estimate of
+                              KL(pi_rollout || pi_prox) on the rollout's own samples
+``k3_kl``                     ``mean_t(rho - 1 - log rho)`` (non-negative, lower variance)
+``log_ppl_diff``              ``mean_i(-S_i / n_i)``: log PPL(trainer) - log PPL(engine)
+``ppl_ratio``                 ``mean_i exp(-S_i / n_i)``: PPL(trainer) / PPL(engine)
+``chi2_token``                ``mean_t(rho_t^2) - 1``
+``chi2_seq``                  ``mean_i(exp(S_i)^2) - 1`` (``exp`` clamped as above)
+``ess`` / ``ess_seq``         ``(sum rho)^2 / (N sum rho^2)`` over tokens / sequences, in (0, 1]
+``is_weight_*``               mean / min / max / fraction truncated of the applied IS weights
+                              over the tokens that reach the loss
+``<mask>_token_reject_rate``  tokens a mask removed / response tokens (``total``: any mask)
+``<mask>_seq_reject_rate``    sequences a mask touched / sequences
+``abs_logprob_diff_*``        mean / max of ``|log rho_t|``
+============================  ===============================================================
+
+An empty update (no response token) leaves every state unchanged; a metric with nothing
+accumulated computes 0 (1 for the weight mean / min / max, the neutral weight).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+import torch
+from torchmetrics import Metric, MetricCollection
+
+from lightning_offpolicy.correction.config import OffPolicyCorrectionConfig
+from lightning_offpolicy.correction.correction import CorrectionStats
+from lightning_offpolicy.correction.losses import PolicyLossInfo
+from lightning_offpolicy.correction.ratios import safe_exp
+
+_F64 = torch.float64
+Level = Literal["token", "sequence"]
+
+
+def _check_level(name: str, level: str) -> None:
+    if level not in ("token", "sequence"):
+        raise ValueError(f"{name}: level={level!r} is not known; allowed: 'token', 'sequence'.")
+
+
+def _token_values(stats: CorrectionStats) -> tuple[torch.Tensor, torch.Tensor]:
+    """``log_rho`` of the response tokens as a flat float64 vector, and their count."""
+    values = stats.log_rho[stats.response_mask].to(_F64)
+    return values, torch.tensor(values.numel(), dtype=_F64, device=values.device)
+
+
+def _sequence_values(stats: CorrectionStats) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``S_i``, ``n_i`` of the sequences with a response token (float64), and their count."""
+    valid = stats.seq_valid
+    seq_sum = stats.seq_log_rho[valid].to(_F64)
+    seq_n = stats.seq_tokens[valid].to(_F64)
+    return seq_sum, seq_n, torch.tensor(seq_sum.numel(), dtype=_F64, device=seq_sum.device)
+
+
+# --------------------------------------------------------------------------------------------
+# Functional twins: the sums one update adds.
+# --------------------------------------------------------------------------------------------
+def mismatch_kl_sums(stats: CorrectionStats, estimator: str = "k1") -> tuple[torch.Tensor, torch.Tensor]:
+    """``(sum, count)`` over response tokens of ``-log rho`` (k1) or ``rho - 1 - log rho`` (k3)."""
+    log_rho, count = _token_values(stats)
+    per_token = -log_rho if estimator == "k1" else safe_exp(log_rho) - 1.0 - log_rho
+    return per_token.sum(), count
+
+
+def log_ppl_sums(stats: CorrectionStats, exponentiate: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(sum_i d_i, count)`` with ``d_i = -S_i / n_i`` (or ``exp(d_i)`` for the PPL ratio)."""
+    seq_sum, seq_n, count = _sequence_values(stats)
+    diff = -seq_sum / seq_n
+    return (safe_exp(diff) if exponentiate else diff).sum(), count
+
+
+def chi2_sums(stats: CorrectionStats, level: Level = "token") -> tuple[torch.Tensor, torch.Tensor]:
+    """``(sum rho^2, count)`` over response tokens or over sequences (``rho = exp(S_i)``)."""
+    if level == "token":
+        log_values, count = _token_values(stats)
+    else:
+        log_values, _, count = _sequence_values(stats)
+    return safe_exp(log_values).square().sum(), count
+
+
+def ess_sums(stats: CorrectionStats, level: Level = "token") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(sum rho, sum rho^2, count)`` over response tokens or over sequences."""
+    if level == "token":
+        log_values, count = _token_values(stats)
+    else:
+        log_values, _, count = _sequence_values(stats)
+    rho = safe_exp(log_values)
+    return rho.sum(), rho.square().sum(), count
+
+
+def rejection_sums(
+    stats: CorrectionStats, mask: str = "total", level: Level = "token"
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(rejected, count)`` of response tokens or valid sequences removed by ``mask``."""
+    response = stats.response_mask
+    if mask == "total":
+        rejected_tokens = response & ~stats.kept
+    else:
+        rejected_tokens = stats.token_rejected.get(mask, torch.zeros_like(response))
+    if level == "token":
+        return rejected_tokens.sum().to(_F64), response.sum().to(_F64)
+    valid = stats.seq_valid
+    return (valid & rejected_tokens.any(dim=-1)).sum().to(_F64), valid.sum().to(_F64)
+
+
+# --------------------------------------------------------------------------------------------
+# Metric classes
+# --------------------------------------------------------------------------------------------
+class _RatioOfSums(Metric):
+    """``numerator / denominator`` of running float64 sums (0 when nothing was accumulated)."""
+
+    full_state_update = False
+    higher_is_better = None
+    is_differentiable = False
+    empty_value = 0.0
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.add_state("numerator", default=torch.tensor(0.0, dtype=_F64), dist_reduce_fx="sum")
+        self.add_state("denominator", default=torch.tensor(0.0, dtype=_F64), dist_reduce_fx="sum")
+
+    def _accumulate(self, numerator: torch.Tensor, denominator: torch.Tensor) -> None:
+        self.numerator += numerator.to(self.numerator.device, _F64)
+        self.denominator += denominator.to(self.denominator.device, _F64)
+
+    def compute(self) -> torch.Tensor:
+        if self.denominator <= 0:
+            return torch.tensor(self.empty_value, dtype=_F64, device=self.denominator.device)
+        return self.numerator / self.denominator
+
+
+class MismatchKL(_RatioOfSums):
+    r"""KL(pi_rollout || pi_prox) per response token, estimated on the rollout's samples.
+
+    ``k1``: :math:`\frac{1}{N}\sum_t (\log\pi_{rollout} - \log\pi_{prox})`;
+    ``k3``: :math:`\frac{1}{N}\sum_t (\rho_t - 1 - \log\rho_t)`.
+
+    Args:
+        estimator: ``"k1"`` or ``"k3"``.
+
+    Example:
+        >>> import torch
+        >>> from lightning_offpolicy.correction import compute_correction
+        >>> stats = compute_correction(torch.tensor([[-1.0, -1.0]]), torch.tensor([[-1.5, -0.5]]),
+        ...                            torch.ones(1, 2)).stats
+        >>> metric = MismatchKL("k1"); metric.update(stats); metric.compute()
+        tensor(0., dtype=torch.float64)
+    """
+
+    def __init__(self, estimator: Literal["k1", "k3"] = "k1", **kwargs: Any) -> None:
+        if estimator not in ("k1", "k3"):
+            raise ValueError(f"MismatchKL: estimator={estimator!r} is not known; allowed: 'k1', 'k3'.")
+        super().__init__(**kwargs)
+        self.estimator = estimator
+
+    def update(self, stats: CorrectionStats) -> None:
+        self._accumulate(*mismatch_kl_sums(stats, self.estimator))
+
+
+class LogPerplexityDiff(_RatioOfSums):
+    """Mean over sequences of ``log PPL(pi_prox) - log PPL(pi_rollout) = -mean_t log rho_t``."""
+
+    def update(self, stats: CorrectionStats) -> None:
+        self._accumulate(*log_ppl_sums(stats))
+
+
+class PerplexityRatio(_RatioOfSums):
+    """Mean over sequences of ``PPL(pi_prox) / PPL(pi_rollout)``."""
+
+    empty_value = 1.0
+
+    def update(self, stats: CorrectionStats) -> None:
+        self._accumulate(*log_ppl_sums(stats, exponentiate=True))
+
+
+class ChiSquared(_RatioOfSums):
+    r"""Chi-squared divergence of pi_prox from pi_rollout: :math:`E[\rho^2] - 1`.
+
+    Args:
+        level: ``"token"`` (:math:`\rho_t`) or ``"sequence"`` (:math:`\prod_t \rho_t`).
+    """
+
+    def __init__(self, level: Level = "token", **kwargs: Any) -> None:
+        _check_level("ChiSquared", level)
+        super().__init__(**kwargs)
+        self.level = level
+
+    def update(self, stats: CorrectionStats) -> None:
+        self._accumulate(*chi2_sums(stats, self.level))
+
+    def compute(self) -> torch.Tensor:
+        if self.denominator <= 0:
+            return torch.tensor(0.0, dtype=_F64, device=self.denominator.device)
+        return self.numerator / self.denominator - 1.0
+
+
+class EffectiveSampleSize(Metric):
+    r"""Normalised effective sample size of the raw ratios: :math:`(\sum\rho)^2 / (N \sum\rho^2)`.
+
+    1 when the engine and the trainer agree; small when a few samples would dominate an
+    importance-weighted estimate.
+
+    Args:
+        level: ``"token"`` or ``"sequence"``.
+    """
+
+    full_state_update = False
+    higher_is_better = True
+    is_differentiable = False
+
+    def __init__(self, level: Level = "token", **kwargs: Any) -> None:
+        _check_level("EffectiveSampleSize", level)
+        super().__init__(**kwargs)
+        self.level = level
+        for name in ("sum_w", "sum_w2", "count"):
+            self.add_state(name, default=torch.tensor(0.0, dtype=_F64), dist_reduce_fx="sum")
+
+    def update(self, stats: CorrectionStats) -> None:
+        sum_w, sum_w2, count = ess_sums(stats, self.level)
+        self.sum_w += sum_w.to(self.sum_w.device)
+        self.sum_w2 += sum_w2.to(self.sum_w2.device)
+        self.count += count.to(self.count.device)
+
+    def compute(self) -> torch.Tensor:
+        if self.count <= 0 or self.sum_w2 <= 0:
+            return torch.tensor(1.0, dtype=_F64, device=self.count.device)
+        return self.sum_w.square() / (self.count * self.sum_w2)
+
+
+class ImportanceWeightMean(_RatioOfSums):
+    """Mean applied IS weight over the tokens that reach the loss."""
+
+    empty_value = 1.0
+
+    def update(self, stats: CorrectionStats) -> None:
+        weights = stats.weights[stats.kept].to(_F64)
+        self._accumulate(weights.sum(), torch.tensor(weights.numel(), dtype=_F64))
+
+
+class ImportanceWeightClipFraction(_RatioOfSums):
+    """Fraction of the tokens that reach the loss whose IS weight was truncated."""
+
+    def update(self, stats: CorrectionStats) -> None:
+        self._accumulate(stats.weight_clipped[stats.kept].sum().to(_F64), stats.kept.sum().to(_F64))
+
+
+class _Extreme(Metric):
+    """Running max or min (``dist_reduce_fx`` max / min) with a neutral value when empty."""
+
+    full_state_update = False
+    higher_is_better = None
+    is_differentiable = False
+    reduce: Literal["max", "min"] = "max"
+    empty_value = 0.0
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        start = float("-inf") if self.reduce == "max" else float("inf")
+        self.add_state("value", default=torch.tensor(start, dtype=_F64), dist_reduce_fx=self.reduce)
+
+    def _values(self, stats: CorrectionStats) -> torch.Tensor:
+        raise NotImplementedError
+
+    def update(self, stats: CorrectionStats) -> None:
+        values = self._values(stats).to(self.value.device, _F64)
+        if values.numel():
+            extreme = values.max() if self.reduce == "max" else values.min()
+            self.value = torch.maximum(self.value, extreme) if self.reduce == "max" else torch.minimum(self.value, extreme)
+
+    def compute(self) -> torch.Tensor:
+        if torch.isinf(self.value):
+            return torch.tensor(self.empty_value, dtype=_F64, device=self.value.device)
+        return self.value
+
+
+class ImportanceWeightMax(_Extreme):
+    """Largest applied IS weight over the tokens that reach the loss."""
+
+    reduce = "max"
+    empty_value = 1.0
+
+    def _values(self, stats: CorrectionStats) -> torch.Tensor:
+        return stats.weights[stats.kept]
+
+
+class ImportanceWeightMin(_Extreme):
+    """Smallest applied IS weight over the tokens that reach the loss."""
+
+    reduce = "min"
+    empty_value = 1.0
+
+    def _values(self, stats: CorrectionStats) -> torch.Tensor:
+        return stats.weights[stats.kept]
+
+
+class AbsLogProbDiffMean(_RatioOfSums):
+    """Mean of ``|log pi_prox - log pi_rollout|`` over response tokens."""
+
+    def update(self, stats: CorrectionStats) -> None:
+        log_rho, count = _token_values(stats)
+        self._accumulate(log_rho.abs().sum(), count)
+
+
+class AbsLogProbDiffMax(_Extreme):
+    """Max of ``|log pi_prox - log pi_rollout|`` over response tokens."""
+
+    reduce = "max"
+
+    def _values(self, stats: CorrectionStats) -> torch.Tensor:
+        return stats.log_rho[stats.response_mask].abs()
+
+
+class RejectionRate(_RatioOfSums):
+    """Fraction of response tokens (or sequences) that one rejection mask removed.
+
+    Args:
+        mask: a mask name of :attr:`OffPolicyCorrectionConfig.mask_names`, or ``"total"`` for the
+            tokens / sequences removed by any mask.
+        level: ``"token"`` or ``"sequence"`` (a sequence counts once any of its tokens is removed).
+    """
+
+    def __init__(self, mask: str = "total", level: Level = "token", **kwargs: Any) -> None:
+        _check_level("RejectionRate", level)
+        super().__init__(**kwargs)
+        self.mask = mask
+        self.level = level
+
+    def update(self, stats: CorrectionStats) -> None:
+        self._accumulate(*rejection_sums(stats, self.mask, self.level))
+
+
+class PPOClipFraction(_RatioOfSums):
+    """Fraction of the tokens in the loss where the clip was active (PPO ratio or IS weight)."""
+
+    def update(self, info: PolicyLossInfo) -> None:
+        self._accumulate(info.clipped_tokens, info.kept_tokens)
+
+
+class DualClipFraction(_RatioOfSums):
+    """Fraction of the tokens in the loss where the dual clip was active."""
+
+    def update(self, info: PolicyLossInfo) -> None:
+        self._accumulate(info.dual_clipped_tokens, info.kept_tokens)
+
+
+class ApproxKL(_RatioOfSums):
+    """``mean_t((r - 1) - log r)``, ``r = pi_theta / pi_prox``, over the tokens in the loss."""
+
+    def update(self, info: PolicyLossInfo) -> None:
+        self._accumulate(info.approx_kl_sum, info.kept_tokens)
+
+
+class RolloutKL(_RatioOfSums):
+    """The rollout KL loss's estimator averaged over response tokens (0 when the loss is off)."""
+
+    def update(self, info: PolicyLossInfo) -> None:
+        self._accumulate(info.rollout_kl_sum, info.response_tokens)
+
+
+# --------------------------------------------------------------------------------------------
+# Bundles
+# --------------------------------------------------------------------------------------------
+class CorrectionMetrics(MetricCollection):
+    """Every ``rollout_corr/`` metric for one correction config, updated with ``update(stats)``.
+
+    ``compute()`` syncs across ranks and returns ``{"rollout_corr/kl": ..., ...}``, ready for
+    ``LightningModule.log_dict``; call ``reset()`` afterwards on every rank.
+
+    Args:
+        config: the correction; one token and one sequence rejection rate is tracked for each
+            of its enabled masks, plus ``total``.
+        prefix: key prefix of the logged values.
+    """
+
+    def __init__(self, config: OffPolicyCorrectionConfig | None = None, prefix: str = "rollout_corr/") -> None:
+        config = config if config is not None else OffPolicyCorrectionConfig.disabled()
+        metrics: dict[str, Metric] = {
+            "kl": MismatchKL("k1"),
+            "k3_kl": MismatchKL("k3"),
+            "log_ppl_diff": LogPerplexityDiff(),
+            "ppl_ratio": PerplexityRatio(),
+            "chi2_token": ChiSquared("token"),
+            "chi2_seq": ChiSquared("sequence"),
+            "ess": EffectiveSampleSize("token"),
+            "ess_seq": EffectiveSampleSize("sequence"),
+            "is_weight_mean": ImportanceWeightMean(),
+            "is_weight_min": ImportanceWeightMin(),
+            "is_weight_max": ImportanceWeightMax(),
+            "is_weight_clip_frac": ImportanceWeightClipFraction(),
+            "abs_logprob_diff_mean": AbsLogProbDiffMean(),
+            "abs_logprob_diff_max": AbsLogProbDiffMax(),
+        }
+        for mask in [*dict.fromkeys(config.mask_names), "total"]:
+            metrics[f"{mask}_token_reject_rate"] = RejectionRate(mask, "token")
+            metrics[f"{mask}_seq_reject_rate"] = RejectionRate(mask, "sequence")
+        # compute_groups would merge metrics whose states happen to be equal after the first
+        # update (e.g. two rejection rates that are both 0) and then stop updating one of them.
+        super().__init__(metrics, prefix=prefix, compute_groups=False)
+
+
+class PolicyLossMetrics(MetricCollection):
+    """``ppo/clip_frac``, ``ppo/dual_clip_frac``, ``ppo/approx_kl`` and ``ppo/rollout_kl``, from ``update(info)``."""
+
+    def __init__(self, prefix: str = "ppo/") -> None:
+        super().__init__(
+            {
+                "clip_frac": PPOClipFraction(),
+                "dual_clip_frac": DualClipFraction(),
+                "approx_kl": ApproxKL(),
+                "rollout_kl": RolloutKL(),
+            },
+            prefix=prefix,
+            compute_groups=False,
+        )
