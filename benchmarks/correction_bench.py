@@ -1,0 +1,621 @@
+#!/usr/bin/env python
+"""Benchmark of the off-policy correction path on CPU, one row per correction preset.
+
+One *step* is what ``OffPolicyRLModule.training_step`` does per micro-batch besides the model:
+
+1. ``compute_correction(prox, rollout, mask, cfg)``                       (column ``correction``)
+2. ``policy_loss(logprobs, prox, rollout, adv, mask, correction=out)`` and
+   ``loss.backward()`` into ``logprobs`` (a leaf with ``requires_grad``) (column ``loss f+b``)
+3. ``CorrectionMetrics.update(stats=...)`` + ``PolicyLossMetrics.update(info=...)`` (column ``metrics``)
+
+Presets whose config does not need the proximal forward (``bypass``, ``pure_is``) get
+``prox_logprobs=None``, as the trainer would pass them.
+
+What is measured, per preset, on ``[B, T]`` inputs (see ``METHOD`` below for the details that are
+also written into the report):
+
+* time: median over ``--repeats`` rounds after warm-up; rounds visit the presets in a fresh
+  random order and each round also times the bandwidth probe, so slow drifts of a shared
+  machine hit every preset alike. Ratios between presets, and to the probe, are the numbers to
+  read; absolute milliseconds are this machine at this moment.
+* bytes touched: counted, not guessed, by running one step under a ``TorchDispatchMode`` that
+  sees every aten op of the forward, the backward and the metric updates. ``distinct`` is the
+  sum of the sizes of the distinct storages read or written (the inputs, every intermediate and
+  every output, each once); ``op traffic`` adds input + output bytes of every non-view op (what
+  the unfused eager pipeline moves if nothing stays in cache).
+* ratio to a memory-bandwidth bound: ``t_step / (distinct_bytes / BW)``, where ``BW`` is
+  measured in the same rounds from ``torch.add(a, b, out=c)`` over ``[B, T]`` float32 tensors
+  (3 tensors moved). ``hot`` repeats the add on the same three tensors (they stay in cache at
+  T=4096), ``stream`` walks a pool of distinct tensors larger than the last-level cache.
+* peak extra memory: ``torch.profiler`` with ``profile_memory=True`` records every CPU allocator
+  allocation and free of one step; the running sum of the bytes allocated inside the step
+  (frees of older tensors ignored) gives its peak. This is what the allocator handed out,
+  intermediates inside an op included, not an RSS estimate.
+
+Usage::
+
+    python benchmarks/correction_bench.py                      # B=64, T=4096, every preset
+    python benchmarks/correction_bench.py --full               # + T=16384
+    python benchmarks/correction_bench.py --quick --output /tmp/x.md   # smoke test, seconds
+    python benchmarks/correction_bench.py --presets token_tis,geo_mis --profile geo_mis
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import gc
+import math
+import os
+import platform
+import random
+import shlex
+import statistics
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+from lightning_offpolicy.correction import PRESETS, PolicyLossConfig, compute_correction, policy_loss
+from lightning_offpolicy.metrics import CorrectionMetrics, PolicyLossMetrics
+
+MiB = 1024.0 * 1024.0
+
+METHOD = """\
+- **Step** = `compute_correction` -> `policy_loss` forward + `loss.backward()` into `logprobs`
+  (a leaf with `requires_grad`) -> `CorrectionMetrics.update(stats=...)` +
+  `PolicyLossMetrics.update(info=...)`. Default `PolicyLossConfig()` (PPO clip 0.2, token-mean).
+  `bypass` / `pure_is` get `prox_logprobs=None`. Metrics are reset (untimed) after every step.
+- **Inputs** (seeded): `prox = -|randn| * 2`; `rollout = prox + 0.05 * randn` plus ~1 large outlier
+  per 2 rows (+-U(4, 12) nats, so the outlier veto fires on some rows); `logprobs = prox + 0.01 *
+  randn`; response lengths uniform in [T/8, T] per row (one row full, one row length 1), right
+  padding filled with NaN in all three logprob tensors; one advantage per sequence ([B], randn).
+- **Time**: `time.perf_counter` around each stage (CPU ops are synchronous); median over the
+  timed rounds after warm-up; each round runs every preset once in a shuffled order plus the
+  bandwidth probe; Python's cyclic GC is off during rounds. `IQR` is the inter-quartile range of
+  the step time, a noise indicator.
+- **Bytes touched** (measured): one step runs under a `TorchDispatchMode` that records every
+  aten op (forward, autograd backward, metric updates). `distinct` = sum of `nbytes` of the
+  distinct storages any op reads or writes (the five inputs, every intermediate, every output;
+  each counted once, all dtypes: bool masks 1 B/elt, float64 8 B/elt), also given as a multiple
+  of one [B, T] float32 tensor. `op traffic` = sum over non-view ops of input + output bytes
+  (what the eager pipeline moves when nothing stays in cache).
+- **Bandwidth bound**: `torch.add(a, b, out=c)` on [B, T] float32 (12 B/element moved), timed in
+  every round. `hot` reuses the same 3 tensors (cache-resident when 3 x B x T x 4 B fits the LLC);
+  `stream` cycles through distinct tensors totalling >= 4x the LLC. `bound = distinct bytes /
+  BW`; `x bound` = median step time / bound (1.0 would be a fused kernel at add speed).
+- **Peak extra memory** (measured): one step under `torch.profiler.profile(profile_memory=True)`;
+  the allocation events of the CPU allocator are replayed in time order, summing sizes of blocks
+  allocated inside the step (frees of blocks allocated before it are ignored); the maximum of
+  that running sum is the peak extra memory of the step (allocator bytes, not RSS).
+"""
+
+
+# ------------------------------------------------------------------------------------ inputs
+@dataclass
+class Inputs:
+    prox: torch.Tensor
+    rollout: torch.Tensor
+    logprobs: torch.Tensor  # not a leaf yet; each case clones it into its own leaf
+    mask: torch.Tensor
+    advantages: torch.Tensor
+    lengths: torch.Tensor
+
+
+def make_inputs(batch: int, seq_len: int, seed: int = 0) -> Inputs:
+    gen = torch.Generator().manual_seed(seed)
+    prox = -torch.randn(batch, seq_len, generator=gen).abs() * 2.0
+    rollout = prox + 0.05 * torch.randn(batch, seq_len, generator=gen)
+    low = max(1, seq_len // 8)
+    lengths = torch.randint(low, seq_len + 1, (batch,), generator=gen)
+    lengths[0] = seq_len
+    if batch > 1:
+        lengths[-1] = 1
+    mask = (torch.arange(seq_len)[None, :] < lengths[:, None]).float()
+    # A few large outliers inside the responses (~1 per 2 rows).
+    n_out = max(1, batch // 2)
+    rows = torch.randint(0, batch, (n_out,), generator=gen)
+    cols = (torch.rand(n_out, generator=gen) * lengths[rows].float()).long().clamp(max=seq_len - 1)
+    size = 4.0 + 8.0 * torch.rand(n_out, generator=gen)
+    sign = torch.where(torch.rand(n_out, generator=gen) < 0.5, -1.0, 1.0)
+    rollout[rows, cols] += sign * size
+    logprobs = prox + 0.01 * torch.randn(batch, seq_len, generator=gen)
+    nan = torch.tensor(float("nan"))
+    valid = mask.bool()
+    prox, rollout, logprobs = (torch.where(valid, t, nan) for t in (prox, rollout, logprobs))
+    advantages = torch.randn(batch, generator=gen)
+    return Inputs(prox, rollout, logprobs, mask, advantages, lengths)
+
+
+# ------------------------------------------------------------------------------------ one case
+class Case:
+    """One preset: its config, its metric objects, its own logprobs leaf, and a timed step."""
+
+    def __init__(self, name: str, inputs: Inputs, loss_cfg: PolicyLossConfig) -> None:
+        self.name = name
+        self.cfg = PRESETS[name]()
+        self.inputs = inputs
+        self.loss_cfg = loss_cfg
+        self.prox = inputs.prox if self.cfg.needs_prox else None
+        self.leaf = inputs.logprobs.clone().requires_grad_(True)
+        self.corr_metrics = CorrectionMetrics(self.cfg)
+        self.loss_metrics = PolicyLossMetrics()
+        self.times: list[tuple[float, float, float]] = []
+        self.last_loss = float("nan")
+
+    def step(self) -> tuple[float, float, float]:
+        x = self.inputs
+        t0 = time.perf_counter()
+        out = compute_correction(self.prox, x.rollout, x.mask, self.cfg)
+        t1 = time.perf_counter()
+        loss, info = policy_loss(
+            self.leaf, self.prox, x.rollout, x.advantages, x.mask, self.loss_cfg, correction=out
+        )
+        loss.backward()
+        t2 = time.perf_counter()
+        self.corr_metrics.update(stats=out.stats)
+        self.loss_metrics.update(info=info)
+        t3 = time.perf_counter()
+        self.last_loss = float(loss.detach())
+        return t1 - t0, t2 - t1, t3 - t2
+
+    def reset(self) -> None:
+        """Untimed bookkeeping between steps."""
+        self.leaf.grad = None
+        self.corr_metrics.reset()
+        self.loss_metrics.reset()
+
+    def check_finite(self) -> list[str]:
+        """NaN padding must never leak: the loss, the gradient and every metric stay finite."""
+        problems = []
+        self.reset()
+        self.step()
+        if not math.isfinite(self.last_loss):
+            problems.append(f"loss={self.last_loss}")
+        grad = self.leaf.grad
+        if grad is None:
+            problems.append("no gradient reached logprobs")
+        elif not torch.isfinite(grad).all():
+            problems.append("non-finite gradient")
+        values = {**self.corr_metrics.compute(), **self.loss_metrics.compute()}
+        bad = [k for k, v in values.items() if not torch.isfinite(v).all()]
+        if bad:
+            problems.append("non-finite metrics: " + ", ".join(bad))
+        self.reset()
+        return problems
+
+
+# ------------------------------------------------------------------------------------ bytes
+_NO_DATA_OPS = {"lift_fresh", "detach", "alias", "promote_types", "_local_scalar_dense"}
+
+
+def _tensor_bytes(t: torch.Tensor) -> int:
+    storage_bytes = t.untyped_storage().nbytes()
+    view_bytes = t.numel() * t.element_size()
+    return min(storage_bytes, view_bytes)
+
+
+class ByteCounter(TorchDispatchMode):
+    """Records the storages every aten op reads and writes (keeps them alive so pointers stay unique)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.storages: dict[int, int] = {}
+        self.traffic = 0
+        self.ops = 0
+        self._alive: list[torch.Tensor] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        ins = [a for a in tree_flatten((args, kwargs))[0] if isinstance(a, torch.Tensor)]
+        outs = [a for a in tree_flatten(out)[0] if isinstance(a, torch.Tensor)]
+        for t in ins + outs:
+            st = t.untyped_storage()
+            self.storages.setdefault(st.data_ptr(), st.nbytes())
+        self._alive.extend(ins + outs)
+        name = func.overloadpacket.__name__
+        if not getattr(func, "is_view", False) and name not in _NO_DATA_OPS:
+            self.ops += 1
+            self.traffic += sum(_tensor_bytes(t) for t in ins + outs)
+        return out
+
+    @property
+    def distinct(self) -> int:
+        return sum(self.storages.values())
+
+
+def count_bytes(case: Case) -> tuple[int, int, int]:
+    """(distinct bytes, op-traffic bytes, number of data ops) of one step."""
+    case.reset()
+    counter = ByteCounter()
+    with counter:
+        case.step()
+    case.reset()
+    result = counter.distinct, counter.traffic, counter.ops
+    counter._alive.clear()
+    return result
+
+
+# ------------------------------------------------------------------------------------ memory
+def peak_extra_memory(cases: list[Case]) -> dict[str, int]:
+    """Peak bytes allocated (and live at once) inside one step of each case.
+
+    One profiler session covers one step of every case, each inside a ``record_function`` range;
+    the CPU allocator's allocation events (any thread) are assigned to a case by time.
+    """
+    from torch._C._profiler import _EventType
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    for case in cases:
+        case.reset()
+    gc.collect()
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        for case in cases:
+            with record_function(f"bench_step::{case.name}"):
+                case.step()
+            case.reset()
+    ranges: dict[str, tuple[int, int]] = {}
+    allocations = []
+    stack = list(prof.profiler.kineto_results.experimental_event_tree())
+    while stack:
+        node = stack.pop()
+        if node.tag == _EventType.Allocation:
+            fields = node.extra_fields
+            if fields.device.type == "cpu":
+                allocations.append((node.start_time_ns, fields.alloc_size, fields.ptr))
+        elif node.name.startswith("bench_step::"):
+            ranges[node.name.split("::", 1)[1]] = (node.start_time_ns, node.end_time_ns)
+        stack.extend(node.children)
+    allocations.sort(key=lambda e: e[0])
+    peaks = {}
+    for case in cases:
+        begin, finish = ranges[case.name]
+        live: dict[int, int] = {}
+        current = peak = 0
+        for when, size, ptr in allocations:
+            if when < begin or when > finish:
+                continue
+            if size > 0:
+                live[ptr] = size
+                current += size
+                peak = max(peak, current)
+            elif ptr in live:  # a free of a block allocated inside the step
+                current -= live.pop(ptr)
+        peaks[case.name] = peak
+    return peaks
+
+
+# ------------------------------------------------------------------------------------ bandwidth
+def _llc_bytes() -> int:
+    for index in range(4, -1, -1):
+        path = Path(f"/sys/devices/system/cpu/cpu0/cache/index{index}/size")
+        try:
+            text = path.read_text().strip().upper()
+        except OSError:
+            continue
+        scale = {"K": 1024, "M": 1024**2, "G": 1024**3}.get(text[-1], 1)
+        return int(text.rstrip("KMG")) * scale
+    return 32 * 1024**2
+
+
+class BandwidthProbe:
+    """``torch.add(a, b, out=c)`` over [B, T] float32: hot (same tensors) and streaming (distinct)."""
+
+    def __init__(self, batch: int, seq_len: int, stream: bool = True) -> None:
+        self.bytes_per_add = 3 * 4 * batch * seq_len
+        self.a = torch.rand(batch, seq_len)
+        self.b = torch.rand(batch, seq_len)
+        self.c = torch.empty(batch, seq_len)
+        self.hot: list[float] = []
+        self.stream: list[float] = []
+        self.pool = None
+        if stream:
+            n = max(4, math.ceil(4 * _llc_bytes() / self.bytes_per_add))
+            self.pool = [(torch.rand(batch, seq_len), torch.rand(batch, seq_len), torch.empty(batch, seq_len))
+                         for _ in range(n)]
+
+    def measure(self, reps: int = 20) -> None:
+        a, b, c = self.a, self.b, self.c
+        torch.add(a, b, out=c)
+        samples = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            torch.add(a, b, out=c)
+            samples.append(time.perf_counter() - t0)
+        self.hot.append(statistics.median(samples))
+        if self.pool:
+            t0 = time.perf_counter()
+            for pa, pb, pc in self.pool:
+                torch.add(pa, pb, out=pc)
+            self.stream.append((time.perf_counter() - t0) / len(self.pool))
+
+    def bandwidth(self, kind: str) -> float:
+        samples = self.hot if kind == "hot" else self.stream
+        return self.bytes_per_add / statistics.median(samples) if samples else float("nan")
+
+
+# ------------------------------------------------------------------------------------ run one size
+@dataclass
+class Row:
+    preset: str
+    total: float
+    iqr: float
+    correction: float
+    loss: float
+    metrics: float
+    distinct: int
+    traffic: int
+    ops: int
+    peak: int
+    hot_ratio: float = float("nan")
+    stream_ratio: float = float("nan")
+    bound_hot: float = float("nan")
+
+
+@dataclass
+class SizeResult:
+    batch: int
+    seq_len: int
+    rows: list[Row]
+    bw_hot: float
+    bw_stream: float
+    rounds: int
+    warmup: int
+    seconds: float
+    problems: dict[str, list[str]] = field(default_factory=dict)
+
+
+def _quartiles(values: list[float]) -> tuple[float, float]:
+    if len(values) < 4:
+        return min(values), max(values)
+    q = statistics.quantiles(values, n=4)
+    return q[0], q[2]
+
+
+def run_size(names: list[str], batch: int, seq_len: int, repeats: int, warmup: int, stream: bool,
+             seed: int, log) -> SizeResult:
+    start = time.perf_counter()
+    inputs = make_inputs(batch, seq_len, seed)
+    loss_cfg = PolicyLossConfig()
+    cases = [Case(n, inputs, loss_cfg) for n in names]
+    probe = BandwidthProbe(batch, seq_len, stream=stream)
+
+    problems = {}
+    for case in cases:
+        bad = case.check_finite()
+        if bad:
+            problems[case.name] = bad
+    log(f"[B={batch} T={seq_len}] warm-up x{warmup} ...")
+    for _ in range(warmup):
+        for case in cases:
+            case.step()
+            case.reset()
+        probe.measure(reps=5)
+    probe.hot.clear()
+    probe.stream.clear()
+
+    rng = random.Random(seed)
+    order = list(cases)
+    log(f"[B={batch} T={seq_len}] {repeats} timed rounds over {len(cases)} presets ...")
+    gc.collect()
+    gc.disable()
+    try:
+        for r in range(repeats):
+            rng.shuffle(order)
+            probe.measure()
+            for case in order:
+                case.times.append(case.step())
+                case.reset()
+            if (r + 1) % max(1, repeats // 5) == 0:
+                gc.enable()
+                gc.collect()
+                gc.disable()
+                log(f"  round {r + 1}/{repeats}")
+    finally:
+        gc.enable()
+
+    log(f"[B={batch} T={seq_len}] counting bytes and peak memory ...")
+    peaks = peak_extra_memory(cases)
+    rows = []
+    for case in cases:
+        totals = [sum(t) for t in case.times]
+        q1, q3 = _quartiles(totals)
+        distinct, traffic, ops = count_bytes(case)
+        rows.append(Row(
+            preset=case.name,
+            total=statistics.median(totals),
+            iqr=q3 - q1,
+            correction=statistics.median(t[0] for t in case.times),
+            loss=statistics.median(t[1] for t in case.times),
+            metrics=statistics.median(t[2] for t in case.times),
+            distinct=distinct,
+            traffic=traffic,
+            ops=ops,
+            peak=peaks[case.name],
+        ))
+    bw_hot, bw_stream = probe.bandwidth("hot"), probe.bandwidth("stream")
+    for row in rows:
+        row.bound_hot = row.distinct / bw_hot
+        row.hot_ratio = row.total / row.bound_hot
+        row.stream_ratio = row.total / (row.distinct / bw_stream) if stream else float("nan")
+    return SizeResult(batch, seq_len, rows, bw_hot, bw_stream, repeats, warmup,
+                      time.perf_counter() - start, problems)
+
+
+# ------------------------------------------------------------------------------------ report
+def _fmt(x: float, digits: int = 2) -> str:
+    return "n/a" if not math.isfinite(x) else f"{x:.{digits}f}"
+
+
+def render_table(res: SizeResult) -> str:
+    unit = 4 * res.batch * res.seq_len  # one [B, T] float32 tensor
+    head = (
+        "| preset | step ms (median) | IQR ms | correction ms | loss f+b ms | metrics ms "
+        "| distinct MiB (x [B,T] f32) | op traffic MiB | data ops | bound ms (hot) "
+        "| x bound (hot) | x bound (stream) | peak extra MiB (x [B,T] f32) |"
+    )
+    lines = [head, "|" + "---|" * (head.count("|") - 1)]
+    fastest = min(r.total for r in res.rows)
+    for r in res.rows:
+        lines.append(
+            f"| {r.preset} | {r.total * 1e3:.2f} | {r.iqr * 1e3:.2f} | {r.correction * 1e3:.2f} "
+            f"| {r.loss * 1e3:.2f} | {r.metrics * 1e3:.2f} "
+            f"| {r.distinct / MiB:.1f} ({r.distinct / unit:.1f}) | {r.traffic / MiB:.1f} | {r.ops} "
+            f"| {r.bound_hot * 1e3:.3f} | {_fmt(r.hot_ratio, 1)} | {_fmt(r.stream_ratio, 1)} "
+            f"| {r.peak / MiB:.1f} ({r.peak / unit:.1f}) |"
+        )
+    summary = (
+        f"\nB={res.batch}, T={res.seq_len}: {res.rounds} timed rounds after {res.warmup} warm-up rounds, "
+        f"{res.seconds:.1f} s for this size. Bandwidth probe (`torch.add`, 12 B/element): "
+        f"hot {res.bw_hot / 1e9:.1f} GB/s, stream {_fmt(res.bw_stream / 1e9, 1)} GB/s. "
+        f"Fastest step {fastest * 1e3:.2f} ms; slowest/fastest = "
+        f"{max(r.total for r in res.rows) / fastest:.2f}."
+    )
+    if res.problems:
+        summary += "\n\n**Non-finite results (NaN padding leaked?):** " + "; ".join(
+            f"{k}: {', '.join(v)}" for k, v in res.problems.items()
+        )
+    return "\n".join(lines) + "\n" + summary + "\n"
+
+
+def machine_line() -> str:
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return (
+        f"{cpu}, nproc={os.cpu_count()}, torch {torch.__version__} "
+        f"(intra-op threads={torch.get_num_threads()}), Python {platform.python_version()}, "
+        f"LLC {_llc_bytes() // 1024**2} MiB"
+    )
+
+
+def render_report(results: list[SizeResult], argv: list[str], elapsed: float, extra: str = "") -> str:
+    now = _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    cmd = " ".join(shlex.quote(a) for a in ["python", "benchmarks/correction_bench.py", *argv])
+    parts = [
+        "# Off-policy correction: CPU benchmark",
+        "",
+        f"- **Machine**: {machine_line()}",
+        f"- **Date**: {now}",
+        f"- **Command**: `{cmd}`",
+        f"- **Wall time of the whole run**: {elapsed:.1f} s",
+        "",
+        "The machine is shared and noisy: compare presets with each other and with the bandwidth",
+        "probe of the same run (the ratio columns), not the absolute milliseconds across runs.",
+        "",
+        "## Method",
+        "",
+        METHOD,
+    ]
+    for res in results:
+        parts += [f"## B={res.batch}, T={res.seq_len}", "", render_table(res)]
+    if extra:
+        parts += [extra]
+    return "\n".join(parts).rstrip() + "\n"
+
+
+# ------------------------------------------------------------------------------------ profile
+def profile_preset(name: str, batch: int, seq_len: int, seed: int, top: int = 15) -> str:
+    """Top aten ops by self CPU time over a few steps of one preset."""
+    from torch.profiler import ProfilerActivity, profile
+
+    case = Case(name, make_inputs(batch, seq_len, seed), PolicyLossConfig())
+    for _ in range(3):
+        case.step()
+        case.reset()
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(5):
+            case.step()
+            case.reset()
+    table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=top)
+    return f"### Profile: {name} (B={batch}, T={seq_len}, 5 steps)\n\n```\n{table}\n```\n"
+
+
+# ------------------------------------------------------------------------------------ CLI
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--batch", type=int, default=64, help="B (default 64)")
+    p.add_argument("--seq-len", type=int, default=4096, help="T (default 4096)")
+    p.add_argument("--long-seq-len", type=int, default=16384, help="T of the long run (default 16384)")
+    p.add_argument("--long", action=argparse.BooleanOptionalAction, default=None,
+                   help="also run T=--long-seq-len (default: on with --full, off otherwise)")
+    p.add_argument("--repeats", type=int, default=None, help="timed rounds (default 30; 1 with --quick)")
+    p.add_argument("--warmup", type=int, default=None, help="warm-up rounds (default 3; 1 with --quick)")
+    p.add_argument("--presets", type=str, default=None,
+                   help=f"comma list (default: all of PRESETS: {','.join(PRESETS)})")
+    p.add_argument("--full", action="store_true", help="full run: adds the long sequence length")
+    p.add_argument("--quick", action="store_true",
+                   help="smoke test: B=4, T=128, 1 round, no streaming probe (seconds)")
+    p.add_argument("--no-stream", action="store_true", help="skip the streaming bandwidth probe")
+    p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
+    p.add_argument("--profile", type=str, default=None,
+                   help="comma list of presets to profile (top ops by self CPU time), appended to the report")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--output", type=Path, default=None, help="write the Markdown report here")
+    args = p.parse_args(argv)
+    if args.quick:
+        args.batch, args.seq_len = 4, 128
+        args.repeats = 1 if args.repeats is None else args.repeats
+        args.warmup = 1 if args.warmup is None else args.warmup
+        args.no_stream = True
+        if args.long is None:
+            args.long = False
+    args.repeats = 30 if args.repeats is None else args.repeats
+    args.warmup = 3 if args.warmup is None else args.warmup
+    if args.long is None:
+        args.long = args.full
+    names = list(PRESETS) if args.presets is None else [n.strip() for n in args.presets.split(",") if n.strip()]
+    unknown = [n for n in names if n not in PRESETS]
+    if unknown:
+        p.error(f"unknown preset(s) {', '.join(unknown)}; known: {', '.join(PRESETS)}")
+    args.names = names
+    if args.repeats < 1 or args.batch < 1 or args.seq_len < 1:
+        p.error("--repeats, --batch and --seq-len must be >= 1")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    args = parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+
+    def log(msg: str) -> None:
+        print(msg, file=sys.stderr, flush=True)
+
+    t0 = time.perf_counter()
+    sizes = [args.seq_len] + ([args.long_seq_len] if args.long and args.long_seq_len != args.seq_len else [])
+    results = []
+    for seq_len in sizes:
+        res = run_size(args.names, args.batch, seq_len, args.repeats, args.warmup,
+                       stream=not args.no_stream, seed=args.seed, log=log)
+        results.append(res)
+        print(f"\nB={res.batch} T={res.seq_len}\n" + render_table(res), flush=True)
+    extra = ""
+    if args.profile:
+        profiles = [profile_preset(n.strip(), args.batch, args.seq_len, args.seed)
+                    for n in args.profile.split(",") if n.strip()]
+        extra = "## Profiles\n\n" + "\n".join(profiles)
+        print(extra)
+    elapsed = time.perf_counter() - t0
+    log(f"total {elapsed:.1f} s")
+    if args.output is not None:
+        args.output.parent.mkdir(parents=True, exist_ok=True)
+        args.output.write_text(render_report(results, argv, elapsed, extra))
+        log(f"wrote {args.output}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
