@@ -365,7 +365,10 @@ class ApproxKL(_RatioOfSums):
 
 
 class RolloutKL(_RatioOfSums):
-    """The rollout KL loss's estimator averaged over response tokens (0 when the loss is off)."""
+    """The rollout KL estimator averaged over response tokens.
+
+    Reported whenever rollout logprobs are given, even with ``rollout_kl_coef=0``.
+    """
 
     def update(self, info: PolicyLossInfo) -> None:
         self._accumulate(info.rollout_kl_sum, info.response_tokens)

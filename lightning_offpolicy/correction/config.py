@@ -391,7 +391,7 @@ PRESETS: dict[str, Any] = {
     "pure_is": OffPolicyCorrectionConfig.pure_is,
     "cispo": OffPolicyCorrectionConfig.cispo,
 }
-"""Every preset by name (what ``OffPolicyCorrectionConfig.preset(name)`` accepts)."""
+"""Every preset by name (what :func:`preset` accepts)."""
 
 
 @dataclass
