@@ -355,6 +355,7 @@ class Row:
     hot_ratio: float = float("nan")
     stream_ratio: float = float("nan")
     bound_hot: float = float("nan")
+    alias_of: str | None = None  # an earlier preset with an equal config (a free noise estimate)
 
 
 @dataclass
@@ -437,6 +438,7 @@ def run_size(names: list[str], batch: int, seq_len: int, repeats: int, warmup: i
             traffic=traffic,
             ops=ops,
             peak=peaks[case.name],
+            alias_of=next((c.name for c in cases[: cases.index(case)] if c.cfg == case.cfg), None),
         ))
     bw_hot, bw_stream = probe.bandwidth("hot"), probe.bandwidth("stream")
     for row in rows:
@@ -452,6 +454,10 @@ def _fmt(x: float, digits: int = 2) -> str:
     return "n/a" if not math.isfinite(x) else f"{x:.{digits}f}"
 
 
+def _share(res: SizeResult, stage: str) -> float:
+    return statistics.median(getattr(r, stage) / (r.correction + r.loss + r.metrics) for r in res.rows)
+
+
 def render_table(res: SizeResult) -> str:
     unit = 4 * res.batch * res.seq_len  # one [B, T] float32 tensor
     head = (
@@ -465,17 +471,27 @@ def render_table(res: SizeResult) -> str:
         lines.append(
             f"| {r.preset} | {r.total * 1e3:.2f} | {r.iqr * 1e3:.2f} | {r.correction * 1e3:.2f} "
             f"| {r.loss * 1e3:.2f} | {r.metrics * 1e3:.2f} "
-            f"| {r.distinct / MiB:.1f} ({r.distinct / unit:.1f}) | {r.traffic / MiB:.1f} | {r.ops} "
-            f"| {r.bound_hot * 1e3:.3f} | {_fmt(r.hot_ratio, 1)} | {_fmt(r.stream_ratio, 1)} "
-            f"| {r.peak / MiB:.1f} ({r.peak / unit:.1f}) |"
+            f"| {r.distinct / MiB:.3g} ({r.distinct / unit:.1f}) | {r.traffic / MiB:.3g} | {r.ops} "
+            f"| {r.bound_hot * 1e3:.3g} | {_fmt(r.hot_ratio, 1)} | {_fmt(r.stream_ratio, 1)} "
+            f"| {r.peak / MiB:.3g} ({r.peak / unit:.1f}) |"
         )
     summary = (
         f"\nB={res.batch}, T={res.seq_len}: {res.rounds} timed rounds after {res.warmup} warm-up rounds, "
         f"{res.seconds:.1f} s for this size. Bandwidth probe (`torch.add`, 12 B/element): "
         f"hot {res.bw_hot / 1e9:.1f} GB/s, stream {_fmt(res.bw_stream / 1e9, 1)} GB/s. "
         f"Fastest step {fastest * 1e3:.2f} ms; slowest/fastest = "
-        f"{max(r.total for r in res.rows) / fastest:.2f}."
+        f"{max(r.total for r in res.rows) / fastest:.2f}. Share of the step (median over presets): "
+        f"correction {_share(res, 'correction'):.0%}, loss f+b {_share(res, 'loss'):.0%}, "
+        f"metrics {_share(res, 'metrics'):.0%}."
     )
+    by_name = {r.preset: r for r in res.rows}
+    twins = [(by_name[r.alias_of], r) for r in res.rows if r.alias_of is not None]
+    if twins:
+        summary += " Same config measured twice (noise estimate): " + ", ".join(
+            f"{a.preset} {a.total * 1e3:.2f} ms vs {b.preset} {b.total * 1e3:.2f} ms "
+            f"({b.total / a.total:.2f}x)"
+            for a, b in twins
+        ) + "."
     if res.problems:
         summary += "\n\n**Non-finite results (NaN padding leaked?):** " + "; ".join(
             f"{k}: {', '.join(v)}" for k, v in res.problems.items()
@@ -499,6 +515,23 @@ def machine_line() -> str:
     )
 
 
+def code_line() -> str:
+    """The measured commit, and whether lightning_offpolicy/ has uncommitted changes (read-only git)."""
+    import subprocess
+
+    root = Path(__file__).resolve().parent.parent
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True,
+                              text=True, timeout=10).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--", "lightning_offpolicy"], cwd=root,
+                               capture_output=True, text=True, timeout=10).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return "unknown (no git)"
+    if not head:
+        return "unknown (no git)"
+    return f"commit {head}" + (" + uncommitted changes in lightning_offpolicy/" if dirty else "")
+
+
 def render_report(results: list[SizeResult], argv: list[str], elapsed: float, extra: str = "") -> str:
     now = _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     cmd = " ".join(shlex.quote(a) for a in ["python", "benchmarks/correction_bench.py", *argv])
@@ -507,6 +540,7 @@ def render_report(results: list[SizeResult], argv: list[str], elapsed: float, ex
         "",
         f"- **Machine**: {machine_line()}",
         f"- **Date**: {now}",
+        f"- **Code**: {code_line()}",
         f"- **Command**: `{cmd}`",
         f"- **Wall time of the whole run**: {elapsed:.1f} s",
         "",
@@ -560,7 +594,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--no-stream", action="store_true", help="skip the streaming bandwidth probe")
     p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
     p.add_argument("--profile", type=str, default=None,
-                   help="comma list of presets to profile (top ops by self CPU time), appended to the report")
+                   help="comma list of presets to profile (top ops by self CPU time), or 'auto' for the "
+                        "slowest and the fastest; appended to the report")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--output", type=Path, default=None, help="write the Markdown report here")
     args = p.parse_args(argv)
@@ -575,11 +610,17 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     args.warmup = 3 if args.warmup is None else args.warmup
     if args.long is None:
         args.long = args.full
-    names = list(PRESETS) if args.presets is None else [n.strip() for n in args.presets.split(",") if n.strip()]
+    names = list(PRESETS)
+    if args.presets is not None:
+        names = [n.strip() for n in args.presets.split(",") if n.strip()]
     unknown = [n for n in names if n not in PRESETS]
     if unknown:
         p.error(f"unknown preset(s) {', '.join(unknown)}; known: {', '.join(PRESETS)}")
     args.names = names
+    if args.profile and args.profile.strip() != "auto":
+        bad = [n for n in args.profile.split(",") if n.strip() and n.strip() not in PRESETS]
+        if bad:
+            p.error(f"--profile: unknown preset(s) {', '.join(bad)}")
     if args.repeats < 1 or args.batch < 1 or args.seq_len < 1:
         p.error("--repeats, --batch and --seq-len must be >= 1")
     return args
@@ -604,8 +645,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"\nB={res.batch} T={res.seq_len}\n" + render_table(res), flush=True)
     extra = ""
     if args.profile:
-        profiles = [profile_preset(n.strip(), args.batch, args.seq_len, args.seed)
-                    for n in args.profile.split(",") if n.strip()]
+        wanted = [n.strip() for n in args.profile.split(",") if n.strip()]
+        if wanted == ["auto"]:  # the slowest and the fastest preset of the first size
+            ranked = sorted(results[0].rows, key=lambda r: r.total)
+            wanted = list(dict.fromkeys([ranked[-1].preset, ranked[0].preset]))
+        log(f"profiling {', '.join(wanted)} ...")
+        profiles = [profile_preset(n, args.batch, args.seq_len, args.seed) for n in wanted]
         extra = "## Profiles\n\n" + "\n".join(profiles)
         print(extra)
     elapsed = time.perf_counter() - t0

@@ -1,30 +1,52 @@
-"""Console script ``lightning-offpolicy``.
+"""Console script ``lightning-offpolicy``: a ``LightningCLI`` for off-policy RL fits.
 
-Subcommands:
-    selfcheck   run every correction preset on real model outputs with a real training-inference
-                gap, check the invariants, print the metrics (see :mod:`lightning_offpolicy.selfcheck`).
+    lightning-offpolicy fit --config configs/quickstart.yaml
+    lightning-offpolicy fit --config configs/quickstart.yaml --config configs/correction/geo_mis.yaml
+    lightning-offpolicy fit --print_config
+    lightning-offpolicy selfcheck          # every correction preset on a real tiny model, no training
+
+Config groups: ``model`` (:class:`~lightning_offpolicy.module.OffPolicyRLModule`), ``data``
+(a LightningDataModule yielding ``PromptBatch``, default
+:class:`~lightning_offpolicy.tasks.PromptDataModule`), ``rollout``
+(:class:`~lightning_offpolicy.rollout.RolloutCallback`, always added), ``trainer``.
+``model.temperature`` is linked to ``rollout.temperature``: the trainer scores tokens with the
+temperature the engine samples with.
 """
 
 from __future__ import annotations
 
-import argparse
 import sys
 
-from lightning_offpolicy import selfcheck
+from lightning.pytorch.cli import LightningCLI
+
+from lightning_offpolicy.module import OffPolicyRLModule
+from lightning_offpolicy.rollout.callback import RolloutCallback
+from lightning_offpolicy.tasks import PromptDataModule
+
+
+class OffPolicyCLI(LightningCLI):
+    """``LightningCLI`` with the rollout callback as a first-class config group."""
+
+    def add_arguments_to_parser(self, parser) -> None:
+        parser.add_lightning_class_args(RolloutCallback, "rollout")
+        parser.link_arguments("rollout.temperature", "model.temperature")
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="lightning-offpolicy", description="Off-policy-corrected RL for Lightning.")
-    commands = parser.add_subparsers(dest="command", required=True)
-    check = commands.add_parser("selfcheck", help=selfcheck.__doc__.splitlines()[0])
-    selfcheck.add_arguments(check)
-    args = parser.parse_args(argv)
-    if args.command == "selfcheck":
-        return selfcheck.run(
-            args.batch, args.prompt_length, args.new_tokens, args.staleness_noise, args.seed, args.logdir or None
-        )
-    parser.error(f"unknown command {args.command!r}")
-    return 2
+    words = list(sys.argv[1:] if argv is None else argv)
+    if words[:1] == ["selfcheck"]:
+        from lightning_offpolicy import selfcheck
+
+        return selfcheck.main(words[1:])
+    OffPolicyCLI(
+        OffPolicyRLModule,
+        PromptDataModule,
+        subclass_mode_data=True,
+        args=argv,  # None: read sys.argv
+        save_config_kwargs={"overwrite": True},
+        auto_configure_optimizers=False,
+    )
+    return 0
 
 
 if __name__ == "__main__":

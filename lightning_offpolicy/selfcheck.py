@@ -187,7 +187,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="lightning-offpolicy selfcheck", description=__doc__.splitlines()[0])
     add_arguments(parser)
     args = parser.parse_args(argv)
     return run(args.batch, args.prompt_length, args.new_tokens, args.staleness_noise, args.seed, args.logdir or None)

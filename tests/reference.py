@@ -265,7 +265,9 @@ def ref_denominators(
     B, T = valid.shape
     D = np.zeros((B, T))
     n_tok = float(valid.sum()) if token_count is None else float(token_count)
-    n_seq = float(sum(1 for i in range(B) if valid[i].any())) if sequence_count is None else float(sequence_count)
+    n_seq = (
+        float(sum(1 for i in range(B) if valid[i].any())) if sequence_count is None else float(sequence_count)
+    )
     for i in range(B):
         n_i = float(valid[i].sum())
         for t in range(T):
@@ -306,6 +308,8 @@ class RefLoss:
     clipped_tokens: int
     dual_clipped_tokens: int
     approx_kl_sum: float
+    rollout_kl_sum: float  # sum over response tokens of the rollout KL estimator (0 without rollout logprobs)
+    response_tokens: int
     grad: np.ndarray  # d total / d logprobs, [B, T]
     scale: float  # sum of |terms|: for a tolerance that survives float32 cancellation
     per_token: np.ndarray  # [B, T] surrogate per token (times weight), 0 where not kept
@@ -454,6 +458,13 @@ def ref_policy_loss(
                     x = clamp(lp[i, t] - anchor[i, t], -CLAMP, CLAMP)
                     approx += (math.exp(x) - 1.0) - x
 
+    rollout_kl_sum = 0.0
+    if r is not None:
+        for i in range(B):
+            for t in range(T):
+                if valid[i, t]:
+                    rollout_kl_sum += kl_value_and_grad(lp[i, t] - r[i, t], L["rollout_kl_estimator"])[0]
+
     return RefLoss(
         total=total,
         policy_loss=pg,
@@ -463,6 +474,8 @@ def ref_policy_loss(
         clipped_tokens=int((clipped & kept).sum()),
         dual_clipped_tokens=int((dual & kept).sum()),
         approx_kl_sum=approx,
+        rollout_kl_sum=rollout_kl_sum,
+        response_tokens=int(valid.sum()),
         grad=grad,
         scale=scale,
         per_token=per_token,
@@ -470,7 +483,9 @@ def ref_policy_loss(
     )
 
 
-def ref_kl_loss(logprobs: Any, other: Any, response_mask: Any, estimator: str, mode: str = "token-mean") -> tuple[float, np.ndarray]:
+def ref_kl_loss(
+    logprobs: Any, other: Any, response_mask: Any, estimator: str, mode: str = "token-mean"
+) -> tuple[float, np.ndarray]:
     """A KL loss term alone (coefficient 1): value and gradient w.r.t. ``logprobs``."""
     lp, o = to_np(logprobs), to_np(other)
     valid = to_np(response_mask) != 0

@@ -61,7 +61,11 @@ def assert_matches_reference(batch: dict, cfg: OffPolicyCorrectionConfig, prox_n
     np.testing.assert_allclose(st_.log_rho.numpy(), ref.log_rho, rtol=RTOL, atol=ATOL, err_msg="log_rho")
     abs_sum = np.abs(ref.log_rho).sum(axis=1)
     np.testing.assert_allclose(
-        st_.seq_log_rho.numpy(), ref.seq_log_rho, rtol=RTOL, atol=ATOL * (1 + abs_sum).max(), err_msg="seq_log_rho"
+        st_.seq_log_rho.numpy(),
+        ref.seq_log_rho,
+        rtol=RTOL,
+        atol=ATOL * (1 + abs_sum).max(),
+        err_msg="seq_log_rho",
     )
     np.testing.assert_array_equal(st_.seq_tokens.numpy(), ref.seq_tokens, err_msg="seq_tokens")
     np.testing.assert_array_equal(st_.seq_valid.numpy(), ref.seq_valid, err_msg="seq_valid")
@@ -70,14 +74,19 @@ def assert_matches_reference(batch: dict, cfg: OffPolicyCorrectionConfig, prox_n
     assert st_.weight_level == cfg.tis_level
     assert set(st_.token_rejected) == set(ref.token_rejected), "mask names"
     for name, rej in ref.token_rejected.items():
-        np.testing.assert_array_equal(st_.token_rejected[name].numpy(), rej, err_msg=f"token_rejected[{name}]")
-        np.testing.assert_array_equal(st_.seq_rejected[name].numpy(), ref.seq_rejected[name], err_msg=f"seq_rejected[{name}]")
+        np.testing.assert_array_equal(
+            st_.token_rejected[name].numpy(), rej, err_msg=f"token_rejected[{name}]"
+        )
+        np.testing.assert_array_equal(
+            st_.seq_rejected[name].numpy(), ref.seq_rejected[name], err_msg=f"seq_rejected[{name}]"
+        )
 
 
 # ------------------------------------------------------------------------------ presets vs reference
 VARIANTS = {
     "tiny-spread": dict(seed=1, spread=0.004),
     "small-spread": dict(seed=2, spread=0.06),
+    "medium-spread-holes": dict(seed=6, spread=0.15, holes=True),
     "wide-spread-holes": dict(seed=3, spread=0.5, holes=True),
     "huge-log-ratios": dict(seed=4, spread=0.05, huge=True),
 }
@@ -120,33 +129,86 @@ HAND_PICKED = {
     "token_tis_low_high": C(tis_level="token", tis_clip_low=0.95, tis_clip_high=1.05),
     "seq_tis_low_high": C(tis_level="sequence", tis_clip_low=0.8, tis_clip_high=1.3),
     "token_tis_normalized": C(tis_level="token", tis_clip_high=1.1, normalize_weights=True),
-    "seq_tis_normalized_geo": C(tis_level="sequence", tis_clip_high=1.5, normalize_weights=True, geo_mask=True,
-                                geo_mask_low=0.97, geo_mask_high=1.03),
-    "token_tis_normalized_token_mask": C(tis_level="token", tis_clip_high=3.0, normalize_weights=True,
-                                         token_mask=True, token_mask_low=0.9, token_mask_high=1.1),
-    "token_mask_then_seq_tis": C(token_mask=True, token_mask_low=0.9, token_mask_high=1.1, tis_level="sequence",
-                                 tis_clip_high=5.0),
-    "token_mask_then_geo": C(token_mask=True, token_mask_low=0.95, token_mask_high=1.05, geo_mask=True,
-                             geo_mask_low=0.99, geo_mask_high=1.01),
-    "token_mask_then_outlier": C(token_mask=True, token_mask_low=0.5, token_mask_high=2.0, outlier_token_veto=True,
-                                 outlier_low=0.8, outlier_high=1.25),
+    "seq_tis_normalized_geo": C(
+        tis_level="sequence",
+        tis_clip_high=1.5,
+        normalize_weights=True,
+        geo_mask=True,
+        geo_mask_low=0.97,
+        geo_mask_high=1.03,
+    ),
+    "token_tis_normalized_token_mask": C(
+        tis_level="token",
+        tis_clip_high=3.0,
+        normalize_weights=True,
+        token_mask=True,
+        token_mask_low=0.9,
+        token_mask_high=1.1,
+    ),
+    "token_mask_then_seq_tis": C(
+        token_mask=True, token_mask_low=0.9, token_mask_high=1.1, tis_level="sequence", tis_clip_high=5.0
+    ),
+    "token_mask_then_geo": C(
+        token_mask=True,
+        token_mask_low=0.95,
+        token_mask_high=1.05,
+        geo_mask=True,
+        geo_mask_low=0.99,
+        geo_mask_high=1.01,
+    ),
+    "token_mask_then_outlier": C(
+        token_mask=True,
+        token_mask_low=0.5,
+        token_mask_high=2.0,
+        outlier_token_veto=True,
+        outlier_low=0.8,
+        outlier_high=1.25,
+    ),
     "product_narrow": C(product_mask=True, product_mask_low=0.9, product_mask_high=1.1),
     "outlier_narrow": C(outlier_token_veto=True, outlier_low=0.7, outlier_high=1.4),
-    "everything": C(tis_level="token", tis_clip_low=0.5, tis_clip_high=1.2, normalize_weights=True, token_mask=True,
-                    token_mask_low=0.6, token_mask_high=1.6, geo_mask=True, geo_mask_low=0.9, geo_mask_high=1.1,
-                    product_mask=True, product_mask_low=0.5, product_mask_high=2.0, outlier_token_veto=True,
-                    outlier_low=0.4, outlier_high=2.5, kl_reject="k2", kl_reject_level="seq_max",
-                    kl_reject_threshold=0.08),
+    "everything": C(
+        tis_level="token",
+        tis_clip_low=0.5,
+        tis_clip_high=1.2,
+        normalize_weights=True,
+        token_mask=True,
+        token_mask_low=0.6,
+        token_mask_high=1.6,
+        geo_mask=True,
+        geo_mask_low=0.9,
+        geo_mask_high=1.1,
+        product_mask=True,
+        product_mask_low=0.5,
+        product_mask_high=2.0,
+        outlier_token_veto=True,
+        outlier_low=0.4,
+        outlier_high=2.5,
+        kl_reject="k2",
+        kl_reject_level="seq_max",
+        kl_reject_threshold=0.08,
+    ),
     "cispo_prox_token_tis": C(objective="cispo", anchor="prox", tis_level="token", tis_clip_high=1.1),
-    "cispo_prox_seq_tis_geo": C(objective="cispo", anchor="prox", tis_level="sequence", tis_clip_high=1.5,
-                                geo_mask=True, geo_mask_low=0.95, geo_mask_high=1.05),
+    "cispo_prox_seq_tis_geo": C(
+        objective="cispo",
+        anchor="prox",
+        tis_level="sequence",
+        tis_clip_high=1.5,
+        geo_mask=True,
+        geo_mask_low=0.95,
+        geo_mask_high=1.05,
+    ),
 }
 for _est in ("k1", "k2", "k3"):
     for _level, _thr in (("token", 0.005), ("seq_sum", 0.02), ("seq_mean", 0.004), ("seq_max", 0.01)):
-        HAND_PICKED[f"kl_reject_{_est}_{_level}"] = C(kl_reject=_est, kl_reject_level=_level,
-                                                      kl_reject_threshold=_thr * (20 if _est == "k1" else 1))
+        HAND_PICKED[f"kl_reject_{_est}_{_level}"] = C(
+            kl_reject=_est, kl_reject_level=_level, kl_reject_threshold=_thr * (20 if _est == "k1" else 1)
+        )
 HAND_PICKED["kl_reject_token_then_seq_tis_normalized"] = C(
-    kl_reject="k3", kl_reject_level="token", kl_reject_threshold=0.003, tis_level="sequence", tis_clip_high=2.0,
+    kl_reject="k3",
+    kl_reject_level="token",
+    kl_reject_threshold=0.003,
+    tis_level="sequence",
+    tis_clip_high=2.0,
     normalize_weights=True,
 )
 
@@ -198,8 +260,9 @@ def test_hand_token_mask_then_sequence_weight():
     # log_rho = [1.0, 0.1, -0.05]: rho_0 = e = 2.718 > 2 -> token 0 rejected (IcePop).
     # Sequence weight from the token-kept set: exp(0.1 - 0.05) = 1.0512711.
     cfg = OffPolicyCorrectionConfig(token_mask=True, tis_level="sequence", tis_clip_high=2.0)
-    out = compute_correction(torch.tensor([[0.0, -0.9, -1.05]]), torch.tensor([[-1.0, -1.0, -1.0]]),
-                             torch.ones(1, 3), cfg)
+    out = compute_correction(
+        torch.tensor([[0.0, -0.9, -1.05]]), torch.tensor([[-1.0, -1.0, -1.0]]), torch.ones(1, 3), cfg
+    )
     assert out.mask.tolist() == [[0.0, 1.0, 1.0]]
     torch.testing.assert_close(out.weights[0, 1:], torch.tensor([1.0512711, 1.0512711]))
     assert out.stats.token_rejected["token_mask"].tolist() == [[True, False, False]]
@@ -236,6 +299,18 @@ def test_hand_k3_rejection(level, threshold, expected):
     assert out.mask[0].tolist() == [float(e) for e in expected]
 
 
+def test_hand_seq_mean_counts_kept_tokens_not_padding():
+    # log_rho = [0.2, -0.2, pad, pad]: mean k3 over the 2 response tokens = 0.0401335 / 2 = 0.0200668 > 0.015
+    # (dividing by the padded length 4 would give 0.0100334 and keep it).
+    prox = torch.tensor([[-0.8, -1.2, float("nan"), 0.0]])
+    rollout = torch.tensor([[-1.0, -1.0, 0.0, float("inf")]])
+    mask = torch.tensor([[1.0, 1.0, 0.0, 0.0]])
+    cfg = OffPolicyCorrectionConfig(kl_reject="k3", kl_reject_level="seq_mean", kl_reject_threshold=0.015)
+    assert compute_correction(prox, rollout, mask, cfg).mask.tolist() == [[0.0, 0.0, 0.0, 0.0]]
+    cfg = cfg.replace(kl_reject_threshold=0.021)
+    assert compute_correction(prox, rollout, mask, cfg).mask.tolist() == [[1.0, 1.0, 0.0, 0.0]]
+
+
 def test_hand_normalized_token_weights():
     # rho = [0.5, 1, 3] capped at 2 -> [0.5, 1, 2], mean 7/6 -> [3/7, 6/7, 12/7]; padding stays 1.
     prox = torch.tensor([[math.log(0.5), 0.0, math.log(3.0), float("nan")]])
@@ -255,13 +330,21 @@ def test_hand_huge_log_ratios():
     assert out.mask.tolist() == [[0.0, 0.0]]
     out = compute_correction(prox, rollout, mask, OffPolicyCorrectionConfig.seq_tis())
     torch.testing.assert_close(out.weights, torch.ones(1, 2))
-    out = compute_correction(prox[:, :1], rollout[:, :1], mask[:, :1], OffPolicyCorrectionConfig.seq_tis(clip_high=1e9))
+    out = compute_correction(
+        prox[:, :1], rollout[:, :1], mask[:, :1], OffPolicyCorrectionConfig.seq_tis(clip_high=1e9)
+    )
     torch.testing.assert_close(out.weights, torch.tensor([[math.exp(20.0)]]))
 
 
 def test_row_without_response_tokens_is_harmless():
-    cfg = OffPolicyCorrectionConfig(geo_mask=True, geo_mask_low=1.5, geo_mask_high=2.0, tis_level="sequence",
-                                    tis_clip_high=2.0, normalize_weights=True)
+    cfg = OffPolicyCorrectionConfig(
+        geo_mask=True,
+        geo_mask_low=1.5,
+        geo_mask_high=2.0,
+        tis_level="sequence",
+        tis_clip_high=2.0,
+        normalize_weights=True,
+    )
     nan = float("nan")
     out = compute_correction(torch.tensor([[nan, nan]]), torch.tensor([[nan, nan]]), torch.zeros(1, 2), cfg)
     assert torch.equal(out.weights, torch.ones(1, 2))
@@ -276,35 +359,57 @@ def test_row_without_response_tokens_is_harmless():
 def correction_configs(draw) -> OffPolicyCorrectionConfig:
     if draw(st.integers(0, 4)) == 0:
         objective = draw(st.sampled_from(["ppo", "pure_is", "cispo"]))
-        return C(bypass_mode=True, objective=objective, anchor="rollout",
-                 objective_level=draw(st.sampled_from(["token", "sequence"])))
+        return C(
+            bypass_mode=True,
+            objective=objective,
+            anchor="rollout",
+            objective_level=draw(st.sampled_from(["token", "sequence"])),
+        )
     kw: dict = {}
     tis = draw(st.sampled_from([None, "token", "sequence"]))
     if tis is not None:
-        kw.update(tis_level=tis, tis_clip_high=draw(st.sampled_from([0.9, 1.05, 2.0, 1e3])),
-                  tis_clip_low=draw(st.sampled_from([None, 0.5, 0.9])),
-                  normalize_weights=draw(st.booleans()))
+        kw.update(
+            tis_level=tis,
+            tis_clip_high=draw(st.sampled_from([0.9, 1.05, 2.0, 1e3])),
+            tis_clip_low=draw(st.sampled_from([None, 0.5, 0.9])),
+            normalize_weights=draw(st.booleans()),
+        )
     if draw(st.booleans()):
-        kw.update(token_mask=True, token_mask_low=draw(st.sampled_from([0.5, 0.9])),
-                  token_mask_high=draw(st.sampled_from([1.1, 2.0])))
+        kw.update(
+            token_mask=True,
+            token_mask_low=draw(st.sampled_from([0.5, 0.9])),
+            token_mask_high=draw(st.sampled_from([1.1, 2.0])),
+        )
     if draw(st.booleans()):
-        kw.update(geo_mask=True, geo_mask_low=draw(st.sampled_from([0.9, 0.99])),
-                  geo_mask_high=draw(st.sampled_from([1.01, 1.1])))
+        kw.update(
+            geo_mask=True,
+            geo_mask_low=draw(st.sampled_from([0.9, 0.99])),
+            geo_mask_high=draw(st.sampled_from([1.01, 1.1])),
+        )
     if draw(st.booleans()):
-        kw.update(product_mask=True, product_mask_low=0.5, product_mask_high=draw(st.sampled_from([1.5, 2.0])))
+        kw.update(
+            product_mask=True, product_mask_low=0.5, product_mask_high=draw(st.sampled_from([1.5, 2.0]))
+        )
     if draw(st.booleans()):
-        kw.update(outlier_token_veto=True, outlier_low=draw(st.sampled_from([1e-4, 0.3])),
-                  outlier_high=draw(st.sampled_from([3.0, 100.0])))
+        kw.update(
+            outlier_token_veto=True,
+            outlier_low=draw(st.sampled_from([1e-4, 0.3])),
+            outlier_high=draw(st.sampled_from([3.0, 100.0])),
+        )
     if draw(st.booleans()):
-        kw.update(kl_reject=draw(st.sampled_from(["k1", "k2", "k3"])),
-                  kl_reject_level=draw(st.sampled_from(["token", "seq_sum", "seq_mean", "seq_max"])),
-                  kl_reject_threshold=draw(st.sampled_from([0.003, 0.03, 0.3])))
+        kw.update(
+            kl_reject=draw(st.sampled_from(["k1", "k2", "k3"])),
+            kl_reject_level=draw(st.sampled_from(["token", "seq_sum", "seq_mean", "seq_max"])),
+            kl_reject_threshold=draw(st.sampled_from([0.003, 0.03, 0.3])),
+        )
     if tis is not None:
         if draw(st.booleans()):
             kw.update(objective="cispo", anchor="prox")
     else:
-        kw.update(objective=draw(st.sampled_from(["ppo", "pure_is", "cispo"])),
-                  anchor=draw(st.sampled_from(["rollout", "prox"])))
+        kw.update(
+            objective=draw(st.sampled_from(["ppo", "pure_is", "cispo"])),
+            anchor=draw(st.sampled_from(["rollout", "prox"])),
+        )
     return C(**kw)
 
 
@@ -331,8 +436,15 @@ def test_property_outputs_are_detached(cfg, batch):
     prox = T(batch["prox"]).requires_grad_(True)
     rollout = T(batch["rollout"]).requires_grad_(True)
     out = compute_correction(prox * 1.0, rollout * 1.0, T(batch["mask"]), cfg)
-    tensors = [out.weights, out.mask, out.stats.log_rho, out.stats.seq_log_rho, out.stats.weights,
-               out.stats.seq_tokens, *out.stats.token_rejected.values()]
+    tensors = [
+        out.weights,
+        out.mask,
+        out.stats.log_rho,
+        out.stats.seq_log_rho,
+        out.stats.weights,
+        out.stats.seq_tokens,
+        *out.stats.token_rejected.values(),
+    ]
     for x in tensors:
         assert not x.requires_grad and x.grad_fn is None
 
@@ -361,7 +473,13 @@ def test_property_adding_a_sequence_mask_only_removes(cfg, batch, extra):
         "outlier": dict(outlier_token_veto=True, outlier_low=0.6, outlier_high=1.6),
         "kl": dict(kl_reject="k2", kl_reject_level="seq_mean", kl_reject_threshold=0.01),
     }[extra]
-    if extra == "kl" and cfg.kl_reject is not None:
+    already = {
+        "geo": cfg.geo_mask,
+        "product": cfg.product_mask,
+        "outlier": cfg.outlier_token_veto,
+        "kl": cfg.kl_reject is not None,
+    }[extra]
+    if already:  # replacing its bounds could loosen it
         return
     base = run(batch, cfg)
     stricter = run(batch, cfg.replace(**more))
@@ -389,8 +507,12 @@ def test_property_padding_garbage_has_no_effect(cfg, batch, seed):
 
 
 @SETTINGS
-@given(cfg=correction_configs(), seed=st.integers(0, 10**6), sign=st.sampled_from([-1.0, 1.0]),
-       magnitude=st.sampled_from([50.0, 1000.0, 1e6]))
+@given(
+    cfg=correction_configs(),
+    seed=st.integers(0, 10**6),
+    sign=st.sampled_from([-1.0, 1.0]),
+    magnitude=st.sampled_from([50.0, 1000.0, 1e6]),
+)
 def test_property_huge_log_ratios_stay_finite(cfg, seed, sign, magnitude):
     batch = make_batch(seed, 4, 6, spread=0.1)
     valid = batch["mask"] != 0

@@ -1,0 +1,426 @@
+#!/usr/bin/env python
+"""Peak memory and time of ``token_logprobs`` (lean) vs ``log_softmax(...).gather(...)`` (naive), on CPU.
+
+One measured step, on ``[1, T, V]`` logits that are a leaf with ``requires_grad``:
+
+* lean:  ``token_logprobs(logits, targets, temperature, chunk_size).sum().backward()``
+* naive: ``log_softmax(logits.float() / temperature, -1).gather(-1, targets[..., None]).sum().backward()``
+
+See ``METHOD`` below for how memory is measured (it is written into the report too).
+
+Usage::
+
+    python benchmarks/logprob_memory.py --output docs/performance_logprobs.md   # ~ a few minutes
+    python benchmarks/logprob_memory.py --quick --output /tmp/x.md              # smoke test, seconds
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import gc
+import json
+import os
+import platform
+import resource
+import shlex
+import statistics
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+TEMPERATURE = 0.7
+
+# (vocab, tokens, logits dtype). 151936 is the Qwen2/2.5 vocabulary ("150k"). The 150k x 8k case
+# uses bf16 logits: in float32 one logits tensor is 5.0 GB and the naive path would need several.
+FULL_CASES = [
+    (32000, 2048, "float32"),
+    (32000, 8192, "float32"),
+    (151936, 2048, "float32"),
+    (151936, 8192, "bfloat16"),
+]
+FULL_CHUNKS = [1024, 256]
+QUICK_CASES = [
+    (2000, 256, "float32"),
+    (4000, 256, "bfloat16"),
+]
+QUICK_CHUNKS = [16]
+# Rough peak (extra over the baseline, in logits tensors, plus the logits themselves) used to skip a
+# case that would not fit in the memory available when it starts, rather than OOM the machine.
+EXPECTED_PEAK = {
+    ("naive", "float32"): 4.2,
+    ("naive", "bfloat16"): 8.5,
+    ("lean", "float32"): 2.0,
+    ("lean", "bfloat16"): 2.5,
+}
+
+METHOD = """\
+* Every (case, method) runs in a **fresh subprocess**, so no allocator cache or earlier peak leaks
+  between measurements. In it: import, a small warm-up call of the same method (kernels, thread
+  pool), then the logits are allocated and filled in place (`torch.empty(...).normal_()`, no
+  temporary) as a leaf with `requires_grad=True`, plus int64 targets.
+* Baseline = the process RSS (`VmRSS`) right after that. The kernel's peak-RSS counter (`VmHWM`)
+  is then reset by writing `5` to `/proc/self/clear_refs` (Linux >= 4.0), so the peak read
+  afterwards is the peak of the measured step alone. Where the reset is not available the
+  lifetime `ru_maxrss` is used instead and the report says so (it is only valid when nothing
+  before the step peaked higher).
+* `held after fwd`: RSS after the forward, minus the baseline: what is kept alive for the backward.
+  `peak fwd`: `VmHWM` after the forward. `peak fwd+bwd`: `VmHWM` after `.backward()`, which
+  includes `logits.grad` (one logits-sized tensor in the logits' dtype, which any method has to
+  produce). All three are *extra* bytes over the baseline, also given as a multiple of one logits
+  tensor (`x logits`).
+* RSS counts what the process really touched: glibc serves allocations above 32 MiB with `mmap`
+  and returns them on free, so freed temporaries do not linger; intermediates inside ATen ops
+  count too.
+* time: wall clock of forward + backward, median over the repeats (`logits.grad` reset to `None`
+  between them); the peak is over all repeats. CPU timings on a shared machine: read the ratio
+  between the two methods, not the absolute seconds.
+* `lp sum rel. diff`: |sum of lean logprobs - sum of naive logprobs| / |sum of naive| on the same
+  seeded logits, a sanity check that both computed the same thing.
+"""
+
+
+# --------------------------------------------------------------------------- worker (subprocess)
+
+
+def _status_kib(field: str) -> int | None:
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    except OSError:
+        return None
+    return None
+
+
+def _rss_bytes() -> int:
+    kib = _status_kib("VmRSS")
+    if kib is None:  # non-Linux: psutil if present
+        import psutil  # type: ignore[import-not-found]
+
+        return psutil.Process().memory_info().rss
+    return kib * 1024
+
+
+def _reset_peak() -> bool:
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return _status_kib("VmHWM") is not None
+    except OSError:
+        return False
+
+
+def _peak_bytes(reset_ok: bool) -> int:
+    if reset_ok:
+        return _status_kib("VmHWM") * 1024
+    ru = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return ru if sys.platform == "darwin" else ru * 1024
+
+
+def _step_fn(method: str, temperature: float, chunk_size: int):
+    import torch
+
+    from lightning_offpolicy.logprobs import token_logprobs
+
+    if method == "lean":
+
+        def fwd(logits, targets):
+            return token_logprobs(logits, targets, temperature, chunk_size=chunk_size)
+
+    elif method == "naive":
+
+        def fwd(logits, targets):
+            return (
+                torch.log_softmax(logits.float() / temperature, -1).gather(-1, targets[..., None]).squeeze(-1)
+            )
+
+    else:
+        raise ValueError(method)
+    return fwd
+
+
+def worker(args: argparse.Namespace) -> dict:
+    import torch
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    dtype = getattr(torch, args.dtype)
+    fwd = _step_fn(args.method, args.temperature, args.chunk_size)
+
+    # Warm-up on a small input (kernels, OpenMP pool), freed before the baseline.
+    w = torch.randn(1, min(args.tokens, 64), args.vocab).to(dtype).requires_grad_(True)
+    fwd(w, torch.randint(0, args.vocab, w.shape[:-1])).sum().backward()
+    del w
+    gc.collect()
+
+    torch.manual_seed(args.seed)
+    logits = torch.empty(1, args.tokens, args.vocab, dtype=dtype).normal_(0.0, 2.0).requires_grad_(True)
+    targets = torch.randint(0, args.vocab, (1, args.tokens))
+    logits_bytes = logits.numel() * logits.element_size()
+    gc.collect()
+    base = _rss_bytes()
+    reset_ok = _reset_peak()
+
+    times, held, peak_fwd, lp_sum = [], 0, 0, 0.0
+    for _ in range(args.repeats):
+        logits.grad = None
+        gc.collect()
+        t0 = time.perf_counter()
+        lp = fwd(logits, targets)
+        held = max(held, _rss_bytes() - base)
+        peak_fwd = max(peak_fwd, _peak_bytes(reset_ok) - base)
+        loss = lp.sum()
+        loss.backward()
+        times.append(time.perf_counter() - t0)
+        lp_sum = float(lp.detach().double().sum())
+        del lp, loss
+    peak = _peak_bytes(reset_ok) - base
+    assert logits.grad is not None and logits.grad.shape == logits.shape
+    return {
+        "vocab": args.vocab,
+        "tokens": args.tokens,
+        "dtype": args.dtype,
+        "method": args.method,
+        "chunk_size": args.chunk_size if args.method == "lean" else None,
+        "logits_bytes": logits_bytes,
+        "baseline_rss": base,
+        "held_after_fwd": held,
+        "peak_fwd": peak_fwd,
+        "peak_fwd_bwd": peak,
+        "time_s": statistics.median(times),
+        "times_s": times,
+        "peak_reset": reset_ok,
+        "lp_sum": lp_sum,
+        "threads": torch.get_num_threads(),
+        "skipped": "",
+    }
+
+
+# --------------------------------------------------------------------------- driver
+
+
+def _mem_available() -> int | None:
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+def run_case(
+    vocab: int, tokens: int, dtype: str, method: str, chunk: int, repeats: int, timeout: float, threads: int
+) -> dict:
+    logits_bytes = vocab * tokens * (2 if dtype == "bfloat16" else 4)
+    need = (EXPECTED_PEAK[(method, dtype)] + 1.0) * logits_bytes + 1e9
+    avail = _mem_available()
+    if avail is not None and need > avail:
+        return {
+            "vocab": vocab, "tokens": tokens, "dtype": dtype, "method": method,
+            "chunk_size": chunk if method == "lean" else None, "logits_bytes": logits_bytes,
+            "skipped": f"skipped: needs ~{need / 1e9:.1f} GB, {avail / 1e9:.1f} GB available",
+        }  # fmt: skip
+    cmd = [
+        sys.executable,
+        str(Path(__file__).resolve()),
+        "--worker",
+        "--method", method,
+        "--vocab", str(vocab),
+        "--tokens", str(tokens),
+        "--dtype", dtype,
+        "--chunk-size", str(chunk),
+        "--repeats", str(repeats),
+        "--temperature", str(TEMPERATURE),
+        "--threads", str(threads),
+    ]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+    if proc.returncode != 0:
+        raise RuntimeError(f"worker failed ({' '.join(cmd)}):\n{proc.stderr[-4000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def machine_line() -> str:
+    import torch
+
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    mem = ""
+    kib = None
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemTotal:"):
+                kib = int(line.split()[1])
+    except OSError:
+        pass
+    if kib:
+        mem = f", RAM {kib / 1024**2:.1f} GiB"
+    return (
+        f"{cpu}, nproc={os.cpu_count()}{mem}, {platform.system()} {platform.release()}, "
+        f"Python {platform.python_version()}, torch {torch.__version__}"
+    )
+
+
+def _mb(b: float) -> str:
+    return f"{b / 1e6:,.0f}"
+
+
+def render(results: list[dict], header: dict) -> str:
+    out = ["# Token logprobs: peak memory and time, lean vs naive", ""]
+    out += [f"* machine: {header['machine']}", f"* torch: {header['torch']}", f"* date: {header['date']}"]
+    out += [f"* command: `{header['command']}`", f"* temperature: {TEMPERATURE}, batch B = 1, N = T tokens"]
+    threads = sorted({r["threads"] for r in results if not r["skipped"]})
+    out.append(f"* intra-op threads in the workers: {', '.join(map(str, threads)) or '-'}")
+    if header.get("load"):
+        out.append(f"* load average at start / end: {header['load']}")
+    out += [
+        "* logits dtype: float32, except the 151936 x 8192 case in bfloat16 (a float32 logits tensor "
+        "would be 5.0 GB and the naive path would need several such copies)."
+        if not header["quick"]
+        else "* `--quick`: smoke-test sizes, memory figures are dominated by noise at this size."
+    ]
+    if not all(r["peak_reset"] for r in results):
+        out.append("* **VmHWM reset unavailable: peaks are lifetime `ru_maxrss` of each subprocess.**")
+    out += ["", "## Method", "", METHOD, "## Results", ""]
+    out.append(
+        "| V | T | logits dtype | one logits tensor (MB) | method | chunk | time fwd+bwd (s) "
+        "| held after fwd (MB / x logits) | peak fwd extra (x logits) "
+        "| peak fwd+bwd extra (MB) | peak extra / one logits tensor | lp sum rel. diff |"
+    )
+    out.append("|---:|---:|---|---:|---|---:|---:|---:|---:|---:|---:|---:|")
+    naive = {(r["vocab"], r["tokens"], r["dtype"]): r for r in results if r["method"] == "naive"}
+    for r in results:
+        lb = r["logits_bytes"]
+        if r["skipped"]:
+            out.append(
+                f"| {r['vocab']} | {r['tokens']} | {r['dtype']} | {_mb(lb)} | {r['method']} "
+                f"| {r['chunk_size'] or '-'} | {r['skipped']} | | | | | |"
+            )
+            continue
+        ref = naive.get((r["vocab"], r["tokens"], r["dtype"]))
+        if ref is None or r is ref or ref["skipped"]:
+            diff = "-"
+        else:
+            diff = f"{abs(r['lp_sum'] - ref['lp_sum']) / max(abs(ref['lp_sum']), 1e-30):.1e}"
+        out.append(
+            f"| {r['vocab']} | {r['tokens']} | {r['dtype']} | {_mb(lb)} | {r['method']} "
+            f"| {r['chunk_size'] if r['chunk_size'] else '-'} | {r['time_s']:.2f} "
+            f"| {_mb(r['held_after_fwd'])} / {r['held_after_fwd'] / lb:.2f} | {r['peak_fwd'] / lb:.2f} "
+            f"| {_mb(r['peak_fwd_bwd'])} | **{r['peak_fwd_bwd'] / lb:.2f}** | {diff} |"
+        )
+    out.append("")
+    return "\n".join(out)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--quick", action="store_true", help="small sizes, for a smoke test")
+    p.add_argument("--output", type=Path, help="write the Markdown report here")
+    p.add_argument("--repeats", type=int, default=None, help="timed rounds per case (default 2, quick 1)")
+    p.add_argument("--chunk-sizes", type=str, default=None, help="lean chunk sizes, comma separated")
+    p.add_argument("--timeout", type=float, default=600.0, help="seconds per subprocess")
+    p.add_argument(
+        "--jobs",
+        type=int,
+        default=None,
+        help="subprocesses run at once (default 1; quick: all, timings are then meaningless)",
+    )
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="intra-op threads in the workers (default: torch's default; quick: 1)",
+    )
+    # worker mode
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--method", choices=["lean", "naive"], help=argparse.SUPPRESS)
+    p.add_argument("--vocab", type=int, help=argparse.SUPPRESS)
+    p.add_argument("--tokens", type=int, help=argparse.SUPPRESS)
+    p.add_argument("--dtype", type=str, help=argparse.SUPPRESS)
+    p.add_argument("--chunk-size", type=int, default=1024, help=argparse.SUPPRESS)
+    p.add_argument("--temperature", type=float, default=TEMPERATURE, help=argparse.SUPPRESS)
+    p.add_argument("--seed", type=int, default=0, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+
+    if args.worker:
+        args.repeats = args.repeats or 1
+        print(json.dumps(worker(args)))
+        return 0
+
+    import torch
+
+    cases = QUICK_CASES if args.quick else FULL_CASES
+    chunks = (
+        [int(c) for c in args.chunk_sizes.split(",")]
+        if args.chunk_sizes
+        else (QUICK_CHUNKS if args.quick else FULL_CHUNKS)
+    )
+    repeats = args.repeats or (1 if args.quick else 2)
+    threads = args.threads if args.threads is not None else (1 if args.quick else 0)
+    results = []
+    load0 = os.getloadavg() if hasattr(os, "getloadavg") else None
+    t_start = time.perf_counter()
+    plan = [
+        (vocab, tokens, dtype, method, chunk)
+        for vocab, tokens, dtype in cases
+        for method, chunk in [("lean", c) for c in chunks] + [("naive", 0)]
+    ]
+    jobs = args.jobs or (len(plan) if args.quick else 1)
+
+    def one(item):
+        vocab, tokens, dtype, method, chunk = item
+        r = run_case(vocab, tokens, dtype, method, chunk or 1024, repeats, args.timeout, threads)
+        if r["skipped"]:
+            print(f"V={vocab:>6} T={tokens:>5} {dtype:>8} {method:>5}: {r['skipped']}", flush=True)
+        else:
+            print(
+                f"V={vocab:>6} T={tokens:>5} {dtype:>8} {method:>5} chunk={chunk or '-':>4}: "
+                f"{r['time_s']:.2f} s, peak extra {r['peak_fwd_bwd'] / 1e6:,.0f} MB = "
+                f"{r['peak_fwd_bwd'] / r['logits_bytes']:.2f} x logits",
+                flush=True,
+            )
+        return r
+
+    if jobs > 1:  # quick mode: the subprocesses are independent; their RSS figures stay per process
+        with ThreadPoolExecutor(max_workers=jobs) as pool:
+            results = list(pool.map(one, plan))
+    else:
+        results = [one(item) for item in plan]
+    header = {
+        "machine": machine_line(),
+        "torch": torch.__version__,
+        "date": _dt.datetime.now().astimezone().strftime("%Y-%m-%d %H:%M %Z"),
+        "command": "python "
+        + " ".join(
+            shlex.quote(a)
+            for a in [os.path.relpath(__file__, ROOT)] + (argv if argv is not None else sys.argv[1:])
+        ),
+        "quick": args.quick,
+        "load": f"{load0[0]:.1f} / {os.getloadavg()[0]:.1f} (1-min)" if load0 else "",
+    }
+    report = render(results, header)
+    print(f"total {time.perf_counter() - t_start:.0f} s")
+    if args.output:
+        args.output.parent.mkdir(parents=True, exist_ok=True)
+        args.output.write_text(report)
+        print(f"wrote {args.output}")
+    else:
+        print(report)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,315 @@
+"""Memory-lean token log-probabilities (and entropy) from a causal LM's logits.
+
+Why not ``log_softmax(logits.float() / T, -1).gather(-1, targets)``?
+---------------------------------------------------------------------
+
+For ``N`` tokens and a vocabulary of ``V`` the logits are an ``[N, V]`` tensor, often the largest
+activation of the whole step (``N = 8192``, ``V = 151936``: 2.5 GB in bf16, 5.0 GB in float32).
+The naive expression:
+
+1. makes a float32 copy of the logits (``.float()``), and another one for ``/ T``;
+2. ``log_softmax`` writes a full ``[N, V]`` float32 output **and saves it for backward** (its
+   gradient is ``g - exp(out) * sum(g)``), so one full-vocabulary float32 copy stays alive from
+   the forward until the backward, although only ``N`` of its ``N * V`` entries are ever read;
+3. the backward then builds a float32 ``[N, V]`` gradient of ``log_softmax``'s output (the
+   scatter of ``gather``), one of its input, and finally the gradient of the logits in their own
+   dtype.
+
+So the naive path holds about two to four logits-sized float32 tensors at its peak, on top of
+the logits themselves.
+
+What :func:`token_logprobs` does instead
+----------------------------------------
+
+A custom :class:`torch.autograd.Function` walks the flattened ``[N, V]`` logits in chunks of
+``chunk_size`` rows:
+
+* forward, per chunk: ``lse = logsumexp(logits_chunk.float() / T)`` and
+  ``logprob = logits[target].float() / T - lse``. Saved for backward: the logits themselves
+  (the caller's tensor, not a copy), the targets and ``lse`` (``N`` floats). Extra memory: one
+  float32 ``[chunk_size, V]`` temporary (two when the entropy is requested).
+* backward, per chunk: ``p = exp(logits_chunk.float() / T - lse)`` and
+  ``grad_chunk = (onehot(target) - p) * grad_out[:, None] / T``, written into a single
+  preallocated ``grad_logits`` of the logits' dtype (for float32 logits directly into it, with no
+  temporary at all; for bf16/fp16 through one float32 ``[chunk_size, V]`` temporary).
+
+Peak extra memory is therefore one gradient-sized tensor (which autograd has to return anyway)
+plus ``chunk_size * V`` float32 temporaries: for ``N`` rows of ``s``-byte logits the extra peak
+is about ``(1 + k * 4 * chunk_size / (s * N))`` logits tensors, ``k`` = 1 (0 for float32 logits in
+backward). ``benchmarks/logprob_memory.py`` measures it; see ``docs/performance_logprobs.md``.
+Values are computed in float32 (float64 for float64 logits), so bf16 logits lose nothing compared
+with the naive ``.float()`` path.
+
+Limitations
+-----------
+
+* The entropy (``return_entropy=True``) is returned **detached**: it carries no gradient (use it
+  for logging or as a filter, not as a differentiable bonus).
+* Double backward is not supported (the backward is ``once_differentiable``); nothing in an
+  off-policy policy-gradient loss needs it.
+* Logits whose leading dimensions cannot be flattened into ``[N, V]`` without a copy (e.g. a
+  strided slice ``logits[:, :-1]``) are copied once by ``reshape``; pass contiguous logits to
+  stay lean (:func:`causal_lm_token_logprobs` does).
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from typing import Any
+
+import torch
+from torch import Tensor
+from torch.autograd.function import once_differentiable
+
+__all__ = ["token_logprobs", "causal_lm_token_logprobs"]
+
+
+def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Dtype the values are computed in: float64 for float64 logits, float32 otherwise."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+class _TokenLogprobs(torch.autograd.Function):
+    """Chunked ``log_softmax(logits / T)[target]`` with a recomputing backward (see module doc)."""
+
+    @staticmethod
+    def forward(
+        ctx: Any, logits: Tensor, targets: Tensor, inv_t: float, chunk_size: int, want_entropy: bool
+    ) -> tuple[Tensor, Tensor]:
+        vocab = logits.shape[-1]
+        flat = logits.reshape(-1, vocab)
+        tgt = targets.reshape(-1)
+        n = flat.shape[0]
+        acc = _acc_dtype(logits.dtype)
+        lse = torch.empty(n, dtype=acc, device=logits.device)
+        logprobs = torch.empty(n, dtype=acc, device=logits.device)
+        entropy = torch.empty(n if want_entropy else 0, dtype=acc, device=logits.device)
+
+        for start in range(0, n, chunk_size):
+            end = min(start + chunk_size, n)
+            x = flat[start:end]
+            t = tgt[start:end]
+            m = x.amax(dim=-1).to(acc)  # [c]
+            # d = (x - max) / T in the accumulation dtype: the one [c, V] temporary. Subtracting a
+            # float32 [c, 1] tensor promotes a bf16 x to float32 exactly, element by element.
+            d = torch.sub(x, m[:, None])
+            if inv_t != 1.0:
+                d.mul_(inv_t)
+            if want_entropy:
+                e = torch.exp(d)  # second temporary, only when the entropy is wanted
+                s = e.sum(dim=-1)
+                # sum_v e_v * d_v as a batched dot product (no third [c, V] temporary).
+                ed = torch.bmm(e.unsqueeze(1), d.unsqueeze(2)).reshape(-1)
+                del e
+                # H = lse - sum p z = log s - sum(e d) / s, with d = z - max z.
+                entropy[start:end] = s.log() - ed / s
+            else:
+                s = d.exp_().sum(dim=-1)
+            del d
+            chunk_lse = m * inv_t + s.log()
+            lse[start:end] = chunk_lse
+            tgt_logit = x.gather(1, t[:, None]).reshape(-1).to(acc) * inv_t
+            logprobs[start:end] = tgt_logit - chunk_lse
+
+        ctx.save_for_backward(logits, targets, lse)
+        ctx.inv_t = inv_t
+        ctx.chunk_size = chunk_size
+        logprobs = logprobs.view(targets.shape)
+        if want_entropy:
+            entropy = entropy.view(targets.shape)
+        ctx.mark_non_differentiable(entropy)
+        return logprobs, entropy
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx: Any, grad_out: Tensor, _grad_entropy: Tensor | None) -> tuple[Tensor | None, ...]:
+        logits, targets, lse = ctx.saved_tensors
+        inv_t: float = ctx.inv_t
+        chunk_size: int = ctx.chunk_size
+        vocab = logits.shape[-1]
+        flat = logits.reshape(-1, vocab)
+        tgt = targets.reshape(-1)
+        acc = lse.dtype
+        g_all = grad_out.reshape(-1).to(acc) * inv_t  # [N]: grad_out / T
+        n = flat.shape[0]
+        grad_logits = torch.empty((n, vocab), dtype=logits.dtype, device=logits.device)
+        direct = grad_logits.dtype == acc
+        tmp: Tensor | None = None
+
+        for start in range(0, n, chunk_size):
+            end = min(start + chunk_size, n)
+            x = flat[start:end]
+            g = g_all[start:end, None]
+            if direct:  # float32 / float64 logits: compute in place in the gradient, no temporary
+                buf = grad_logits[start:end]
+                if inv_t != 1.0:
+                    torch.mul(x, inv_t, out=buf)
+                else:
+                    buf.copy_(x)
+            else:  # bf16 / fp16 logits: one float32 [chunk, V] temporary, reused across chunks
+                if tmp is None or tmp.shape[0] != end - start:
+                    tmp = torch.empty((end - start, vocab), dtype=acc, device=logits.device)
+                buf = tmp
+                buf.copy_(x)  # exact upcast
+                if inv_t != 1.0:
+                    buf.mul_(inv_t)
+            # p = exp(z - lse); grad = (onehot - p) * grad_out / T
+            buf.sub_(lse[start:end, None]).exp_().mul_(g.neg())
+            buf.scatter_add_(1, tgt[start:end, None], g)
+            if not direct:
+                grad_logits[start:end].copy_(buf)
+
+        return grad_logits.view(logits.shape), None, None, None, None
+
+
+def _check_common(temperature: Any, chunk_size: Any) -> float:
+    if isinstance(temperature, bool) or not isinstance(temperature, numbers.Real):
+        raise TypeError(f"temperature must be a real number, got {type(temperature).__name__}.")
+    temperature = float(temperature)
+    if not (temperature > 0.0 and math.isfinite(temperature)):
+        raise ValueError(f"temperature must be a finite number > 0, got {temperature}.")
+    if isinstance(chunk_size, bool) or not isinstance(chunk_size, numbers.Integral):
+        raise TypeError(f"chunk_size must be an int, got {type(chunk_size).__name__}.")
+    if chunk_size <= 0:
+        raise ValueError(f"chunk_size must be > 0, got {chunk_size}.")
+    return temperature
+
+
+def token_logprobs(
+    logits: Tensor,
+    targets: Tensor,
+    temperature: float = 1.0,
+    chunk_size: int = 1024,
+    return_entropy: bool = False,
+) -> Tensor | tuple[Tensor, Tensor]:
+    """``log_softmax(logits / temperature, -1)[..., target]`` without a full-vocabulary copy.
+
+    Args:
+        logits: ``[..., V]`` floating-point logits, any dtype (bf16, fp16, fp32, fp64). Not copied
+            (unless its leading dimensions cannot be flattened as a view); saved for the backward.
+        targets: ``[...]`` integer token ids in ``[0, V)``, the shape of ``logits`` without its
+            last dimension.
+        temperature: sampling temperature ``T > 0``; the logits are divided by it.
+        chunk_size: number of rows (tokens) processed at once. Temporaries are
+            ``chunk_size x V`` float32 tensors; smaller saves memory, larger saves Python overhead.
+        return_entropy: also return the entropy of ``softmax(logits / T)`` per token.
+
+    Returns:
+        ``logprobs`` of shape ``[...]`` in float32 (float64 for float64 logits), differentiable
+        w.r.t. ``logits`` (the gradient has the logits' dtype); with ``return_entropy`` a tuple
+        ``(logprobs, entropy)`` where ``entropy`` is **detached** (it carries no gradient).
+
+    Double backward (gradients of the gradient) is not supported.
+
+    Raises:
+        TypeError / ValueError: for a bad argument; the message names it.
+    """
+    temperature = _check_common(temperature, chunk_size)
+    if not isinstance(logits, Tensor) or not logits.is_floating_point():
+        raise TypeError("logits must be a floating-point torch.Tensor.")
+    if logits.dim() < 1 or logits.shape[-1] == 0:
+        raise ValueError(f"logits must have shape [..., V] with V > 0, got {tuple(logits.shape)}.")
+    if not isinstance(targets, Tensor) or targets.is_floating_point() or targets.is_complex():
+        raise TypeError("targets must be an integer torch.Tensor of token ids.")
+    if targets.dtype == torch.bool:
+        raise TypeError("targets must be an integer torch.Tensor of token ids, got bool.")
+    if tuple(targets.shape) != tuple(logits.shape[:-1]):
+        raise ValueError(
+            f"targets shape {tuple(targets.shape)} must equal logits shape without its last "
+            f"dimension {tuple(logits.shape[:-1])}."
+        )
+    if targets.device != logits.device:
+        raise ValueError(f"targets are on {targets.device} but logits on {logits.device}.")
+    targets = targets.long()
+    vocab = logits.shape[-1]
+    if targets.numel() > 0:
+        lo, hi = int(targets.min()), int(targets.max())
+        if lo < 0 or hi >= vocab:
+            raise ValueError(f"targets must lie in [0, {vocab}) (the vocabulary), got values in [{lo}, {hi}]")
+    inv_t = 1.0 / temperature
+    logprobs, entropy = _TokenLogprobs.apply(logits, targets, inv_t, int(chunk_size), return_entropy)
+    if return_entropy:
+        return logprobs, entropy
+    return logprobs
+
+
+def causal_lm_token_logprobs(
+    model: torch.nn.Module,
+    input_ids: Tensor,
+    attention_mask: Tensor,
+    response_start: int,
+    temperature: float = 1.0,
+    chunk_size: int = 1024,
+    return_entropy: bool = False,
+) -> Tensor | tuple[Tensor, Tensor]:
+    """Log-probabilities of the response tokens under a Hugging Face causal LM.
+
+    The sequences are laid out as ``[left-padded prompt | right-padded response]``, ``L`` columns
+    in all, the response starting at column ``response_start`` for every row. Position ids are
+    ``(attention_mask.cumsum(-1) - 1).clamp(min=0)``, so a row's first real token has position 0
+    whatever its padding, as in an unpadded run.
+
+    Only the logits that are needed are computed: the model is called with
+    ``logits_to_keep = L - response_start + 1`` (transformers >= 4.45; in 5.x ``LlamaForCausalLM``
+    applies ``lm_head`` to ``hidden_states[:, -logits_to_keep:]``), i.e. positions
+    ``response_start - 1 .. L - 1``. Positions ``response_start - 1 .. L - 2`` predict the response
+    tokens ``response_start .. L - 1``; the last kept position predicts nothing and is given a
+    dummy target whose result is dropped (its gradient is zero). Keeping it costs one extra row
+    of logits per sequence but keeps the logits contiguous, so :func:`token_logprobs` reads them
+    without a copy (slicing ``logits[:, :-1]`` would force one).
+
+    Args:
+        model: a transformers causal LM (``model(input_ids=..., attention_mask=...,
+            position_ids=..., logits_to_keep=..., use_cache=False).logits``).
+        input_ids: ``[B, L]`` token ids.
+        attention_mask: ``[B, L]``, 1 for real tokens, 0 for padding.
+        response_start: column where the responses start, ``1 <= response_start < L``.
+        temperature, chunk_size, return_entropy: as in :func:`token_logprobs`.
+
+    Returns:
+        ``[B, L - response_start]`` float32 log-probabilities of the response tokens (and the
+        detached entropy with ``return_entropy``). Columns of right padding hold the
+        log-probability of the pad token; mask them with ``attention_mask[:, response_start:]``.
+    """
+    temperature = _check_common(temperature, chunk_size)
+    if not isinstance(input_ids, Tensor) or input_ids.dim() != 2:
+        raise ValueError("input_ids must be a [B, L] torch.Tensor.")
+    if not isinstance(attention_mask, Tensor) or tuple(attention_mask.shape) != tuple(input_ids.shape):
+        raise ValueError(
+            f"attention_mask must be a tensor of the shape of input_ids {tuple(input_ids.shape)}, got "
+            f"{tuple(attention_mask.shape) if isinstance(attention_mask, Tensor) else type(attention_mask)}."
+        )
+    seq_len = input_ids.shape[1]
+    if isinstance(response_start, bool) or not isinstance(response_start, numbers.Integral):
+        raise TypeError(f"response_start must be an int, got {type(response_start).__name__}.")
+    if not 1 <= response_start < seq_len:
+        raise ValueError(
+            f"response_start must satisfy 1 <= response_start < L = {seq_len} (at least one prompt "
+            f"column and one response column), got {response_start}."
+        )
+    response_start = int(response_start)
+    keep = seq_len - response_start + 1
+    position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+    out = model(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        position_ids=position_ids,
+        logits_to_keep=keep,
+        use_cache=False,
+    )
+    logits = out.logits if hasattr(out, "logits") else out[0]
+    if logits.dim() != 3 or logits.shape[0] != input_ids.shape[0] or logits.shape[1] < keep:
+        raise RuntimeError(
+            f"model returned logits of shape {tuple(logits.shape)}; expected [B, >= {keep}, V] "
+            f"(logits_to_keep={keep})."
+        )
+    if logits.shape[1] > keep:  # a model that ignores logits_to_keep: correct, but not lean (copy)
+        logits = logits[:, -keep:]
+    targets = input_ids.new_zeros((input_ids.shape[0], keep), dtype=torch.long)
+    targets[:, :-1] = input_ids[:, response_start:]
+    res = token_logprobs(logits, targets, temperature, chunk_size, return_entropy)
+    if return_entropy:
+        lp, ent = res
+        return lp[:, :-1].contiguous(), ent[:, :-1].contiguous()
+    return res[:, :-1].contiguous()

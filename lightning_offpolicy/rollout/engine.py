@@ -1,0 +1,80 @@
+"""The rollout engine contract: what the trainer needs from any generator (HF, vLLM, a server)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Protocol, runtime_checkable
+
+
+@dataclass
+class SamplingConfig:
+    """How completions are sampled.
+
+    The trainer must score tokens with the same ``temperature`` (``OffPolicyRLModule(temperature=)``),
+    or the mismatch metrics measure the temperature instead of the engine.
+
+    Args:
+        max_new_tokens: Maximum tokens generated per completion.
+        temperature: Softmax temperature; must be > 0 (greedy decoding has no sampling distribution
+            for the importance ratios).
+        top_k: Keep the ``top_k`` most likely tokens (0: off).
+        top_p: Nucleus sampling mass (1.0: off).
+        samples_per_prompt: Completions per prompt (the group of GRPO / RLOO).
+    """
+
+    max_new_tokens: int = 16
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    samples_per_prompt: int = 4
+
+    def __post_init__(self) -> None:
+        if self.max_new_tokens < 1:
+            raise ValueError(f"SamplingConfig.max_new_tokens={self.max_new_tokens} must be at least 1.")
+        if not self.temperature > 0:
+            raise ValueError(
+                f"SamplingConfig.temperature={self.temperature} must be > 0: RL needs the logprobs of a "
+                "sampling distribution."
+            )
+        if self.top_k < 0:
+            raise ValueError(f"SamplingConfig.top_k={self.top_k} must be >= 0 (0 disables it).")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"SamplingConfig.top_p={self.top_p} must be in (0, 1].")
+        if self.samples_per_prompt < 1:
+            raise ValueError(f"SamplingConfig.samples_per_prompt={self.samples_per_prompt} must be at least 1.")
+
+
+@dataclass
+class Completion:
+    """One sampled completion.
+
+    Attributes:
+        prompt_index: index of its prompt in the ``generate`` call.
+        token_ids: generated token ids (the stop token included when one was produced).
+        logprobs: per-token logprobs under the distribution actually sampled (``pi_rollout``).
+        finish_reason: ``"stop"`` (end-of-sequence token) or ``"length"``.
+        policy_version: version of the weights that generated the tokens.
+    """
+
+    prompt_index: int
+    token_ids: list[int]
+    logprobs: list[float] | None
+    finish_reason: str
+    policy_version: int
+
+
+@runtime_checkable
+class RolloutEngine(Protocol):
+    """Anything that samples completions with per-token logprobs and accepts new weights."""
+
+    def generate(self, prompt_ids: list[list[int]], sampling: SamplingConfig, seed: int | None = None) -> list[Completion]:
+        """``sampling.samples_per_prompt`` completions per prompt, grouped by prompt in order."""
+        ...
+
+    def update_weights(self, source: Any, version: int) -> None:
+        """Load the trainer's weights (a module or a state dict) and tag what follows with ``version``."""
+        ...
+
+    def close(self) -> None:
+        """Release processes and memory."""
+        ...

@@ -1,0 +1,94 @@
+"""The prompt DataModule: a fixed, seeded set of task prompts, served as PromptBatch."""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+import torch
+from lightning.pytorch import LightningDataModule
+from torch.utils.data import DataLoader, Dataset
+
+from lightning_offpolicy.batch import PromptBatch
+from lightning_offpolicy.tasks.base import Task, TaskReward
+from lightning_offpolicy.tasks.registry import TASKS, get_task
+
+__all__ = ["PromptDataset", "PromptDataModule", "collate_prompts"]
+
+
+class PromptDataset(Dataset):
+    """A list of ``(prompt, metadata)`` pairs."""
+
+    def __init__(self, items: list[tuple[str, dict[str, Any]]]) -> None:
+        self.items = list(items)
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def __getitem__(self, index: int) -> tuple[str, dict[str, Any]]:
+        return self.items[index]
+
+
+def collate_prompts(items: list[tuple[str, dict[str, Any]]]) -> PromptBatch:
+    """Turn a list of ``(prompt, metadata)`` into one :class:`PromptBatch`."""
+    return PromptBatch(prompts=[p for p, _ in items], metadata=[dict(m) for _, m in items])
+
+
+class PromptDataModule(LightningDataModule):
+    """Prompts of a built-in task for RL training; each step gets one :class:`PromptBatch`.
+
+    After construction ``self.task`` is the :class:`~lightning_offpolicy.tasks.Task` and
+    ``self.reward_fn`` the matching :class:`~lightning_offpolicy.tasks.TaskReward`.
+
+    Args:
+        task: name of a built-in task (``reverse``, ``addition``, ``copy``).
+        prompts_per_step: prompts per training step (the DataLoader batch size); each prompt is
+            sampled ``group_size`` times by the rollout side.
+        num_train_prompts: size of the fixed training prompt set (one epoch = this many prompts).
+        seed: seed of the prompt set and of the shuffling order.
+    """
+
+    def __init__(
+        self,
+        task: str = "reverse",
+        prompts_per_step: int = 16,
+        num_train_prompts: int = 2048,
+        seed: int = 0,
+    ) -> None:
+        super().__init__()
+        if task not in TASKS:
+            raise ValueError(f"PromptDataModule: unknown `task` {task!r}; available: {', '.join(sorted(TASKS))}.")
+        if not isinstance(prompts_per_step, int) or prompts_per_step < 1:
+            raise ValueError(f"PromptDataModule: `prompts_per_step` must be a positive int, got {prompts_per_step!r}.")
+        if not isinstance(num_train_prompts, int) or num_train_prompts < 1:
+            raise ValueError(
+                f"PromptDataModule: `num_train_prompts` must be a positive int, got {num_train_prompts!r}."
+            )
+        if prompts_per_step > num_train_prompts:
+            raise ValueError(
+                f"PromptDataModule: `prompts_per_step` ({prompts_per_step}) must be <= `num_train_prompts` "
+                f"({num_train_prompts}), or no full batch can be drawn."
+            )
+        self.save_hyperparameters()
+        self.task_name = task
+        self.prompts_per_step = prompts_per_step
+        self.num_train_prompts = num_train_prompts
+        self.seed = seed
+        self.task: Task = get_task(task)
+        self.reward_fn = TaskReward(self.task)
+        rng = random.Random(seed)
+        self.train_dataset = PromptDataset([self.task.sample(rng) for _ in range(num_train_prompts)])
+
+    def train_dataloader(self) -> DataLoader:
+        generator = torch.Generator()
+        generator.manual_seed(self.seed)
+        return DataLoader(
+            self.train_dataset,
+            batch_size=self.prompts_per_step,
+            shuffle=True,
+            drop_last=True,
+            num_workers=0,
+            collate_fn=collate_prompts,
+            generator=generator,
+        )
+

@@ -1,0 +1,141 @@
+"""OffPolicyRLModule: one decoupled step against a hand-written float64 reference, and its errors."""
+
+from __future__ import annotations
+
+import copy
+from functools import partial
+
+import pytest
+import torch
+
+from lightning_offpolicy.batch import PromptBatch
+from lightning_offpolicy.correction import OffPolicyCorrectionConfig, PolicyLossConfig
+from lightning_offpolicy.module import OffPolicyRLModule
+from tests.module_helpers import TOKENIZER, fit_on, make_rollout, reference_decoupled_sgd, tiny_model
+
+LR = 0.002
+
+
+def make_module(model, **kwargs) -> OffPolicyRLModule:
+    defaults = dict(
+        tokenizer=TOKENIZER,
+        optimizer=partial(torch.optim.SGD, lr=LR),
+        correction=OffPolicyCorrectionConfig.token_tis(clip_high=1.5),
+        loss=PolicyLossConfig(eps_clip_low=0.2, eps_clip_high=0.28),
+        gradient_clip_val=None,
+        shuffle_minibatches=False,
+    )
+    defaults.update(kwargs)
+    return OffPolicyRLModule(model=model, **defaults)
+
+
+def max_param_diff(a: torch.nn.Module, b: torch.nn.Module) -> float:
+    return max((pa.double() - pb.double()).abs().max().item() for pa, pb in zip(a.parameters(), b.parameters()))
+
+
+@pytest.mark.parametrize(
+    ("num_minibatches", "max_tokens"),
+    [(1, 10_000), (1, 12), (2, 10_000), (3, 9)],
+    ids=["one-step", "micro-batched", "two-minibatches", "three-minibatches-micro-batched"],
+)
+def test_decoupled_step_equals_hand_computed_reference(num_minibatches, max_tokens):
+    model = tiny_model()
+    batch = make_rollout(model)
+    start = copy.deepcopy(model)
+    module = make_module(model, num_minibatches=num_minibatches, max_tokens_per_microbatch=max_tokens)
+    fit_on(module, [batch], max_steps=num_minibatches)
+
+    rows = torch.arange(batch.num_sequences)
+    minibatches = [part.tolist() for part in torch.tensor_split(rows, num_minibatches)]
+    expected = reference_decoupled_sgd(start, batch, minibatches, LR, tis_cap=1.5, eps_low=0.2, eps_high=0.28)
+    moved = max_param_diff(start, expected)
+    assert moved > 1e-3  # the step is not trivially zero
+    assert max_param_diff(module.policy, expected) < 1e-5 * max(1.0, moved), moved
+    assert module.policy_version == num_minibatches
+
+
+def test_step_changes_weights_increments_version_and_logs_finite_metrics():
+    model = tiny_model()
+    module = make_module(model, correction=OffPolicyCorrectionConfig.geo_mis_token_tis(low=0.5, high=2.0), ppo_epochs=2)
+    before = copy.deepcopy(model)
+    trainer = fit_on(module, [make_rollout(model), make_rollout(model, seed=1)], max_steps=4)
+    assert module.policy_version == 4 == trainer.global_step
+    assert max_param_diff(before, module.policy) > 0
+    metrics = trainer.callback_metrics
+    for key in ("rollout_corr/kl", "rollout_corr/chi2_token", "ppo/clip_frac", "train/reward", "train/grad_norm"):
+        assert torch.isfinite(metrics[key]), key
+    # The injected mismatch (noise 0.3 on rollout logprobs) shows up in the metric.
+    assert float(metrics["rollout_corr/abs_logprob_diff_mean"]) > 0.1
+
+
+def test_bypass_mode_skips_the_proximal_forward(monkeypatch):
+    model = tiny_model()
+    module = make_module(model, correction=OffPolicyCorrectionConfig.bypass())
+    calls = []
+    original = module._no_grad_logprobs
+    monkeypatch.setattr(module, "_no_grad_logprobs", lambda *a, **k: calls.append(1) or original(*a, **k))
+    fit_on(module, [make_rollout(model)], max_steps=1)
+    assert calls == []
+    assert module.policy_version == 1
+
+
+def test_reference_kl_uses_a_frozen_copy_that_does_not_move():
+    model = tiny_model()
+    module = make_module(model, loss=PolicyLossConfig(ref_kl_coef=0.5), correction=OffPolicyCorrectionConfig.disabled())
+    assert module.reference_model is not None
+    frozen = copy.deepcopy(module.reference_model)
+    fit_on(module, [make_rollout(model)], max_steps=2, limit_train_batches=1, max_epochs=2)
+    assert max_param_diff(frozen, module.reference_model) == 0.0
+    assert max_param_diff(frozen, module.policy) > 0
+
+
+def test_missing_rollouts_fail_with_the_fix():
+    model = tiny_model()
+    module = make_module(model)
+    with pytest.raises(RuntimeError, match="RolloutCallback"):
+        fit_on(module, [PromptBatch(prompts=["rev abc="])], max_steps=1)
+
+
+def test_missing_rollout_logprobs_fail_fast_naming_the_engine_setting():
+    model = tiny_model()
+    batch = make_rollout(model).with_fields(rollout_logprobs=None)
+    with pytest.raises(ValueError, match="logprobs=0"):
+        fit_on(make_module(model), [batch], max_steps=1)
+
+
+def test_nan_rollout_logprobs_fail_fast():
+    model = tiny_model()
+    batch = make_rollout(model)
+    bad = batch.rollout_logprobs.clone()
+    bad[0, 0] = float("nan")
+    with pytest.raises(ValueError, match="rollout_logprobs has 1 NaN"):
+        fit_on(make_module(model), [batch.with_fields(rollout_logprobs=bad)], max_steps=1)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        (dict(ppo_epochs=0), "ppo_epochs"),
+        (dict(num_minibatches=-1), "num_minibatches"),
+        (dict(max_tokens_per_microbatch=0), "max_tokens_per_microbatch"),
+        (dict(gradient_clip_val=0.0), "gradient_clip_val"),
+        (dict(temperature=0.0), "temperature"),
+        (dict(reference="base"), "reference"),
+        (dict(correction=OffPolicyCorrectionConfig.cispo(), loss=PolicyLossConfig(loss_type="gspo")), "loss_type"),
+        (dict(reference="disable_adapter", loss=PolicyLossConfig(ref_kl_coef=0.1)), "peft"),
+    ],
+)
+def test_invalid_arguments_name_the_setting(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        make_module(tiny_model(), **kwargs)
+
+
+def test_model_instance_needs_a_tokenizer():
+    with pytest.raises(ValueError, match="tokenizer"):
+        OffPolicyRLModule(model=tiny_model())
+
+
+def test_too_many_minibatches_for_the_rows():
+    model = tiny_model()
+    with pytest.raises(ValueError, match="num_minibatches"):
+        fit_on(make_module(model, num_minibatches=50), [make_rollout(model)], max_steps=1)

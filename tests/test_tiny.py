@@ -1,0 +1,180 @@
+"""The tiny Llama, its SFT warm-up, the cached checkpoint and `tiny:` model specs."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+import pytest
+import torch
+
+import lightning_offpolicy.tiny as tiny
+from lightning_offpolicy.tasks import get_task
+from lightning_offpolicy.tiny import (
+    MARKER_FILE,
+    build_tiny_llama,
+    greedy_completions,
+    greedy_reward,
+    prepare_tiny_checkpoint,
+    resolve_model_path,
+    tiny_llama_config,
+    warmup_sft,
+)
+from lightning_offpolicy.tokenizers import CharTokenizer, load_tokenizer
+
+
+@pytest.fixture(autouse=True)
+def _cache(tmp_path, monkeypatch):
+    monkeypatch.setenv(tiny.CACHE_ENV, str(tmp_path / "cache"))
+
+
+def test_config_shape():
+    config = tiny_llama_config()
+    assert config.vocab_size == 64 and config.hidden_size == 128 and config.intermediate_size == 256
+    assert config.num_hidden_layers == 2 and config.num_attention_heads == 2 and config.num_key_value_heads == 2
+    assert config.hidden_size // config.num_attention_heads == 64 == config.head_dim  # vLLM CPU attention
+    assert config.max_position_embeddings == 256
+    assert (config.pad_token_id, config.bos_token_id, config.eos_token_id) == (0, 1, 2)
+    assert config.tie_word_embeddings is False
+    assert tiny_llama_config(num_hidden_layers=1).num_hidden_layers == 1
+
+
+def test_build_is_seeded_float32_and_leaves_global_rng_alone():
+    state = torch.random.get_rng_state()
+    a, b, c = build_tiny_llama(seed=0), build_tiny_llama(seed=0), build_tiny_llama(seed=1)
+    assert torch.equal(torch.random.get_rng_state(), state)
+    assert all(p.dtype == torch.float32 for p in a.parameters())
+    assert torch.equal(a.lm_head.weight, b.lm_head.weight)
+    assert not torch.equal(a.lm_head.weight, c.lm_head.weight)
+    assert not a.training
+
+
+def test_warmup_lowers_loss_and_raises_greedy_reward():
+    tok, task = CharTokenizer(), get_task("reverse")
+    model = build_tiny_llama(seed=0)
+    before = greedy_reward(model, tok, task, num_prompts=64)
+    losses = warmup_sft(model, tok, task, steps=15, batch_size=32)
+    after = greedy_reward(model, tok, task, num_prompts=64)
+    assert len(losses) == 15
+    assert sum(losses[-3:]) / 3 < 0.6 * sum(losses[:3]) / 3
+    assert after > before + 0.1, (before, after)
+    assert not model.training
+
+
+def test_greedy_completions_stop_at_eos_and_are_batch_invariant():
+    tok, task = CharTokenizer(), get_task("copy")
+    model = build_tiny_llama(seed=0)
+    with torch.no_grad():  # make eos the argmax after any prefix: every completion is empty
+        model.lm_head.weight.zero_()
+        model.lm_head.weight[tok.eos_token_id].fill_(1.0)
+    assert greedy_completions(model, tok, ["copy ab=", "copy abcdef="], task.max_new_tokens) == ["", ""]
+    model = build_tiny_llama(seed=3)
+    prompts = ["copy ab=", "copy abcdef=", "rev abc="]
+    together = greedy_completions(model, tok, prompts, task.max_new_tokens)
+    alone = [greedy_completions(model, tok, [p], task.max_new_tokens)[0] for p in prompts]
+    assert together == alone  # left padding does not change the answers
+    assert all(len(c) <= task.max_new_tokens for c in together)
+
+
+def test_prepare_checkpoint_caches_and_reloads(tmp_path):
+    from transformers import LlamaForCausalLM
+
+    start = time.perf_counter()
+    path = prepare_tiny_checkpoint("copy", sft_steps=2, seed=0)
+    first = time.perf_counter() - start
+    assert path == tmp_path / "cache" / "tiny-copy-sft2-seed0"
+    assert (path / "model.safetensors").is_file() and (path / "config.json").is_file()
+    marker = json.loads((path / MARKER_FILE).read_text())
+    assert marker["spec"]["task"] == "copy" and marker["spec"]["sft_steps"] == 2
+    assert 0.0 <= marker["greedy_reward"] <= 1.0
+    mtime = (path / "model.safetensors").stat().st_mtime_ns
+
+    start = time.perf_counter()
+    assert prepare_tiny_checkpoint("copy", sft_steps=2, seed=0) == path
+    assert time.perf_counter() - start < min(first, 1.0)
+    assert (path / "model.safetensors").stat().st_mtime_ns == mtime
+    assert not [p for p in path.parent.iterdir() if p.name.startswith(".tiny-copy-sft2-seed0.tmp")]
+
+    tok = load_tokenizer(path)
+    assert isinstance(tok, CharTokenizer)
+    reloaded = LlamaForCausalLM.from_pretrained(path)
+    expected = build_tiny_llama(seed=0)
+    warmup_sft(expected, tok, get_task("copy"), steps=2, seed=0)
+    ids = torch.tensor([tok.encode("copy abc=")])
+    with torch.no_grad():
+        assert torch.equal(reloaded(ids).logits, expected(ids).logits)
+
+
+def test_interrupted_or_stale_builds_are_redone(tmp_path):
+    target = tmp_path / "ckpt"
+    target.mkdir()  # an empty directory (e.g. created by hand) is filled
+    assert prepare_tiny_checkpoint("addition", sft_steps=0, directory=target) == target.absolute()
+    # A marker with another spec (or a missing marker file after an interruption) means rebuild.
+    marker = json.loads((target / MARKER_FILE).read_text())
+    marker["spec"]["seed"] = 99
+    (target / MARKER_FILE).write_text(json.dumps(marker))
+    prepare_tiny_checkpoint("addition", sft_steps=0, directory=target)
+    assert json.loads((target / MARKER_FILE).read_text())["spec"]["seed"] == 0
+    # A directory holding something else is never overwritten.
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "notes.txt").write_text("mine")
+    with pytest.raises(FileExistsError, match="refusing"):
+        prepare_tiny_checkpoint("addition", sft_steps=0, directory=other)
+    assert (other / "notes.txt").read_text() == "mine"
+
+
+def test_concurrent_callers_share_one_build(tmp_path, monkeypatch):
+    builds = []
+    real_warmup = tiny.warmup_sft
+
+    def counting_warmup(*args, **kwargs):
+        builds.append(1)
+        time.sleep(0.2)
+        return real_warmup(*args, **kwargs)
+
+    monkeypatch.setattr(tiny, "warmup_sft", counting_warmup)
+    results, errors = [], []
+
+    def call():
+        try:
+            results.append(prepare_tiny_checkpoint("reverse", sft_steps=1, seed=2))
+        except BaseException as err:  # pragma: no cover - reported below
+            errors.append(err)
+
+    threads = [threading.Thread(target=call) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
+    assert results[0] == results[1] and (results[0] / MARKER_FILE).is_file()
+    assert len(builds) == 1
+
+
+def test_resolve_model_path_parsing(monkeypatch):
+    calls = []
+    monkeypatch.setattr(tiny, "prepare_tiny_checkpoint", lambda task, **kw: calls.append((task, kw)) or f"/x/{task}")
+    assert resolve_model_path("tiny:reverse") == "/x/reverse"
+    assert resolve_model_path("tiny:addition?sft_steps=300&seed=1") == "/x/addition"
+    assert calls == [("reverse", {}), ("addition", {"sft_steps": 300, "seed": 1})]
+    assert resolve_model_path("/some/local/dir") == "/some/local/dir"
+    assert resolve_model_path("Qwen/Qwen2.5-0.5B") == "Qwen/Qwen2.5-0.5B"
+    for bad, match in [
+        ("tiny:reverse?sft_steps", "bad query string"),
+        ("tiny:reverse?steps=3", "unknown option 'steps'"),
+        ("tiny:reverse?seed=x", "not an integer"),
+        ("tiny:reverse?seed=1&seed=2", "twice"),
+        ("tiny:", "names no task"),
+        ("tiny:nope", "available tasks"),
+    ]:
+        with pytest.raises(ValueError, match=match):
+            resolve_model_path(bad)
+    assert len(calls) == 2
+
+
+def test_resolve_model_path_builds_a_checkpoint(tmp_path):
+    path = resolve_model_path("tiny:copy?sft_steps=0&seed=4")
+    assert path == str(tmp_path / "cache" / "tiny-copy-sft0-seed4")
+    assert (tmp_path / "cache" / "tiny-copy-sft0-seed4" / MARKER_FILE).is_file()

@@ -1,0 +1,98 @@
+"""CharTokenizer / HFTokenizer / load_tokenizer."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from lightning_offpolicy.tokenizers import (
+    CHAR_TOKENIZER_FILE,
+    DEFAULT_ALPHABET,
+    UNKNOWN_CHAR,
+    CharTokenizer,
+    HFTokenizer,
+    load_tokenizer,
+)
+
+
+def test_default_alphabet_covers_tasks_and_fits_the_tiny_model():
+    tok = CharTokenizer()
+    for char in "0123456789abcdefghijklmnopqrstuvwxyz +=":
+        assert char in DEFAULT_ALPHABET
+    assert tok.vocab_size == 3 + len(DEFAULT_ALPHABET) <= 64
+    assert (tok.pad_token_id, tok.bos_token_id, tok.eos_token_id) == (0, 1, 2)
+
+
+def test_round_trip_and_special_tokens():
+    tok = CharTokenizer()
+    text = "rev abcd=12+34 xyz"
+    ids = tok.encode(text)
+    assert ids[0] == tok.bos_token_id and len(ids) == len(text) + 1
+    assert min(ids[1:]) >= 3 and max(ids) < tok.vocab_size
+    assert tok.encode(text, add_bos=False) == ids[1:]
+    assert tok.decode(ids) == text
+    assert tok.decode(torch.tensor(ids + [tok.eos_token_id, tok.pad_token_id])) == text
+    # decode does not stop at eos; special tokens are spelled out when not skipped.
+    with_eos = tok.encode("ab") + [tok.eos_token_id] + tok.encode("c", add_bos=False)
+    assert tok.decode(with_eos) == "abc"
+    assert tok.decode(with_eos, skip_special_tokens=False) == "<bos>ab<eos>c"
+    assert tok.batch_decode([tok.encode("a"), tok.encode("b")]) == ["a", "b"]
+    assert tok.encode("") == [tok.bos_token_id]
+
+
+def test_unknown_character_is_named():
+    tok = CharTokenizer()
+    with pytest.raises(ValueError, match="'Q'"):
+        tok.encode("abQ")
+    with pytest.raises(ValueError, match="repeats"):
+        CharTokenizer("abca")
+    # Ids beyond the alphabet (model vocab 64 > tokenizer vocab) decode to a marker, never crash.
+    assert tok.decode([5, 63]) == tok.decode([5]) + UNKNOWN_CHAR
+
+
+def test_custom_alphabet_ids():
+    tok = CharTokenizer("xyz")
+    assert tok.vocab_size == 6
+    assert tok.encode("zyx", add_bos=False) == [5, 4, 3]
+
+
+def test_save_and_load(tmp_path):
+    tok = CharTokenizer("abc=+")
+    path = tok.save_pretrained(tmp_path / "tok")
+    assert path.name == CHAR_TOKENIZER_FILE
+    assert json.loads(path.read_text())["alphabet"] == "abc=+"
+    loaded = CharTokenizer.from_pretrained(tmp_path / "tok")
+    assert loaded == tok and loaded.encode("a+b=") == tok.encode("a+b=")
+    assert isinstance(load_tokenizer(tmp_path / "tok"), CharTokenizer)
+    with pytest.raises(FileNotFoundError):
+        CharTokenizer.from_pretrained(tmp_path / "missing")
+
+
+def _write_hf_tokenizer(directory):
+    """A small word-level HF tokenizer built locally (no hub), without a pad token."""
+    tokenizers = pytest.importorskip("tokenizers")
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<s>": 0, "</s>": 1, "hello": 2, "world": 3, "[UNK]": 4}
+    model = tokenizers.models.WordLevel(vocab, unk_token="[UNK]")
+    raw = tokenizers.Tokenizer(model)
+    raw.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
+    fast = PreTrainedTokenizerFast(tokenizer_object=raw, bos_token="<s>", eos_token="</s>", unk_token="[UNK]")
+    fast.save_pretrained(str(directory))
+
+
+def test_hf_adapter_same_api(tmp_path):
+    _write_hf_tokenizer(tmp_path)
+    tok = load_tokenizer(tmp_path)
+    assert isinstance(tok, HFTokenizer)
+    assert tok.pad_token_id == tok.eos_token_id == 1  # pad falls back to eos
+    assert tok.bos_token_id == 0
+    ids = tok.encode("hello world")
+    assert ids == [0, 2, 3]
+    assert tok.encode("hello world", add_bos=False) == [2, 3]
+    assert tok.decode(ids + [1]).split() == ["hello", "world"]
+    assert tok.vocab_size == 5
+    tok.save_pretrained(tmp_path / "copy")
+    assert HFTokenizer.from_pretrained(tmp_path / "copy").encode("world") == [0, 3]
