@@ -13,7 +13,8 @@ Order of application, and the token set each step reads:
 5. TIS weights: token ``clamp(rho_t, lo, C)``, or sequence ``clamp(exp(S_i), lo, C)`` broadcast
    over the sequence; detached; 1.0 outside the response.
 6. Optional batch normalisation: weights divided by their mean over the kept tokens (token level)
-   or kept sequences (sequence level), summed over all ranks when ``torch.distributed`` runs.
+   or kept sequences (sequence level), summed over all ranks when ``torch.distributed`` runs;
+   every response token (kept or not) is divided by the same mean.
 
 Rows with no valid token get ``S_i = 0``, are never rejected, never produce NaN and are excluded
 from every per-sequence count.
@@ -150,7 +151,7 @@ def compute_correction(
 
         weights, clipped = _tis_weights(cfg, log_rho, kept_log_rho, valid)
         if cfg.normalize_weights and cfg.tis_level is not None:
-            weights = _normalize(weights, kept, cfg.tis_level)
+            weights = _normalize(weights, kept, valid, cfg.tis_level)
 
         seq_valid = valid.any(dim=-1)
         stats = CorrectionStats(
@@ -182,7 +183,7 @@ def _tis_weights(
     return torch.where(valid, truncated, ones), clipped
 
 
-def _normalize(weights: torch.Tensor, kept: torch.Tensor, level: str) -> torch.Tensor:
+def _normalize(weights: torch.Tensor, kept: torch.Tensor, valid: torch.Tensor, level: str) -> torch.Tensor:
     kept64 = kept.double()
     if level == "token":
         totals = torch.stack([(weights.double() * kept64).sum(), kept64.sum()])
@@ -195,7 +196,7 @@ def _normalize(weights: torch.Tensor, kept: torch.Tensor, level: str) -> torch.T
     if totals[1] <= 0 or totals[0] <= 0:
         return weights
     mean = (totals[0] / totals[1]).to(weights.dtype)
-    return torch.where(kept, weights / mean, torch.ones_like(weights))
+    return torch.where(valid, weights / mean, torch.ones_like(weights))
 
 
 def _check_inputs(

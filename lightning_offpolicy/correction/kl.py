@@ -6,7 +6,7 @@ policy), following Schulman's "Approximating KL divergence":
 * ``k1 = d``                     unbiased, high variance, can be negative;
 * ``abs = |d|``;
 * ``k2 = d^2 / 2``               prime-rl's squared log ratio, up to the factor 1/2;
-* ``k3 = exp(-d) - 1 + d``       non-negative, low variance;
+* ``k3 = exp(-d) - 1 + d``       non-negative, low variance (only the ``exp`` argument is clamped);
 * ``low_var_kl``                 ``k3`` with ``d`` clamped to [-20, 20] and the result to [-10, 10]
   (verl's spelling).
 
@@ -37,8 +37,10 @@ def kl_estimate(
         return d.abs()
     if estimator == "k2":
         return 0.5 * d.square()
-    if estimator in ("k3", "low_var_kl"):
+    if estimator == "k3":
+        # Only the exponent is clamped: beyond |d| = 20 the penalty keeps growing (slope 1).
+        return torch.exp(-d.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)) - 1.0 + d
+    if estimator == "low_var_kl":
         d = d.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
-        k3 = torch.exp(-d) - 1.0 + d
-        return k3.clamp(-10.0, 10.0) if estimator == "low_var_kl" else k3
+        return (torch.exp(-d) - 1.0 + d).clamp(-10.0, 10.0)
     raise ValueError(f"kl estimator {estimator!r} is not known; allowed: {', '.join(KL_ESTIMATORS)}.")

@@ -83,19 +83,27 @@ def aggregate(
     numerator = masked(per_token, kept_mask)
     response = response_mask.to(numerator.dtype)
     if mode == "token-mean":
-        count = response.sum() if token_count is None else torch.as_tensor(token_count, dtype=numerator.dtype)
-        return numerator.sum() / count.clamp(min=1.0)
+        count = response.sum() if token_count is None else _given_count(token_count, numerator)
+        return numerator.sum() / count.clamp(min=_MIN_COUNT if token_count is not None else 1.0)
     if mode in ("seq-mean-token-mean", "seq-mean-token-sum-norm"):
         if mode == "seq-mean-token-mean":
             per_seq = numerator.sum(dim=-1) / response.sum(dim=-1).clamp(min=1.0)
         else:
             per_seq = numerator.sum(dim=-1) / float(norm_constant or per_token.shape[-1])
         if sequence_count is None:
-            count = (response.sum(dim=-1) > 0).to(numerator.dtype).sum()
+            count = (response.sum(dim=-1) > 0).to(numerator.dtype).sum().clamp(min=1.0)
         else:
-            count = torch.as_tensor(sequence_count, dtype=numerator.dtype)
-        return per_seq.sum() / count.clamp(min=1.0)
+            count = _given_count(sequence_count, numerator).clamp(min=_MIN_COUNT)
+        return per_seq.sum() / count
     raise ValueError(f"aggregation mode {mode!r} is not known.")
+
+
+# A count passed in may be a global count divided by the number of ranks (below 1); only 0 is guarded.
+_MIN_COUNT = 1e-12
+
+
+def _given_count(count: float | torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    return torch.as_tensor(count, dtype=like.dtype, device=like.device)
 
 
 def policy_loss(
