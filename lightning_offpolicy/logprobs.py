@@ -34,9 +34,12 @@ A custom :class:`torch.autograd.Function` walks the flattened ``[N, V]`` logits 
   temporary at all; for bf16/fp16 through one float32 ``[chunk_size, V]`` temporary).
 
 Peak extra memory is therefore one gradient-sized tensor (which autograd has to return anyway)
-plus ``chunk_size * V`` float32 temporaries: for ``N`` rows of ``s``-byte logits the extra peak
-is about ``(1 + k * 4 * chunk_size / (s * N))`` logits tensors, ``k`` = 1 (0 for float32 logits in
-backward). ``benchmarks/logprob_memory.py`` measures it; see ``docs/performance_logprobs.md``.
+plus ``chunk_size * V`` float32 temporaries. For ``N`` rows of ``s``-byte logits, in units of one
+logits tensor: the backward peaks at ``1 + 4 * chunk_size / (s * N)`` for bf16/fp16 (``s = 2``;
+1.25 for ``chunk_size = 1024, N = 8192``) and at ~1.0 for float32 logits (computed in place in
+the gradient); the forward peaks at ``4 * chunk_size / (s * N)`` (twice that with the entropy) and
+keeps only ``N`` floats for the backward. ``benchmarks/logprob_memory.py`` measures it; see
+``docs/performance_logprobs.md``.
 Values are computed in float32 (float64 for float64 logits), so bf16 logits lose nothing compared
 with the naive ``.float()`` path.
 
@@ -193,6 +196,9 @@ def token_logprobs(
         temperature: sampling temperature ``T > 0``; the logits are divided by it.
         chunk_size: number of rows (tokens) processed at once. Temporaries are
             ``chunk_size x V`` float32 tensors; smaller saves memory, larger saves Python overhead.
+            With bf16/fp16 logits of ``N`` rows the backward peaks at about
+            ``1 + 2 * chunk_size / N`` logits tensors: ``chunk_size <= 0.1 * N`` keeps it
+            under 1.2 (float32 logits: ~1.0 whatever the chunk size).
         return_entropy: also return the entropy of ``softmax(logits / T)`` per token.
 
     Returns:

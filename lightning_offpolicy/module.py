@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import time
 from collections.abc import Iterator
 from typing import Any, Literal
@@ -84,8 +85,8 @@ class OffPolicyRLModule(LightningModule):
         tokenizer: Any = None,
         optimizer: OptimizerCallable | None = None,
         lr_scheduler: LRSchedulerCallable | None = None,
-        correction: OffPolicyCorrectionConfig | None = None,
-        loss: PolicyLossConfig | None = None,
+        correction: OffPolicyCorrectionConfig = OffPolicyCorrectionConfig(),  # noqa: B008 (read-only, copied)
+        loss: PolicyLossConfig = PolicyLossConfig(),  # noqa: B008 (read-only, copied)
         ppo_epochs: int = 1,
         num_minibatches: int = 1,
         max_tokens_per_microbatch: int = 8192,
@@ -115,8 +116,9 @@ class OffPolicyRLModule(LightningModule):
                 f"OffPolicyRLModule.reference={reference!r} is not known; allowed: 'auto', 'none', "
                 "'frozen_copy', 'disable_adapter'."
             )
-        self.correction = correction if correction is not None else OffPolicyCorrectionConfig.disabled()
-        self.loss_config = loss if loss is not None else PolicyLossConfig()
+        # Copies: the defaults above are shared objects, and a caller's config must not change under us.
+        self.correction = dataclasses.replace(correction if correction is not None else OffPolicyCorrectionConfig())
+        self.loss_config = dataclasses.replace(loss if loss is not None else PolicyLossConfig())
         check_compatible(self.correction, self.loss_config)
         if isinstance(model, torch.nn.Module):
             if tokenizer is None:

@@ -1,0 +1,96 @@
+"""The LightningCLI entry point: shipped configs parse, print_config round-trips, errors are clear, fit runs."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+from lightning_offpolicy.cli import OffPolicyCLI, main
+from lightning_offpolicy.correction import PRESETS, OffPolicyCorrectionConfig
+from lightning_offpolicy.module import OffPolicyRLModule
+from lightning_offpolicy.tasks import PromptDataModule
+
+ROOT = Path(__file__).resolve().parents[1]
+CONFIGS = sorted((ROOT / "configs").glob("*.yaml"))
+CORRECTION_CONFIGS = sorted((ROOT / "configs" / "correction").glob("*.yaml"))
+
+
+def parse(*args: str) -> OffPolicyCLI:
+    return OffPolicyCLI(
+        OffPolicyRLModule, PromptDataModule, subclass_mode_data=True, run=False, args=list(args),
+        auto_configure_optimizers=False,
+    )
+
+
+@pytest.mark.parametrize("config", CONFIGS, ids=lambda p: p.name)
+def test_every_shipped_config_parses_and_instantiates(config):
+    cli = parse("--config", str(config))
+    assert isinstance(cli.model, OffPolicyRLModule)
+    assert any(type(c).__name__ == "RolloutCallback" for c in cli.trainer.callbacks)
+    assert cli.model.temperature == cli.config["rollout"]["temperature"]
+
+
+@pytest.mark.parametrize("config", CORRECTION_CONFIGS, ids=lambda p: p.stem)
+def test_correction_configs_layer_to_exactly_their_preset(config):
+    cli = parse("--config", str(ROOT / "configs" / "quickstart.yaml"), "--config", str(config))
+    assert cli.model.correction == PRESETS[config.stem]()
+
+
+def test_every_preset_has_a_config_file():
+    aliases = {"geo_rs", "seq_tis_geo_rs"}
+    assert {p.stem for p in CORRECTION_CONFIGS} == set(PRESETS) - aliases
+
+
+def print_config(capsys, *config_files: Path) -> str:
+    args = ["fit"] + [a for f in config_files for a in ("--config", str(f))] + ["--print_config"]
+    with pytest.raises(SystemExit) as exit_info:
+        main(args)
+    assert exit_info.value.code == 0
+    return capsys.readouterr().out
+
+
+def test_print_config_round_trips(tmp_path, capsys):
+    first = print_config(capsys, ROOT / "configs" / "quickstart.yaml")
+    printed = tmp_path / "printed.yaml"
+    printed.write_text(first)
+    assert print_config(capsys, printed) == first
+    assert yaml.safe_load(first)["model"]["correction"]["tis_level"] == "token"
+
+
+def test_invalid_values_give_a_clear_error_before_training(capsys):
+    with pytest.raises(SystemExit):
+        parse("--config", str(ROOT / "configs" / "quickstart.yaml"), "--model.correction.tis_level=tokens")
+    assert "tis_level" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="tis_clip_low"):
+        parse("--config", str(ROOT / "configs" / "quickstart.yaml"), "--model.correction.tis_clip_low=3.0")
+
+
+def test_help_documents_the_knobs(capsys):
+    with pytest.raises(SystemExit):
+        main(["fit", "--help"])
+    out = capsys.readouterr().out
+    for text in ("--model.correction.geo_mask_low", "--rollout.samples_per_prompt", "Completions per prompt"):
+        assert text in out, text
+
+
+@pytest.mark.slow
+def test_short_fit_writes_tensorboard_metrics(tmp_path):
+    main([
+        "fit", "--config", str(ROOT / "configs" / "quickstart.yaml"),
+        "--trainer.max_steps=4", f"--trainer.logger.init_args.save_dir={tmp_path}",
+        f"--trainer.default_root_dir={tmp_path}", "--trainer.enable_progress_bar=false",
+        "--data.init_args.prompts_per_step=4", "--rollout.samples_per_prompt=4",
+    ])
+    (version,) = list((tmp_path / "quickstart").iterdir())
+    events = EventAccumulator(str(version))
+    events.Reload()
+    tags = set(events.Tags()["scalars"])
+    for tag in ("rollout_corr/kl", "rollout_corr/chi2_token", "rollout_corr/ess", "ppo/clip_frac", "train/reward",
+                "rollout/tokens_per_s", "perf/train_tokens_per_s"):
+        assert tag in tags, tag
+    assert len(events.Scalars("train/reward")) == 2  # 2 batches x 2 mini-batches = 4 optimizer steps
+    assert list((version / "checkpoints").glob("*.ckpt"))
+    assert OffPolicyCorrectionConfig.token_tis()  # the config of the run (sanity)
