@@ -345,6 +345,7 @@ class Row:
     preset: str
     total: float
     iqr: float
+    fastest: float
     correction: float
     loss: float
     metrics: float
@@ -369,6 +370,8 @@ class SizeResult:
     warmup: int
     seconds: float
     problems: dict[str, list[str]] = field(default_factory=dict)
+    load: tuple[float, float] = (float("nan"), float("nan"))  # 1-min load average before / after the rounds
+    cpu_per_wall: float = float("nan")  # this process's CPU seconds per wall second during the rounds
 
 
 def _quartiles(values: list[float]) -> tuple[float, float]:
@@ -404,6 +407,8 @@ def run_size(names: list[str], batch: int, seq_len: int, repeats: int, warmup: i
     order = list(cases)
     log(f"[B={batch} T={seq_len}] {repeats} timed rounds over {len(cases)} presets ...")
     gc.collect()
+    load_before = _loadavg()
+    wall0, cpu0 = time.perf_counter(), time.process_time()
     gc.disable()
     try:
         for r in range(repeats):
@@ -419,6 +424,8 @@ def run_size(names: list[str], batch: int, seq_len: int, repeats: int, warmup: i
                 log(f"  round {r + 1}/{repeats}")
     finally:
         gc.enable()
+    cpu_per_wall = (time.process_time() - cpu0) / max(time.perf_counter() - wall0, 1e-9)
+    load_after = _loadavg()
 
     log(f"[B={batch} T={seq_len}] counting bytes and peak memory ...")
     peaks = peak_extra_memory(cases)
@@ -431,6 +438,7 @@ def run_size(names: list[str], batch: int, seq_len: int, repeats: int, warmup: i
             preset=case.name,
             total=statistics.median(totals),
             iqr=q3 - q1,
+            fastest=min(totals),
             correction=statistics.median(t[0] for t in case.times),
             loss=statistics.median(t[1] for t in case.times),
             metrics=statistics.median(t[2] for t in case.times),
@@ -446,7 +454,14 @@ def run_size(names: list[str], batch: int, seq_len: int, repeats: int, warmup: i
         row.hot_ratio = row.total / row.bound_hot
         row.stream_ratio = row.total / (row.distinct / bw_stream) if stream else float("nan")
     return SizeResult(batch, seq_len, rows, bw_hot, bw_stream, repeats, warmup,
-                      time.perf_counter() - start, problems)
+                      time.perf_counter() - start, problems, (load_before, load_after), cpu_per_wall)
+
+
+def _loadavg() -> float:
+    try:
+        return os.getloadavg()[0]
+    except OSError:
+        return float("nan")
 
 
 # ------------------------------------------------------------------------------------ report
@@ -461,7 +476,7 @@ def _share(res: SizeResult, stage: str) -> float:
 def render_table(res: SizeResult) -> str:
     unit = 4 * res.batch * res.seq_len  # one [B, T] float32 tensor
     head = (
-        "| preset | step ms (median) | IQR ms | correction ms | loss f+b ms | metrics ms "
+        "| preset | step ms (median) | IQR ms | min step ms | correction ms | loss f+b ms | metrics ms "
         "| distinct MiB (x [B,T] f32) | op traffic MiB | data ops | bound ms (hot) "
         "| x bound (hot) | x bound (stream) | peak extra MiB (x [B,T] f32) |"
     )
@@ -469,7 +484,8 @@ def render_table(res: SizeResult) -> str:
     fastest = min(r.total for r in res.rows)
     for r in res.rows:
         lines.append(
-            f"| {r.preset} | {r.total * 1e3:.2f} | {r.iqr * 1e3:.2f} | {r.correction * 1e3:.2f} "
+            f"| {r.preset} | {r.total * 1e3:.2f} | {r.iqr * 1e3:.2f} | {r.fastest * 1e3:.2f} "
+            f"| {r.correction * 1e3:.2f} "
             f"| {r.loss * 1e3:.2f} | {r.metrics * 1e3:.2f} "
             f"| {r.distinct / MiB:.3g} ({r.distinct / unit:.1f}) | {r.traffic / MiB:.3g} | {r.ops} "
             f"| {r.bound_hot * 1e3:.3g} | {_fmt(r.hot_ratio, 1)} | {_fmt(r.stream_ratio, 1)} "
@@ -484,6 +500,12 @@ def render_table(res: SizeResult) -> str:
         f"correction {_share(res, 'correction'):.0%}, loss f+b {_share(res, 'loss'):.0%}, "
         f"metrics {_share(res, 'metrics'):.0%}."
     )
+    summary += (
+        f" Machine load during the rounds: 1-min load average {_fmt(res.load[0], 1)} -> "
+        f"{_fmt(res.load[1], 1)} "
+        f"on {os.cpu_count()} CPUs; this process got {res.cpu_per_wall:.2f} CPU-s per wall-s "
+        f"({torch.get_num_threads()} intra-op threads)."
+    )
     by_name = {r.preset: r for r in res.rows}
     twins = [(by_name[r.alias_of], r) for r in res.rows if r.alias_of is not None]
     if twins:
@@ -492,6 +514,24 @@ def render_table(res: SizeResult) -> str:
             f"({b.total / a.total:.2f}x)"
             for a, b in twins
         ) + "."
+    noisy = []
+    cpus = os.cpu_count() or 1
+    if max(res.load) > cpus:
+        noisy.append(f"the 1-min load average ({max(res.load):.1f}) exceeded the {cpus} CPUs")
+    off = [f"{b.preset}/{a.preset} {b.total / a.total:.2f}x"
+           for a, b in twins if abs(b.total / a.total - 1) > 0.1]
+    if off:
+        noisy.append("identical configs differ by more than 10% (" + ", ".join(off) + ")")
+    if noisy:
+        summary += "\n\n**Noisy run**: " + "; ".join(noisy) + ". Other processes competed for the CPUs. "
+        if torch.get_num_threads() > 1:
+            summary += (
+                "With several intra-op threads each op waits for its slowest thread, so contention "
+                "inflates times far more than the load suggests: compare `min step ms`, or rerun with "
+                "`--threads 1` or on a quiet machine."
+            )
+        else:
+            summary += "Compare `min step ms` and the ratios between presets, or rerun on a quiet machine."
     if res.problems:
         summary += "\n\n**Non-finite results (NaN padding leaked?):** " + "; ".join(
             f"{k}: {', '.join(v)}" for k, v in res.problems.items()

@@ -52,18 +52,33 @@ def _check_level(name: str, level: str) -> None:
         raise ValueError(f"{name}: level={level!r} is not known; allowed: 'token', 'sequence'.")
 
 
-def _token_values(stats: CorrectionStats) -> tuple[torch.Tensor, torch.Tensor]:
-    """``log_rho`` of the response tokens as a flat float64 vector, and their count."""
-    values = stats.log_rho[stats.response_mask].to(_F64)
-    return values, torch.tensor(values.numel(), dtype=_F64, device=values.device)
+def _cached(stats: CorrectionStats, key: str, make: Any) -> torch.Tensor:
+    """Compute a derived tensor once per ``stats`` object, shared by every metric of a bundle."""
+    cache = stats.__dict__.setdefault("_metric_cache", {})
+    if key not in cache:
+        cache[key] = make()
+    return cache[key]
 
 
-def _sequence_values(stats: CorrectionStats) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``S_i``, ``n_i`` of the sequences with a response token (float64), and their count."""
-    valid = stats.seq_valid
-    seq_sum = stats.seq_log_rho[valid].to(_F64)
-    seq_n = stats.seq_tokens[valid].to(_F64)
-    return seq_sum, seq_n, torch.tensor(seq_sum.numel(), dtype=_F64, device=seq_sum.device)
+def _sum64(values: torch.Tensor, where: torch.Tensor | None = None) -> torch.Tensor:
+    """Float64 sum, optionally over ``where`` only (``torch.where``: no boolean gather, no sync)."""
+    if where is not None:
+        values = torch.where(where, values, torch.zeros((), dtype=values.dtype, device=values.device))
+    return values.sum(dtype=_F64)
+
+
+def _token_count(stats: CorrectionStats) -> torch.Tensor:
+    return _cached(stats, "token_count", lambda: stats.response_mask.sum(dtype=_F64))
+
+
+def _token_rho(stats: CorrectionStats) -> torch.Tensor:
+    """``rho_t`` on every position (``log_rho`` is 0 at padding, so ``rho`` is 1 there)."""
+    return _cached(stats, "rho", lambda: safe_exp(stats.log_rho))
+
+
+def _sequence_log_values(stats: CorrectionStats) -> tuple[torch.Tensor, torch.Tensor]:
+    """``S_i`` (0 for sequences without a response token) and the number of valid sequences."""
+    return stats.seq_log_rho, _cached(stats, "seq_count", lambda: stats.seq_valid.sum(dtype=_F64))
 
 
 # --------------------------------------------------------------------------------------------
@@ -71,35 +86,35 @@ def _sequence_values(stats: CorrectionStats) -> tuple[torch.Tensor, torch.Tensor
 # --------------------------------------------------------------------------------------------
 def mismatch_kl_sums(stats: CorrectionStats, estimator: str = "k1") -> tuple[torch.Tensor, torch.Tensor]:
     """``(sum, count)`` over response tokens of ``-log rho`` (k1) or ``rho - 1 - log rho`` (k3)."""
-    log_rho, count = _token_values(stats)
-    per_token = -log_rho if estimator == "k1" else safe_exp(log_rho) - 1.0 - log_rho
-    return per_token.sum(), count
+    # Both terms are exactly 0 at padding (log_rho = 0, rho = 1): no mask needed.
+    if estimator == "k1":
+        return -_sum64(stats.log_rho), _token_count(stats)
+    return _sum64(_token_rho(stats) - 1.0 - stats.log_rho), _token_count(stats)
 
 
 def log_ppl_sums(stats: CorrectionStats, exponentiate: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """``(sum_i d_i, count)`` with ``d_i = -S_i / n_i`` (or ``exp(d_i)`` for the PPL ratio)."""
-    seq_sum, seq_n, count = _sequence_values(stats)
-    diff = -seq_sum / seq_n
-    return (safe_exp(diff) if exponentiate else diff).sum(), count
+    seq_sum, count = _sequence_log_values(stats)
+    diff = -seq_sum.to(_F64) / stats.seq_tokens.to(_F64).clamp(min=1.0)
+    return _sum64(safe_exp(diff) if exponentiate else diff, stats.seq_valid), count
 
 
 def chi2_sums(stats: CorrectionStats, level: Level = "token") -> tuple[torch.Tensor, torch.Tensor]:
     """``(sum rho^2, count)`` over response tokens or over sequences (``rho = exp(S_i)``)."""
     if level == "token":
-        log_values, count = _token_values(stats)
-    else:
-        log_values, _, count = _sequence_values(stats)
-    return safe_exp(log_values).square().sum(), count
+        return _sum64(_token_rho(stats).square(), stats.response_mask), _token_count(stats)
+    seq_sum, count = _sequence_log_values(stats)
+    return _sum64(safe_exp(seq_sum.to(_F64)).square(), stats.seq_valid), count
 
 
 def ess_sums(stats: CorrectionStats, level: Level = "token") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(sum rho, sum rho^2, count)`` over response tokens or over sequences."""
     if level == "token":
-        log_values, count = _token_values(stats)
+        rho, where, count = _token_rho(stats), stats.response_mask, _token_count(stats)
     else:
-        log_values, _, count = _sequence_values(stats)
-    rho = safe_exp(log_values)
-    return rho.sum(), rho.square().sum(), count
+        seq_sum, count = _sequence_log_values(stats)
+        rho, where = safe_exp(seq_sum.to(_F64)), stats.seq_valid
+    return _sum64(rho, where), _sum64(rho.square(), where), count
 
 
 def rejection_sums(
@@ -112,9 +127,9 @@ def rejection_sums(
     else:
         rejected_tokens = stats.token_rejected.get(mask, torch.zeros_like(response))
     if level == "token":
-        return rejected_tokens.sum().to(_F64), response.sum().to(_F64)
+        return rejected_tokens.sum(dtype=_F64), _token_count(stats)
     valid = stats.seq_valid
-    return (valid & rejected_tokens.any(dim=-1)).sum().to(_F64), valid.sum().to(_F64)
+    return (valid & rejected_tokens.any(dim=-1)).sum(dtype=_F64), valid.sum(dtype=_F64)
 
 
 # --------------------------------------------------------------------------------------------
@@ -247,15 +262,14 @@ class ImportanceWeightMean(_RatioOfSums):
     empty_value = 1.0
 
     def update(self, stats: CorrectionStats) -> None:
-        weights = stats.weights[stats.kept].to(_F64)
-        self._accumulate(weights.sum(), torch.tensor(weights.numel(), dtype=_F64))
+        self._accumulate(_sum64(stats.weights, stats.kept), stats.kept.sum(dtype=_F64))
 
 
 class ImportanceWeightClipFraction(_RatioOfSums):
     """Fraction of the tokens that reach the loss whose IS weight was truncated."""
 
     def update(self, stats: CorrectionStats) -> None:
-        self._accumulate(stats.weight_clipped[stats.kept].sum().to(_F64), stats.kept.sum().to(_F64))
+        self._accumulate((stats.weight_clipped & stats.kept).sum(dtype=_F64), stats.kept.sum(dtype=_F64))
 
 
 class _Extreme(Metric):
@@ -272,14 +286,20 @@ class _Extreme(Metric):
         start = float("-inf") if self.reduce == "max" else float("inf")
         self.add_state("value", default=torch.tensor(start, dtype=_F64), dist_reduce_fx=self.reduce)
 
-    def _values(self, stats: CorrectionStats) -> torch.Tensor:
+    def _values(self, stats: CorrectionStats) -> tuple[torch.Tensor, torch.Tensor]:
+        """The candidate values and where they count."""
         raise NotImplementedError
 
     def update(self, stats: CorrectionStats) -> None:
-        values = self._values(stats).to(self.value.device, _F64)
-        if values.numel():
-            extreme = values.max() if self.reduce == "max" else values.min()
-            self.value = torch.maximum(self.value, extreme) if self.reduce == "max" else torch.minimum(self.value, extreme)
+        values, where = self._values(stats)
+        if self.reduce == "max":
+            fill = torch.tensor(float("-inf"), dtype=values.dtype, device=values.device)
+            extreme = torch.where(where, values, fill).amax() if values.numel() else fill
+            self.value = torch.maximum(self.value, extreme.to(self.value.device, _F64))
+        else:
+            fill = torch.tensor(float("inf"), dtype=values.dtype, device=values.device)
+            extreme = torch.where(where, values, fill).amin() if values.numel() else fill
+            self.value = torch.minimum(self.value, extreme.to(self.value.device, _F64))
 
     def compute(self) -> torch.Tensor:
         if torch.isinf(self.value):
@@ -293,8 +313,8 @@ class ImportanceWeightMax(_Extreme):
     reduce = "max"
     empty_value = 1.0
 
-    def _values(self, stats: CorrectionStats) -> torch.Tensor:
-        return stats.weights[stats.kept]
+    def _values(self, stats: CorrectionStats) -> tuple[torch.Tensor, torch.Tensor]:
+        return stats.weights, stats.kept
 
 
 class ImportanceWeightMin(_Extreme):
@@ -303,16 +323,15 @@ class ImportanceWeightMin(_Extreme):
     reduce = "min"
     empty_value = 1.0
 
-    def _values(self, stats: CorrectionStats) -> torch.Tensor:
-        return stats.weights[stats.kept]
+    def _values(self, stats: CorrectionStats) -> tuple[torch.Tensor, torch.Tensor]:
+        return stats.weights, stats.kept
 
 
 class AbsLogProbDiffMean(_RatioOfSums):
     """Mean of ``|log pi_prox - log pi_rollout|`` over response tokens."""
 
     def update(self, stats: CorrectionStats) -> None:
-        log_rho, count = _token_values(stats)
-        self._accumulate(log_rho.abs().sum(), count)
+        self._accumulate(_sum64(stats.log_rho.abs()), _token_count(stats))
 
 
 class AbsLogProbDiffMax(_Extreme):
@@ -320,8 +339,8 @@ class AbsLogProbDiffMax(_Extreme):
 
     reduce = "max"
 
-    def _values(self, stats: CorrectionStats) -> torch.Tensor:
-        return stats.log_rho[stats.response_mask].abs()
+    def _values(self, stats: CorrectionStats) -> tuple[torch.Tensor, torch.Tensor]:
+        return stats.log_rho.abs(), stats.response_mask
 
 
 class RejectionRate(_RatioOfSums):
