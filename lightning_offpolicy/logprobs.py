@@ -151,9 +151,9 @@ class _TokenLogprobs(torch.autograd.Function):
                 else:
                     buf.copy_(x)
             else:  # bf16 / fp16 logits: one float32 [chunk, V] temporary, reused across chunks
-                if tmp is None or tmp.shape[0] != end - start:
-                    tmp = torch.empty((end - start, vocab), dtype=acc, device=logits.device)
-                buf = tmp
+                if tmp is None:
+                    tmp = torch.empty((min(chunk_size, n), vocab), dtype=acc, device=logits.device)
+                buf = tmp[: end - start]  # leading rows: contiguous
                 buf.copy_(x)  # exact upcast
                 if inv_t != 1.0:
                     buf.mul_(inv_t)

@@ -21,7 +21,14 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-__all__ = ["DEFAULT_ALPHABET", "UNKNOWN_CHAR", "CHAR_TOKENIZER_FILE", "CharTokenizer", "HFTokenizer", "load_tokenizer"]
+__all__ = [
+    "DEFAULT_ALPHABET",
+    "UNKNOWN_CHAR",
+    "CHAR_TOKENIZER_FILE",
+    "CharTokenizer",
+    "HFTokenizer",
+    "load_tokenizer",
+]
 
 #: Digits, lowercase letters, space and the symbols of the built-in tasks (3 specials + 45 = 48 ids).
 DEFAULT_ALPHABET: str = string.digits + string.ascii_lowercase + " +-*=,.:?"

@@ -25,14 +25,21 @@ from lightning_offpolicy.tokenizers import CharTokenizer, load_tokenizer
 
 
 @pytest.fixture(autouse=True)
-def _cache(tmp_path, monkeypatch):
+def _cache_and_threads(tmp_path, monkeypatch):
     monkeypatch.setenv(tiny.CACHE_ENV, str(tmp_path / "cache"))
+    # One thread: the model is tiny, and on a busy 2-core machine two threads run ~20x slower.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
 
 
 def test_config_shape():
     config = tiny_llama_config()
     assert config.vocab_size == 64 and config.hidden_size == 128 and config.intermediate_size == 256
-    assert config.num_hidden_layers == 2 and config.num_attention_heads == 2 and config.num_key_value_heads == 2
+    assert (
+        config.num_hidden_layers == 2 and config.num_attention_heads == 2 and config.num_key_value_heads == 2
+    )
     assert config.hidden_size // config.num_attention_heads == 64 == config.head_dim  # vLLM CPU attention
     assert config.max_position_embeddings == 256
     assert (config.pad_token_id, config.bos_token_id, config.eos_token_id) == (0, 1, 2)
@@ -54,9 +61,9 @@ def test_warmup_lowers_loss_and_raises_greedy_reward():
     tok, task = CharTokenizer(), get_task("reverse")
     model = build_tiny_llama(seed=0)
     before = greedy_reward(model, tok, task, num_prompts=64)
-    losses = warmup_sft(model, tok, task, steps=15, batch_size=32)
+    losses = warmup_sft(model, tok, task, steps=10, batch_size=64)
     after = greedy_reward(model, tok, task, num_prompts=64)
-    assert len(losses) == 15
+    assert len(losses) == 10
     assert sum(losses[-3:]) / 3 < 0.6 * sum(losses[:3]) / 3
     assert after > before + 0.1, (before, after)
     assert not model.training
@@ -108,8 +115,12 @@ def test_prepare_checkpoint_caches_and_reloads(tmp_path):
 
 def test_interrupted_or_stale_builds_are_redone(tmp_path):
     target = tmp_path / "ckpt"
+    leftover = tmp_path / ".ckpt.tmp-killed"  # what a killed build leaves behind
+    leftover.mkdir()
+    (leftover / "config.json").write_text("{}")
     target.mkdir()  # an empty directory (e.g. created by hand) is filled
     assert prepare_tiny_checkpoint("addition", sft_steps=0, directory=target) == target.absolute()
+    assert not leftover.exists()
     # A marker with another spec (or a missing marker file after an interruption) means rebuild.
     marker = json.loads((target / MARKER_FILE).read_text())
     marker["spec"]["seed"] = 99
@@ -155,10 +166,13 @@ def test_concurrent_callers_share_one_build(tmp_path, monkeypatch):
 
 def test_resolve_model_path_parsing(monkeypatch):
     calls = []
-    monkeypatch.setattr(tiny, "prepare_tiny_checkpoint", lambda task, **kw: calls.append((task, kw)) or f"/x/{task}")
+    monkeypatch.setattr(
+        tiny, "prepare_tiny_checkpoint", lambda task, **kw: calls.append((task, kw)) or f"/x/{task}"
+    )
     assert resolve_model_path("tiny:reverse") == "/x/reverse"
     assert resolve_model_path("tiny:addition?sft_steps=300&seed=1") == "/x/addition"
-    assert calls == [("reverse", {}), ("addition", {"sft_steps": 300, "seed": 1})]
+    assert resolve_model_path("tiny:copy?sft_lr=1e-3") == "/x/copy"
+    assert calls == [("reverse", {}), ("addition", {"sft_steps": 300, "seed": 1}), ("copy", {"sft_lr": 1e-3})]
     assert resolve_model_path("/some/local/dir") == "/some/local/dir"
     assert resolve_model_path("Qwen/Qwen2.5-0.5B") == "Qwen/Qwen2.5-0.5B"
     for bad, match in [
@@ -166,15 +180,30 @@ def test_resolve_model_path_parsing(monkeypatch):
         ("tiny:reverse?steps=3", "unknown option 'steps'"),
         ("tiny:reverse?seed=x", "not an integer"),
         ("tiny:reverse?seed=1&seed=2", "twice"),
+        ("tiny:reverse?sft_lr=fast", "not a number"),
         ("tiny:", "names no task"),
         ("tiny:nope", "available tasks"),
     ]:
         with pytest.raises(ValueError, match=match):
             resolve_model_path(bad)
-    assert len(calls) == 2
+    assert len(calls) == 3
 
 
 def test_resolve_model_path_builds_a_checkpoint(tmp_path):
     path = resolve_model_path("tiny:copy?sft_steps=0&seed=4")
     assert path == str(tmp_path / "cache" / "tiny-copy-sft0-seed4")
     assert (tmp_path / "cache" / "tiny-copy-sft0-seed4" / MARKER_FILE).is_file()
+    # A non-default learning rate gets its own directory.
+    path = resolve_model_path("tiny:copy?sft_steps=0&seed=4&sft_lr=0.01")
+    assert path == str(tmp_path / "cache" / "tiny-copy-sft0-seed4-lr0.01")
+    assert torch.get_num_threads() == 1  # the build restores the caller's thread count
+
+
+def test_prepare_checkpoint_argument_errors():
+    with pytest.raises(ValueError, match="available tasks"):
+        prepare_tiny_checkpoint("nope")
+    with pytest.raises(ValueError, match="sft_steps"):
+        prepare_tiny_checkpoint("copy", sft_steps=-1)
+    with pytest.raises(ValueError, match="sft_lr"):
+        prepare_tiny_checkpoint("copy", sft_steps=0, sft_lr=0.0)
+    assert tiny.DEFAULT_SFT_STEPS.keys() == tiny.DEFAULT_SFT_LR.keys()

@@ -67,7 +67,7 @@ class TaskReward:
                 f"TaskReward: {len(prompts)} prompts, {len(completions)} completions and "
                 f"{len(metadata)} metadata entries; they must match."
             )
-        return [float(self.task.reward(c, m)) for c, m in zip(completions, metadata)]
+        return [float(self.task.reward(c, m)) for c, m in zip(completions, metadata, strict=True)]
 
     def __repr__(self) -> str:
         return f"TaskReward({self.task!r})"
@@ -87,5 +87,5 @@ def positional_score(completion: str, target: str, align: str = "left") -> float
         return 1.0
     if align == "right":
         completion, target = completion[::-1], target[::-1]
-    matches = sum(a == b for a, b in zip(completion, target))
+    matches = sum(a == b for a, b in zip(completion, target, strict=False))
     return matches / length
