@@ -1,6 +1,7 @@
 # The one place that knows how to install the kit on this project's machines.
 #   make demo   create .venv, install, run the main job on the embedded default
 #   make test   create .venv with the dev and vLLM extras, run the whole suite
+#   make selfcheck  every correction preset on a real tiny model (no training)
 #   make bench  run the benchmarks under benchmarks/
 PYTHON ?= python3
 VENV   ?= .venv
@@ -12,7 +13,7 @@ VLLM_EXTRA ?= $(shell command -v nvidia-smi >/dev/null 2>&1 && echo vllm || echo
 # (`pip install torch==2.13.0` resolves to the local CPU wheel there).
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: demo test bench lint clean venv venv-dev
+.PHONY: demo selfcheck test bench lint clean venv venv-dev
 
 $(VENV)/.base: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -32,14 +33,20 @@ $(VENV)/.dev: $(VENV)/.base pyproject.toml
 venv: $(VENV)/.base
 venv-dev: $(VENV)/.dev
 
+# One OpenMP thread: the tiny models gain nothing from more, and on a shared 2-core machine a
+# second thread that waits for a busy core slows every op down by an order of magnitude.
 demo: $(VENV)/.base
-	$(VENV)/bin/lightning-offpolicy selfcheck
+	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} $(VENV)/bin/lightning-offpolicy fit --config configs/quickstart.yaml
+
+selfcheck: $(VENV)/.base
+	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} $(VENV)/bin/lightning-offpolicy selfcheck
 
 test: $(VENV)/.dev
-	$(PY) -m pytest tests
+	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} $(PY) -m pytest tests
 
 bench: $(VENV)/.dev
-	$(PY) benchmarks/correction_bench.py --output docs/performance_correction.md
+	$(PY) benchmarks/correction_bench.py --threads 1 --output docs/performance_correction.md
+	$(PY) benchmarks/logprob_memory.py --output docs/performance_logprobs.md
 
 lint: $(VENV)/.dev
 	$(VENV)/bin/ruff check lightning_offpolicy tests benchmarks examples

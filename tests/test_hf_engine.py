@@ -79,7 +79,7 @@ def test_same_seed_same_samples_and_rng_untouched():
 
 def test_private_copy_follows_state_dict_updates():
     model = tiny_model()
-    engine = HFEngine(pad_token_id=0, eos_token_id=2, share_weights=False)
+    engine = HFEngine(dtype="float32", pad_token_id=0, eos_token_id=2)
     engine.update_weights(model, version=0)
     assert engine.model is not model
     with torch.no_grad():
@@ -99,6 +99,12 @@ def test_errors():
     engine = HFEngine(pad_token_id=0, eos_token_id=2)
     with pytest.raises(RuntimeError, match="update_weights"):
         engine.generate(PROMPTS, SamplingConfig())
+    with pytest.raises(ValueError, match="dtype"):
+        HFEngine(dtype="int8")
+    no_ids = HFEngine()
+    no_ids.update_weights(tiny_model(), 0)
+    with pytest.raises(RuntimeError, match="pad_token_id"):
+        no_ids.generate(PROMPTS, SamplingConfig())
     engine.update_weights(tiny_model(), 0)
     with pytest.raises(ValueError, match="at least one token"):
         engine.generate([[]], SamplingConfig())
@@ -106,3 +112,17 @@ def test_errors():
         SamplingConfig(temperature=0.0)
     with pytest.raises(ValueError, match="top_p"):
         SamplingConfig(top_p=0.0)
+
+
+def test_bfloat16_engine_is_a_real_precision_mismatch():
+    model = tiny_model()
+    engine = HFEngine(dtype="bfloat16", pad_token_id=0, eos_token_id=2)
+    engine.update_weights(model, version=0)
+    assert next(engine.model.parameters()).dtype == torch.bfloat16
+    assert next(model.parameters()).dtype == torch.float32  # the trainer's module is untouched
+    sampling = SamplingConfig(max_new_tokens=8, samples_per_prompt=4)
+    gaps = []
+    for c in engine.generate(PROMPTS, sampling, seed=0):
+        expected = teacher_forced(model, PROMPTS[c.prompt_index], c.token_ids, sampling)
+        gaps.append((torch.tensor(c.logprobs, dtype=torch.float64) - expected).abs().max().item())
+    assert 1e-4 < max(gaps) < 0.5  # bf16 rounding: visible, small

@@ -35,7 +35,8 @@ class RolloutCallback(Callback):
 
     Args:
         engine: The rollout engine; ``None`` builds an :class:`HFEngine` that shares the module's
-            weights.
+            weights. ``HFEngine(dtype="bfloat16")`` samples from a bfloat16 copy (a real
+            training-inference mismatch, as with vLLM).
         reward_fn: ``(prompts, completions, metadata) -> rewards``; ``None`` takes the
             datamodule's ``reward_fn``.
         max_new_tokens: Maximum tokens generated per completion.
@@ -106,8 +107,9 @@ class RolloutCallback(Callback):
 
     def _engine(self, pl_module: LightningModule) -> RolloutEngine:
         if self.engine is None:
-            tokenizer = pl_module.tokenizer
-            self.engine = HFEngine(pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
+            self.engine = HFEngine()
+        if hasattr(self.engine, "set_special_tokens"):
+            self.engine.set_special_tokens(pl_module.tokenizer.pad_token_id, pl_module.tokenizer.eos_token_id)
         return self.engine
 
     # ------------------------------------------------------------------------------ the step

@@ -2,16 +2,18 @@
 
 Used by the quickstart, the tests and anyone without vLLM. By default it shares the trainer's
 module (no copy, no weight transfer): generation runs with exactly the weights of the current
-step. Its logprobs are those of the distribution it sampled from: ``generate`` returns the
-processed scores (temperature, top-k and top-p applied, filtered tokens at ``-inf``), and the
-logprob of each sampled token is read from their log-softmax.
+step. With ``dtype="bfloat16"`` it keeps its own bfloat16 copy instead, refreshed at every
+``update_weights``: the precision gap of a real inference engine, on a laptop. Its logprobs are
+those of the distribution it sampled from: ``generate`` returns the processed scores
+(temperature, top-k and top-p applied, filtered tokens at ``-inf``), and the logprob of each
+sampled token is read from their log-softmax.
 """
 
 from __future__ import annotations
 
 import copy
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
@@ -22,29 +24,49 @@ class HFEngine:
     """Sample with a ``transformers`` causal LM in the current process.
 
     Args:
-        pad_token_id: Padding id for batched generation (prompts are left-padded).
-        eos_token_id: Stop token id.
-        share_weights: Generate with the trainer's module itself (``update_weights`` keeps a
-            reference); ``False`` keeps a private copy and loads the state dict on each update.
+        dtype: Precision of the engine's weights: ``None`` shares the trainer's module as it is;
+            ``"bfloat16"`` / ``"float16"`` / ``"float32"`` keep a private copy in that dtype.
         max_batch_size: Most sequences per ``generate`` call (0: all at once).
+        pad_token_id: Padding id for batched generation (prompts are left-padded); ``None``: set
+            by the ``RolloutCallback`` from the module's tokenizer.
+        eos_token_id: Stop token id; ``None``: from the module's tokenizer.
     """
 
     def __init__(
-        self, pad_token_id: int, eos_token_id: int, share_weights: bool = True, max_batch_size: int = 0
+        self,
+        dtype: Literal["bfloat16", "float16", "float32"] | None = None,
+        max_batch_size: int = 0,
+        pad_token_id: int | None = None,
+        eos_token_id: int | None = None,
     ) -> None:
+        if dtype not in (None, "bfloat16", "float16", "float32"):
+            raise ValueError(f"HFEngine.dtype={dtype!r} is not known; allowed: None, 'bfloat16', 'float16', 'float32'.")
+        if max_batch_size < 0:
+            raise ValueError(f"HFEngine.max_batch_size={max_batch_size} must be >= 0 (0: no limit).")
+        self.dtype = dtype
         self.pad_token_id = pad_token_id
         self.eos_token_id = eos_token_id
-        self.share_weights = share_weights
         self.max_batch_size = max_batch_size
         self.model: torch.nn.Module | None = None
         self.version = 0
+
+    @property
+    def share_weights(self) -> bool:
+        return self.dtype is None
+
+    def set_special_tokens(self, pad_token_id: int, eos_token_id: int) -> None:
+        """Fill in the padding / stop ids that were not given at construction."""
+        if self.pad_token_id is None:
+            self.pad_token_id = pad_token_id
+        if self.eos_token_id is None:
+            self.eos_token_id = eos_token_id
 
     def update_weights(self, source: torch.nn.Module | Mapping[str, torch.Tensor], version: int) -> None:
         if isinstance(source, torch.nn.Module):
             if self.share_weights:
                 self.model = source
             elif self.model is None:
-                self.model = copy.deepcopy(source).requires_grad_(False)
+                self.model = copy.deepcopy(source).requires_grad_(False).to(getattr(torch, self.dtype))
             else:
                 self.model.load_state_dict(source.state_dict())
         else:
@@ -57,6 +79,8 @@ class HFEngine:
     def generate(self, prompt_ids: list[list[int]], sampling: SamplingConfig, seed: int | None = None) -> list[Completion]:
         if self.model is None:
             raise RuntimeError("HFEngine has no weights yet: call update_weights(module, version) first.")
+        if self.pad_token_id is None or self.eos_token_id is None:
+            raise RuntimeError("HFEngine needs pad_token_id and eos_token_id (or set_special_tokens(...)).")
         if any(len(p) == 0 for p in prompt_ids):
             raise ValueError("HFEngine.generate: every prompt needs at least one token.")
         rows = [i for i in range(len(prompt_ids)) for _ in range(sampling.samples_per_prompt)]

@@ -1,0 +1,7 @@
+"""Rollout side: the engine contract, the embedded HF engine, and the callback that drives them."""
+
+from lightning_offpolicy.rollout.callback import RolloutCallback
+from lightning_offpolicy.rollout.engine import Completion, RolloutEngine, SamplingConfig
+from lightning_offpolicy.rollout.hf_engine import HFEngine
+
+__all__ = ["Completion", "HFEngine", "RolloutCallback", "RolloutEngine", "SamplingConfig"]
