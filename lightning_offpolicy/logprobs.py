@@ -94,9 +94,14 @@ class _TokenLogprobs(torch.autograd.Function):
             x = flat[start:end]
             t = tgt[start:end]
             m = x.amax(dim=-1).to(acc)  # [c]
-            # d = (x - max) / T in the accumulation dtype: the one [c, V] temporary. Subtracting a
-            # float32 [c, 1] tensor promotes a bf16 x to float32 exactly, element by element.
-            d = torch.sub(x, m[:, None])
+            # d = (x - max) / T in the accumulation dtype: the one [c, V] temporary. bf16/fp16 x is
+            # upcast first and then shifted in place: a mixed-dtype torch.sub(x, m) would, on CPU,
+            # materialise a float32 copy of x besides its output (TensorIterator promotes inputs).
+            if x.dtype == acc:
+                d = torch.sub(x, m[:, None])
+            else:
+                d = x.to(acc)
+                d.sub_(m[:, None])
             if inv_t != 1.0:
                 d.mul_(inv_t)
             if want_entropy:

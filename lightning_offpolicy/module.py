@@ -27,6 +27,7 @@ import contextlib
 import copy
 import dataclasses
 import time
+import warnings
 from collections.abc import Iterator
 from typing import Any, Literal
 
@@ -49,6 +50,9 @@ from lightning_offpolicy.logprobs import causal_lm_token_logprobs
 from lightning_offpolicy.metrics import CorrectionMetrics, PolicyLossMetrics
 
 ReferenceMode = Literal["auto", "none", "frozen_copy", "disable_adapter"]
+
+# The policy stays in eval mode on purpose (see configure_model); Lightning's notice about it is noise.
+warnings.filterwarnings("ignore", message=r"Found \d+ module\(s\) in eval mode at the start of training")
 
 
 class OffPolicyRLModule(LightningModule):
@@ -169,6 +173,9 @@ class OffPolicyRLModule(LightningModule):
             if self.tokenizer is None:
                 self.tokenizer = load_tokenizer(path)
             self._setup_reference()
+        # Dropout off for good: pi_prox, pi_theta and the engine must be the same function of the
+        # weights, or the PPO ratio is not 1 at the start of a step and the mismatch metrics lie.
+        self.policy.eval()
         if getattr(self, "device_mesh", None) is not None and not getattr(self, "_sharded", False):
             self._shard_fsdp2()
 
