@@ -24,7 +24,6 @@ import os
 import platform
 import resource
 import shlex
-import statistics
 import subprocess
 import sys
 import time
@@ -39,10 +38,13 @@ TEMPERATURE = 0.7
 
 # (vocab, tokens, logits dtype). 151936 is the Qwen2/2.5 vocabulary ("150k"). The 150k x 8k case
 # uses bf16 logits: in float32 one logits tensor is 5.0 GB and the naive path would need several.
+# 151936 x 4096 in bf16 is there too, in case the naive bf16 path at 8192 tokens (~7 logits
+# tensors, ~17.5 GB) does not fit in the memory available and is skipped (see EXPECTED_PEAK).
 FULL_CASES = [
     (32000, 2048, "float32"),
     (32000, 8192, "float32"),
     (151936, 2048, "float32"),
+    (151936, 4096, "bfloat16"),
     (151936, 8192, "bfloat16"),
 ]
 FULL_CHUNKS = [1024, 256]
@@ -55,7 +57,7 @@ QUICK_CHUNKS = [16]
 # case that would not fit in the memory available when it starts, rather than OOM the machine.
 EXPECTED_PEAK = {
     ("naive", "float32"): 4.2,
-    ("naive", "bfloat16"): 8.5,
+    ("naive", "bfloat16"): 6.5,
     ("lean", "float32"): 2.0,
     ("lean", "bfloat16"): 2.5,
 }
@@ -65,26 +67,38 @@ METHOD = """\
   between measurements. In it: import, a small warm-up call of the same method (kernels, thread
   pool), then the logits are allocated and filled in place (`torch.empty(...).normal_()`, no
   temporary) as a leaf with `requires_grad=True`, plus int64 targets.
-* Baseline = the process RSS (`VmRSS`) right after that. The kernel's peak-RSS counter (`VmHWM`)
-  is then reset by writing `5` to `/proc/self/clear_refs` (Linux >= 4.0), so the peak read
-  afterwards is the peak of the measured step alone. Where the reset is not available the
-  lifetime `ru_maxrss` is used instead and the report says so (it is only valid when nothing
-  before the step peaked higher).
+* Baseline = the process RSS (`VmRSS`) right after that. Before each timed step the kernel's
+  peak-RSS counter (`VmHWM`) is reset by writing `5` to `/proc/self/clear_refs` (Linux >= 4.0),
+  so the peak read afterwards is the peak of that step alone (max over the steps). Where the
+  reset is not available the lifetime `ru_maxrss` is used instead and the report says so (it is
+  only valid when nothing before the step peaked higher).
 * `held after fwd`: RSS after the forward, minus the baseline: what is kept alive for the backward.
   `peak fwd`: `VmHWM` after the forward. `peak fwd+bwd`: `VmHWM` after `.backward()`, which
   includes `logits.grad` (one logits-sized tensor in the logits' dtype, which any method has to
   produce). All three are *extra* bytes over the baseline, also given as a multiple of one logits
   tensor (`x logits`).
-* RSS counts what the process really touched: glibc serves allocations above 32 MiB with `mmap`
-  and returns them on free, so freed temporaries do not linger; intermediates inside ATen ops
-  count too.
-* time: wall clock of forward + backward, median over the repeats (`logits.grad` reset to `None`
-  between them); the peak is over all repeats. CPU timings on a shared machine: read the ratio
-  between the two methods, not the absolute seconds.
+* RSS counts what the process really touched, intermediates inside ATen ops included. glibc
+  serves large allocations with `mmap` and unmaps them on free, but its mmap threshold is dynamic
+  (it rises to the size of a freed mmapped block, up to 32 MiB): blocks just under 32 MiB, such
+  as a `256 x 32000` float32 chunk (32.8 MB), then come from the heap, which keeps some freed
+  memory mapped. That retention is real on CPU and is counted.
+* time: wall clock of forward + backward after the warm-up, the best of `--repeats` steps
+  (`logits.grad` reset to `None` between them; the memory peak is over all of them). CPU timings
+  on a shared machine (see the load average above) are noisy: read the ratio between the two
+  methods, not the absolute seconds.
 * `lp sum rel. diff`: |sum of lean logprobs - sum of naive logprobs| / |sum of naive| on the same
   seeded logits, a sanity check that both computed the same thing.
 """
 
+EXPECTED = """\
+What to expect (see the `lightning_offpolicy/logprobs.py` docstring): the lean peak is the gradient
+(1 logits tensor, which every method returns) plus float32 `[chunk, V]` temporaries, i.e. about
+`1 + 4 * chunk / (s * T)` logits tensors for `s`-byte logits in the backward (float32 logits are
+processed in place in the gradient: `1.0`), and only `N` floats are kept between forward and
+backward. The naive path keeps a float32 `[T, V]` copy from forward to backward and peaks with
+three float32 `[T, V]` tensors in the backward: 3 logits tensors for float32 logits, 6 for
+bf16 logits (each float32 copy is twice the bf16 logits). To meet a budget of 1.2 logits tensors
+with bf16 logits, pick `chunk_size <= 0.1 * T` (e.g. 512 at T = 8192, 128 at T = 2048)."""
 
 # --------------------------------------------------------------------------- worker (subprocess)
 
@@ -166,12 +180,12 @@ def worker(args: argparse.Namespace) -> dict:
     logits_bytes = logits.numel() * logits.element_size()
     gc.collect()
     base = _rss_bytes()
-    reset_ok = _reset_peak()
 
-    times, held, peak_fwd, lp_sum = [], 0, 0, 0.0
+    times, held, peak_fwd, peak, lp_sum, reset_ok = [], 0, 0, 0, 0.0, True
     for _ in range(args.repeats):
         logits.grad = None
         gc.collect()
+        reset_ok = _reset_peak() and reset_ok  # peak of this step alone (where the kernel allows)
         t0 = time.perf_counter()
         lp = fwd(logits, targets)
         held = max(held, _rss_bytes() - base)
@@ -179,9 +193,9 @@ def worker(args: argparse.Namespace) -> dict:
         loss = lp.sum()
         loss.backward()
         times.append(time.perf_counter() - t0)
+        peak = max(peak, _peak_bytes(reset_ok) - base)
         lp_sum = float(lp.detach().double().sum())
         del lp, loss
-    peak = _peak_bytes(reset_ok) - base
     assert logits.grad is not None and logits.grad.shape == logits.shape
     return {
         "vocab": args.vocab,
@@ -194,7 +208,7 @@ def worker(args: argparse.Namespace) -> dict:
         "held_after_fwd": held,
         "peak_fwd": peak_fwd,
         "peak_fwd_bwd": peak,
-        "time_s": statistics.median(times),
+        "time_s": min(times),
         "times_s": times,
         "peak_reset": reset_ok,
         "lp_sum": lp_sum,
@@ -286,17 +300,27 @@ def render(results: list[dict], header: dict) -> str:
     out.append(f"* intra-op threads in the workers: {', '.join(map(str, threads)) or '-'}")
     if header.get("load"):
         out.append(f"* load average at start / end: {header['load']}")
-    out += [
-        "* logits dtype: float32, except the 151936 x 8192 case in bfloat16 (a float32 logits tensor "
-        "would be 5.0 GB and the naive path would need several such copies)."
-        if not header["quick"]
-        else "* `--quick`: smoke-test sizes, memory figures are dominated by noise at this size."
-    ]
-    if not all(r["peak_reset"] for r in results):
+    reps = sorted({len(r["times_s"]) for r in results if not r["skipped"]})
+    out.append(f"* timed steps per case (best reported): {', '.join(map(str, reps)) or '-'}")
+    by_dtype: dict[str, list[str]] = {}
+    for r in results:
+        case = f"{r['vocab']} x {r['tokens']}"
+        if case not in by_dtype.setdefault(r["dtype"], []):
+            by_dtype[r["dtype"]].append(case)
+    out.append("* logits dtype: " + "; ".join(f"{d} for {', '.join(c)}" for d, c in by_dtype.items()) + ".")
+    if header["quick"]:
+        out.append("* `--quick`: smoke-test sizes, memory figures are dominated by noise at this size.")
+    elif "bfloat16" in by_dtype:
+        out.append(
+            "  The large-vocabulary long cases use bf16 logits, as a trainer in bf16 produces them: a "
+            "float32 151936 x 8192 logits tensor would be 5.0 GB and the naive path needs three more "
+            "float32 copies at its peak."
+        )
+    if not all(r.get("peak_reset", True) for r in results):
         out.append("* **VmHWM reset unavailable: peaks are lifetime `ru_maxrss` of each subprocess.**")
     out += ["", "## Method", "", METHOD, "## Results", ""]
     out.append(
-        "| V | T | logits dtype | one logits tensor (MB) | method | chunk | time fwd+bwd (s) "
+        "| V | T | logits dtype | one logits tensor (MB) | method | chunk | time fwd+bwd (s, best) "
         "| held after fwd (MB / x logits) | peak fwd extra (x logits) "
         "| peak fwd+bwd extra (MB) | peak extra / one logits tensor | lp sum rel. diff |"
     )
@@ -321,7 +345,28 @@ def render(results: list[dict], header: dict) -> str:
             f"| {_mb(r['held_after_fwd'])} / {r['held_after_fwd'] / lb:.2f} | {r['peak_fwd'] / lb:.2f} "
             f"| {_mb(r['peak_fwd_bwd'])} | **{r['peak_fwd_bwd'] / lb:.2f}** | {diff} |"
         )
-    out.append("")
+    out += ["", "## Summary", ""]
+    out.append(
+        "| V | T | logits dtype | lean peak extra (x logits), per chunk size | naive peak extra (x logits) "
+        "| naive time / lean time (chunk 1st listed) |"
+    )
+    out.append("|---:|---:|---|---|---:|---:|")
+    cases = list(dict.fromkeys((r["vocab"], r["tokens"], r["dtype"]) for r in results))
+    for case in cases:
+        lean = [r for r in results if (r["vocab"], r["tokens"], r["dtype"]) == case and r["method"] == "lean"]
+        ref = naive.get(case)
+        lean_txt = ", ".join(
+            f"{r['peak_fwd_bwd'] / r['logits_bytes']:.2f} (chunk {r['chunk_size']})"
+            for r in lean
+            if not r["skipped"]
+        )
+        if ref is None or ref["skipped"]:
+            naive_txt, speed = "not run", "-"
+        else:
+            naive_txt = f"{ref['peak_fwd_bwd'] / ref['logits_bytes']:.2f}"
+            speed = f"{ref['time_s'] / lean[0]['time_s']:.2f}" if lean and not lean[0]["skipped"] else "-"
+        out.append(f"| {case[0]} | {case[1]} | {case[2]} | {lean_txt} | {naive_txt} | {speed} |")
+    out += ["", EXPECTED, ""]
     return "\n".join(out)
 
 
@@ -329,7 +374,14 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="small sizes, for a smoke test")
     p.add_argument("--output", type=Path, help="write the Markdown report here")
-    p.add_argument("--repeats", type=int, default=None, help="timed rounds per case (default 2, quick 1)")
+    p.add_argument("--json", type=Path, help="also write the raw per-case results here")
+    p.add_argument("--render-json", type=Path, help="only re-render a report from a --json file")
+    p.add_argument(
+        "--repeats",
+        type=int,
+        default=None,
+        help="timed steps per case, the best is reported (default 3; quick 1)",
+    )
     p.add_argument("--chunk-sizes", type=str, default=None, help="lean chunk sizes, comma separated")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds per subprocess")
     p.add_argument(
@@ -354,6 +406,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--temperature", type=float, default=TEMPERATURE, help=argparse.SUPPRESS)
     p.add_argument("--seed", type=int, default=0, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+
+    if args.render_json:  # re-render a saved run (no measurement)
+        data = json.loads(args.render_json.read_text())
+        report = render(data["results"], data["header"])
+        if args.output:
+            args.output.write_text(report)
+        else:
+            print(report)
+        return 0
 
     if args.worker:
         args.repeats = args.repeats or 1
@@ -419,6 +480,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"wrote {args.output}")
     else:
         print(report)
+    if args.json:
+        args.json.write_text(json.dumps({"header": header, "results": results}, indent=1))
     return 0
 
 

@@ -28,7 +28,13 @@ def test_logprob_benchmark_quick(tmp_path):
     for key in ("machine:", "torch:", "date:", "command:", "## Method", "fresh subprocess"):
         assert key in text, key
     assert "--quick" in text
-    rows = [line for line in text.splitlines() if re.match(r"^\| \d+ \|", line)]
+    results = text.split("## Results", 1)[1].split("## Summary", 1)
+    rows = [line for line in results[0].splitlines() if re.match(r"^\| \d+ \|", line)]
+    summary = [line for line in results[1].splitlines() if re.match(r"^\| \d+ \|", line)]
+    assert [tuple(c.strip() for c in row.strip("|").split("|")[:3]) for row in summary] == [
+        ("2000", "256", "float32"),
+        ("4000", "256", "bfloat16"),
+    ]
     # quick: 2 cases x (1 lean chunk size + naive)
     got = [tuple(c.strip() for c in row.strip("|").split("|")[:6]) for row in rows]
     assert [(g[0], g[1], g[2], g[4], g[5]) for g in got] == [
