@@ -316,8 +316,10 @@ class BandwidthProbe:
         self.pool = None
         if stream:
             n = max(4, math.ceil(4 * _llc_bytes() / self.bytes_per_add))
-            self.pool = [(torch.rand(batch, seq_len), torch.rand(batch, seq_len), torch.empty(batch, seq_len))
-                         for _ in range(n)]
+            self.pool = [
+                (torch.rand(batch, seq_len), torch.rand(batch, seq_len), torch.empty(batch, seq_len))
+                for _ in range(n)
+            ]
 
     def measure(self, reps: int = 20) -> None:
         a, b, c = self.a, self.b, self.c
@@ -381,8 +383,9 @@ def _quartiles(values: list[float]) -> tuple[float, float]:
     return q[0], q[2]
 
 
-def run_size(names: list[str], batch: int, seq_len: int, repeats: int, warmup: int, stream: bool,
-             seed: int, log) -> SizeResult:
+def run_size(
+    names: list[str], batch: int, seq_len: int, repeats: int, warmup: int, stream: bool, seed: int, log
+) -> SizeResult:
     start = time.perf_counter()
     inputs = make_inputs(batch, seq_len, seed)
     loss_cfg = PolicyLossConfig()
@@ -434,27 +437,40 @@ def run_size(names: list[str], batch: int, seq_len: int, repeats: int, warmup: i
         totals = [sum(t) for t in case.times]
         q1, q3 = _quartiles(totals)
         distinct, traffic, ops = count_bytes(case)
-        rows.append(Row(
-            preset=case.name,
-            total=statistics.median(totals),
-            iqr=q3 - q1,
-            fastest=min(totals),
-            correction=statistics.median(t[0] for t in case.times),
-            loss=statistics.median(t[1] for t in case.times),
-            metrics=statistics.median(t[2] for t in case.times),
-            distinct=distinct,
-            traffic=traffic,
-            ops=ops,
-            peak=peaks[case.name],
-            alias_of=next((c.name for c in cases[: cases.index(case)] if c.cfg == case.cfg), None),
-        ))
+        rows.append(
+            Row(
+                preset=case.name,
+                total=statistics.median(totals),
+                iqr=q3 - q1,
+                fastest=min(totals),
+                correction=statistics.median(t[0] for t in case.times),
+                loss=statistics.median(t[1] for t in case.times),
+                metrics=statistics.median(t[2] for t in case.times),
+                distinct=distinct,
+                traffic=traffic,
+                ops=ops,
+                peak=peaks[case.name],
+                alias_of=next((c.name for c in cases[: cases.index(case)] if c.cfg == case.cfg), None),
+            )
+        )
     bw_hot, bw_stream = probe.bandwidth("hot"), probe.bandwidth("stream")
     for row in rows:
         row.bound_hot = row.distinct / bw_hot
         row.hot_ratio = row.total / row.bound_hot
         row.stream_ratio = row.total / (row.distinct / bw_stream) if stream else float("nan")
-    return SizeResult(batch, seq_len, rows, bw_hot, bw_stream, repeats, warmup,
-                      time.perf_counter() - start, problems, (load_before, load_after), cpu_per_wall)
+    return SizeResult(
+        batch,
+        seq_len,
+        rows,
+        bw_hot,
+        bw_stream,
+        repeats,
+        warmup,
+        time.perf_counter() - start,
+        problems,
+        (load_before, load_after),
+        cpu_per_wall,
+    )
 
 
 def _loadavg() -> float:
@@ -509,17 +525,24 @@ def render_table(res: SizeResult) -> str:
     by_name = {r.preset: r for r in res.rows}
     twins = [(by_name[r.alias_of], r) for r in res.rows if r.alias_of is not None]
     if twins:
-        summary += " Same config measured twice (noise estimate): " + ", ".join(
-            f"{a.preset} {a.total * 1e3:.2f} ms vs {b.preset} {b.total * 1e3:.2f} ms "
-            f"({b.total / a.total:.2f}x)"
-            for a, b in twins
-        ) + "."
+        summary += (
+            " Same config measured twice (noise estimate): "
+            + ", ".join(
+                f"{a.preset} {a.total * 1e3:.2f} ms vs {b.preset} {b.total * 1e3:.2f} ms "
+                f"({b.total / a.total:.2f}x)"
+                for a, b in twins
+            )
+            + "."
+        )
     noisy = []
     cpus = os.cpu_count() or 1
     if max(res.load) > cpus:
         noisy.append(f"the 1-min load average ({max(res.load):.1f}) exceeded the {cpus} CPUs")
-    off = [f"{b.preset}/{a.preset} {b.total / a.total:.2f}x"
-           for a, b in twins if abs(b.total / a.total - 1) > 0.1]
+    off = [
+        f"{b.preset}/{a.preset} {b.total / a.total:.2f}x"
+        for a, b in twins
+        if abs(b.total / a.total - 1) > 0.1
+    ]
     if off:
         noisy.append("identical configs differ by more than 10% (" + ", ".join(off) + ")")
     if noisy:
@@ -561,10 +584,16 @@ def code_line() -> str:
 
     root = Path(__file__).resolve().parent.parent
     try:
-        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True,
-                              text=True, timeout=10).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--", "lightning_offpolicy"], cwd=root,
-                               capture_output=True, text=True, timeout=10).stdout.strip()
+        head = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True, timeout=10
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--", "lightning_offpolicy"],
+            cwd=root,
+            capture_output=True,
+            text=True,
+            timeout=10,
+        ).stdout.strip()
     except (OSError, subprocess.SubprocessError):
         return "unknown (no git)"
     if not head:
@@ -617,25 +646,36 @@ def profile_preset(name: str, batch: int, seq_len: int, seed: int, top: int = 15
 
 # ------------------------------------------------------------------------------------ CLI
 def parse_args(argv: list[str]) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--batch", type=int, default=64, help="B (default 64)")
     p.add_argument("--seq-len", type=int, default=4096, help="T (default 4096)")
     p.add_argument("--long-seq-len", type=int, default=16384, help="T of the long run (default 16384)")
-    p.add_argument("--long", action=argparse.BooleanOptionalAction, default=None,
-                   help="also run T=--long-seq-len (default: on with --full, off otherwise)")
+    p.add_argument(
+        "--long",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="also run T=--long-seq-len (default: on with --full, off otherwise)",
+    )
     p.add_argument("--repeats", type=int, default=None, help="timed rounds (default 30; 1 with --quick)")
     p.add_argument("--warmup", type=int, default=None, help="warm-up rounds (default 3; 1 with --quick)")
-    p.add_argument("--presets", type=str, default=None,
-                   help=f"comma list (default: all of PRESETS: {','.join(PRESETS)})")
+    p.add_argument(
+        "--presets", type=str, default=None, help=f"comma list (default: all of PRESETS: {','.join(PRESETS)})"
+    )
     p.add_argument("--full", action="store_true", help="full run: adds the long sequence length")
-    p.add_argument("--quick", action="store_true",
-                   help="smoke test: B=4, T=128, 1 round, no streaming probe (seconds)")
+    p.add_argument(
+        "--quick", action="store_true", help="smoke test: B=4, T=128, 1 round, no streaming probe (seconds)"
+    )
     p.add_argument("--no-stream", action="store_true", help="skip the streaming bandwidth probe")
     p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
-    p.add_argument("--profile", type=str, default=None,
-                   help="comma list of presets to profile (top ops by self CPU time), or 'auto' for the "
-                        "slowest and the fastest; appended to the report")
+    p.add_argument(
+        "--profile",
+        type=str,
+        default=None,
+        help="comma list of presets to profile (top ops by self CPU time), or 'auto' for the "
+        "slowest and the fastest; appended to the report",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--output", type=Path, default=None, help="write the Markdown report here")
     args = p.parse_args(argv)
@@ -679,8 +719,16 @@ def main(argv: list[str] | None = None) -> int:
     sizes = [args.seq_len] + ([args.long_seq_len] if args.long and args.long_seq_len != args.seq_len else [])
     results = []
     for seq_len in sizes:
-        res = run_size(args.names, args.batch, seq_len, args.repeats, args.warmup,
-                       stream=not args.no_stream, seed=args.seed, log=log)
+        res = run_size(
+            args.names,
+            args.batch,
+            seq_len,
+            args.repeats,
+            args.warmup,
+            stream=not args.no_stream,
+            seed=args.seed,
+            log=log,
+        )
         results.append(res)
         print(f"\nB={res.batch} T={res.seq_len}\n" + render_table(res), flush=True)
     extra = ""

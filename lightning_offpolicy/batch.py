@@ -30,7 +30,9 @@ class PromptBatch:
         if not self.metadata:
             self.metadata = [{} for _ in self.prompts]
         if len(self.metadata) != len(self.prompts):
-            raise ValueError(f"PromptBatch: {len(self.prompts)} prompts but {len(self.metadata)} metadata entries.")
+            raise ValueError(
+                f"PromptBatch: {len(self.prompts)} prompts but {len(self.metadata)} metadata entries."
+            )
 
     def __len__(self) -> int:
         return len(self.prompts)
@@ -195,7 +197,7 @@ class RolloutBatch:
         response_lengths = _last_true_plus_one(self.response_mask).tolist()
         groups: list[list[int]] = []
         longest_prompt = longest_response = 0
-        for row, (p_len, r_len) in enumerate(zip(prompt_lengths, response_lengths)):
+        for row, (p_len, r_len) in enumerate(zip(prompt_lengths, response_lengths, strict=True)):
             new_prompt, new_response = max(longest_prompt, p_len), max(longest_response, r_len)
             if groups and (len(groups[-1]) + 1) * (new_prompt + new_response) <= max_tokens:
                 groups[-1].append(row)
@@ -244,7 +246,9 @@ class RolloutBatch:
                 raise ValueError(f"RolloutBatch.{name} has {bad} NaN / inf value(s) at response tokens.")
         bad_rewards = int((~torch.isfinite(self.rewards)).sum())
         if bad_rewards:
-            raise ValueError(f"RolloutBatch.rewards has {bad_rewards} NaN / inf value(s); check the reward function.")
+            raise ValueError(
+                f"RolloutBatch.rewards has {bad_rewards} NaN / inf value(s); check the reward function."
+            )
 
     # ------------------------------------------------------------------------------ building
     @classmethod
@@ -266,7 +270,9 @@ class RolloutBatch:
         """
         batch = len(prompt_ids)
         if not (len(response_ids) == batch and len(group_ids) == batch and len(rewards) == batch):
-            raise ValueError("from_sequences: prompt_ids, response_ids, rewards and group_ids differ in length.")
+            raise ValueError(
+                "from_sequences: prompt_ids, response_ids, rewards and group_ids differ in length."
+            )
         prompt_length = max(1, max((len(p) for p in prompt_ids), default=1))
         response_length = max(1, max((len(r) for r in response_ids), default=1))
         input_ids = torch.full((batch, prompt_length + response_length), pad_token_id, dtype=torch.long)
@@ -274,7 +280,7 @@ class RolloutBatch:
         response_mask = torch.zeros(batch, response_length)
         versions = torch.full((batch, response_length), -1, dtype=torch.long)
         logprobs = None if rollout_logprobs is None else torch.zeros(batch, response_length)
-        for i, (prompt, response) in enumerate(zip(prompt_ids, response_ids)):
+        for i, (prompt, response) in enumerate(zip(prompt_ids, response_ids, strict=True)):
             start = prompt_length - len(prompt)
             input_ids[i, start:prompt_length] = torch.tensor(prompt, dtype=torch.long)
             attention_mask[i, start:prompt_length] = 1

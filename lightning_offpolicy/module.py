@@ -112,7 +112,9 @@ class OffPolicyRLModule(LightningModule):
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"OffPolicyRLModule.{name}={value!r} must be a positive integer.")
         if gradient_clip_val is not None and not gradient_clip_val > 0:
-            raise ValueError(f"OffPolicyRLModule.gradient_clip_val={gradient_clip_val!r} must be > 0 or None.")
+            raise ValueError(
+                f"OffPolicyRLModule.gradient_clip_val={gradient_clip_val!r} must be > 0 or None."
+            )
         if not temperature > 0:
             raise ValueError(f"OffPolicyRLModule.temperature={temperature!r} must be > 0.")
         if reference not in ("auto", "none", "frozen_copy", "disable_adapter"):
@@ -121,7 +123,9 @@ class OffPolicyRLModule(LightningModule):
                 "'frozen_copy', 'disable_adapter'."
             )
         # Copies: the defaults above are shared objects, and a caller's config must not change under us.
-        self.correction = dataclasses.replace(correction if correction is not None else OffPolicyCorrectionConfig())
+        self.correction = dataclasses.replace(
+            correction if correction is not None else OffPolicyCorrectionConfig()
+        )
         self.loss_config = dataclasses.replace(loss if loss is not None else PolicyLossConfig())
         check_compatible(self.correction, self.loss_config)
         if isinstance(model, torch.nn.Module):
@@ -189,16 +193,24 @@ class OffPolicyRLModule(LightningModule):
     def _setup_reference(self) -> None:
         mode = self._effective_reference_mode()
         if self.loss_config.ref_kl_coef > 0 and mode == "none":
-            raise ValueError("PolicyLossConfig.ref_kl_coef > 0 needs a reference: set reference='auto' or another mode.")
+            raise ValueError(
+                "PolicyLossConfig.ref_kl_coef > 0 needs a reference: set reference='auto' or another mode."
+            )
         if mode == "frozen_copy" and self.reference_model is None:
             self.reference_model = copy.deepcopy(self.policy).requires_grad_(False).eval()
         if mode == "disable_adapter" and not hasattr(self.policy, "disable_adapter"):
-            raise ValueError("reference='disable_adapter' needs a peft model (with LoRA adapters) as the policy.")
+            raise ValueError(
+                "reference='disable_adapter' needs a peft model (with LoRA adapters) as the policy."
+            )
 
     def _shard_fsdp2(self) -> None:
         from torch.distributed.fsdp import fully_shard
 
-        mesh = self.device_mesh["data_parallel"] if "data_parallel" in self.device_mesh.mesh_dim_names else self.device_mesh
+        mesh = (
+            self.device_mesh["data_parallel"]
+            if "data_parallel" in self.device_mesh.mesh_dim_names
+            else self.device_mesh
+        )
         for model in (self.policy, self.reference_model):
             if model is None:
                 continue
@@ -213,10 +225,15 @@ class OffPolicyRLModule(LightningModule):
         params = [p for p in self.policy.parameters() if p.requires_grad]
         if not params:
             raise ValueError("OffPolicyRLModule: the policy has no trainable parameters.")
-        optimizer = self.optimizer_factory(params) if self.optimizer_factory else torch.optim.AdamW(params, lr=1e-5)
+        optimizer = (
+            self.optimizer_factory(params) if self.optimizer_factory else torch.optim.AdamW(params, lr=1e-5)
+        )
         if self.scheduler_factory is None:
             return optimizer
-        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": self.scheduler_factory(optimizer), "interval": "step"}}
+        return {
+            "optimizer": optimizer,
+            "lr_scheduler": {"scheduler": self.scheduler_factory(optimizer), "interval": "step"},
+        }
 
     # ------------------------------------------------------------------------------ logprobs
     def sequence_logprobs(
@@ -277,7 +294,9 @@ class OffPolicyRLModule(LightningModule):
         for epoch in range(self.ppo_epochs):
             generator = None
             if self.shuffle_minibatches and self.num_minibatches > 1:
-                generator = torch.Generator().manual_seed(self.seed * 1_000_003 + self.policy_version * 101 + epoch)
+                generator = torch.Generator().manual_seed(
+                    self.seed * 1_000_003 + self.policy_version * 101 + epoch
+                )
             for minibatch in rollout.split(self.num_minibatches, generator):
                 grad_norms.append(self._optimizer_step(minibatch, record_entropy=epoch == 0))
                 trained_tokens += minibatch.num_response_tokens
@@ -368,7 +387,9 @@ class OffPolicyRLModule(LightningModule):
         return norm.detach()
 
     # ------------------------------------------------------------------------------ logging
-    def _log_step(self, rollout: RolloutBatch, grad_norms: list[torch.Tensor], trained_tokens: int, seconds: float) -> None:
+    def _log_step(
+        self, rollout: RolloutBatch, grad_norms: list[torch.Tensor], trained_tokens: int, seconds: float
+    ) -> None:
         valid = rollout.response_mask.sum(-1) > 0
         self.reward_mean.update(rollout.rewards)
         self.reward_square_mean.update(rollout.rewards.square())
@@ -382,10 +403,15 @@ class OffPolicyRLModule(LightningModule):
         values["train/grad_norm"] = torch.stack(grad_norms).float().mean()
         values["train/policy_version"] = float(self.policy_version)
         values["train/lr"] = self.optimizers().param_groups[0]["lr"]
-        tokens = self._global_sum(torch.tensor(float(trained_tokens), device=self.device, dtype=torch.float64))
+        tokens = self._global_sum(
+            torch.tensor(float(trained_tokens), device=self.device, dtype=torch.float64)
+        )
         values["perf/train_tokens_per_s"] = tokens / max(seconds, 1e-9)
         values["perf/step_s"] = seconds
-        values = {k: (v.float() if isinstance(v, torch.Tensor) else torch.tensor(float(v))) for k, v in values.items()}
+        values = {
+            k: (v.float() if isinstance(v, torch.Tensor) else torch.tensor(float(v)))
+            for k, v in values.items()
+        }
         self.log_dict(values, on_step=True, on_epoch=False, batch_size=1, sync_dist=False)
         self.log("reward", values["train/reward"], prog_bar=True, batch_size=1, logger=False)
         for metric in (

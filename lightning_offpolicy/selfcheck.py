@@ -15,7 +15,6 @@ import copy
 import sys
 import time
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
@@ -90,7 +89,9 @@ def sample(engine: torch.nn.Module, batch: int, prompt_length: int, new_tokens: 
     return Rollout(sequences, prompt_length, response_mask, rollout_logprobs)
 
 
-def run(batch: int, prompt_length: int, new_tokens: int, staleness_noise: float, seed: int, logdir: str | None) -> int:
+def run(
+    batch: int, prompt_length: int, new_tokens: int, staleness_noise: float, seed: int, logdir: str | None
+) -> int:
     trainer_model = build_tiny_llama(seed=seed)
     # The engine: older weights (a perturbation standing in for optimizer steps not yet pushed),
     # run in bfloat16 as inference engines do.
@@ -111,7 +112,10 @@ def run(batch: int, prompt_length: int, new_tokens: int, staleness_noise: float,
         from torch.utils.tensorboard import SummaryWriter
 
         writer = SummaryWriter(logdir)
-    header = f"{'preset':<18}{'kl':>10}{'chi2_tok':>10}{'ess':>7}{'w_mean':>8}{'reject':>8}{'loss':>10}{'grad':>9}{'ms':>7}"
+    header = (
+        f"{'preset':<18}{'kl':>10}{'chi2_tok':>10}{'ess':>7}{'w_mean':>8}{'reject':>8}"
+        f"{'loss':>10}{'grad':>9}{'ms':>7}"
+    )
     print(
         f"tiny Llama: {sum(p.numel() for p in trainer_model.parameters()) / 1e6:.2f}M params | "
         f"{batch} completions x {new_tokens} tokens | engine bf16 + stale weights (noise {staleness_noise})"
@@ -123,7 +127,9 @@ def run(batch: int, prompt_length: int, new_tokens: int, staleness_noise: float,
         cfg = make()
         trainer_model.zero_grad(set_to_none=True)
         start = time.perf_counter()
-        out = compute_correction(None if cfg.bypass_mode else prox, rollout.rollout_logprobs, rollout.response_mask, cfg)
+        out = compute_correction(
+            None if cfg.bypass_mode else prox, rollout.rollout_logprobs, rollout.response_mask, cfg
+        )
         logprobs = token_logprobs(trainer_model, rollout.sequences, prompt_length)
         loss, info = policy_loss(
             logprobs,
@@ -136,7 +142,9 @@ def run(batch: int, prompt_length: int, new_tokens: int, staleness_noise: float,
         )
         loss.backward()
         elapsed_ms = 1e3 * (time.perf_counter() - start)
-        grad_norm = torch.sqrt(sum(p.grad.square().sum() for p in trainer_model.parameters() if p.grad is not None))
+        grad_norm = torch.sqrt(
+            sum(p.grad.square().sum() for p in trainer_model.parameters() if p.grad is not None)
+        )
         corr, ppo = CorrectionMetrics(cfg), PolicyLossMetrics()
         corr.update(stats=out.stats)
         ppo.update(info=info)
@@ -158,7 +166,9 @@ def run(batch: int, prompt_length: int, new_tokens: int, staleness_noise: float,
     if failures:
         print("\nFAILED invariants:\n  " + "\n  ".join(failures))
         return 1
-    print(f"\nall {len(PRESETS)} presets passed: finite loss and gradients, detached weights, masks only remove")
+    print(
+        f"\nall {len(PRESETS)} presets passed: finite loss and gradients, detached weights, masks only remove"
+    )
     return 0
 
 
@@ -181,16 +191,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batch", type=int, default=64, help="number of sampled completions")
     parser.add_argument("--prompt-length", type=int, default=8, help="random prompt tokens per completion")
     parser.add_argument("--new-tokens", type=int, default=48, help="tokens sampled per completion")
-    parser.add_argument("--staleness-noise", type=float, default=0.01, help="relative weight gap of the engine")
+    parser.add_argument(
+        "--staleness-noise", type=float, default=0.01, help="relative weight gap of the engine"
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--logdir", default="runs/selfcheck", help="TensorBoard directory ('' to skip)")
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="lightning-offpolicy selfcheck", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="lightning-offpolicy selfcheck", description=__doc__.splitlines()[0]
+    )
     add_arguments(parser)
     args = parser.parse_args(argv)
-    return run(args.batch, args.prompt_length, args.new_tokens, args.staleness_noise, args.seed, args.logdir or None)
+    return run(
+        args.batch, args.prompt_length, args.new_tokens, args.staleness_noise, args.seed, args.logdir or None
+    )
 
 
 if __name__ == "__main__":

@@ -25,7 +25,7 @@ def make_rollout(model: torch.nn.Module, seed: int = 0, rows: int = 6, mismatch:
         r_len = int(torch.randint(1, 7, (1,), generator=gen))
         prompts.append(torch.randint(3, 60, (p_len,), generator=gen).tolist())
         responses.append(torch.randint(3, 60, (r_len,), generator=gen).tolist())
-    true_lp = [reference_logprobs(model, p, r).float() for p, r in zip(prompts, responses)]
+    true_lp = [reference_logprobs(model, p, r).float() for p, r in zip(prompts, responses, strict=True)]
     rollout_lp = [(lp + mismatch * torch.randn(lp.shape, generator=gen)).tolist() for lp in true_lp]
     rewards = torch.rand(rows, generator=gen)
     advantages = torch.randn(rows, generator=gen)
@@ -52,10 +52,19 @@ def rows_of(batch: RolloutBatch) -> list[tuple[list[int], list[int], torch.Tenso
     """(prompt, response, rollout logprobs, advantage) per row, unpadded."""
     out = []
     for i in range(batch.num_sequences):
-        prompt = batch.input_ids[i, : batch.prompt_length][batch.attention_mask[i, : batch.prompt_length].bool()]
+        prompt = batch.input_ids[i, : batch.prompt_length][
+            batch.attention_mask[i, : batch.prompt_length].bool()
+        ]
         n = int(batch.response_mask[i].sum())
         response = batch.input_ids[i, batch.prompt_length : batch.prompt_length + n]
-        out.append((prompt.tolist(), response.tolist(), batch.rollout_logprobs[i, :n].double(), float(batch.advantages[i, 0])))
+        out.append(
+            (
+                prompt.tolist(),
+                response.tolist(),
+                batch.rollout_logprobs[i, :n].double(),
+                float(batch.advantages[i, 0]),
+            )
+        )
     return out
 
 

@@ -20,7 +20,11 @@ CORRECTION_CONFIGS = sorted((ROOT / "configs" / "correction").glob("*.yaml"))
 
 def parse(*args: str) -> OffPolicyCLI:
     return OffPolicyCLI(
-        OffPolicyRLModule, PromptDataModule, subclass_mode_data=True, run=False, args=list(args),
+        OffPolicyRLModule,
+        PromptDataModule,
+        subclass_mode_data=True,
+        run=False,
+        args=list(args),
         auto_configure_optimizers=False,
     )
 
@@ -78,18 +82,32 @@ def test_help_documents_the_knobs(capsys):
 
 @pytest.mark.slow
 def test_short_fit_writes_tensorboard_metrics(tmp_path):
-    main([
-        "fit", "--config", str(ROOT / "configs" / "quickstart.yaml"),
-        "--trainer.max_steps=4", f"--trainer.logger.init_args.save_dir={tmp_path}",
-        f"--trainer.default_root_dir={tmp_path}", "--trainer.enable_progress_bar=false",
-        "--data.init_args.prompts_per_step=4", "--rollout.samples_per_prompt=4",
-    ])
+    main(
+        [
+            "fit",
+            "--config",
+            str(ROOT / "configs" / "quickstart.yaml"),
+            "--trainer.max_steps=4",
+            f"--trainer.logger.init_args.save_dir={tmp_path}",
+            f"--trainer.default_root_dir={tmp_path}",
+            "--trainer.enable_progress_bar=false",
+            "--data.init_args.prompts_per_step=4",
+            "--rollout.samples_per_prompt=4",
+        ]
+    )
     (version,) = list((tmp_path / "quickstart").iterdir())
     events = EventAccumulator(str(version))
     events.Reload()
     tags = set(events.Tags()["scalars"])
-    for tag in ("rollout_corr/kl", "rollout_corr/chi2_token", "rollout_corr/ess", "ppo/clip_frac", "train/reward",
-                "rollout/tokens_per_s", "perf/train_tokens_per_s"):
+    for tag in (
+        "rollout_corr/kl",
+        "rollout_corr/chi2_token",
+        "rollout_corr/ess",
+        "ppo/clip_frac",
+        "train/reward",
+        "rollout/tokens_per_s",
+        "perf/train_tokens_per_s",
+    ):
         assert tag in tags, tag
     assert len(events.Scalars("train/reward")) == 2  # 2 batches x 2 mini-batches = 4 optimizer steps
     assert list((version / "checkpoints").glob("*.ckpt"))

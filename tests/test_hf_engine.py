@@ -92,7 +92,9 @@ def test_private_copy_follows_state_dict_updates():
     # lm_head zeroed: every token is uniform over the 64-token vocabulary.
     for c in fresh:
         assert c.policy_version == 1
-        torch.testing.assert_close(torch.tensor(c.logprobs), torch.full((len(c.logprobs),), -torch.log(torch.tensor(64.0)).item()))
+        torch.testing.assert_close(
+            torch.tensor(c.logprobs), torch.full((len(c.logprobs),), -torch.log(torch.tensor(64.0)).item())
+        )
 
 
 def test_errors():

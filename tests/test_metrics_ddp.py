@@ -16,7 +16,12 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from lightning_offpolicy.correction import OffPolicyCorrectionConfig, PolicyLossConfig, compute_correction, policy_loss
+from lightning_offpolicy.correction import (
+    OffPolicyCorrectionConfig,
+    PolicyLossConfig,
+    compute_correction,
+    policy_loss,
+)
 from lightning_offpolicy.metrics import CorrectionMetrics, PolicyLossMetrics
 
 WORLD_SIZE = 2
@@ -26,7 +31,12 @@ CONFIGS = {
         tis_level="sequence", tis_clip_high=3.0, normalize_weights=True, outlier_token_veto=True
     ),
     "token_tis_normalized": OffPolicyCorrectionConfig(
-        tis_level="token", tis_clip_high=1.5, normalize_weights=True, token_mask=True, kl_reject="k3", kl_reject_threshold=0.05
+        tis_level="token",
+        tis_clip_high=1.5,
+        normalize_weights=True,
+        token_mask=True,
+        kl_reject="k3",
+        kl_reject_threshold=0.05,
     ),
 }
 
@@ -73,7 +83,12 @@ def _worker(rank: int, port: int, result_dir: str) -> None:
             # Uneven, interleaved shards: rank 0 gets 3 rows, rank 1 gets 5.
             rows = torch.tensor([0, 3, 6]) if rank == 0 else torch.tensor([1, 2, 4, 5, 7])
             values, weights, mask = run_on(rows, cfg)
-            results[name] = {"values": values, "rows": rows.tolist(), "weights": weights.tolist(), "mask": mask.tolist()}
+            results[name] = {
+                "values": values,
+                "rows": rows.tolist(),
+                "weights": weights.tolist(),
+                "mask": mask.tolist(),
+            }
         Path(result_dir, f"rank{rank}.json").write_text(json.dumps(results))
     finally:
         dist.destroy_process_group()
@@ -91,7 +106,9 @@ def test_two_rank_metrics_and_normalized_weights_equal_single_process(tmp_path):
             for key, value in expected.items():
                 assert got[key] == pytest.approx(value, rel=1e-9, abs=1e-12), (name, key)
             rows = rank[name]["rows"]
-            assert torch.allclose(torch.tensor(rank[name]["weights"]), weights[rows], rtol=1e-6, atol=1e-7), name
+            assert torch.allclose(torch.tensor(rank[name]["weights"]), weights[rows], rtol=1e-6, atol=1e-7), (
+                name
+            )
             assert torch.equal(torch.tensor(rank[name]["mask"]), mask[rows]), name
     # The scenario exercises what it claims to: masks fire and weights are not all 1.
     values, weights, _ = run_on(torch.arange(8), CONFIGS["seq_tis_normalized"])

@@ -30,7 +30,10 @@ def make_module(model, **kwargs) -> OffPolicyRLModule:
 
 
 def max_param_diff(a: torch.nn.Module, b: torch.nn.Module) -> float:
-    return max((pa.double() - pb.double()).abs().max().item() for pa, pb in zip(a.parameters(), b.parameters()))
+    return max(
+        (pa.double() - pb.double()).abs().max().item()
+        for pa, pb in zip(a.parameters(), b.parameters(), strict=True)
+    )
 
 
 @pytest.mark.parametrize(
@@ -56,13 +59,21 @@ def test_decoupled_step_equals_hand_computed_reference(num_minibatches, max_toke
 
 def test_step_changes_weights_increments_version_and_logs_finite_metrics():
     model = tiny_model()
-    module = make_module(model, correction=OffPolicyCorrectionConfig.geo_mis_token_tis(low=0.5, high=2.0), ppo_epochs=2)
+    module = make_module(
+        model, correction=OffPolicyCorrectionConfig.geo_mis_token_tis(low=0.5, high=2.0), ppo_epochs=2
+    )
     before = copy.deepcopy(model)
     trainer = fit_on(module, [make_rollout(model), make_rollout(model, seed=1)], max_steps=4)
     assert module.policy_version == 4 == trainer.global_step
     assert max_param_diff(before, module.policy) > 0
     metrics = trainer.callback_metrics
-    for key in ("rollout_corr/kl", "rollout_corr/chi2_token", "ppo/clip_frac", "train/reward", "train/grad_norm"):
+    for key in (
+        "rollout_corr/kl",
+        "rollout_corr/chi2_token",
+        "ppo/clip_frac",
+        "train/reward",
+        "train/grad_norm",
+    ):
         assert torch.isfinite(metrics[key]), key
     # The injected mismatch (noise 0.3 on rollout logprobs) shows up in the metric.
     assert float(metrics["rollout_corr/abs_logprob_diff_mean"]) > 0.1
@@ -81,7 +92,9 @@ def test_bypass_mode_skips_the_proximal_forward(monkeypatch):
 
 def test_reference_kl_uses_a_frozen_copy_that_does_not_move():
     model = tiny_model()
-    module = make_module(model, loss=PolicyLossConfig(ref_kl_coef=0.5), correction=OffPolicyCorrectionConfig.disabled())
+    module = make_module(
+        model, loss=PolicyLossConfig(ref_kl_coef=0.5), correction=OffPolicyCorrectionConfig.disabled()
+    )
     assert module.reference_model is not None
     frozen = copy.deepcopy(module.reference_model)
     fit_on(module, [make_rollout(model)], max_steps=2, limit_train_batches=1, max_epochs=2)
@@ -121,7 +134,10 @@ def test_nan_rollout_logprobs_fail_fast():
         (dict(gradient_clip_val=0.0), "gradient_clip_val"),
         (dict(temperature=0.0), "temperature"),
         (dict(reference="base"), "reference"),
-        (dict(correction=OffPolicyCorrectionConfig.cispo(), loss=PolicyLossConfig(loss_type="gspo")), "loss_type"),
+        (
+            dict(correction=OffPolicyCorrectionConfig.cispo(), loss=PolicyLossConfig(loss_type="gspo")),
+            "loss_type",
+        ),
         (dict(reference="disable_adapter", loss=PolicyLossConfig(ref_kl_coef=0.1)), "peft"),
     ],
 )

@@ -48,11 +48,22 @@ def test_two_rank_ddp_step_equals_single_process_step():
     ddp_trainer = fit_on(ddp, halves, max_steps=2, devices=2, strategy="ddp_spawn")
 
     start = tiny_model()
-    moved = max((a - b).abs().max().item() for a, b in zip(start.parameters(), single.policy.parameters()))
+    moved = max(
+        (a - b).abs().max().item()
+        for a, b in zip(start.parameters(), single.policy.parameters(), strict=True)
+    )
     assert moved > 1e-4
-    for a, b in zip(single.policy.parameters(), ddp.policy.parameters()):
+    for a, b in zip(single.policy.parameters(), ddp.policy.parameters(), strict=True):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
     # Metric sums are exact across ranks; what remains is float32 noise of the forward passes,
     # whose padding differs between the two layouts (amplified by exp(2 S) in chi2_seq).
-    for key in ("rollout_corr/kl", "rollout_corr/chi2_seq", "rollout_corr/geo_mask_seq_reject_rate", "ppo/clip_frac", "train/reward"):
-        assert float(ddp_trainer.callback_metrics[key]) == pytest.approx(float(single_trainer.callback_metrics[key]), rel=1e-5, abs=1e-7), key
+    for key in (
+        "rollout_corr/kl",
+        "rollout_corr/chi2_seq",
+        "rollout_corr/geo_mask_seq_reject_rate",
+        "ppo/clip_frac",
+        "train/reward",
+    ):
+        assert float(ddp_trainer.callback_metrics[key]) == pytest.approx(
+            float(single_trainer.callback_metrics[key]), rel=1e-5, abs=1e-7
+        ), key

@@ -47,7 +47,12 @@ def _check_positive(owner: str, name: str, value: float | None, *, optional: boo
         if optional:
             return
         raise CorrectionConfigError(f"{owner}.{name} is required here; set it to a positive number.")
-    if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value) or value <= 0:
+    if (
+        not isinstance(value, (int, float))
+        or isinstance(value, bool)
+        or not math.isfinite(value)
+        or value <= 0
+    ):
         raise CorrectionConfigError(f"{owner}.{name}={value!r} must be a positive finite number.")
 
 
@@ -319,7 +324,9 @@ class OffPolicyCorrectionConfig:
         cls, low: float = 0.99, high: float = 1.01, clip_high: float = 2.0
     ) -> OffPolicyCorrectionConfig:
         """Geometric sequence mask plus token-level TIS on the kept sequences."""
-        return cls(geo_mask=True, geo_mask_low=low, geo_mask_high=high, tis_level="token", tis_clip_high=clip_high)
+        return cls(
+            geo_mask=True, geo_mask_low=low, geo_mask_high=high, tis_level="token", tis_clip_high=clip_high
+        )
 
     @classmethod
     def geo_mis_seq_tis(
@@ -338,7 +345,11 @@ class OffPolicyCorrectionConfig:
     ) -> OffPolicyCorrectionConfig:
         """Product sequence mask plus token-level TIS on the kept sequences."""
         return cls(
-            product_mask=True, product_mask_low=low, product_mask_high=high, tis_level="token", tis_clip_high=clip_high
+            product_mask=True,
+            product_mask_low=low,
+            product_mask_high=high,
+            tis_level="token",
+            tis_clip_high=clip_high,
         )
 
     @classmethod
@@ -347,7 +358,9 @@ class OffPolicyCorrectionConfig:
         return cls(outlier_token_veto=True, outlier_low=low, outlier_high=high)
 
     @classmethod
-    def decoupled_k3_rs(cls, threshold: float = 0.01, level: RejectLevel = "seq_mean") -> OffPolicyCorrectionConfig:
+    def decoupled_k3_rs(
+        cls, threshold: float = 0.01, level: RejectLevel = "seq_mean"
+    ) -> OffPolicyCorrectionConfig:
         """verl's k3 rejection: drop sequences whose mean k3 (``rho - 1 - log rho``) exceeds ``threshold``."""
         return cls(kl_reject="k3", kl_reject_level=level, kl_reject_threshold=threshold)
 
@@ -361,7 +374,13 @@ class OffPolicyCorrectionConfig:
         cls, clip_high: float = 2.0, clip_low: float | None = None, level: TISLevel = "token"
     ) -> OffPolicyCorrectionConfig:
         """Off-policy REINFORCE: ``L = -sg(min(pi_theta / pi_rollout, C)) A log pi_theta``, no PPO clip."""
-        return cls(bypass_mode=True, objective="pure_is", objective_level=level, is_clip_high=clip_high, is_clip_low=clip_low)
+        return cls(
+            bypass_mode=True,
+            objective="pure_is",
+            objective_level=level,
+            is_clip_high=clip_high,
+            is_clip_low=clip_low,
+        )
 
     @classmethod
     def cispo(
@@ -450,7 +469,9 @@ class PolicyLossConfig:
                 f"{own}.eps_clip_low={self.eps_clip_low!r} must be below 1 (the ratio floor is 1 - eps_clip_low)."
             )
         if self.dual_clip is not None and (not math.isfinite(self.dual_clip) or self.dual_clip <= 1):
-            raise CorrectionConfigError(f"{own}.dual_clip={self.dual_clip!r} must be greater than 1, or None.")
+            raise CorrectionConfigError(
+                f"{own}.dual_clip={self.dual_clip!r} must be greater than 1, or None."
+            )
         _check_positive(own, "tau_pos", self.tau_pos)
         _check_positive(own, "tau_neg", self.tau_neg)
         _check_positive(own, "loss_norm_constant", self.loss_norm_constant, optional=True)
@@ -472,5 +493,7 @@ def check_compatible(correction: OffPolicyCorrectionConfig, loss: PolicyLossConf
 def preset(name: str, **kwargs: Any) -> OffPolicyCorrectionConfig:
     """Build a preset by name, e.g. ``preset("geo_mis", low=0.98)``."""
     if name not in PRESETS:
-        raise CorrectionConfigError(f"Unknown correction preset {name!r}; known: {', '.join(sorted(PRESETS))}.")
+        raise CorrectionConfigError(
+            f"Unknown correction preset {name!r}; known: {', '.join(sorted(PRESETS))}."
+        )
     return PRESETS[name](**kwargs)

@@ -178,13 +178,19 @@ def policy_loss(
     rollout_kl = ref_kl = zero
     if loss_cfg.rollout_kl_coef > 0:
         rollout_kl = aggregate(
-            kl_estimate(logprobs, rollout_logprobs, valid, loss_cfg.rollout_kl_estimator), valid, valid, **aggregate_kwargs
+            kl_estimate(logprobs, rollout_logprobs, valid, loss_cfg.rollout_kl_estimator),
+            valid,
+            valid,
+            **aggregate_kwargs,
         )
         total = total + loss_cfg.rollout_kl_coef * rollout_kl
     if loss_cfg.ref_kl_coef > 0:
         _require(ref_logprobs, "ref_logprobs", response_mask, hint="compute the reference forward pass")
         ref_kl = aggregate(
-            kl_estimate(logprobs, ref_logprobs, valid, loss_cfg.ref_kl_estimator), valid, valid, **aggregate_kwargs
+            kl_estimate(logprobs, ref_logprobs, valid, loss_cfg.ref_kl_estimator),
+            valid,
+            valid,
+            **aggregate_kwargs,
         )
         total = total + loss_cfg.ref_kl_coef * ref_kl
 
@@ -195,9 +201,11 @@ def policy_loss(
         else:
             approx_kl = zero.detach()
         if rollout_logprobs is not None:
-            rollout_kl_sum = kl_estimate(
-                logprobs.detach(), rollout_logprobs, valid, loss_cfg.rollout_kl_estimator
-            ).double().sum()
+            rollout_kl_sum = (
+                kl_estimate(logprobs.detach(), rollout_logprobs, valid, loss_cfg.rollout_kl_estimator)
+                .double()
+                .sum()
+            )
         else:
             rollout_kl_sum = zero.detach()
         info = PolicyLossInfo(
@@ -217,7 +225,9 @@ def policy_loss(
 _ROLLOUT_HINT = "turn on logprob return in the rollout engine (vLLM: SamplingParams(logprobs=0))"
 
 
-def _require(tensor: torch.Tensor | None, name: str, response_mask: torch.Tensor, hint: str | None = None) -> None:
+def _require(
+    tensor: torch.Tensor | None, name: str, response_mask: torch.Tensor, hint: str | None = None
+) -> None:
     if tensor is None:
         raise ValueError(f"policy_loss needs {name} for this configuration" + (f"; {hint}." if hint else "."))
     if tensor.shape != response_mask.shape:

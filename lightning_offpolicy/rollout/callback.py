@@ -114,7 +114,9 @@ class RolloutCallback(Callback):
 
     # ------------------------------------------------------------------------------ the step
     @override
-    def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_start(
+        self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int
+    ) -> None:
         if not isinstance(batch, PromptBatch):
             raise TypeError(
                 f"RolloutCallback expects the train dataloader to yield PromptBatch; got {type(batch).__name__}."
@@ -156,7 +158,9 @@ class RolloutCallback(Callback):
             advantages=advantages,
             group_ids=group_ids,
             policy_versions=[c.policy_version for c in completions],
-            rollout_logprobs=None if any(c.logprobs is None for c in completions) else [c.logprobs for c in completions],
+            rollout_logprobs=None
+            if any(c.logprobs is None for c in completions)
+            else [c.logprobs for c in completions],
             pad_token_id=tokenizer.pad_token_id,
         )
         self.generated_batches += 1
@@ -173,7 +177,9 @@ class RolloutCallback(Callback):
         if self.last_timing:
             generate_s = max(self.last_timing["generate_s"], 1e-9)
             pl_module.log("rollout/generate_s", generate_s, on_step=True, batch_size=1)
-            pl_module.log("rollout/tokens_per_s", self.last_timing["tokens"] / generate_s, on_step=True, batch_size=1)
+            pl_module.log(
+                "rollout/tokens_per_s", self.last_timing["tokens"] / generate_s, on_step=True, batch_size=1
+            )
         if isinstance(batch, PromptBatch):
             batch.rollout = None  # free the rollout's tensors before the loader's next batch
 

@@ -41,7 +41,9 @@ class SamplingConfig:
         if not 0 < self.top_p <= 1:
             raise ValueError(f"SamplingConfig.top_p={self.top_p} must be in (0, 1].")
         if self.samples_per_prompt < 1:
-            raise ValueError(f"SamplingConfig.samples_per_prompt={self.samples_per_prompt} must be at least 1.")
+            raise ValueError(
+                f"SamplingConfig.samples_per_prompt={self.samples_per_prompt} must be at least 1."
+            )
 
 
 @dataclass
@@ -67,7 +69,9 @@ class Completion:
 class RolloutEngine(Protocol):
     """Anything that samples completions with per-token logprobs and accepts new weights."""
 
-    def generate(self, prompt_ids: list[list[int]], sampling: SamplingConfig, seed: int | None = None) -> list[Completion]:
+    def generate(
+        self, prompt_ids: list[list[int]], sampling: SamplingConfig, seed: int | None = None
+    ) -> list[Completion]:
         """``sampling.samples_per_prompt`` completions per prompt, grouped by prompt in order."""
         ...
 
