@@ -151,9 +151,7 @@ def _step_fn(method: str, temperature: float, chunk_size: int):
     elif method == "naive":
 
         def fwd(logits, targets):
-            return (
-                torch.log_softmax(logits.float() / temperature, -1).gather(-1, targets[..., None]).squeeze(-1)
-            )
+            return torch.log_softmax(logits.float() / temperature, -1).gather(-1, targets[..., None]).squeeze(-1)
 
     else:
         raise ValueError(method)
@@ -356,9 +354,7 @@ def render(results: list[dict], header: dict) -> str:
         lean = [r for r in results if (r["vocab"], r["tokens"], r["dtype"]) == case and r["method"] == "lean"]
         ref = naive.get(case)
         lean_txt = ", ".join(
-            f"{r['peak_fwd_bwd'] / r['logits_bytes']:.2f} (chunk {r['chunk_size']})"
-            for r in lean
-            if not r["skipped"]
+            f"{r['peak_fwd_bwd'] / r['logits_bytes']:.2f} (chunk {r['chunk_size']})" for r in lean if not r["skipped"]
         )
         if ref is None or ref["skipped"]:
             naive_txt, speed = "not run", "-"
@@ -466,8 +462,7 @@ def main(argv: list[str] | None = None) -> int:
         "date": _dt.datetime.now().astimezone().strftime("%Y-%m-%d %H:%M %Z"),
         "command": "python "
         + " ".join(
-            shlex.quote(a)
-            for a in [os.path.relpath(__file__, ROOT)] + (argv if argv is not None else sys.argv[1:])
+            shlex.quote(a) for a in [os.path.relpath(__file__, ROOT)] + (argv if argv is not None else sys.argv[1:])
         ),
         "quick": args.quick,
         "load": f"{load0[0]:.1f} / {os.getloadavg()[0]:.1f} (1-min)" if load0 else "",

@@ -202,8 +202,8 @@ def token_logprobs(
         chunk_size: number of rows (tokens) processed at once. Temporaries are
             ``chunk_size x V`` float32 tensors; smaller saves memory, larger saves Python overhead.
             With bf16/fp16 logits of ``N`` rows the backward peaks at about
-            ``1 + 2 * chunk_size / N`` logits tensors: ``chunk_size <= 0.1 * N`` keeps it
-            under 1.2 (float32 logits: ~1.0 whatever the chunk size).
+            ``1 + 2 * chunk_size / N`` logits tensors, so for them the chunk is capped at
+            ``max(64, N // 20)`` rows (peak <= ~1.1); float32 logits peak at ~1.0 whatever the chunk.
         return_entropy: also return the entropy of ``softmax(logits / T)`` per token.
 
     Returns:
@@ -239,7 +239,11 @@ def token_logprobs(
         if lo < 0 or hi >= vocab:
             raise ValueError(f"targets must lie in [0, {vocab}) (the vocabulary), got values in [{lo}, {hi}]")
     inv_t = 1.0 / temperature
-    logprobs, entropy = _TokenLogprobs.apply(logits, targets, inv_t, int(chunk_size), return_entropy)
+    chunk_size = int(chunk_size)
+    if logits.element_size() < 4:
+        # Half-precision logits: float32 chunk temporaries cost 2 * chunk / N logits tensors.
+        chunk_size = min(chunk_size, max(64, targets.numel() // 20))
+    logprobs, entropy = _TokenLogprobs.apply(logits, targets, inv_t, chunk_size, return_entropy)
     if return_entropy:
         return logprobs, entropy
     return logprobs
@@ -312,8 +316,7 @@ def causal_lm_token_logprobs(
     logits = out.logits if hasattr(out, "logits") else out[0]
     if logits.dim() != 3 or logits.shape[0] != input_ids.shape[0] or logits.shape[1] < keep:
         raise RuntimeError(
-            f"model returned logits of shape {tuple(logits.shape)}; expected [B, >= {keep}, V] "
-            f"(logits_to_keep={keep})."
+            f"model returned logits of shape {tuple(logits.shape)}; expected [B, >= {keep}, V] (logits_to_keep={keep})."
         )
     if logits.shape[1] > keep:  # a model that ignores logits_to_keep: correct, but not lean (copy)
         logits = logits[:, -keep:]

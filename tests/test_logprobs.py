@@ -64,9 +64,7 @@ def test_gradient_matches_float64(dtype, temperature, chunk_size):
 def test_gradcheck_double(temperature, chunk_size):
     logits, targets = _inputs((2, 3), 11, torch.float64, seed=3, scale=1.0)
     logits.requires_grad_(True)
-    assert torch.autograd.gradcheck(
-        lambda x: token_logprobs(x, targets, temperature, chunk_size=chunk_size), (logits,)
-    )
+    assert torch.autograd.gradcheck(lambda x: token_logprobs(x, targets, temperature, chunk_size=chunk_size), (logits,))
     out = token_logprobs(logits, targets, temperature, chunk_size=chunk_size)
     assert out.dtype == torch.float64
 
