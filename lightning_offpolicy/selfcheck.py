@@ -14,98 +14,68 @@ import argparse
 import copy
 import sys
 import time
-from dataclasses import dataclass
 
 import torch
 
+from lightning_offpolicy.batch import RolloutBatch
 from lightning_offpolicy.correction import PRESETS, PolicyLossConfig, compute_correction, policy_loss
+from lightning_offpolicy.logprobs import causal_lm_token_logprobs
 from lightning_offpolicy.metrics import CorrectionMetrics, PolicyLossMetrics
+from lightning_offpolicy.rollout import HFEngine, SamplingConfig
+from lightning_offpolicy.tiny import build_tiny_llama
+
+PAD_ID, EOS_ID = 0, 2
 
 
-@dataclass
-class Rollout:
-    """Sampled completions and the per-token logprobs of the engine that sampled them."""
+def sharpened_tiny_llama(seed: int = 0, sharpness: float = 60.0) -> torch.nn.Module:
+    """The kit's tiny Llama, its output layer scaled to the confidence of a trained model.
 
-    sequences: torch.Tensor  # [B, P + T]
-    prompt_length: int
-    response_mask: torch.Tensor  # [B, T]
-    rollout_logprobs: torch.Tensor  # [B, T]
-
-
-def build_tiny_llama(vocab_size: int = 64, seed: int = 0, sharpness: float = 60.0) -> torch.nn.Module:
-    """A random 2-layer Llama with head_dim 64 (the shape vLLM's CPU attention accepts)."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(seed)
-    config = LlamaConfig(
-        vocab_size=vocab_size,
-        hidden_size=128,
-        intermediate_size=256,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
-        bos_token_id=1,
-        eos_token_id=2,
-        pad_token_id=0,
-    )
-    model = LlamaForCausalLM(config).eval()
+    A freshly initialised model is nearly uniform, so a weight gap would barely show in its logprobs.
+    """
+    model = build_tiny_llama(seed=seed)
     with torch.no_grad():
-        # A freshly initialised model is nearly uniform; sharpen it to the confidence of a trained one.
         model.lm_head.weight.mul_(sharpness)
     return model
 
 
-def token_logprobs(model: torch.nn.Module, sequences: torch.Tensor, prompt_length: int) -> torch.Tensor:
-    """Teacher-forced logprobs of the response tokens ``sequences[:, prompt_length:]``."""
-    logits = model(input_ids=sequences).logits[:, prompt_length - 1 : -1].float()
-    targets = sequences[:, prompt_length:]
-    return logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, dim=-1)
-
-
-@torch.no_grad()
-def sample(engine: torch.nn.Module, batch: int, prompt_length: int, new_tokens: int, seed: int) -> Rollout:
-    """Ancestral sampling at temperature 1, recording the engine's logprob of each sampled token."""
-    gen = torch.Generator().manual_seed(seed)
-    vocab = engine.config.vocab_size
-    sequences = torch.randint(3, vocab, (batch, prompt_length), generator=gen)
-    logprobs, finished = [], torch.zeros(batch, dtype=torch.bool)
-    mask = []
-    past = None
-    step_input = sequences
-    for _ in range(new_tokens):
-        out = engine(input_ids=step_input, past_key_values=past, use_cache=True)
-        past = out.past_key_values
-        step_logprobs = torch.log_softmax(out.logits[:, -1].float(), dim=-1)
-        token = torch.multinomial(step_logprobs.exp(), 1, generator=gen).squeeze(-1)
-        mask.append(~finished)
-        logprobs.append(step_logprobs.gather(-1, token.unsqueeze(-1)).squeeze(-1))
-        token = torch.where(finished, torch.zeros_like(token), token)
-        finished |= token == engine.config.eos_token_id
-        sequences = torch.cat([sequences, token.unsqueeze(-1)], dim=-1)
-        step_input = token.unsqueeze(-1)
-    response_mask = torch.stack(mask, dim=-1).float()
-    rollout_logprobs = torch.where(response_mask.bool(), torch.stack(logprobs, dim=-1), torch.nan)
-    return Rollout(sequences, prompt_length, response_mask, rollout_logprobs)
-
-
-def run(
-    batch: int, prompt_length: int, new_tokens: int, staleness_noise: float, seed: int, logdir: str | None
-) -> int:
-    trainer_model = build_tiny_llama(seed=seed)
-    # The engine: older weights (a perturbation standing in for optimizer steps not yet pushed),
-    # run in bfloat16 as inference engines do.
-    engine = copy.deepcopy(trainer_model)
+def sample_rollout(
+    trainer_model: torch.nn.Module, batch: int, prompt_length: int, new_tokens: int, staleness_noise: float, seed: int
+) -> RolloutBatch:
+    """Completions from a bfloat16 engine holding older weights, with parity rewards and advantages."""
+    stale = copy.deepcopy(trainer_model)
+    generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():
-        for param in engine.parameters():
-            param.add_(staleness_noise * param.std() * torch.randn_like(param))
-    engine = engine.to(torch.bfloat16)
+        # Older weights: a perturbation standing in for optimizer steps not yet pushed to the engine.
+        for param in stale.parameters():
+            param.add_(staleness_noise * param.std() * torch.randn(param.shape, generator=generator))
+    engine = HFEngine(dtype="bfloat16", pad_token_id=PAD_ID, eos_token_id=EOS_ID)
+    engine.update_weights(stale, version=0)
+    vocab = trainer_model.config.vocab_size
+    prompts = torch.randint(3, vocab, (batch, prompt_length), generator=generator).tolist()
+    completions = engine.generate(prompts, SamplingConfig(max_new_tokens=new_tokens, samples_per_prompt=1), seed=seed)
+    rewards = torch.tensor([float(sum(t % 2 == 0 for t in c.token_ids)) for c in completions])
+    return RolloutBatch.from_sequences(
+        prompt_ids=prompts,
+        response_ids=[c.token_ids for c in completions],
+        rewards=rewards,
+        advantages=(rewards - rewards.mean()) / (rewards.std() + 1e-6),
+        group_ids=[0] * batch,
+        policy_versions=[0] * batch,
+        rollout_logprobs=[c.logprobs for c in completions],
+        pad_token_id=PAD_ID,
+    )
 
-    rollout = sample(engine, batch, prompt_length, new_tokens, seed)
+
+def response_logprobs(model: torch.nn.Module, rollout: RolloutBatch) -> torch.Tensor:
+    return causal_lm_token_logprobs(model, rollout.input_ids, rollout.attention_mask, rollout.prompt_length)
+
+
+def run(batch: int, prompt_length: int, new_tokens: int, staleness_noise: float, seed: int, logdir: str | None) -> int:
+    trainer_model = sharpened_tiny_llama(seed=seed)
+    rollout = sample_rollout(trainer_model, batch, prompt_length, new_tokens, staleness_noise, seed)
     with torch.no_grad():
-        prox = token_logprobs(trainer_model, rollout.sequences, prompt_length)
-    rewards = (rollout.sequences[:, prompt_length:] % 2 == 0).float().mul(rollout.response_mask).sum(-1)
-    advantages = (rewards - rewards.mean()) / (rewards.std() + 1e-6)
+        prox = response_logprobs(trainer_model, rollout)
+    advantages = rollout.advantages
 
     writer = None
     if logdir:
@@ -113,8 +83,7 @@ def run(
 
         writer = SummaryWriter(logdir)
     header = (
-        f"{'preset':<18}{'kl':>10}{'chi2_tok':>10}{'ess':>7}{'w_mean':>8}{'reject':>8}"
-        f"{'loss':>10}{'grad':>9}{'ms':>7}"
+        f"{'preset':<18}{'kl':>10}{'chi2_tok':>10}{'ess':>7}{'w_mean':>8}{'reject':>8}{'loss':>10}{'grad':>9}{'ms':>7}"
     )
     print(
         f"tiny Llama: {sum(p.numel() for p in trainer_model.parameters()) / 1e6:.2f}M params | "
@@ -130,7 +99,7 @@ def run(
         out = compute_correction(
             None if cfg.bypass_mode else prox, rollout.rollout_logprobs, rollout.response_mask, cfg
         )
-        logprobs = token_logprobs(trainer_model, rollout.sequences, prompt_length)
+        logprobs = response_logprobs(trainer_model, rollout)
         loss, info = policy_loss(
             logprobs,
             None if cfg.bypass_mode else prox,
@@ -142,9 +111,7 @@ def run(
         )
         loss.backward()
         elapsed_ms = 1e3 * (time.perf_counter() - start)
-        grad_norm = torch.sqrt(
-            sum(p.grad.square().sum() for p in trainer_model.parameters() if p.grad is not None)
-        )
+        grad_norm = torch.sqrt(sum(p.grad.square().sum() for p in trainer_model.parameters() if p.grad is not None))
         corr, ppo = CorrectionMetrics(cfg), PolicyLossMetrics()
         corr.update(stats=out.stats)
         ppo.update(info=info)
@@ -166,9 +133,7 @@ def run(
     if failures:
         print("\nFAILED invariants:\n  " + "\n  ".join(failures))
         return 1
-    print(
-        f"\nall {len(PRESETS)} presets passed: finite loss and gradients, detached weights, masks only remove"
-    )
+    print(f"\nall {len(PRESETS)} presets passed: finite loss and gradients, detached weights, masks only remove")
     return 0
 
 
@@ -191,22 +156,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batch", type=int, default=64, help="number of sampled completions")
     parser.add_argument("--prompt-length", type=int, default=8, help="random prompt tokens per completion")
     parser.add_argument("--new-tokens", type=int, default=48, help="tokens sampled per completion")
-    parser.add_argument(
-        "--staleness-noise", type=float, default=0.01, help="relative weight gap of the engine"
-    )
+    parser.add_argument("--staleness-noise", type=float, default=0.01, help="relative weight gap of the engine")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--logdir", default="runs/selfcheck", help="TensorBoard directory ('' to skip)")
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="lightning-offpolicy selfcheck", description=__doc__.splitlines()[0]
-    )
+    parser = argparse.ArgumentParser(prog="lightning-offpolicy selfcheck", description=__doc__.splitlines()[0])
     add_arguments(parser)
     args = parser.parse_args(argv)
-    return run(
-        args.batch, args.prompt_length, args.new_tokens, args.staleness_noise, args.seed, args.logdir or None
-    )
+    return run(args.batch, args.prompt_length, args.new_tokens, args.staleness_noise, args.seed, args.logdir or None)
 
 
 if __name__ == "__main__":
