@@ -51,6 +51,10 @@ from lightning_offpolicy.metrics import CorrectionMetrics, PolicyLossMetrics
 
 ReferenceMode = Literal["auto", "none", "frozen_copy", "disable_adapter"]
 
+# The configs are saved in the checkpoint's hyperparameters; let `torch.load(weights_only=True)`,
+# which Lightning uses to resume, rebuild them.
+torch.serialization.add_safe_globals([OffPolicyCorrectionConfig, PolicyLossConfig])
+
 # The policy stays in eval mode on purpose (see configure_model); Lightning's notice about it is noise.
 warnings.filterwarnings("ignore", message=r"Found \d+ module\(s\) in eval mode at the start of training")
 
