@@ -97,8 +97,9 @@ What to expect (see the `lightning_offpolicy/logprobs.py` docstring): the lean p
 processed in place in the gradient: `1.0`), and only `N` floats are kept between forward and
 backward. The naive path keeps a float32 `[T, V]` copy from forward to backward and peaks with
 three float32 `[T, V]` tensors in the backward: 3 logits tensors for float32 logits, 6 for
-bf16 logits (each float32 copy is twice the bf16 logits). To meet a budget of 1.2 logits tensors
-with bf16 logits, pick `chunk_size <= 0.1 * T` (e.g. 512 at T = 8192, 128 at T = 2048)."""
+bf16 logits (each float32 copy is twice the bf16 logits). For bf16 / fp16 logits `token_logprobs`
+caps the chunk at `max(64, N // 20)` rows by itself, which keeps the lean peak near 1.1 logits
+tensors whatever `chunk_size` is passed."""
 
 # --------------------------------------------------------------------------- worker (subprocess)
 
