@@ -16,6 +16,7 @@ from lightning_offpolicy.tasks import PromptDataModule
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = sorted((ROOT / "configs").glob("*.yaml"))
 CORRECTION_CONFIGS = sorted((ROOT / "configs" / "correction").glob("*.yaml"))
+TASK_CONFIGS = sorted((ROOT / "configs" / "tasks").glob("*.yaml"))
 
 
 def parse(*args: str) -> OffPolicyCLI:
@@ -41,6 +42,13 @@ def test_every_shipped_config_parses_and_instantiates(config):
 def test_correction_configs_layer_to_exactly_their_preset(config):
     cli = parse("--config", str(ROOT / "configs" / "quickstart.yaml"), "--config", str(config))
     assert cli.model.correction == PRESETS[config.stem]()
+
+
+@pytest.mark.parametrize("config", TASK_CONFIGS, ids=lambda p: p.stem)
+def test_task_configs_layer_over_the_quickstart(config):
+    cli = parse("--config", str(ROOT / "configs" / "quickstart.yaml"), "--config", str(config))
+    assert cli.datamodule.task.name == config.stem
+    assert cli.model.model_name == f"tiny:{config.stem}"
 
 
 def test_every_preset_has_a_config_file():
