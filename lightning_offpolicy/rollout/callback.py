@@ -195,7 +195,8 @@ class RolloutCallback(Callback):
 
     @override
     def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
-        if isinstance(self.engine, HFEngine):
+        # The engine's processes and memory end with the fit (vLLM would otherwise outlive it).
+        if self.engine is not None:
             self.engine.close()
 
 

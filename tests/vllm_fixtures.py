@@ -1,0 +1,73 @@
+"""Session-scoped fixtures for the real-vLLM tests: one tiny checkpoint, one shared engine.
+
+Starting vLLM costs ~20-45 s on a 2-core CPU machine, so the tests share one engine. Tests that
+change its weights restore them before they end; the test that closes it leaves the holder to
+start a fresh one if a later test asks for the engine again.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from lightning_offpolicy.rollout.vllm_engine import VLLMEngine, vllm_available
+
+requires_vllm = pytest.mark.skipif(not vllm_available(), reason="vLLM is not installed")
+
+#: Engine settings of the shared engine (float32, as the trainer, so the residual is the engine's own).
+ENGINE_KWARGS = dict(dtype="float32", max_model_len=256, gpu_memory_utilization=0.3, kv_cache_space_gib=1)
+
+
+@pytest.fixture(scope="session")
+def tiny_ckpt(tmp_path_factory) -> Path:
+    """The tiny Llama warmed up on ``reverse``, saved as a checkpoint directory."""
+    from lightning_offpolicy.tiny import prepare_tiny_checkpoint
+
+    return prepare_tiny_checkpoint("reverse", directory=tmp_path_factory.mktemp("vllm") / "tiny-reverse")
+
+
+@pytest.fixture
+def trainer_model(tiny_ckpt):
+    """A fresh float32 transformers copy of the checkpoint (the trainer's side)."""
+    from transformers import LlamaForCausalLM
+
+    return LlamaForCausalLM.from_pretrained(str(tiny_ckpt), dtype=torch.float32).eval()
+
+
+class EngineHolder:
+    """Hands out the shared engine; starts a new one if the previous was closed."""
+
+    def __init__(self, model: Path) -> None:
+        self.model = model
+        self.engine: VLLMEngine | None = None
+
+    def get(self) -> VLLMEngine:
+        if self.engine is None or self.engine._closed or self.engine._failure is not None:
+            from transformers import LlamaForCausalLM
+
+            if self.engine is not None:
+                self.engine.close()
+            # model=None: the engine starts from the trainer's module at the first update_weights.
+            self.engine = VLLMEngine(model=None, eos_token_id=2, **ENGINE_KWARGS)
+            trainer = LlamaForCausalLM.from_pretrained(str(self.model), dtype=torch.float32).eval()
+            self.engine.update_weights(trainer, 0)
+        return self.engine
+
+    def close(self) -> None:
+        if self.engine is not None:
+            self.engine.close()
+
+
+@pytest.fixture(scope="session")
+def vllm_engine_holder(tiny_ckpt):
+    holder = EngineHolder(tiny_ckpt)
+    yield holder
+    holder.close()
+
+
+@pytest.fixture
+def vllm_engine(vllm_engine_holder) -> VLLMEngine:
+    """The session's shared engine (float32, eos id 2), started from the tiny checkpoint's module."""
+    return vllm_engine_holder.get()
