@@ -128,19 +128,9 @@ def test_bad_arguments():
 
 @pytest.fixture(scope="module")
 def tiny_llama():
-    transformers = pytest.importorskip("transformers")
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(
-        vocab_size=64,
-        hidden_size=128,
-        intermediate_size=256,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=2,
-    )
-    model = transformers.LlamaForCausalLM(config).float()
-    model.eval()
-    return model
+    from lightning_offpolicy.tiny import build_tiny_llama
+
+    return build_tiny_llama(vocab_size=64, seed=0).eval()
 
 
 def _padded_batch(prompts, responses, pad_id=0):
