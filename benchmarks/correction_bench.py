@@ -57,6 +57,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+from machine import cpu_model  # benchmarks/machine.py (run as `python benchmarks/<script>.py`)
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
@@ -563,14 +564,7 @@ def render_table(res: SizeResult) -> str:
 
 
 def machine_line() -> str:
-    cpu = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
+    cpu = cpu_model()
     return (
         f"{cpu}, nproc={os.cpu_count()}, torch {torch.__version__} "
         f"(intra-op threads={torch.get_num_threads()}), Python {platform.python_version()}, "
