@@ -35,7 +35,7 @@ import torch
 from lightning.pytorch import LightningModule
 from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
 from lightning.pytorch.strategies import DDPStrategy
-from torchmetrics import MeanMetric
+from torchmetrics import MaxMetric, MeanMetric
 
 from lightning_offpolicy.batch import PromptBatch, RolloutBatch
 from lightning_offpolicy.correction import (
@@ -116,9 +116,7 @@ class OffPolicyRLModule(LightningModule):
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"OffPolicyRLModule.{name}={value!r} must be a positive integer.")
         if gradient_clip_val is not None and not gradient_clip_val > 0:
-            raise ValueError(
-                f"OffPolicyRLModule.gradient_clip_val={gradient_clip_val!r} must be > 0 or None."
-            )
+            raise ValueError(f"OffPolicyRLModule.gradient_clip_val={gradient_clip_val!r} must be > 0 or None.")
         if not temperature > 0:
             raise ValueError(f"OffPolicyRLModule.temperature={temperature!r} must be > 0.")
         if reference not in ("auto", "none", "frozen_copy", "disable_adapter"):
@@ -127,9 +125,7 @@ class OffPolicyRLModule(LightningModule):
                 "'frozen_copy', 'disable_adapter'."
             )
         # Copies: the defaults above are shared objects, and a caller's config must not change under us.
-        self.correction = dataclasses.replace(
-            correction if correction is not None else OffPolicyCorrectionConfig()
-        )
+        self.correction = dataclasses.replace(correction if correction is not None else OffPolicyCorrectionConfig())
         self.loss_config = dataclasses.replace(loss if loss is not None else PolicyLossConfig())
         check_compatible(self.correction, self.loss_config)
         if isinstance(model, torch.nn.Module):
@@ -165,6 +161,9 @@ class OffPolicyRLModule(LightningModule):
         self.reward_square_mean = MeanMetric()
         self.response_length = MeanMetric()
         self.entropy = MeanMetric()
+        # Versions behind the weights of this step, per response token (0 for synchronous rollouts).
+        self.staleness_mean = MeanMetric()
+        self.staleness_max = MaxMetric()
         if self.policy is not None:
             self._setup_reference()
 
@@ -203,9 +202,7 @@ class OffPolicyRLModule(LightningModule):
         if mode == "frozen_copy" and self.reference_model is None:
             self.reference_model = copy.deepcopy(self.policy).requires_grad_(False).eval()
         if mode == "disable_adapter" and not hasattr(self.policy, "disable_adapter"):
-            raise ValueError(
-                "reference='disable_adapter' needs a peft model (with LoRA adapters) as the policy."
-            )
+            raise ValueError("reference='disable_adapter' needs a peft model (with LoRA adapters) as the policy.")
 
     def _shard_fsdp2(self) -> None:
         from torch.distributed.fsdp import fully_shard
@@ -229,9 +226,7 @@ class OffPolicyRLModule(LightningModule):
         params = [p for p in self.policy.parameters() if p.requires_grad]
         if not params:
             raise ValueError("OffPolicyRLModule: the policy has no trainable parameters.")
-        optimizer = (
-            self.optimizer_factory(params) if self.optimizer_factory else torch.optim.AdamW(params, lr=1e-5)
-        )
+        optimizer = self.optimizer_factory(params) if self.optimizer_factory else torch.optim.AdamW(params, lr=1e-5)
         if self.scheduler_factory is None:
             return optimizer
         return {
@@ -285,6 +280,10 @@ class OffPolicyRLModule(LightningModule):
         rollout = self._rollout_of(batch).to(self.device)
         rollout.validate(require_rollout_logprobs=True)
         started = time.perf_counter()
+        tokens = rollout.response_mask.bool()
+        staleness = (self.policy_version - rollout.policy_version[tokens]).float()
+        self.staleness_mean.update(staleness)
+        self.staleness_max.update(staleness if staleness.numel() else torch.zeros(1, device=self.device))
         cfg = self.correction
         prox = self._no_grad_logprobs(rollout) if cfg.needs_prox else None
         ref = self._no_grad_logprobs(rollout, reference=True) if self.loss_config.ref_kl_coef > 0 else None
@@ -298,9 +297,7 @@ class OffPolicyRLModule(LightningModule):
         for epoch in range(self.ppo_epochs):
             generator = None
             if self.shuffle_minibatches and self.num_minibatches > 1:
-                generator = torch.Generator().manual_seed(
-                    self.seed * 1_000_003 + self.policy_version * 101 + epoch
-                )
+                generator = torch.Generator().manual_seed(self.seed * 1_000_003 + self.policy_version * 101 + epoch)
             for minibatch in rollout.split(self.num_minibatches, generator):
                 grad_norms.append(self._optimizer_step(minibatch, record_entropy=epoch == 0))
                 trained_tokens += minibatch.num_response_tokens
@@ -406,16 +403,13 @@ class OffPolicyRLModule(LightningModule):
         values["train/entropy"] = self.entropy.compute()
         values["train/grad_norm"] = torch.stack(grad_norms).float().mean()
         values["train/policy_version"] = float(self.policy_version)
+        values["staleness/mean"] = self.staleness_mean.compute()
+        values["staleness/max"] = self.staleness_max.compute()
         values["train/lr"] = self.optimizers().param_groups[0]["lr"]
-        tokens = self._global_sum(
-            torch.tensor(float(trained_tokens), device=self.device, dtype=torch.float64)
-        )
+        tokens = self._global_sum(torch.tensor(float(trained_tokens), device=self.device, dtype=torch.float64))
         values["perf/train_tokens_per_s"] = tokens / max(seconds, 1e-9)
         values["perf/step_s"] = seconds
-        values = {
-            k: (v.float() if isinstance(v, torch.Tensor) else torch.tensor(float(v)))
-            for k, v in values.items()
-        }
+        values = {k: (v.float() if isinstance(v, torch.Tensor) else torch.tensor(float(v))) for k, v in values.items()}
         self.log_dict(values, on_step=True, on_epoch=False, batch_size=1, sync_dist=False)
         self.log("reward", values["train/reward"], prog_bar=True, batch_size=1, logger=False)
         for metric in (
@@ -425,6 +419,8 @@ class OffPolicyRLModule(LightningModule):
             self.reward_square_mean,
             self.response_length,
             self.entropy,
+            self.staleness_mean,
+            self.staleness_max,
         ):
             metric.reset()
 

@@ -114,6 +114,7 @@ def test_short_fit_writes_tensorboard_metrics(tmp_path):
         "ppo/clip_frac",
         "train/reward",
         "rollout/tokens_per_s",
+        "staleness/max",
         "perf/train_tokens_per_s",
     ):
         assert tag in tags, tag

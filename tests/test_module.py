@@ -31,8 +31,7 @@ def make_module(model, **kwargs) -> OffPolicyRLModule:
 
 def max_param_diff(a: torch.nn.Module, b: torch.nn.Module) -> float:
     return max(
-        (pa.double() - pb.double()).abs().max().item()
-        for pa, pb in zip(a.parameters(), b.parameters(), strict=True)
+        (pa.double() - pb.double()).abs().max().item() for pa, pb in zip(a.parameters(), b.parameters(), strict=True)
     )
 
 
@@ -59,9 +58,7 @@ def test_decoupled_step_equals_hand_computed_reference(num_minibatches, max_toke
 
 def test_step_changes_weights_increments_version_and_logs_finite_metrics():
     model = tiny_model()
-    module = make_module(
-        model, correction=OffPolicyCorrectionConfig.geo_mis_token_tis(low=0.5, high=2.0), ppo_epochs=2
-    )
+    module = make_module(model, correction=OffPolicyCorrectionConfig.geo_mis_token_tis(low=0.5, high=2.0), ppo_epochs=2)
     before = copy.deepcopy(model)
     trainer = fit_on(module, [make_rollout(model), make_rollout(model, seed=1)], max_steps=4)
     assert module.policy_version == 4 == trainer.global_step
@@ -92,9 +89,7 @@ def test_bypass_mode_skips_the_proximal_forward(monkeypatch):
 
 def test_reference_kl_uses_a_frozen_copy_that_does_not_move():
     model = tiny_model()
-    module = make_module(
-        model, loss=PolicyLossConfig(ref_kl_coef=0.5), correction=OffPolicyCorrectionConfig.disabled()
-    )
+    module = make_module(model, loss=PolicyLossConfig(ref_kl_coef=0.5), correction=OffPolicyCorrectionConfig.disabled())
     assert module.reference_model is not None
     frozen = copy.deepcopy(module.reference_model)
     fit_on(module, [make_rollout(model)], max_steps=2, limit_train_batches=1, max_epochs=2)
@@ -155,3 +150,17 @@ def test_too_many_minibatches_for_the_rows():
     model = tiny_model()
     with pytest.raises(ValueError, match="num_minibatches"):
         fit_on(make_module(model, num_minibatches=50), [make_rollout(model)], max_steps=1)
+
+
+def test_staleness_is_logged_per_token_against_the_version_of_the_step():
+    model = tiny_model()
+    batch = make_rollout(model)
+    # Tokens generated 0, 1 and 3 versions before the step (padding holds -1 and must not count).
+    versions = batch.policy_version.clone()
+    stamps = torch.tensor([0, -1, -3, 0, -1, -3])[:, None].expand_as(versions)
+    batch = batch.with_fields(policy_version=torch.where(batch.response_mask.bool(), stamps, versions))
+    expected = (-stamps)[batch.response_mask.bool()].float()
+    module = make_module(model)
+    trainer = fit_on(module, [batch], max_steps=1)
+    assert float(trainer.callback_metrics["staleness/mean"]) == pytest.approx(expected.mean().item())
+    assert float(trainer.callback_metrics["staleness/max"]) == 3.0
