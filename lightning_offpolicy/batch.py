@@ -30,9 +30,7 @@ class PromptBatch:
         if not self.metadata:
             self.metadata = [{} for _ in self.prompts]
         if len(self.metadata) != len(self.prompts):
-            raise ValueError(
-                f"PromptBatch: {len(self.prompts)} prompts but {len(self.metadata)} metadata entries."
-            )
+            raise ValueError(f"PromptBatch: {len(self.prompts)} prompts but {len(self.metadata)} metadata entries.")
 
     def __len__(self) -> int:
         return len(self.prompts)
@@ -207,14 +205,18 @@ class RolloutBatch:
                 longest_prompt, longest_response = p_len, r_len
         return groups
 
-    def micro_batches(self, max_tokens: int, num_micro_batches: int | None = None) -> list[RolloutBatch]:
+    def micro_batches(
+        self, max_tokens: int, num_micro_batches: int | None = None, rows: list[list[int]] | None = None
+    ) -> list[RolloutBatch]:
         """Split rows into micro-batches of at most ``max_tokens`` padded tokens each (see :meth:`micro_batch_rows`).
 
         With ``num_micro_batches`` (e.g. the maximum over DDP ranks, so every rank runs the same
         number of forward/backward passes) the list is completed with padding micro-batches
-        (:meth:`as_padding`), which carry every per-token field and change nothing.
+        (:meth:`as_padding`), which carry every per-token field and change nothing. ``rows`` passes
+        a grouping already computed by :meth:`micro_batch_rows`.
         """
-        micro = [self.select(rows).trim() for rows in self.micro_batch_rows(max_tokens)]
+        groups = rows if rows is not None else self.micro_batch_rows(max_tokens)
+        micro = [self.select(group).trim() for group in groups]
         if num_micro_batches is not None:
             if num_micro_batches < len(micro):
                 raise ValueError(
@@ -246,9 +248,7 @@ class RolloutBatch:
                 raise ValueError(f"RolloutBatch.{name} has {bad} NaN / inf value(s) at response tokens.")
         bad_rewards = int((~torch.isfinite(self.rewards)).sum())
         if bad_rewards:
-            raise ValueError(
-                f"RolloutBatch.rewards has {bad_rewards} NaN / inf value(s); check the reward function."
-            )
+            raise ValueError(f"RolloutBatch.rewards has {bad_rewards} NaN / inf value(s); check the reward function.")
 
     # ------------------------------------------------------------------------------ building
     @classmethod
@@ -270,9 +270,7 @@ class RolloutBatch:
         """
         batch = len(prompt_ids)
         if not (len(response_ids) == batch and len(group_ids) == batch and len(rewards) == batch):
-            raise ValueError(
-                "from_sequences: prompt_ids, response_ids, rewards and group_ids differ in length."
-            )
+            raise ValueError("from_sequences: prompt_ids, response_ids, rewards and group_ids differ in length.")
         prompt_length = max(1, max((len(p) for p in prompt_ids), default=1))
         response_length = max(1, max((len(r) for r in response_ids), default=1))
         input_ids = torch.full((batch, prompt_length + response_length), pad_token_id, dtype=torch.long)

@@ -326,7 +326,9 @@ class OffPolicyRLModule(LightningModule):
         token_count, sequence_count = (counts / world).float()
         rows_per_micro = minibatch.micro_batch_rows(self.max_tokens_per_microbatch)
         micro_batches = minibatch.micro_batches(
-            self.max_tokens_per_microbatch, num_micro_batches=self._global_max(len(rows_per_micro))
+            self.max_tokens_per_microbatch,
+            num_micro_batches=self._global_max(len(rows_per_micro)),
+            rows=rows_per_micro,
         )
         optimizer = self.optimizers()
         for index, micro in enumerate(micro_batches):
