@@ -105,17 +105,13 @@ def _check_rewards_valid(fn: str, rewards: Any, valid: Any) -> tuple[torch.Tenso
     if not isinstance(rewards, torch.Tensor):
         raise ValueError(f"{fn}: rewards must be a torch.Tensor of shape [B]; got {type(rewards).__name__}.")
     if rewards.dim() != 1:
-        raise ValueError(
-            f"{fn}: rewards must be 1-D [B] (one reward per sequence); got shape {tuple(rewards.shape)}."
-        )
+        raise ValueError(f"{fn}: rewards must be 1-D [B] (one reward per sequence); got shape {tuple(rewards.shape)}.")
     if not rewards.is_floating_point():
         raise ValueError(f"{fn}: rewards must have a floating dtype; got {rewards.dtype}.")
     if valid is None:
         return rewards.detach(), torch.ones(rewards.shape, dtype=torch.bool, device=rewards.device)
     if not isinstance(valid, torch.Tensor):
-        raise ValueError(
-            f"{fn}: valid must be a bool torch.Tensor of shape [B] or None; got {type(valid).__name__}."
-        )
+        raise ValueError(f"{fn}: valid must be a bool torch.Tensor of shape [B] or None; got {type(valid).__name__}.")
     if valid.dtype != torch.bool:
         raise ValueError(f"{fn}: valid must have dtype torch.bool; got {valid.dtype}.")
     if valid.shape != rewards.shape:
@@ -133,9 +129,7 @@ def _check_group_ids(fn: str, group_ids: Any, rewards: torch.Tensor) -> torch.Te
     if group_ids.dtype == torch.bool or group_ids.is_floating_point() or group_ids.is_complex():
         raise ValueError(f"{fn}: group_ids must have an integer dtype (torch.long); got {group_ids.dtype}.")
     if group_ids.shape != rewards.shape:
-        raise ValueError(
-            f"{fn}: group_ids shape {tuple(group_ids.shape)} != rewards shape {tuple(rewards.shape)}."
-        )
+        raise ValueError(f"{fn}: group_ids shape {tuple(group_ids.shape)} != rewards shape {tuple(rewards.shape)}.")
     if group_ids.device != rewards.device:
         raise ValueError(f"{fn}: group_ids is on {group_ids.device} but rewards on {rewards.device}.")
     return group_ids
@@ -183,6 +177,22 @@ def _group_centered(
     return centered, count[inverse], ssd[inverse], degenerate[inverse]
 
 
+def _grouped(
+    fn: str, rewards: Any, group_ids: Any, valid: Any, exclude: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """Validate a group estimator's inputs; ``(valid, centered, n, ssd, degenerate)`` per row, or
+    ``None`` for an empty batch."""
+    rewards, valid = _check_rewards_valid(fn, rewards, valid)
+    group_ids = _check_group_ids(fn, group_ids, rewards)
+    _check_flag(fn, "exclude_invalid_from_baseline", exclude)
+    member = _baseline_members(valid, exclude)
+    _check_finite(fn, rewards, member, exclude)
+    if rewards.numel() == 0:
+        return None
+    inverse, num_groups = _compact_ids(group_ids)
+    return (valid, *_group_centered(rewards, member, inverse, num_groups))
+
+
 def _compact_ids(group_ids: torch.Tensor) -> tuple[torch.Tensor, int]:
     uniq, inverse = torch.unique(group_ids, return_inverse=True)
     return inverse.reshape(-1), int(uniq.numel())
@@ -228,19 +238,14 @@ def grpo_advantages(
             ``rewards`` on a baseline row.
     """
     fn = "grpo_advantages"
-    rewards, valid = _check_rewards_valid(fn, rewards, valid)
-    group_ids = _check_group_ids(fn, group_ids, rewards)
     _check_flag(fn, "scale_by_std", scale_by_std)
-    _check_flag(fn, "exclude_invalid_from_baseline", exclude_invalid_from_baseline)
     _check_flag(fn, "unbiased_std", unbiased_std)
     if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not math.isfinite(eps) or eps < 0:
         raise ValueError(f"{fn}: eps must be a finite number >= 0; got {eps!r}.")
-    member = _baseline_members(valid, exclude_invalid_from_baseline)
-    _check_finite(fn, rewards, member, exclude_invalid_from_baseline)
-    if rewards.numel() == 0:
-        return torch.zeros(0, dtype=torch.float32, device=rewards.device)
-    inverse, num_groups = _compact_ids(group_ids)
-    centered, count, ssd, degenerate = _group_centered(rewards, member, inverse, num_groups)
+    grouped = _grouped(fn, rewards, group_ids, valid, exclude_invalid_from_baseline)
+    if grouped is None:
+        return torch.zeros(0, dtype=torch.float32, device=torch.as_tensor(rewards).device)
+    valid, centered, count, ssd, degenerate = grouped
     adv = centered
     if scale_by_std:
         dof = (count - 1.0) if unbiased_std else count
@@ -280,16 +285,10 @@ def rloo_advantages(
     ``False`` every other row of the group. Returns ``[B]`` float32, detached; 0 on invalid rows
     and for groups with fewer than two baseline members or constant baseline rewards.
     """
-    fn = "rloo_advantages"
-    rewards, valid = _check_rewards_valid(fn, rewards, valid)
-    group_ids = _check_group_ids(fn, group_ids, rewards)
-    _check_flag(fn, "exclude_invalid_from_baseline", exclude_invalid_from_baseline)
-    member = _baseline_members(valid, exclude_invalid_from_baseline)
-    _check_finite(fn, rewards, member, exclude_invalid_from_baseline)
-    if rewards.numel() == 0:
-        return torch.zeros(0, dtype=torch.float32, device=rewards.device)
-    inverse, num_groups = _compact_ids(group_ids)
-    centered, count, _, degenerate = _group_centered(rewards, member, inverse, num_groups)
+    grouped = _grouped("rloo_advantages", rewards, group_ids, valid, exclude_invalid_from_baseline)
+    if grouped is None:
+        return torch.zeros(0, dtype=torch.float32, device=torch.as_tensor(rewards).device)
+    valid, centered, count, _, degenerate = grouped
     factor = count / (count - 1.0).clamp_min(1.0)
     return _finish(factor * centered, valid & ~degenerate)
 
@@ -334,8 +333,7 @@ def compute_advantages(
     """
     if estimator not in ADVANTAGE_ESTIMATORS:
         raise ValueError(
-            f"compute_advantages: estimator={estimator!r} is not known; "
-            f"allowed: {', '.join(ADVANTAGE_ESTIMATORS)}."
+            f"compute_advantages: estimator={estimator!r} is not known; allowed: {', '.join(ADVANTAGE_ESTIMATORS)}."
         )
     if estimator == "reinforce":
         if group_ids is not None:
@@ -343,9 +341,7 @@ def compute_advantages(
             _check_group_ids("compute_advantages", group_ids, rewards)
         return reinforce_baseline_advantages(rewards, valid, **kwargs)
     if group_ids is None:
-        raise ValueError(
-            f"compute_advantages: estimator={estimator!r} needs group_ids ([B] long, one id per prompt)."
-        )
+        raise ValueError(f"compute_advantages: estimator={estimator!r} needs group_ids ([B] long, one id per prompt).")
     if estimator == "grpo":
         return grpo_advantages(rewards, group_ids, valid, **kwargs)
     if estimator == "dr_grpo":
