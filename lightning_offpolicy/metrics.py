@@ -107,9 +107,7 @@ def chi2_sums(stats: CorrectionStats, level: Level = "token") -> tuple[torch.Ten
     return _sum64(safe_exp(seq_sum.to(_F64)).square(), stats.seq_valid), count
 
 
-def ess_sums(
-    stats: CorrectionStats, level: Level = "token"
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def ess_sums(stats: CorrectionStats, level: Level = "token") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(sum rho, sum rho^2, count)`` over response tokens or over sequences."""
     if level == "token":
         rho, where, count = _token_rho(stats), stats.response_mask, _token_count(stats)
@@ -410,9 +408,7 @@ class CorrectionMetrics(MetricCollection):
         prefix: key prefix of the logged values.
     """
 
-    def __init__(
-        self, config: OffPolicyCorrectionConfig | None = None, prefix: str = "rollout_corr/"
-    ) -> None:
+    def __init__(self, config: OffPolicyCorrectionConfig | None = None, prefix: str = "rollout_corr/") -> None:
         config = config if config is not None else OffPolicyCorrectionConfig.disabled()
         metrics: dict[str, Metric] = {
             "kl": MismatchKL("k1"),

@@ -268,8 +268,7 @@ def _install(tmp: Path, directory: Path, spec: dict[str, Any]) -> None:
     if any(directory.iterdir()) and _read_marker(directory) is None:
         shutil.rmtree(tmp, ignore_errors=True)
         raise FileExistsError(
-            f"prepare_tiny_checkpoint: {directory} exists and is not a tiny checkpoint; "
-            "refusing to overwrite it."
+            f"prepare_tiny_checkpoint: {directory} exists and is not a tiny checkpoint; refusing to overwrite it."
         )
     trash = Path(tempfile.mkdtemp(prefix=f".{directory.name}.old-", dir=directory.parent))
     os.rename(directory, trash / directory.name)
@@ -417,8 +416,6 @@ def resolve_model_path(name_or_path: str | os.PathLike) -> str:
             kwargs[key] = kind(value)
         except ValueError:
             what = "an integer" if kind is int else "a number"
-            raise ValueError(
-                f"resolve_model_path: option {key}={value!r} in {name!r} is not {what}."
-            ) from None
+            raise ValueError(f"resolve_model_path: option {key}={value!r} in {name!r} is not {what}.") from None
     get_task(task)  # a clear error for unknown tasks before any work
     return str(prepare_tiny_checkpoint(task, **kwargs))

@@ -52,9 +52,7 @@ def rows_of(batch: RolloutBatch) -> list[tuple[list[int], list[int], torch.Tenso
     """(prompt, response, rollout logprobs, advantage) per row, unpadded."""
     out = []
     for i in range(batch.num_sequences):
-        prompt = batch.input_ids[i, : batch.prompt_length][
-            batch.attention_mask[i, : batch.prompt_length].bool()
-        ]
+        prompt = batch.input_ids[i, : batch.prompt_length][batch.attention_mask[i, : batch.prompt_length].bool()]
         n = int(batch.response_mask[i].sum())
         response = batch.input_ids[i, batch.prompt_length : batch.prompt_length + n]
         out.append(

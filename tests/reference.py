@@ -265,9 +265,7 @@ def ref_denominators(
     B, T = valid.shape
     D = np.zeros((B, T))
     n_tok = float(valid.sum()) if token_count is None else float(token_count)
-    n_seq = (
-        float(sum(1 for i in range(B) if valid[i].any())) if sequence_count is None else float(sequence_count)
-    )
+    n_seq = float(sum(1 for i in range(B) if valid[i].any())) if sequence_count is None else float(sequence_count)
     for i in range(B):
         n_i = float(valid[i].sum())
         for t in range(T):

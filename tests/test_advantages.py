@@ -22,9 +22,7 @@ from lightning_offpolicy.advantages import (
 )
 
 RTOL, ATOL = 1e-5, 1e-5
-SETTINGS = settings(
-    max_examples=40, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow]
-)
+SETTINGS = settings(max_examples=40, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
 GROUP_ESTIMATORS = ("grpo", "dr_grpo", "rloo")
 
 
@@ -148,12 +146,8 @@ def test_invalid_excluded_vs_included_hand_values():
     inc = {"exclude_invalid_from_baseline": False}
     torch.testing.assert_close(dr_grpo_advantages(r, g, v, **inc), torch.tensor([0.5, -0.5, -0.5, 0.0]))
     torch.testing.assert_close(rloo_advantages(r, g, v, **inc), torch.tensor([2 / 3, -2 / 3, -2 / 3, 0.0]))
-    torch.testing.assert_close(
-        reinforce_baseline_advantages(r, v, **inc), torch.tensor([0.5, -0.5, -0.5, 0.0])
-    )
-    torch.testing.assert_close(
-        reinforce_baseline_advantages(r, v), torch.tensor([2 / 3, -1 / 3, -1 / 3, 0.0])
-    )
+    torch.testing.assert_close(reinforce_baseline_advantages(r, v, **inc), torch.tensor([0.5, -0.5, -0.5, 0.0]))
+    torch.testing.assert_close(reinforce_baseline_advantages(r, v), torch.tensor([2 / 3, -1 / 3, -1 / 3, 0.0]))
 
 
 # --------------------------------------------------------------------------------------------
@@ -219,9 +213,7 @@ def test_empty_batch(estimator):
 def test_all_invalid(estimator, exclude):
     r = torch.tensor([1.0, 0.0, 2.0, 5.0])
     g = torch.tensor([0, 0, 1, 1])
-    out = compute_advantages(
-        estimator, r, g, torch.zeros(4, dtype=torch.bool), exclude_invalid_from_baseline=exclude
-    )
+    out = compute_advantages(estimator, r, g, torch.zeros(4, dtype=torch.bool), exclude_invalid_from_baseline=exclude)
     assert torch.equal(out, torch.zeros(4))
 
 

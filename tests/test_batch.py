@@ -85,9 +85,7 @@ def test_padding_micro_batch_carries_every_per_token_field():
 
     # The loss with the rollout KL term runs on it, is exactly 0, and gives zero gradients.
     logprobs = padding.rollout_logprobs.clone().requires_grad_(True)
-    correction = CorrectionOutput(
-        padding.is_weights, padding.correction_mask, None, OffPolicyCorrectionConfig()
-    )
+    correction = CorrectionOutput(padding.is_weights, padding.correction_mask, None, OffPolicyCorrectionConfig())
     loss, _ = policy_loss(
         logprobs,
         padding.prox_logprobs,
@@ -112,9 +110,7 @@ def test_micro_batched_loss_sums_to_the_full_batch_loss():
     out = compute_correction(prox, batch.rollout_logprobs, batch.response_mask, cfg)
     batch = batch.with_fields(is_weights=out.weights, correction_mask=out.mask)
     logprobs = prox + 0.05
-    full, _ = policy_loss(
-        logprobs, prox, batch.rollout_logprobs, batch.advantages, batch.response_mask, correction=out
-    )
+    full, _ = policy_loss(logprobs, prox, batch.rollout_logprobs, batch.advantages, batch.response_mask, correction=out)
     total = 0.0
     for micro in batch.micro_batches(max_tokens=5, num_micro_batches=4):
         micro_out = CorrectionOutput(micro.is_weights, micro.correction_mask, None, cfg)

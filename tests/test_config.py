@@ -141,18 +141,14 @@ POSITIVE_SETTINGS = [
 ]
 
 
-@pytest.mark.parametrize(
-    "bad", [0.0, -1.0, INF, NAN, "2.0"], ids=["zero", "negative", "inf", "nan", "string"]
-)
+@pytest.mark.parametrize("bad", [0.0, -1.0, INF, NAN, "2.0"], ids=["zero", "negative", "inf", "nan", "string"])
 @pytest.mark.parametrize("enable, setting", POSITIVE_SETTINGS, ids=[s for _, s in POSITIVE_SETTINGS])
 def test_non_positive_or_non_finite_cap(enable, setting, bad):
     with raises_naming(setting):
         C(**{**enable, setting: bad})
 
 
-@pytest.mark.parametrize(
-    "setting", ["eps_clip_low", "eps_clip_high", "tau_pos", "tau_neg", "loss_norm_constant"]
-)
+@pytest.mark.parametrize("setting", ["eps_clip_low", "eps_clip_high", "tau_pos", "tau_neg", "loss_norm_constant"])
 @pytest.mark.parametrize("bad", [0.0, -0.1, INF, NAN], ids=["zero", "negative", "inf", "nan"])
 def test_loss_positive_settings(setting, bad):
     with raises_naming(setting):

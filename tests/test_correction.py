@@ -23,9 +23,7 @@ from lightning_offpolicy.correction import (  # noqa: E402
 )
 
 RTOL, ATOL = 1e-5, 1e-6
-SETTINGS = settings(
-    max_examples=40, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow]
-)
+SETTINGS = settings(max_examples=40, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
 
 
 def T(x) -> torch.Tensor:
@@ -74,9 +72,7 @@ def assert_matches_reference(batch: dict, cfg: OffPolicyCorrectionConfig, prox_n
     assert st_.weight_level == cfg.tis_level
     assert set(st_.token_rejected) == set(ref.token_rejected), "mask names"
     for name, rej in ref.token_rejected.items():
-        np.testing.assert_array_equal(
-            st_.token_rejected[name].numpy(), rej, err_msg=f"token_rejected[{name}]"
-        )
+        np.testing.assert_array_equal(st_.token_rejected[name].numpy(), rej, err_msg=f"token_rejected[{name}]")
         np.testing.assert_array_equal(
             st_.seq_rejected[name].numpy(), ref.seq_rejected[name], err_msg=f"seq_rejected[{name}]"
         )
@@ -330,9 +326,7 @@ def test_hand_huge_log_ratios():
     assert out.mask.tolist() == [[0.0, 0.0]]
     out = compute_correction(prox, rollout, mask, OffPolicyCorrectionConfig.seq_tis())
     torch.testing.assert_close(out.weights, torch.ones(1, 2))
-    out = compute_correction(
-        prox[:, :1], rollout[:, :1], mask[:, :1], OffPolicyCorrectionConfig.seq_tis(clip_high=1e9)
-    )
+    out = compute_correction(prox[:, :1], rollout[:, :1], mask[:, :1], OffPolicyCorrectionConfig.seq_tis(clip_high=1e9))
     torch.testing.assert_close(out.weights, torch.tensor([[math.exp(20.0)]]))
 
 
@@ -387,9 +381,7 @@ def correction_configs(draw) -> OffPolicyCorrectionConfig:
             geo_mask_high=draw(st.sampled_from([1.01, 1.1])),
         )
     if draw(st.booleans()):
-        kw.update(
-            product_mask=True, product_mask_low=0.5, product_mask_high=draw(st.sampled_from([1.5, 2.0]))
-        )
+        kw.update(product_mask=True, product_mask_low=0.5, product_mask_high=draw(st.sampled_from([1.5, 2.0])))
     if draw(st.booleans()):
         kw.update(
             outlier_token_veto=True,

@@ -32,9 +32,7 @@ from lightning_offpolicy.correction import (  # noqa: E402
 )
 
 RTOL, ATOL = 1e-5, 1e-6
-SETTINGS = settings(
-    max_examples=30, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow]
-)
+SETTINGS = settings(max_examples=30, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
 C = OffPolicyCorrectionConfig
 AGGREGATIONS = ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
 
@@ -44,9 +42,7 @@ def T(x, grad: bool = False) -> torch.Tensor:
     return t.requires_grad_(grad)
 
 
-def run_impl(
-    batch, loss_cfg, corr_cfg=None, *, adv=None, token_count=None, sequence_count=None, prox_none=False
-):
+def run_impl(batch, loss_cfg, corr_cfg=None, *, adv=None, token_count=None, sequence_count=None, prox_none=False):
     """Implementation loss, info and d loss / d logprobs."""
     lp = T(batch["logprobs"], grad=True)
     prox = None if prox_none else T(batch["prox"])
@@ -88,12 +84,8 @@ def assert_loss_matches(total, info, grad, ref, check_counts: bool = True) -> No
     tol = ATOL * (1.0 + ref.scale)
     assert math.isfinite(total.item())
     np.testing.assert_allclose(total.item(), ref.total, rtol=RTOL, atol=tol, err_msg="total loss")
-    np.testing.assert_allclose(
-        info.policy_loss.item(), ref.policy_loss, rtol=RTOL, atol=tol, err_msg="policy_loss"
-    )
-    np.testing.assert_allclose(
-        info.rollout_kl.item(), ref.rollout_kl, rtol=RTOL, atol=tol, err_msg="rollout_kl"
-    )
+    np.testing.assert_allclose(info.policy_loss.item(), ref.policy_loss, rtol=RTOL, atol=tol, err_msg="policy_loss")
+    np.testing.assert_allclose(info.rollout_kl.item(), ref.rollout_kl, rtol=RTOL, atol=tol, err_msg="rollout_kl")
     np.testing.assert_allclose(info.ref_kl.item(), ref.ref_kl, rtol=RTOL, atol=tol, err_msg="ref_kl")
     np.testing.assert_allclose(grad.numpy(), ref.grad, rtol=RTOL, atol=ATOL, err_msg="d loss / d logprobs")
     if check_counts:
@@ -116,9 +108,7 @@ CORRECTIONS = {
     "none": None,
     "disabled": C.disabled(),
     "token_tis": C.token_tis(clip_high=1.1, clip_low=0.9),
-    "seq_tis_geo": C(
-        tis_level="sequence", tis_clip_high=1.3, geo_mask=True, geo_mask_low=0.8, geo_mask_high=1.25
-    ),
+    "seq_tis_geo": C(tis_level="sequence", tis_clip_high=1.3, geo_mask=True, geo_mask_low=0.8, geo_mask_high=1.25),
     "token_mis_seq_tis_norm": C(
         token_mask=True,
         token_mask_low=0.9,
@@ -266,9 +256,7 @@ def test_hand_ppo_with_token_tis_weight():
     prox = torch.tensor([[-1.0, -1.0, -1.0]])
     rollout = torch.tensor([[-1.5, -1.0, -1.0]])
     corr = compute_correction(prox, rollout, torch.ones(1, 3), C.token_tis(clip_high=1.5))
-    loss, _ = policy_loss(
-        lp, prox, rollout, torch.tensor([[1.0, -1.0, 1.0]]), torch.ones(1, 3), correction=corr
-    )
+    loss, _ = policy_loss(lp, prox, rollout, torch.tensor([[1.0, -1.0, 1.0]]), torch.ones(1, 3), correction=corr)
     assert loss.item() == pytest.approx(-0.46884355, abs=1e-6)
 
 
@@ -287,9 +275,7 @@ def test_hand_dual_clip():
     assert loss.item() == pytest.approx(3.0)
     assert lp.grad.item() == 0.0
     assert info.dual_clipped_tokens.item() == 1
-    loss, info = policy_loss(
-        lp.detach(), torch.tensor([[-2.0]]), None, torch.tensor([[-1.0]]), torch.ones(1, 1)
-    )
+    loss, info = policy_loss(lp.detach(), torch.tensor([[-2.0]]), None, torch.tensor([[-1.0]]), torch.ones(1, 1))
     assert loss.item() == pytest.approx(7.3890561)
     assert info.dual_clipped_tokens.item() == 0
 
@@ -473,9 +459,7 @@ def test_empty_batch_gives_zero_loss(agg):
     nan = float("nan")
     lp = torch.full((2, 3), nan, requires_grad=True)
     x = torch.full((2, 3), nan)
-    loss, info = policy_loss(
-        lp, x, x, x, torch.zeros(2, 3), PolicyLossConfig(aggregation=agg, rollout_kl_coef=1.0)
-    )
+    loss, info = policy_loss(lp, x, x, x, torch.zeros(2, 3), PolicyLossConfig(aggregation=agg, rollout_kl_coef=1.0))
     loss.backward()
     assert loss.item() == 0.0
     assert bool(torch.isfinite(lp.grad).all()) and not bool(lp.grad.any())
@@ -485,9 +469,7 @@ def test_empty_batch_gives_zero_loss(agg):
 @pytest.mark.parametrize("name", list(ALL_OBJECTIVES))
 def test_nan_in_padding_gives_finite_loss_and_grads(name, agg):
     corr_cfg, kw = ALL_OBJECTIVES[name]
-    loss_cfg = PolicyLossConfig(
-        aggregation=agg, rollout_kl_coef=0.1, rollout_kl_estimator="k3", ref_kl_coef=0.1, **kw
-    )
+    loss_cfg = PolicyLossConfig(aggregation=agg, rollout_kl_coef=0.1, rollout_kl_estimator="k3", ref_kl_coef=0.1, **kw)
     batch = make_batch(32, batch=5, length=6, holes=True)
     pad = batch["mask"] == 0
     for k in ("logprobs", "prox", "rollout", "ref", "adv"):
@@ -497,10 +479,7 @@ def test_nan_in_padding_gives_finite_loss_and_grads(name, agg):
     assert bool(torch.isfinite(grad).all())
     assert not bool(grad[torch.as_tensor(pad)].any())
     # the same batch with clean padding gives exactly the same loss and gradient
-    clean = {
-        k: (np.where(pad, np.float32(-1.0), v).astype(np.float32) if k != "mask" else v)
-        for k, v in batch.items()
-    }
+    clean = {k: (np.where(pad, np.float32(-1.0), v).astype(np.float32) if k != "mask" else v) for k, v in batch.items()}
     total2, _, grad2 = run_impl(clean, loss_cfg, corr_cfg)
     assert total.item() == total2.item()
     assert torch.equal(grad, grad2)
@@ -520,10 +499,7 @@ def test_property_padding_garbage_never_leaks(seed, name, fill, agg):
     loss_cfg = PolicyLossConfig(aggregation=agg, rollout_kl_coef=0.1, ref_kl_coef=0.1, **kw)
     batch = make_batch(seed, batch=4, length=5, holes=True)
     pad = batch["mask"] == 0
-    other = {
-        k: (np.where(pad, np.float32(fill), v).astype(np.float32) if k != "mask" else v)
-        for k, v in batch.items()
-    }
+    other = {k: (np.where(pad, np.float32(fill), v).astype(np.float32) if k != "mask" else v) for k, v in batch.items()}
     t1, i1, g1 = run_impl(batch, loss_cfg, corr_cfg)
     t2, i2, g2 = run_impl(other, loss_cfg, corr_cfg)
     assert math.isfinite(t1.item()) and t1.item() == t2.item()
@@ -682,6 +658,4 @@ def test_reference_correction_is_used_consistently():
     batch = make_batch(71)
     cfg = C.geo_mis(low=0.95, high=1.05)
     ref = run_ref(batch, PolicyLossConfig(), cfg)
-    assert ref.kept_tokens == int(
-        ref_correction(batch["prox"], batch["rollout"], batch["mask"], cfg).kept.sum()
-    )
+    assert ref.kept_tokens == int(ref_correction(batch["prox"], batch["rollout"], batch["mask"], cfg).kept.sum())

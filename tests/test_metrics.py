@@ -92,9 +92,7 @@ def test_accumulating_two_updates_equals_one_update_on_the_concatenation():
     for p, r, m in ((p1, r1, m1), (p2, r2, m2)):
         split.update(stats=compute_correction(p, r, m, cfg).stats)
     whole = CorrectionMetrics(cfg)
-    whole.update(
-        stats=compute_correction(torch.cat([p1, p2]), torch.cat([r1, r2]), torch.cat([m1, m2]), cfg).stats
-    )
+    whole.update(stats=compute_correction(torch.cat([p1, p2]), torch.cat([r1, r2]), torch.cat([m1, m2]), cfg).stats)
     a, b = split.compute(), whole.compute()
     assert a.keys() == b.keys()
     for key in a:
@@ -140,9 +138,7 @@ def test_huge_log_ratios_stay_finite():
     values = metrics.compute()
     assert all(torch.isfinite(v) for v in values.values())
     assert float(values["rollout_corr/abs_logprob_diff_max"]) == 1000.0
-    assert float(values["rollout_corr/chi2_token"]) == pytest.approx(
-        (math.exp(-40) + math.exp(40) + 1) / 3 - 1
-    )
+    assert float(values["rollout_corr/chi2_token"]) == pytest.approx((math.exp(-40) + math.exp(40) + 1) / 3 - 1)
 
 
 def test_policy_loss_metrics_against_hand_counts():
@@ -175,9 +171,7 @@ def test_metric_arguments_are_validated():
 def test_standalone_metric_reset():
     prox, rollout, mask = make_batch(5)
     metric = ImportanceWeightMax()
-    metric.update(
-        compute_correction(prox, rollout, mask, OffPolicyCorrectionConfig.token_tis(clip_high=5.0)).stats
-    )
+    metric.update(compute_correction(prox, rollout, mask, OffPolicyCorrectionConfig.token_tis(clip_high=5.0)).stats)
     assert float(metric.compute()) > 1.0
     metric.reset()
     assert float(metric.compute()) == 1.0

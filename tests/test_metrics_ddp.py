@@ -106,9 +106,7 @@ def test_two_rank_metrics_and_normalized_weights_equal_single_process(tmp_path):
             for key, value in expected.items():
                 assert got[key] == pytest.approx(value, rel=1e-9, abs=1e-12), (name, key)
             rows = rank[name]["rows"]
-            assert torch.allclose(torch.tensor(rank[name]["weights"]), weights[rows], rtol=1e-6, atol=1e-7), (
-                name
-            )
+            assert torch.allclose(torch.tensor(rank[name]["weights"]), weights[rows], rtol=1e-6, atol=1e-7), name
             assert torch.equal(torch.tensor(rank[name]["mask"]), mask[rows]), name
     # The scenario exercises what it claims to: masks fire and weights are not all 1.
     values, weights, _ = run_on(torch.arange(8), CONFIGS["seq_tis_normalized"])

@@ -48,10 +48,7 @@ def test_two_rank_ddp_step_equals_single_process_step():
     ddp_trainer = fit_on(ddp, halves, max_steps=2, devices=2, strategy="ddp_spawn")
 
     start = tiny_model()
-    moved = max(
-        (a - b).abs().max().item()
-        for a, b in zip(start.parameters(), single.policy.parameters(), strict=True)
-    )
+    moved = max((a - b).abs().max().item() for a, b in zip(start.parameters(), single.policy.parameters(), strict=True))
     assert moved > 1e-4
     for a, b in zip(single.policy.parameters(), ddp.policy.parameters(), strict=True):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)

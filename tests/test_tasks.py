@@ -48,9 +48,7 @@ def test_samples_fit_the_tokenizer_and_reference_scores_one(name):
         assert task.reward("", meta) == 0.0
         assert 0.0 <= task.reward("zz9", meta) < 1.0
     # Deterministic for a seed.
-    assert [task.sample(random.Random(3)) for _ in range(3)] == [
-        task.sample(random.Random(3)) for _ in range(3)
-    ]
+    assert [task.sample(random.Random(3)) for _ in range(3)] == [task.sample(random.Random(3)) for _ in range(3)]
 
 
 def test_reverse_rewards_by_hand():
@@ -133,9 +131,7 @@ def test_datamodule_yields_prompt_batches():
         assert len(batch) == len(batch.metadata) == 8
         for prompt, meta in zip(batch.prompts, batch.metadata, strict=True):
             assert prompt == f"{meta['a']}+{meta['b']}="
-    rewards = dm.reward_fn(
-        batches[0].prompts, [m["answer"] for m in batches[0].metadata], batches[0].metadata
-    )
+    rewards = dm.reward_fn(batches[0].prompts, [m["answer"] for m in batches[0].metadata], batches[0].metadata)
     assert rewards == [1.0] * 8
     # drop_last: 40 prompts, batches of 16 -> 2 full batches.
     assert len(list(PromptDataModule(prompts_per_step=16, num_train_prompts=40).train_dataloader())) == 2
@@ -149,9 +145,7 @@ def test_datamodule_is_deterministic_for_a_seed():
     assert prompts(0) == prompts(0)
     assert prompts(0) != prompts(1)
     dm = PromptDataModule(prompts_per_step=4, num_train_prompts=16)
-    assert sorted(p for b in dm.train_dataloader() for p in b.prompts) == sorted(
-        p for p, _ in dm.train_dataset.items
-    )
+    assert sorted(p for b in dm.train_dataloader() for p in b.prompts) == sorted(p for p, _ in dm.train_dataset.items)
     assert dm.hparams["task"] == "reverse"
 
 

@@ -37,9 +37,7 @@ def _cache_and_threads(tmp_path, monkeypatch):
 def test_config_shape():
     config = tiny_llama_config()
     assert config.vocab_size == 64 and config.hidden_size == 128 and config.intermediate_size == 256
-    assert (
-        config.num_hidden_layers == 2 and config.num_attention_heads == 2 and config.num_key_value_heads == 2
-    )
+    assert config.num_hidden_layers == 2 and config.num_attention_heads == 2 and config.num_key_value_heads == 2
     assert config.hidden_size // config.num_attention_heads == 64 == config.head_dim  # vLLM CPU attention
     assert config.max_position_embeddings == 256
     assert (config.pad_token_id, config.bos_token_id, config.eos_token_id) == (0, 1, 2)
@@ -166,9 +164,7 @@ def test_concurrent_callers_share_one_build(tmp_path, monkeypatch):
 
 def test_resolve_model_path_parsing(monkeypatch):
     calls = []
-    monkeypatch.setattr(
-        tiny, "prepare_tiny_checkpoint", lambda task, **kw: calls.append((task, kw)) or f"/x/{task}"
-    )
+    monkeypatch.setattr(tiny, "prepare_tiny_checkpoint", lambda task, **kw: calls.append((task, kw)) or f"/x/{task}")
     assert resolve_model_path("tiny:reverse") == "/x/reverse"
     assert resolve_model_path("tiny:addition?sft_steps=300&seed=1") == "/x/addition"
     assert resolve_model_path("tiny:copy?sft_lr=1e-3") == "/x/copy"

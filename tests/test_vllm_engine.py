@@ -21,6 +21,7 @@ import torch
 from lightning_offpolicy.logprobs import causal_lm_token_logprobs
 from lightning_offpolicy.rollout.engine import Completion, RolloutEngine, SamplingConfig
 from lightning_offpolicy.rollout.vllm_engine import VLLMEngine
+from lightning_offpolicy.rollout.weight_sync import trainer_probe_logprobs
 from lightning_offpolicy.tasks import get_task
 from lightning_offpolicy.tokenizers import CharTokenizer
 from tests.vllm_fixtures import (  # noqa: F401 - fixtures
@@ -302,12 +303,12 @@ def test_self_check_catches_a_sync_that_did_not_arrive(vllm_engine, trainer_mode
     # A small update (below the tolerance) that did not arrive: the engine did not move, the trainer did.
     monkeypatch.setattr(vllm_engine, "weight_sync_tolerance", 0.5)
     fresh = type(trainer_model).from_pretrained(str(tiny_ckpt), dtype=torch.float32).eval()
-    before = vllm_engine._trainer_probe_logprobs(fresh)
+    before = trainer_probe_logprobs(fresh, vllm_engine._probe())
     with torch.no_grad():
         fresh.lm_head.weight.add_(
             0.003 * torch.randn(fresh.lm_head.weight.shape, generator=torch.Generator().manual_seed(0))
         )
-    moved = float((vllm_engine._trainer_probe_logprobs(fresh) - before).abs().max())
+    moved = float((trainer_probe_logprobs(fresh, vllm_engine._probe()) - before).abs().max())
     assert 0.5 / 100 < moved < 0.5  # below the tolerance, above the "did it move" threshold
     with pytest.raises(RuntimeError, match="did not change at all"):
         vllm_engine.update_weights(fresh, 22)

@@ -47,12 +47,7 @@ def _check_positive(owner: str, name: str, value: float | None, *, optional: boo
         if optional:
             return
         raise CorrectionConfigError(f"{owner}.{name} is required here; set it to a positive number.")
-    if (
-        not isinstance(value, (int, float))
-        or isinstance(value, bool)
-        or not math.isfinite(value)
-        or value <= 0
-    ):
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value) or value <= 0:
         raise CorrectionConfigError(f"{owner}.{name}={value!r} must be a positive finite number.")
 
 
@@ -203,9 +198,7 @@ class OffPolicyCorrectionConfig:
         if self.geo_mask:
             _check_bounds(own, "geo_mask_low", self.geo_mask_low, "geo_mask_high", self.geo_mask_high)
         if self.product_mask:
-            _check_bounds(
-                own, "product_mask_low", self.product_mask_low, "product_mask_high", self.product_mask_high
-            )
+            _check_bounds(own, "product_mask_low", self.product_mask_low, "product_mask_high", self.product_mask_high)
         if self.outlier_token_veto:
             _check_bounds(own, "outlier_low", self.outlier_low, "outlier_high", self.outlier_high)
         if self.kl_reject is not None and self.kl_reject_threshold is None:
@@ -221,9 +214,7 @@ class OffPolicyCorrectionConfig:
                 )
             _check_bounds(own, "is_clip_low", self.is_clip_low, "is_clip_high", self.is_clip_high)
         # A TIS weight pi_prox/pi_rollout times a weight pi_theta/pi_rollout counts the mismatch twice.
-        anchored_on_rollout = self.objective == "pure_is" or (
-            self.objective == "cispo" and self.anchor == "rollout"
-        )
+        anchored_on_rollout = self.objective == "pure_is" or (self.objective == "cispo" and self.anchor == "rollout")
         if self.tis_level is not None and anchored_on_rollout:
             raise CorrectionConfigError(
                 f"{own}: tis_level={self.tis_level!r} with objective={self.objective!r} anchored on "
@@ -324,18 +315,14 @@ class OffPolicyCorrectionConfig:
         cls, low: float = 0.99, high: float = 1.01, clip_high: float = 2.0
     ) -> OffPolicyCorrectionConfig:
         """Geometric sequence mask plus token-level TIS on the kept sequences."""
-        return cls(
-            geo_mask=True, geo_mask_low=low, geo_mask_high=high, tis_level="token", tis_clip_high=clip_high
-        )
+        return cls(geo_mask=True, geo_mask_low=low, geo_mask_high=high, tis_level="token", tis_clip_high=clip_high)
 
     @classmethod
     def geo_mis_seq_tis(
         cls, low: float = 0.99, high: float = 1.01, clip_high: float = 2.0
     ) -> OffPolicyCorrectionConfig:
         """Geometric sequence mask plus sequence-level TIS on the kept sequences."""
-        return cls(
-            geo_mask=True, geo_mask_low=low, geo_mask_high=high, tis_level="sequence", tis_clip_high=clip_high
-        )
+        return cls(geo_mask=True, geo_mask_low=low, geo_mask_high=high, tis_level="sequence", tis_clip_high=clip_high)
 
     seq_tis_geo_rs = geo_mis_seq_tis
 
@@ -358,9 +345,7 @@ class OffPolicyCorrectionConfig:
         return cls(outlier_token_veto=True, outlier_low=low, outlier_high=high)
 
     @classmethod
-    def decoupled_k3_rs(
-        cls, threshold: float = 0.01, level: RejectLevel = "seq_mean"
-    ) -> OffPolicyCorrectionConfig:
+    def decoupled_k3_rs(cls, threshold: float = 0.01, level: RejectLevel = "seq_mean") -> OffPolicyCorrectionConfig:
         """verl's k3 rejection: drop sequences whose mean k3 (``rho - 1 - log rho``) exceeds ``threshold``."""
         return cls(kl_reject="k3", kl_reject_level=level, kl_reject_threshold=threshold)
 
@@ -469,9 +454,7 @@ class PolicyLossConfig:
                 f"{own}.eps_clip_low={self.eps_clip_low!r} must be below 1 (the ratio floor is 1 - eps_clip_low)."
             )
         if self.dual_clip is not None and (not math.isfinite(self.dual_clip) or self.dual_clip <= 1):
-            raise CorrectionConfigError(
-                f"{own}.dual_clip={self.dual_clip!r} must be greater than 1, or None."
-            )
+            raise CorrectionConfigError(f"{own}.dual_clip={self.dual_clip!r} must be greater than 1, or None.")
         _check_positive(own, "tau_pos", self.tau_pos)
         _check_positive(own, "tau_neg", self.tau_neg)
         _check_positive(own, "loss_norm_constant", self.loss_norm_constant, optional=True)
@@ -493,7 +476,5 @@ def check_compatible(correction: OffPolicyCorrectionConfig, loss: PolicyLossConf
 def preset(name: str, **kwargs: Any) -> OffPolicyCorrectionConfig:
     """Build a preset by name, e.g. ``preset("geo_mis", low=0.98)``."""
     if name not in PRESETS:
-        raise CorrectionConfigError(
-            f"Unknown correction preset {name!r}; known: {', '.join(sorted(PRESETS))}."
-        )
+        raise CorrectionConfigError(f"Unknown correction preset {name!r}; known: {', '.join(sorted(PRESETS))}.")
     return PRESETS[name](**kwargs)

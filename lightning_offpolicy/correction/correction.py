@@ -133,17 +133,11 @@ def compute_correction(
         kept_tokens = sequence_count(token_keep)
         seq_decisions: dict[str, torch.Tensor] = {}
         if cfg.geo_mask:
-            seq_decisions["geo_mask"] = geometric_mask(
-                kept_log_rho, kept_tokens, cfg.geo_mask_low, cfg.geo_mask_high
-            )
+            seq_decisions["geo_mask"] = geometric_mask(kept_log_rho, kept_tokens, cfg.geo_mask_low, cfg.geo_mask_high)
         if cfg.product_mask:
-            seq_decisions["product_mask"] = product_mask(
-                kept_log_rho, cfg.product_mask_low, cfg.product_mask_high
-            )
+            seq_decisions["product_mask"] = product_mask(kept_log_rho, cfg.product_mask_low, cfg.product_mask_high)
         if cfg.outlier_token_veto:
-            seq_decisions["outlier_veto"] = outlier_veto_mask(
-                log_rho, token_keep, cfg.outlier_low, cfg.outlier_high
-            )
+            seq_decisions["outlier_veto"] = outlier_veto_mask(log_rho, token_keep, cfg.outlier_low, cfg.outlier_high)
         if cfg.kl_reject is not None and cfg.kl_reject_level != "token":
             seq_decisions["kl_reject"] = kl_reject_sequence_mask(
                 log_rho, token_keep, cfg.kl_reject, cfg.kl_reject_level, cfg.kl_reject_threshold
@@ -171,9 +165,7 @@ def compute_correction(
             weight_clipped=clipped,
             weight_level=cfg.tis_level,
             token_rejected=token_rejected,
-            seq_rejected={
-                name: seq_valid & rejected.any(dim=-1) for name, rejected in token_rejected.items()
-            },
+            seq_rejected={name: seq_valid & rejected.any(dim=-1) for name, rejected in token_rejected.items()},
         )
         return CorrectionOutput(weights=weights, mask=kept.float(), stats=stats, config=cfg)
 

@@ -202,9 +202,7 @@ def policy_loss(
             approx_kl = zero.detach()
         if rollout_logprobs is not None:
             rollout_kl_sum = (
-                kl_estimate(logprobs.detach(), rollout_logprobs, valid, loss_cfg.rollout_kl_estimator)
-                .double()
-                .sum()
+                kl_estimate(logprobs.detach(), rollout_logprobs, valid, loss_cfg.rollout_kl_estimator).double().sum()
             )
         else:
             rollout_kl_sum = zero.detach()
@@ -225,9 +223,7 @@ def policy_loss(
 _ROLLOUT_HINT = "turn on logprob return in the rollout engine (vLLM: SamplingParams(logprobs=0))"
 
 
-def _require(
-    tensor: torch.Tensor | None, name: str, response_mask: torch.Tensor, hint: str | None = None
-) -> None:
+def _require(tensor: torch.Tensor | None, name: str, response_mask: torch.Tensor, hint: str | None = None) -> None:
     if tensor is None:
         raise ValueError(f"policy_loss needs {name} for this configuration" + (f"; {hint}." if hint else "."))
     if tensor.shape != response_mask.shape:

@@ -30,9 +30,7 @@ def token_ratio_mask(log_rho: torch.Tensor, valid: torch.Tensor, low: float, hig
     return valid & within(log_rho, low, high)
 
 
-def geometric_mask(
-    seq_log_rho: torch.Tensor, seq_tokens: torch.Tensor, low: float, high: float
-) -> torch.Tensor:
+def geometric_mask(seq_log_rho: torch.Tensor, seq_tokens: torch.Tensor, low: float, high: float) -> torch.Tensor:
     """Keep sequences whose geometric-mean ratio ``exp(S_i / max(n_i, 1))`` is in ``[low, high]``."""
     return within(seq_log_rho / seq_tokens.clamp(min=1.0), low, high)
 

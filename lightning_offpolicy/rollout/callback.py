@@ -114,9 +114,7 @@ class RolloutCallback(Callback):
 
     # ------------------------------------------------------------------------------ the step
     @override
-    def on_train_batch_start(
-        self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int
-    ) -> None:
+    def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
         if not isinstance(batch, PromptBatch):
             raise TypeError(
                 f"RolloutCallback expects the train dataloader to yield PromptBatch; got {type(batch).__name__}."
@@ -146,9 +144,7 @@ class RolloutCallback(Callback):
             dtype=torch.float32,
         )
         if rewards.numel() != len(completions):
-            raise ValueError(
-                f"reward_fn returned {rewards.numel()} rewards for {len(completions)} completions."
-            )
+            raise ValueError(f"reward_fn returned {rewards.numel()} rewards for {len(completions)} completions.")
         group_ids = torch.tensor(owners, dtype=torch.long)
         advantages = compute_advantages(self.advantage_estimator, rewards, group_ids)
         rollout = RolloutBatch.from_sequences(
@@ -177,9 +173,7 @@ class RolloutCallback(Callback):
         if self.last_timing:
             generate_s = max(self.last_timing["generate_s"], 1e-9)
             pl_module.log("rollout/generate_s", generate_s, on_step=True, batch_size=1)
-            pl_module.log(
-                "rollout/tokens_per_s", self.last_timing["tokens"] / generate_s, on_step=True, batch_size=1
-            )
+            pl_module.log("rollout/tokens_per_s", self.last_timing["tokens"] / generate_s, on_step=True, batch_size=1)
         if isinstance(batch, PromptBatch):
             batch.rollout = None  # free the rollout's tensors before the loader's next batch
 

@@ -41,9 +41,7 @@ class SamplingConfig:
         if not 0 < self.top_p <= 1:
             raise ValueError(f"SamplingConfig.top_p={self.top_p} must be in (0, 1].")
         if self.samples_per_prompt < 1:
-            raise ValueError(
-                f"SamplingConfig.samples_per_prompt={self.samples_per_prompt} must be at least 1."
-            )
+            raise ValueError(f"SamplingConfig.samples_per_prompt={self.samples_per_prompt} must be at least 1.")
 
 
 @dataclass

@@ -40,9 +40,7 @@ class HFEngine:
         eos_token_id: int | None = None,
     ) -> None:
         if dtype not in (None, "bfloat16", "float16", "float32"):
-            raise ValueError(
-                f"HFEngine.dtype={dtype!r} is not known; allowed: None, 'bfloat16', 'float16', 'float32'."
-            )
+            raise ValueError(f"HFEngine.dtype={dtype!r} is not known; allowed: None, 'bfloat16', 'float16', 'float32'.")
         if max_batch_size < 0:
             raise ValueError(f"HFEngine.max_batch_size={max_batch_size} must be >= 0 (0: no limit).")
         self.dtype = dtype
@@ -73,9 +71,7 @@ class HFEngine:
                 self.model.load_state_dict(source.state_dict())
         else:
             if self.model is None:
-                raise ValueError(
-                    "HFEngine.update_weights got a state dict before any model; pass the module first."
-                )
+                raise ValueError("HFEngine.update_weights got a state dict before any model; pass the module first.")
             self.model.load_state_dict(dict(source))
         self.version = version
 
@@ -100,9 +96,7 @@ class HFEngine:
                 if seed is not None:
                     torch.manual_seed(seed)
                 for start in range(0, len(rows), chunk):
-                    completions += self._generate_rows(
-                        model, prompt_ids, rows[start : start + chunk], sampling
-                    )
+                    completions += self._generate_rows(model, prompt_ids, rows[start : start + chunk], sampling)
         finally:
             model.train(was_training)
         return completions

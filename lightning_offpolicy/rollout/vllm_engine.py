@@ -44,7 +44,6 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import logging
-import math
 import multiprocessing
 import os
 import random
@@ -60,6 +59,15 @@ from typing import Any, Literal, TypeVar
 import torch
 
 from lightning_offpolicy.rollout.engine import Completion, SamplingConfig
+from lightning_offpolicy.rollout.weight_sync import (
+    SyncCheck,
+    export_state_dict,
+    is_peft_model,
+    probe_ids,
+    trainer_probe_logprobs,
+    unwrap,
+    write_safetensors,
+)
 
 __all__ = ["VLLMEngine", "vllm_available"]
 
@@ -79,9 +87,6 @@ _GUARD_HINT = (
     'creates and uses the engine under `if __name__ == "__main__":` (or in a function called from there).'
 )
 _ALLOWED_DTYPES = ("auto", "half", "float16", "bfloat16", "float", "float32")
-_SYNC_FILE = "model.safetensors"
-#: Length of the self-check's probe sequence (tokens).
-_PROBE_LENGTH = 32
 #: Seconds between two liveness checks while an engine call runs.
 _POLL_S = 0.1
 
@@ -208,7 +213,6 @@ class VLLMEngine:
         self.version = 0
         self.start_time_s: float | None = None
         self.last_sync_time_s: float | None = None
-        self.last_sync_check_max_abs_diff: float | None = None
         self.last_generate_tokens_per_s: float | None = None
 
         self._llm: Any = None
@@ -219,8 +223,7 @@ class VLLMEngine:
         self._tmp_dirs: list[Path] = []
         self._sync_dir: Path | None = None
         self._probe_ids: list[int] | None = None
-        self._prev_engine_probe: torch.Tensor | None = None
-        self._prev_trainer_probe: torch.Tensor | None = None
+        self._sync_check = SyncCheck("VLLMEngine")
 
     # ------------------------------------------------------------------ public API
 
@@ -228,6 +231,11 @@ class VLLMEngine:
     def started(self) -> bool:
         """Whether the engine processes are running."""
         return self._llm is not None
+
+    @property
+    def last_sync_check_max_abs_diff(self) -> float | None:
+        """Largest |engine - trainer| probe logprob difference of the last self-check (``None``: not run)."""
+        return self._sync_check.last_max_abs_diff
 
     @property
     def llm(self) -> Any:
@@ -354,8 +362,8 @@ class VLLMEngine:
                 f"tensors, got {type(source).__name__}."
             )
         if is_module:
-            source = _unwrap(source)
-        if _is_peft_model(source):
+            source = unwrap(source)
+        if is_peft_model(source):
             raise NotImplementedError(
                 "VLLMEngine.update_weights got a PEFT (LoRA) model: merge the adapters first "
                 "(`model.merge_and_unload()` on a copy) and pass the merged model or its state dict."
@@ -380,8 +388,7 @@ class VLLMEngine:
             if self.check_weight_sync and is_module:
                 self._verify_sync(source)
             else:  # no module to compare with: the check cannot run
-                self.last_sync_check_max_abs_diff = None
-                self._prev_engine_probe = self._prev_trainer_probe = None
+                self._sync_check.reset()
             self.version = int(version)
         log.info(
             "VLLMEngine: weights of version %d loaded (sync %s s, check max |diff| %s)",
@@ -512,7 +519,7 @@ class VLLMEngine:
             del llm, core
         self._reap(procs, timeout=2.0)
         self._probe_ids = None
-        self._prev_engine_probe = self._prev_trainer_probe = None
+        self._sync_check.reset()
 
     @staticmethod
     def _reap(procs: list[Any], timeout: float = 2.0) -> None:
@@ -633,27 +640,11 @@ class VLLMEngine:
         )
 
     def _sync(self, source: torch.nn.Module | Mapping[str, torch.Tensor]) -> None:
-        from safetensors.torch import save_file
-
         begin = time.perf_counter()
-        state = _unwrap(source).state_dict() if isinstance(source, torch.nn.Module) else source
-        tensors: dict[str, torch.Tensor] = {}
-        seen: set[int] = set()
-        for name, value in state.items():
-            if not isinstance(value, torch.Tensor):
-                raise TypeError(f"VLLMEngine.update_weights: {name!r} is a {type(value).__name__}, not a tensor.")
-            tensor = value.detach().to("cpu")
-            ptr = tensor.untyped_storage().data_ptr() if tensor.numel() else -1
-            if ptr in seen:  # tied weights: safetensors refuses shared storage
-                tensor = tensor.clone()
-            seen.add(ptr)
-            tensors[name] = tensor.contiguous()
+        tensors = export_state_dict(source, "VLLMEngine.update_weights")
         if self._sync_dir is None:
             self._sync_dir = self._new_tmp_dir("sync")
-        target = self._sync_dir / _SYNC_FILE
-        partial = self._sync_dir / (_SYNC_FILE + ".partial")  # not matched by the loader's *.safetensors
-        save_file(tensors, str(partial))
-        os.replace(partial, target)
+        write_safetensors(tensors, self._sync_dir)
         del tensors
         self._reload_weights(str(self._sync_dir))
         if not self._llm.reset_prefix_cache():
@@ -666,9 +657,7 @@ class VLLMEngine:
     def _probe(self) -> list[int]:
         if self._probe_ids is None:
             vocab = int(self._llm.llm_engine.model_config.get_vocab_size())
-            rng = random.Random(20240611)
-            length = min(_PROBE_LENGTH, self.max_model_len - 1)
-            self._probe_ids = [rng.randrange(vocab) for _ in range(length)]
+            self._probe_ids = probe_ids(vocab, self.max_model_len)
         return self._probe_ids
 
     def _engine_probe_logprobs(self) -> torch.Tensor:
@@ -686,26 +675,6 @@ class VLLMEngine:
             [entry[tok].logprob for entry, tok in zip(entries, probe[1:], strict=True)], dtype=torch.float64
         )
 
-    @torch.no_grad()
-    def _trainer_probe_logprobs(self, module: torch.nn.Module) -> torch.Tensor:
-        from lightning_offpolicy.logprobs import causal_lm_token_logprobs
-
-        probe = self._probe()
-        device = next(module.parameters()).device
-        ids = torch.tensor([probe], device=device)
-        was_training = module.training
-        module.eval()
-        try:
-            lp = causal_lm_token_logprobs(module, ids, torch.ones_like(ids), response_start=1)
-        except Exception as err:
-            raise RuntimeError(
-                "VLLMEngine weight-sync check: scoring the probe sequence with the trainer's module failed "
-                f"({err!r}); it needs a transformers causal LM. Pass check_weight_sync=False to skip the check."
-            ) from err
-        finally:
-            module.train(was_training)
-        return lp[0].double().cpu()
-
     def _tolerance(self, module: torch.nn.Module) -> float:
         if self.weight_sync_tolerance is not None:
             return self.weight_sync_tolerance
@@ -715,26 +684,8 @@ class VLLMEngine:
 
     def _verify_sync(self, module: torch.nn.Module) -> None:
         engine = self._engine_probe_logprobs()
-        trainer = self._trainer_probe_logprobs(module)
-        diff = float((engine - trainer).abs().max())
-        tol = self._tolerance(module)
-        self.last_sync_check_max_abs_diff = diff
-        if not math.isfinite(diff) or diff > tol:
-            raise RuntimeError(
-                f"VLLMEngine weight-sync check failed: the engine's logprobs of a probe sequence differ from the "
-                f"trainer's by up to {diff:.4g} (> weight_sync_tolerance={tol:g}): the new weights did not arrive "
-                "in the engine (or arrived wrong: parameter names / dtype). Nothing was stamped with the new version."
-            )
-        if self._prev_engine_probe is not None and self._prev_trainer_probe is not None:
-            engine_moved = float((engine - self._prev_engine_probe).abs().max())
-            trainer_moved = float((trainer - self._prev_trainer_probe).abs().max())
-            if engine_moved == 0.0 and trainer_moved > tol / 100:
-                raise RuntimeError(
-                    "VLLMEngine weight-sync check failed: the trainer's probe logprobs moved by up to "
-                    f"{trainer_moved:.4g} since the last sync but the engine's did not change at all: "
-                    "the new weights did not arrive in the engine. Nothing was stamped with the new version."
-                )
-        self._prev_engine_probe, self._prev_trainer_probe = engine, trainer
+        trainer = trainer_probe_logprobs(module, self._probe())
+        self._sync_check(engine, trainer, self._tolerance(module))
 
     def _new_tmp_dir(self, kind: str) -> Path:
         path = Path(tempfile.mkdtemp(prefix=f"lightning_offpolicy_vllm_{kind}_"))
@@ -761,21 +712,6 @@ def _bad_int(value: Any) -> bool:
 
 def _fmt(value: float | None) -> str:
     return "-" if value is None else f"{value:.3g}"
-
-
-def _unwrap(module: torch.nn.Module) -> torch.nn.Module:
-    """The model inside DDP / DataParallel / ``torch.compile`` wrappers (their names carry prefixes)."""
-    while True:
-        if isinstance(module, (torch.nn.parallel.DistributedDataParallel, torch.nn.DataParallel)):
-            module = module.module
-        elif hasattr(module, "_orig_mod") and isinstance(module._orig_mod, torch.nn.Module):
-            module = module._orig_mod
-        else:
-            return module
-
-
-def _is_peft_model(source: Any) -> bool:
-    return type(source).__module__.startswith("peft.")
 
 
 @contextlib.contextmanager

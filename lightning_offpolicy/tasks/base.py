@@ -41,9 +41,7 @@ class Task(abc.ABC):
 class RewardFn(Protocol):
     """What the rollout side calls to score a batch of completions (one float per completion)."""
 
-    def __call__(
-        self, prompts: list[str], completions: list[str], metadata: list[dict[str, Any]]
-    ) -> list[float]: ...
+    def __call__(self, prompts: list[str], completions: list[str], metadata: list[dict[str, Any]]) -> list[float]: ...
 
 
 class TaskReward:
@@ -59,9 +57,7 @@ class TaskReward:
             raise TypeError(f"TaskReward: expected a Task, got {type(task).__name__}.")
         self.task = task
 
-    def __call__(
-        self, prompts: list[str], completions: list[str], metadata: list[dict[str, Any]]
-    ) -> list[float]:
+    def __call__(self, prompts: list[str], completions: list[str], metadata: list[dict[str, Any]]) -> list[float]:
         if not (len(prompts) == len(completions) == len(metadata)):
             raise ValueError(
                 f"TaskReward: {len(prompts)} prompts, {len(completions)} completions and "

@@ -22,16 +22,10 @@ class _LetterStringTask(Task):
 
     def __init__(self, letters: str = "abcde", min_len: int = 3, max_len: int = 6) -> None:
         cls = type(self).__name__
-        if (
-            not letters
-            or any(c not in string.ascii_lowercase for c in letters)
-            or len(set(letters)) != len(letters)
-        ):
+        if not letters or any(c not in string.ascii_lowercase for c in letters) or len(set(letters)) != len(letters):
             raise ValueError(f"{cls}: `letters` must be distinct lowercase letters, got {letters!r}.")
         if not 1 <= min_len <= max_len:
-            raise ValueError(
-                f"{cls}: need 1 <= min_len <= max_len, got min_len={min_len}, max_len={max_len}."
-            )
+            raise ValueError(f"{cls}: need 1 <= min_len <= max_len, got min_len={min_len}, max_len={max_len}.")
         self.letters = letters
         self.min_len = min_len
         self.max_len = max_len

@@ -57,13 +57,9 @@ class PromptDataModule(LightningDataModule):
     ) -> None:
         super().__init__()
         if task not in TASKS:
-            raise ValueError(
-                f"PromptDataModule: unknown `task` {task!r}; available: {', '.join(sorted(TASKS))}."
-            )
+            raise ValueError(f"PromptDataModule: unknown `task` {task!r}; available: {', '.join(sorted(TASKS))}.")
         if not isinstance(prompts_per_step, int) or prompts_per_step < 1:
-            raise ValueError(
-                f"PromptDataModule: `prompts_per_step` must be a positive int, got {prompts_per_step!r}."
-            )
+            raise ValueError(f"PromptDataModule: `prompts_per_step` must be a positive int, got {prompts_per_step!r}.")
         if not isinstance(num_train_prompts, int) or num_train_prompts < 1:
             raise ValueError(
                 f"PromptDataModule: `num_train_prompts` must be a positive int, got {num_train_prompts!r}."
