@@ -167,6 +167,11 @@ class OffPolicyRLModule(LightningModule):
         if self.policy is not None:
             self._setup_reference()
 
+    @property
+    def optimizer_steps_per_batch(self) -> int:
+        """Policy versions one training batch advances (the asynchronous rollout's admission uses it)."""
+        return self.ppo_epochs * self.num_minibatches
+
     # ------------------------------------------------------------------------------ model
     def configure_model(self) -> None:
         if self.policy is None:

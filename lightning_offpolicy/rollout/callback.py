@@ -1,17 +1,31 @@
-"""``RolloutCallback``: turns each step's prompts into scored rollouts for ``training_step``.
+"""``RolloutCallback``: turns the run's prompts into scored rollouts for ``training_step``.
 
-Synchronous form: in ``on_train_batch_start`` (after the previous optimizer step, so with the
-weights of this very step) it generates ``samples_per_prompt`` completions per prompt with the
-engine, scores them with the reward function, computes group advantages, and attaches the
-:class:`~lightning_offpolicy.batch.RolloutBatch` to the :class:`~lightning_offpolicy.batch.PromptBatch`.
-Generating here rather than in the DataLoader matters: Lightning reads the loader one batch ahead,
-so a loader that generated would always train one version stale.
+Two ways of running, chosen by ``max_staleness``:
+
+* **Synchronous** (``max_staleness=0``, the default). In ``on_train_batch_start`` (after the
+  previous optimizer step, so with the weights of this very step) it pushes the weights to the
+  engine, generates ``samples_per_prompt`` completions per prompt, scores them with the reward
+  function, computes group advantages and attaches the
+  :class:`~lightning_offpolicy.batch.RolloutBatch` to the step's
+  :class:`~lightning_offpolicy.batch.PromptBatch`. Generating here rather than in the DataLoader
+  matters: Lightning reads the loader one batch ahead, so a loader that generated would always
+  train one version stale.
+* **Asynchronous** (``max_staleness=k > 0``). A background thread
+  (:class:`~lightning_offpolicy.rollout.producer.RolloutProducer`) generates from its own copy of
+  the train prompts while the trainer trains, admitting a batch only when it will be trained at
+  most ``k`` policy versions after the weights that generate it (admission control, nothing
+  generated is discarded). In ``on_train_batch_start`` the callback swaps the next finished
+  batch (prompts and rollout) into the loader's ``PromptBatch``: the loader's own batches only pace
+  the steps and epochs, so Lightning's one-batch read-ahead does not count against the bound.
+  Weights are pushed every ``sync_every`` optimizer steps, between two generation requests.
 
 What it needs from the LightningModule (``OffPolicyRLModule`` has all of it):
 
 * ``policy``: the causal LM to sample with (shared with ``HFEngine``, no copy);
 * ``tokenizer``: ``encode(text) -> list[int]``, ``decode(ids) -> str``, ``pad_token_id``, ``eos_token_id``;
-* ``policy_version``: the number of optimizer steps taken, stamped on every generated token.
+* ``policy_version``: the number of optimizer steps taken, stamped on every generated token;
+* optionally ``optimizer_steps_per_batch`` (default 1): policy versions one batch advances, for the
+  admission rule of the asynchronous mode.
 """
 
 from __future__ import annotations
@@ -21,6 +35,7 @@ from typing import Any
 
 import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
+from lightning.pytorch.loggers import TensorBoardLogger
 from lightning.pytorch.utilities import rank_zero_info
 from typing_extensions import override
 
@@ -28,10 +43,12 @@ from lightning_offpolicy.advantages import ADVANTAGE_ESTIMATORS, compute_advanta
 from lightning_offpolicy.batch import PromptBatch, RolloutBatch
 from lightning_offpolicy.rollout.engine import RolloutEngine, SamplingConfig
 from lightning_offpolicy.rollout.hf_engine import HFEngine
+from lightning_offpolicy.rollout.producer import RolloutProducer
+from lightning_offpolicy.rollout.prompt_source import prompt_batches
 
 
 class RolloutCallback(Callback):
-    """Generate, score and attach rollouts for every training batch.
+    """Generate, score and attach rollouts for every training batch, synchronously or in the background.
 
     Args:
         engine: The rollout engine; ``None`` builds an :class:`HFEngine` that shares the module's
@@ -46,7 +63,14 @@ class RolloutCallback(Callback):
         top_p: Nucleus filter of the sampler (1.0: off).
         samples_per_prompt: Completions per prompt (the advantage group).
         advantage_estimator: ``"grpo"``, ``"dr_grpo"``, ``"rloo"`` or ``"reinforce"``.
-        seed: Base seed of the sampler; step ``s`` on rank ``r`` uses a seed derived from (seed, s, r).
+        seed: Base seed of the sampler; batch ``j`` on rank ``r`` uses a seed derived from (seed, j, r).
+        max_staleness: Most policy versions (optimizer steps) between the weights that generate a
+            token and the step that trains it. 0: synchronous generation with the step's own
+            weights; ``k > 0``: generation runs in a background thread, up to ``k`` versions ahead
+            (the engine must keep its own weights: vLLM, or ``HFEngine(dtype=...)``).
+        sync_every: Push the weights to the engine every this many optimizer steps (asynchronous
+            mode; at batch boundaries). Needs ``max_staleness >= sync_every - 1``, or no batch
+            could ever be admitted.
     """
 
     def __init__(
@@ -60,11 +84,25 @@ class RolloutCallback(Callback):
         samples_per_prompt: int = 4,
         advantage_estimator: str = "grpo",
         seed: int = 0,
+        max_staleness: int = 0,
+        sync_every: int = 1,
     ) -> None:
         if advantage_estimator not in ADVANTAGE_ESTIMATORS:
             raise ValueError(
                 f"RolloutCallback.advantage_estimator={advantage_estimator!r} is not known; allowed: "
                 f"{', '.join(ADVANTAGE_ESTIMATORS)}."
+            )
+        if isinstance(max_staleness, bool) or not isinstance(max_staleness, int) or max_staleness < 0:
+            raise ValueError(
+                f"RolloutCallback.max_staleness={max_staleness!r} must be an int >= 0 (0: synchronous rollouts)."
+            )
+        if isinstance(sync_every, bool) or not isinstance(sync_every, int) or sync_every < 1:
+            raise ValueError(f"RolloutCallback.sync_every={sync_every!r} must be an int >= 1.")
+        if max_staleness < sync_every - 1:
+            raise ValueError(
+                f"RolloutCallback.sync_every={sync_every} needs max_staleness >= sync_every - 1 = {sync_every - 1} "
+                f"(got max_staleness={max_staleness}): between two pushes the engine falls up to sync_every - 1 "
+                "versions behind, so no batch could be admitted. Raise max_staleness or lower sync_every."
             )
         self.engine = engine
         self.reward_fn = reward_fn
@@ -77,8 +115,25 @@ class RolloutCallback(Callback):
         )
         self.advantage_estimator = advantage_estimator
         self.seed = seed
+        self.max_staleness = max_staleness
+        self.sync_every = sync_every
+        #: Batches handed to training so far (restored from checkpoints; numbers the seeds).
         self.generated_batches = 0
+        #: Samples generated but too stale to train (regenerated; 0 unless the module takes more
+        #: optimizer steps per batch than its ``optimizer_steps_per_batch`` announces).
+        self.dropped_samples = 0
         self.last_timing: dict[str, float] = {}
+        self.producer: RolloutProducer | None = None
+        # Asynchronous machinery for max_staleness=0 too: the tests use it to prove both modes agree.
+        self._background = max_staleness > 0
+        self._tokenizer: Any = None
+        self._rank = 0
+        self._version_at_batch_start = 0
+
+    @property
+    def asynchronous(self) -> bool:
+        """Whether rollouts are generated by the background producer."""
+        return self._background
 
     # ------------------------------------------------------------------------------ set-up
     @override
@@ -104,34 +159,91 @@ class RolloutCallback(Callback):
                 f"temperature={policy_temperature}: the trainer would score another distribution than the "
                 "engine samples. Set both to the same value."
             )
+        if self._background and (self.engine is None or getattr(self.engine, "share_weights", False)):
+            raise ValueError(
+                f"RolloutCallback(max_staleness={self.max_staleness}) generates in the background while the trainer "
+                "updates the weights, so the engine needs its own copy of them: use VLLMEngine, or "
+                "HFEngine(dtype='float32' / 'bfloat16') instead of an HFEngine that shares the module's weights."
+            )
+        self._rank = trainer.global_rank
 
     def _engine(self, pl_module: LightningModule) -> RolloutEngine:
         if self.engine is None:
             self.engine = HFEngine()
         if hasattr(self.engine, "set_special_tokens"):
             self.engine.set_special_tokens(pl_module.tokenizer.pad_token_id, pl_module.tokenizer.eos_token_id)
+        self._tokenizer = pl_module.tokenizer
         return self.engine
 
     # ------------------------------------------------------------------------------ the step
+    @override
+    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if not self._background:
+            return
+        # Here, not in on_fit_start: a resumed run's state (policy version, batches trained) is
+        # restored by now under every strategy.
+        engine = self._engine(pl_module)
+        version = int(pl_module.policy_version)
+        engine.update_weights(pl_module.policy, version)
+        source = trainer.fit_loop._data_source.dataloader()
+        self.producer = RolloutProducer(
+            produce=self._produce,
+            prompt_batches=prompt_batches(
+                source, trainer.global_rank, trainer.world_size, skip=self.generated_batches, seed=self.seed
+            ),
+            max_staleness=self.max_staleness,
+            steps_per_batch=int(getattr(pl_module, "optimizer_steps_per_batch", 1)),
+            first_index=self.generated_batches,
+            trainer_version=version,
+            engine_version=version,
+        )
+        self.producer.start()
+
     @override
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
         if not isinstance(batch, PromptBatch):
             raise TypeError(
                 f"RolloutCallback expects the train dataloader to yield PromptBatch; got {type(batch).__name__}."
             )
-        batch.rollout = self.generate(pl_module, batch, trainer.global_rank)
+        if not self._background:
+            batch.rollout = self.generate(pl_module, batch, trainer.global_rank)
+            return
+        version = int(pl_module.policy_version)
+        self._version_at_batch_start = version
+        produced, wait_s = self.producer.take(version)
+        # The loader's batch only paces the steps: train what the producer generated.
+        batch.prompts, batch.metadata = produced.prompts.prompts, produced.prompts.metadata
+        batch.rollout = produced.rollout
+        self.generated_batches += 1
+        self.dropped_samples = self.producer.dropped_samples
+        self.last_timing = {
+            "generate_s": produced.generate_s,
+            "tokens": float(produced.tokens),
+            "wait_s": wait_s,
+            "queue_depth": float(self.producer.queue_depth),
+            "dropped_samples": float(self.dropped_samples),
+        }
+        self._log_staleness_histogram(trainer, version, produced.rollout)
 
     def generate(self, pl_module: LightningModule, prompts: PromptBatch, rank: int = 0) -> RolloutBatch:
         """Sample, score and build the rollout batch of ``prompts`` with the module's current weights."""
-        tokenizer = pl_module.tokenizer
         engine = self._engine(pl_module)
-        version = int(pl_module.policy_version)
-        start = time.perf_counter()
-        engine.update_weights(pl_module.policy, version)
+        started = time.perf_counter()
+        engine.update_weights(pl_module.policy, int(pl_module.policy_version))
+        sync_s = time.perf_counter() - started
+        self._rank = rank
+        rollout, generate_s = self._produce(prompts, self.generated_batches)
+        self.generated_batches += 1
+        self.last_timing = {"generate_s": generate_s, "tokens": float(rollout.num_response_tokens), "sync_s": sync_s}
+        return rollout
+
+    def _produce(self, prompts: PromptBatch, index: int) -> tuple[RolloutBatch, float]:
+        """Generate and score batch ``index`` with the engine's current weights (any thread)."""
+        tokenizer = self._tokenizer
         prompt_ids = [tokenizer.encode(text) for text in prompts.prompts]
-        seed = _mix_seed(self.seed, self.generated_batches, rank)
-        completions = engine.generate(prompt_ids, self.sampling, seed=seed)
-        generate_s = time.perf_counter() - start
+        started = time.perf_counter()
+        completions = self.engine.generate(prompt_ids, self.sampling, seed=_mix_seed(self.seed, index, self._rank))
+        generate_s = time.perf_counter() - started
         texts = [tokenizer.decode(c.token_ids) for c in completions]
         owners = [c.prompt_index for c in completions]
         rewards = torch.tensor(
@@ -159,27 +271,53 @@ class RolloutCallback(Callback):
             else [c.logprobs for c in completions],
             pad_token_id=tokenizer.pad_token_id,
         )
-        self.generated_batches += 1
-        tokens = rollout.num_response_tokens
-        self.last_timing = {"generate_s": generate_s, "tokens": float(tokens)}
-        if self.generated_batches == 1:
-            rank_zero_info(f"RolloutCallback: first rollout: {len(completions)} completions, {tokens} tokens")
-        return rollout
+        if index == 0:
+            rank_zero_info(
+                f"RolloutCallback: first rollout: {len(completions)} completions, {rollout.num_response_tokens} tokens"
+            )
+        return rollout, generate_s
 
     @override
     def on_train_batch_end(
         self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
+        if self._background:
+            self._after_async_step(pl_module)
         if self.last_timing:
-            generate_s = max(self.last_timing["generate_s"], 1e-9)
+            timing = dict(self.last_timing)
+            generate_s = max(timing.pop("generate_s"), 1e-9)
+            tokens = timing.pop("tokens")
             pl_module.log("rollout/generate_s", generate_s, on_step=True, batch_size=1)
-            pl_module.log("rollout/tokens_per_s", self.last_timing["tokens"] / generate_s, on_step=True, batch_size=1)
+            pl_module.log("rollout/tokens_per_s", tokens / generate_s, on_step=True, batch_size=1)
+            for name, value in timing.items():
+                pl_module.log(f"rollout/{name}", value, on_step=True, batch_size=1)
+            self.last_timing = {}
         if isinstance(batch, PromptBatch):
             batch.rollout = None  # free the rollout's tensors before the loader's next batch
+
+    def _after_async_step(self, pl_module: LightningModule) -> None:
+        version = int(pl_module.policy_version)
+        self.producer.observe_steps_per_batch(version - self._version_at_batch_start)
+        if version - self.producer.engine_version < self.sync_every:
+            return
+        started = time.perf_counter()
+        with self.producer.engine_access():  # waits for the generation request in flight
+            self.engine.update_weights(pl_module.policy, version)
+            self.producer.set_engine_version(version)
+        self.last_timing["sync_s"] = time.perf_counter() - started
+
+    def _log_staleness_histogram(self, trainer: Trainer, version: int, rollout: RolloutBatch) -> None:
+        tokens = rollout.response_mask.bool()
+        for logger in trainer.loggers:
+            if isinstance(logger, TensorBoardLogger) and tokens.any():
+                staleness = (version - rollout.policy_version[tokens]).float()
+                logger.experiment.add_histogram("staleness/hist", staleness, global_step=trainer.global_step)
 
     # ------------------------------------------------------------------------------ state
     @override
     def state_dict(self) -> dict[str, Any]:
+        # Queued and in-flight rollouts are not saved: a resumed run generates them again with the
+        # restored weights, so it starts within the staleness bound (no burst of old samples).
         return {"generated_batches": self.generated_batches, "seed": self.seed}
 
     @override
@@ -188,10 +326,22 @@ class RolloutCallback(Callback):
         self.seed = int(state_dict.get("seed", self.seed))
 
     @override
+    def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
+        self._shutdown()
+
+    @override
     def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        self._shutdown()
+
+    def _shutdown(self) -> None:
         # The engine's processes and memory end with the fit (vLLM would otherwise outlive it).
+        producer, self.producer = self.producer, None
+        if producer is not None:
+            producer.request_stop()
         if self.engine is not None:
-            self.engine.close()
+            self.engine.close()  # also wakes a vLLM request in flight
+        if producer is not None:
+            producer.close()
 
 
 def _mix_seed(seed: int, step: int, rank: int) -> int:
