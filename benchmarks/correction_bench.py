@@ -57,7 +57,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from machine import cpu_model  # benchmarks/machine.py (run as `python benchmarks/<script>.py`)
+from machine import code_line, cpu_model  # benchmarks/machine.py (run as `python benchmarks/<script>.py`)
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
@@ -570,29 +570,6 @@ def machine_line() -> str:
         f"(intra-op threads={torch.get_num_threads()}), Python {platform.python_version()}, "
         f"LLC {_llc_bytes() // 1024**2} MiB"
     )
-
-
-def code_line() -> str:
-    """The measured commit, and whether lightning_offpolicy/ has uncommitted changes (read-only git)."""
-    import subprocess
-
-    root = Path(__file__).resolve().parent.parent
-    try:
-        head = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True, timeout=10
-        ).stdout.strip()
-        dirty = subprocess.run(
-            ["git", "status", "--porcelain", "--", "lightning_offpolicy"],
-            cwd=root,
-            capture_output=True,
-            text=True,
-            timeout=10,
-        ).stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        return "unknown (no git)"
-    if not head:
-        return "unknown (no git)"
-    return f"commit {head}" + (" + uncommitted changes in lightning_offpolicy/" if dirty else "")
 
 
 def render_report(results: list[SizeResult], argv: list[str], elapsed: float, extra: str = "") -> str:

@@ -57,3 +57,27 @@ def test_correction_bench_quick(tmp_path):
             assert math.isfinite(value) and value > 0, (row[0], name, value)
     # The table also goes to stdout.
     assert "| preset |" in proc.stdout
+
+
+ASYNC_BENCH = BENCH.parent / "async_overlap.py"
+
+
+def test_async_overlap_bench_quick(tmp_path):
+    out = tmp_path / "async.md"
+    proc = subprocess.run(
+        [sys.executable, str(ASYNC_BENCH), "--quick", "--engines", "hf", "--output", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    import json
+
+    (row,) = json.loads(out.with_suffix(".json").read_text())
+    assert row["engine"] == "hf" and row["batches_counted"] == 4
+    for key in ("sync_step_s", "async_step_s", "generation_s", "training_s", "async_wait_s"):
+        assert math.isfinite(row[key]) and row[key] >= 0, (key, row)
+    # The components add up: ideal = max(generation, training), and sync = generation + training.
+    assert row["ideal_step_s"] == max(row["generation_s"], row["training_s"])
+    assert math.isclose(row["generation_s"] + row["training_s"], row["sync_step_s"], rel_tol=1e-9)
+    assert "| hf |" in out.read_text()

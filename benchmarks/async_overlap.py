@@ -1,0 +1,259 @@
+#!/usr/bin/env python
+"""Wall time per RL step, synchronous vs asynchronous rollouts, at the same work, in one run.
+
+For each engine (the embedded ``HFEngine`` with its own float32 copy; ``VLLMEngine`` when vLLM is
+installed) the same fit runs twice on the tiny ``reverse`` model: the same prompts, the same
+batch, the same number of steps:
+
+* **sync**: ``RolloutCallback(max_staleness=0)``: push, generate, then train, one after the other;
+* **async**: ``RolloutCallback(max_staleness=u, sync_every=u)`` with ``u`` optimizer steps per
+  batch: generation of batch ``j + 1`` overlaps the training of batch ``j``.
+
+The sync run also measures the two components per batch: generation (push + generate + score)
+and training (the rest of the step). The ideal asynchronous step is ``max(generation, training)``
+(perfect overlap, free synchronisation); the report gives
+
+* ``speed-up = sync step / async step``;
+* ``overlap efficiency = ideal step / async step`` (1.0: perfect overlap);
+* ``hidden = (sync - async) / min(generation, training)``: the share of the shorter phase the
+  overlap hid.
+
+The first ``--warmup`` batches of every run are not counted (engine warm-up, allocator).
+
+Usage::
+
+    python benchmarks/async_overlap.py --output docs/performance_async.md     # ~3-6 min on 2 CPU cores
+    python benchmarks/async_overlap.py --quick --engines hf --output /tmp/x.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import json
+import os
+import platform
+import shlex
+import statistics
+import sys
+import time
+from functools import partial
+from pathlib import Path
+
+from machine import code_line, cpu_model  # benchmarks/machine.py (run as `python benchmarks/<script>.py`)
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+import lightning as L  # noqa: E402
+import torch  # noqa: E402
+
+from lightning_offpolicy.module import OffPolicyRLModule  # noqa: E402
+from lightning_offpolicy.rollout import HFEngine, RolloutCallback  # noqa: E402
+from lightning_offpolicy.tasks import PromptDataModule  # noqa: E402
+
+
+class StepClock(L.Callback):
+    """Per batch: wall time between consecutive batch starts, and the rollout side's share of it.
+
+    Placed before the ``RolloutCallback``; its ``after_rollout`` part right after it, so the time
+    between the two ``on_train_batch_start`` calls is the rollout side of the step: push, generate,
+    score (synchronous), or the wait for the background producer (asynchronous).
+    """
+
+    def __init__(self) -> None:
+        self.starts: list[float] = []
+        self.rollout_side: list[float] = []
+        self.after_rollout = _AfterRollout(self)
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        self.starts.append(time.perf_counter())
+
+    def on_train_end(self, trainer, pl_module):
+        self.starts.append(time.perf_counter())
+
+
+class _AfterRollout(L.Callback):
+    def __init__(self, clock: StepClock) -> None:
+        self.clock = clock
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        self.clock.rollout_side.append(time.perf_counter() - self.clock.starts[-1])
+
+
+class KeptOpen:
+    """Lets several fits share one engine (the callback closes its engine at the end of a fit)."""
+
+    def __init__(self, engine) -> None:
+        self.engine = engine
+
+    def __getattr__(self, name):
+        return getattr(self.engine, name)
+
+    def close(self) -> None:  # the benchmark closes the engine itself, once
+        pass
+
+
+def run_fit(engine, batches: int, max_staleness: int, steps_per_batch: int, args) -> dict:
+    L.seed_everything(0)
+    module = OffPolicyRLModule(
+        model="tiny:reverse",
+        optimizer=partial(torch.optim.AdamW, lr=1e-3),
+        num_minibatches=steps_per_batch,
+        max_tokens_per_microbatch=4096,
+    )
+    callback = RolloutCallback(
+        engine=engine,
+        samples_per_prompt=args.samples_per_prompt,
+        max_new_tokens=args.max_new_tokens,
+        max_staleness=max_staleness,
+        sync_every=max(1, max_staleness),
+    )
+    clock = StepClock()
+    trainer = L.Trainer(
+        accelerator="cpu",
+        max_steps=batches * steps_per_batch,
+        callbacks=[clock, callback, clock.after_rollout],
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+    )
+    data = PromptDataModule(task="reverse", prompts_per_step=args.prompts_per_step, num_train_prompts=4096)
+    trainer.fit(module, data)
+    steps = [b - a for a, b in zip(clock.starts, clock.starts[1:], strict=False)][args.warmup :]
+    generation = clock.rollout_side[args.warmup :]
+    return {
+        "step_s": statistics.mean(steps),
+        "rollout_side_s": statistics.mean(generation),
+        "step_s_median": statistics.median(steps),
+        "batches_counted": len(steps),
+    }
+
+
+def make_engine(kind: str):
+    if kind == "hf":
+        return HFEngine(dtype="float32"), None
+    from lightning_offpolicy.rollout.vllm_engine import VLLMEngine
+
+    engine = VLLMEngine(model=None, dtype="float32", max_model_len=128, gpu_memory_utilization=0.3)
+    return KeptOpen(engine), engine
+
+
+def measure(kind: str, args) -> dict:
+    u = args.steps_per_batch
+    shared, real = make_engine(kind)
+    try:
+        if real is not None:  # start the engine outside the measured runs
+            run_fit(shared, args.warmup + 1, 0, u, args)
+        sync = run_fit(shared if real is not None else make_engine(kind)[0], args.batches, 0, u, args)
+        asyn = run_fit(shared if real is not None else make_engine(kind)[0], args.batches, u, u, args)
+    finally:
+        if real is not None:
+            real.close()
+    generation = sync["rollout_side_s"]
+    training = sync["step_s"] - generation
+    ideal = max(generation, training)
+    return {
+        "engine": kind,
+        "sync_step_s": sync["step_s"],
+        "async_step_s": asyn["step_s"],
+        "generation_s": generation,
+        "training_s": training,
+        "ideal_step_s": ideal,
+        "speedup": sync["step_s"] / asyn["step_s"],
+        "overlap_efficiency": ideal / asyn["step_s"],
+        "async_wait_s": asyn["rollout_side_s"],
+        "hidden_fraction": (sync["step_s"] - asyn["step_s"]) / max(min(generation, training), 1e-9),
+        "batches_counted": sync["batches_counted"],
+        "max_staleness": u,
+    }
+
+
+METHOD = """\
+Each engine runs the same fit twice (tiny Llama on `reverse`, same seed, prompts and batch):
+synchronous (`max_staleness=0`) and asynchronous (`max_staleness=u`, `sync_every=u`, with `u`
+optimizer steps per batch: generation runs one batch ahead). A step is the wall time between two
+consecutive `on_train_batch_start` calls (everything: push, generation or waiting for it, the
+decoupled PPO step, logging). In the synchronous run the rollout side of each step (weight push +
+generate + score, timed around the callback's hook) is measured too; the rest is training. In
+the asynchronous run that hook only waits for the producer (the wait column). Ideal async step = max(generation,
+training). vLLM: one engine serves both runs (started in an unmeasured warm-up fit)."""
+
+
+def render(results: list[dict], argv: list[str], elapsed: float, args) -> str:
+    now = _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    cmd = " ".join(shlex.quote(a) for a in ["python", "benchmarks/async_overlap.py", *argv])
+    lines = [
+        "# Asynchronous rollouts: overlap of generation and training",
+        "",
+        f"- **Machine**: {cpu_model()}, nproc={os.cpu_count()}, torch {torch.__version__} "
+        f"(intra-op threads={torch.get_num_threads()}), Python {platform.python_version()}",
+        f"- **Date**: {now}",
+        f"- **Code**: {code_line()}",
+        f"- **Command**: `{cmd}`",
+        f"- **Work per batch**: {args.prompts_per_step} prompts x {args.samples_per_prompt} samples x "
+        f"<= {args.max_new_tokens} new tokens, {args.steps_per_batch} optimizer steps; "
+        f"{args.batches} batches per run, the first {args.warmup} not counted",
+        f"- **Wall time of the whole run**: {elapsed:.1f} s",
+        "",
+        "The machine is shared and noisy: read the ratios (measured within one run), not the seconds.",
+        "",
+        "## Method",
+        "",
+        METHOD,
+        "",
+        "## Results",
+        "",
+        "| engine | sync step s | async step s | generation s | training s | ideal s "
+        "| async wait s | speed-up | overlap efficiency | hidden share of the shorter phase |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in results:
+        lines.append(
+            f"| {r['engine']} | {r['sync_step_s']:.3f} | {r['async_step_s']:.3f} | {r['generation_s']:.3f} | "
+            f"{r['training_s']:.3f} | {r['ideal_step_s']:.3f} | {r['async_wait_s']:.3f} | {r['speedup']:.2f}x | "
+            f"{r['overlap_efficiency']:.2f} | {r['hidden_fraction']:.2f} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--engines", default="hf,vllm", help="comma-separated: hf, vllm (skipped if not installed)")
+    parser.add_argument("--batches", type=int, default=24)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--prompts-per-step", type=int, default=16)
+    parser.add_argument("--samples-per-prompt", type=int, default=8)
+    parser.add_argument("--max-new-tokens", type=int, default=8)
+    parser.add_argument("--steps-per-batch", type=int, default=2)
+    parser.add_argument("--quick", action="store_true", help="a few batches: a smoke test")
+    parser.add_argument("--output", type=Path, default=None, help="markdown report (a .json is written next to it)")
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.batches, args.warmup, args.prompts_per_step, args.samples_per_prompt = 5, 1, 4, 2
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    began = time.perf_counter()
+    results = []
+    for kind in [k.strip() for k in args.engines.split(",") if k.strip()]:
+        if kind == "vllm":
+            from lightning_offpolicy.rollout.vllm_engine import vllm_available
+
+            if not vllm_available():
+                print("vLLM is not installed: skipping the vllm engine", file=sys.stderr)
+                continue
+        results.append(measure(kind, args))
+        print(json.dumps(results[-1]), flush=True)
+    report = render(results, argv, time.perf_counter() - began, args)
+    print(report)
+    if args.output is not None:
+        args.output.parent.mkdir(parents=True, exist_ok=True)
+        args.output.write_text(report)
+        args.output.with_suffix(".json").write_text(json.dumps(results, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
