@@ -247,3 +247,54 @@ def wait_for(condition, timeout: float = 10.0) -> None:
         if time.monotonic() > deadline:
             raise AssertionError("condition not reached")
         time.sleep(0.01)
+
+
+class RankRecorder(L.Callback):
+    """Writes each rank's trained prompts and staleness to ``directory/rank<r>.json`` (ddp_spawn children)."""
+
+    def __init__(self, directory) -> None:
+        self.directory = directory
+        self.spy = VersionSpy()
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        self.spy.on_train_batch_start(trainer, pl_module, batch, batch_idx)
+
+    def on_train_end(self, trainer, pl_module):
+        import json
+
+        rows = {"staleness": self.spy.staleness(), "prompts": [r[2] for r in self.spy.rows]}
+        (self.directory / f"rank{trainer.global_rank}.json").write_text(json.dumps(rows))
+
+
+@pytest.mark.slow
+def test_two_rank_ddp_async_shards_the_prompts_and_keeps_the_bound(tmp_path):
+    import json
+
+    module = OffPolicyRLModule(model="tiny:reverse", optimizer=partial(torch.optim.AdamW, lr=1e-3), num_minibatches=2)
+    callback = RolloutCallback(
+        engine=HFEngine(dtype="float32"), samples_per_prompt=2, max_new_tokens=7, max_staleness=2, seed=3
+    )
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=2,
+        strategy="ddp_spawn",
+        max_steps=8,
+        callbacks=[callback, RankRecorder(tmp_path)],
+        default_root_dir=tmp_path,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+    )
+    trainer.fit(module, PromptDataModule(task="reverse", prompts_per_step=4, num_train_prompts=64))
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    for rank in ranks:
+        assert len(rank["staleness"]) == 4
+        assert all(s <= 2 for s in rank["staleness"]) and max(rank["staleness"]) == 2, rank["staleness"]
+    # Each rank trains its own shard: 2 ranks x 4 batches x 4 prompts, none trained twice (the
+    # dataset repeats a few short prompts: compare multisets).
+    from collections import Counter
+
+    dataset = Counter(p for p, _ in PromptDataModule(task="reverse", num_train_prompts=64).train_dataset.items)
+    trained = Counter(p for rank in ranks for batch in rank["prompts"] for p in batch)
+    assert sum(trained.values()) == 32 and all(trained[p] <= dataset[p] for p in trained), trained

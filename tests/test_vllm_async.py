@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import math
 import time
 from functools import partial
 from pathlib import Path
@@ -21,7 +22,7 @@ from lightning_offpolicy.rollout.vllm_engine import VLLMEngine
 from lightning_offpolicy.tasks import PromptDataModule
 from tests.test_async_rollout import VersionSpy
 from tests.test_vllm_fit import vllm_children
-from tests.vllm_fixtures import ENGINE_KWARGS, requires_vllm, vllm_engine_holder  # noqa: F401 - fixtures
+from tests.vllm_fixtures import ENGINE_KWARGS, requires_vllm, tiny_ckpt, vllm_engine_holder  # noqa: F401 - fixtures
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -50,7 +51,10 @@ def test_async_vllm_fit_from_the_yaml_stays_within_max_staleness_and_logs_the_qu
         assert events.Scalars(key), key
     assert all(e.value == 0 for e in events.Scalars("rollout/dropped_samples"))
     kl = [e.value for e in events.Scalars("rollout_corr/abs_logprob_diff_mean")]
-    assert all(1e-5 < value < 0.5 for value in kl), kl  # bf16 engine + staleness: a real, bounded gap
+    # The first batch is generated with the step's own weights: only the bf16 precision gap. Later
+    # batches are 2 versions old, and the mismatch metric shows it.
+    assert 1e-5 < kl[0] < 0.02, kl
+    assert all(math.isfinite(v) for v in kl) and max(kl[1:]) > 5 * kl[0], kl
     assert events.Scalars("train/policy_version")[-1].value == 16
     assert not vllm_children(), vllm_children()
 
@@ -71,7 +75,9 @@ class KillEngineCore(L.Callback):
                     self.killed_at = time.monotonic()
 
 
-def test_engine_death_mid_async_fit_stops_cleanly_and_keeps_the_last_checkpoint(tmp_path, tiny_ckpt, vllm_engine_holder):
+def test_engine_death_mid_async_fit_stops_cleanly_and_keeps_the_checkpoint(
+    tmp_path, tiny_ckpt, vllm_engine_holder
+):
     vllm_engine_holder.close()
     engine = VLLMEngine(model=None, request_timeout_s=120, **ENGINE_KWARGS)
     module = OffPolicyRLModule(model=str(tiny_ckpt), optimizer=partial(torch.optim.AdamW, lr=1e-3), num_minibatches=2)
