@@ -418,7 +418,9 @@ class OffPolicyRLModule(LightningModule):
         values["perf/step_s"] = seconds
         values = {k: (v.float() if isinstance(v, torch.Tensor) else torch.tensor(float(v))) for k, v in values.items()}
         self.log_dict(values, on_step=True, on_epoch=False, batch_size=1, sync_dist=False)
+        # The progress bar's short names (the logger has the full keys).
         self.log("reward", values["train/reward"], prog_bar=True, batch_size=1, logger=False)
+        self.log("stale", values["staleness/mean"], prog_bar=True, batch_size=1, logger=False)
         for metric in (
             self.correction_metrics,
             self.loss_metrics,

@@ -81,7 +81,7 @@ def fit(
 
 @pytest.mark.parametrize(("max_staleness", "sync_every", "num_minibatches"), [(2, 1, 2), (3, 2, 1), (1, 1, 1)])
 def test_trained_tokens_are_never_staler_than_max_staleness(tmp_path, max_staleness, sync_every, num_minibatches):
-    module, callback, spy, _ = fit(
+    module, callback, spy, trainer = fit(
         6, tmp_path, max_staleness=max_staleness, sync_every=sync_every, num_minibatches=num_minibatches
     )
     staleness = spy.staleness()
@@ -96,6 +96,9 @@ def test_trained_tokens_are_never_staler_than_max_staleness(tmp_path, max_stalen
     # Every trained batch is a complete group of distinct prompts (nothing dropped, nothing repeated).
     assert all(len(prompts) == 4 for _, _, prompts in spy.rows)
     assert callback.producer is None  # shut down with the fit
+    # The progress bar shows the reward, the staleness and the generation speed.
+    bar = trainer.progress_bar_metrics
+    assert {"reward", "stale", "gen_tok/s"} <= set(bar) and bar["stale"] == staleness[-1], bar
 
 
 def test_max_staleness_0_through_the_producer_equals_the_synchronous_callback(tmp_path):

@@ -289,6 +289,7 @@ class RolloutCallback(Callback):
             tokens = timing.pop("tokens")
             pl_module.log("rollout/generate_s", generate_s, on_step=True, batch_size=1)
             pl_module.log("rollout/tokens_per_s", tokens / generate_s, on_step=True, batch_size=1)
+            pl_module.log("gen_tok/s", tokens / generate_s, prog_bar=True, batch_size=1, logger=False)
             for name, value in timing.items():
                 pl_module.log(f"rollout/{name}", value, on_step=True, batch_size=1)
             self.last_timing = {}
