@@ -26,6 +26,20 @@ def test_custom_reward_example_runs_and_uses_its_reward(tmp_path):
     assert (tmp_path / "custom_reward").is_dir()
 
 
+def test_sft_then_rl_example_continues_the_sft_module_with_rl(tmp_path):
+    example = load("sft_then_rl")
+    metrics = example.main(
+        ["--sft-steps", "40", "--rl-steps", "4", "--prompts-per-step", "4", "--logdir", str(tmp_path)]
+    )
+    # The same instance took 4 RL optimizer steps after its 40 SFT steps, with rollouts from the callback.
+    assert metrics["policy_version"] == 40 + 4  # optimizer steps: 40 SFT, then 4 RL
+    assert 0.0 <= metrics["train/reward"] <= 1.0
+    assert metrics["greedy_reward_after_sft"] > 0.0  # 40 SFT steps already taught it something
+    assert 1e-6 < metrics["rollout_corr/abs_logprob_diff_mean"] < 0.1  # the bf16 engine's gap, measured
+    assert metrics["staleness/mean"] == 0.0
+    assert (tmp_path / "sft_then_rl").is_dir()
+
+
 def test_every_example_has_a_test():
-    tested = {"custom_reward"}
+    tested = {"custom_reward", "sft_then_rl"}
     assert {p.stem for p in EXAMPLES.glob("*.py")} == tested

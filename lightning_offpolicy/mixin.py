@@ -1,0 +1,201 @@
+"""``OffPolicyMixin``: off-policy-corrected RL steps for an existing causal-LM LightningModule.
+
+A user who already fine-tunes a causal LM with cross-entropy adds RL in two places, without
+rewriting the module:
+
+1. the mixin in the bases: ``class MyLM(OffPolicyMixin, L.LightningModule)``;
+2. a :class:`~lightning_offpolicy.rollout.RolloutCallback` and a prompt DataModule in the
+   Trainer that continues training the same instance.
+
+What the module must expose:
+
+* the causal LM as an attribute named by ``policy_attribute`` (default ``"model"``): a
+  ``transformers``-style model called as ``model(input_ids=..., attention_mask=...)`` returning
+  ``.logits``;
+* ``tokenizer``: ``encode`` / ``decode`` / ``pad_token_id`` / ``eos_token_id`` (the callback
+  tokenizes prompts and decodes completions with it);
+* its own ``training_step`` for its usual batches, and ``configure_optimizers`` (unchanged).
+
+What the mixin and the callback do to it:
+
+* ``training_step`` receives :class:`~lightning_offpolicy.batch.PromptBatch` objects carrying the
+  callback's rollouts; the mixin handles those (:meth:`OffPolicyMixin.off_policy_step`) and passes
+  every other batch to the module's own ``training_step``. The module's class defines its own
+  ``training_step`` (and maybe ``on_before_zero_grad`` / ``on_save_checkpoint`` /
+  ``on_load_checkpoint``), which would hide the mixin's: the mixin wraps those methods when the
+  class is created, so its part always runs first and the module's code stays as written;
+* the RL step is one optimizer step per batch under Lightning's automatic optimization (gradient
+  clipping, accumulation, precision and strategies as configured on the Trainer): one forward with
+  gradient gives ``pi_theta``; at that single step ``pi_prox == pi_theta``, so its detached value
+  is the proximal policy without a second forward; then the correction, the surrogate and the
+  ``rollout_corr/*`` and ``ppo/*`` metrics as in :class:`~lightning_offpolicy.OffPolicyRLModule`;
+* ``policy_version`` counts optimizer steps, the SFT ones included (``on_before_zero_grad``), and
+  is saved in checkpoints; the callback stamps it on generated tokens.
+
+For several PPO epochs or mini-batches per rollout, exact global token normalisation under DDP,
+FSDP2, or a reference-KL loss, use :class:`~lightning_offpolicy.OffPolicyRLModule`. Under DDP the
+mixin's loss is each rank's own token mean (the gradient is the mean of the ranks' means).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from lightning_offpolicy.batch import PromptBatch, RolloutBatch
+from lightning_offpolicy.correction import (
+    OffPolicyCorrectionConfig,
+    PolicyLossConfig,
+    check_compatible,
+    compute_correction,
+    policy_loss,
+)
+from lightning_offpolicy.logprobs import causal_lm_token_logprobs
+from lightning_offpolicy.metrics import CorrectionMetrics, PolicyLossMetrics
+
+__all__ = ["OffPolicyMixin"]
+
+
+class OffPolicyMixin:
+    """Mix into a LightningModule (first in the bases) to train it with RL from a ``RolloutCallback``.
+
+    Class attributes (override them in the subclass, or set them on the instance before the RL fit):
+
+    Attributes:
+        policy_attribute: Name of the attribute holding the causal LM.
+        rl_correction: The off-policy correction (default: token TIS capped at 2).
+        rl_loss: The surrogate and its aggregation (default: decoupled PPO, eps 0.2 / 0.28).
+        temperature: Temperature the tokens are scored with; must equal the callback's.
+        policy_version: Optimizer steps taken so far.
+    """
+
+    policy_attribute: str = "model"
+    rl_correction: OffPolicyCorrectionConfig = OffPolicyCorrectionConfig.token_tis(clip_high=2.0)
+    rl_loss: PolicyLossConfig = PolicyLossConfig(eps_clip_low=0.2, eps_clip_high=0.28)
+    temperature: float = 1.0
+    policy_version: int = 0
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        for name, before in _ROUTED.items():
+            method = cls.__dict__.get(name) or getattr(cls, name, None)
+            if method is not None and not getattr(method, "_off_policy_wrapped", False):
+                setattr(cls, name, _wrap(method, before))
+
+    @property
+    def policy(self) -> torch.nn.Module:
+        """The causal LM the rollouts are generated with and the RL step trains."""
+        try:
+            return getattr(self, self.policy_attribute)
+        except AttributeError:
+            # Not an AttributeError: torch.nn.Module.__getattr__ would replace the message.
+            raise TypeError(
+                f"OffPolicyMixin: the module has no attribute {self.policy_attribute!r} holding the causal LM; "
+                "set `policy_attribute` on the class to the attribute's name."
+            ) from None
+
+    def _route_training_step(self, batch: Any, batch_idx: int, *args: Any, **kwargs: Any) -> tuple[bool, Any]:
+        if isinstance(batch, (PromptBatch, RolloutBatch)):
+            return True, self.off_policy_step(batch, batch_idx)
+        return False, None
+
+    def off_policy_step(self, batch: PromptBatch | RolloutBatch, batch_idx: int) -> torch.Tensor:
+        """The loss of one corrected policy-gradient step on the batch's rollouts."""
+        rollout = batch if isinstance(batch, RolloutBatch) else batch.rollout
+        if rollout is None:
+            raise RuntimeError(
+                "OffPolicyMixin got a PromptBatch without rollouts: add "
+                "lightning_offpolicy.rollout.RolloutCallback(...) to the Trainer's callbacks."
+            )
+        if self.rl_correction.bypass_mode or self.rl_loss.ref_kl_coef > 0:
+            raise ValueError(
+                "OffPolicyMixin supports neither bypass_mode (its pi_prox is free already) nor ref_kl_coef > 0 (no "
+                "reference model); use OffPolicyRLModule for those."
+            )
+        check_compatible(self.rl_correction, self.rl_loss)
+        rollout = rollout.to(self.device)
+        rollout.validate(require_rollout_logprobs=True)
+        logprobs = causal_lm_token_logprobs(
+            self.policy,
+            rollout.input_ids,
+            rollout.attention_mask,
+            response_start=rollout.prompt_length,
+            temperature=self.temperature,
+        )
+        prox = logprobs.detach()  # the step's weights: pi_prox == pi_theta before the optimizer step
+        correction = compute_correction(prox, rollout.rollout_logprobs, rollout.response_mask, self.rl_correction)
+        loss, info = policy_loss(
+            logprobs,
+            prox,
+            rollout.rollout_logprobs,
+            rollout.advantages,
+            rollout.response_mask,
+            self.rl_loss,
+            correction=correction,
+        )
+        self._log_off_policy(rollout, correction, info)
+        return loss
+
+    def _count_optimizer_step(self, optimizer: Any, *args: Any, **kwargs: Any) -> tuple[bool, Any]:
+        # Called once per optimizer step under automatic optimization, after optimizer.step().
+        self.policy_version = int(self.policy_version) + 1
+        return False, None
+
+    def _save_policy_version(self, checkpoint: dict[str, Any], *args: Any, **kwargs: Any) -> tuple[bool, Any]:
+        checkpoint["policy_version"] = self.policy_version
+        return False, None
+
+    def _load_policy_version(self, checkpoint: dict[str, Any], *args: Any, **kwargs: Any) -> tuple[bool, Any]:
+        self.policy_version = int(checkpoint.get("policy_version", 0))
+        return False, None
+
+    def _log_off_policy(self, rollout: RolloutBatch, correction: Any, info: Any) -> None:
+        if getattr(self, "_off_policy_metrics", None) is None:
+            # Created on first use: the module's own __init__ is not ours to extend.
+            self._off_policy_metrics = torch.nn.ModuleList(
+                [CorrectionMetrics(self.rl_correction), PolicyLossMetrics()]
+            ).to(self.device)
+        correction_metrics, loss_metrics = self._off_policy_metrics
+        correction_metrics.update(stats=correction.stats)
+        loss_metrics.update(info=info)
+        values = {**correction_metrics.compute(), **loss_metrics.compute()}
+        tokens = rollout.response_mask.bool()
+        values["train/reward"] = rollout.rewards.mean()
+        values["staleness/mean"] = (self.policy_version - rollout.policy_version[tokens]).float().mean()
+        values["train/policy_version"] = float(self.policy_version)
+        values = {k: torch.as_tensor(v, dtype=torch.float32) for k, v in values.items()}
+        self.log_dict(values, on_step=True, on_epoch=False, batch_size=1)
+        self.log("reward", values["train/reward"], prog_bar=True, batch_size=1, logger=False)
+        correction_metrics.reset()
+        loss_metrics.reset()
+
+
+#: Methods a subclass may define that would hide the mixin's, and the mixin part run before them:
+#: it returns ``(handled, result)``; when handled, the subclass's method is not called.
+_ROUTED: dict[str, Callable[..., tuple[bool, Any]]] = {
+    "training_step": OffPolicyMixin._route_training_step,
+    "on_before_zero_grad": OffPolicyMixin._count_optimizer_step,
+    "on_save_checkpoint": OffPolicyMixin._save_policy_version,
+    "on_load_checkpoint": OffPolicyMixin._load_policy_version,
+}
+
+
+def _wrap(own: Callable[..., Any], before: Callable[..., tuple[bool, Any]]) -> Callable[..., Any]:
+    flag = f"_off_policy_in_{own.__name__}"
+
+    @functools.wraps(own)
+    def wrapped(self: Any, *args: Any, **kwargs: Any) -> Any:
+        if self.__dict__.get(flag):  # a subclass's method calling super(): the mixin part ran already
+            return own(self, *args, **kwargs)
+        self.__dict__[flag] = True
+        try:
+            handled, result = before(self, *args, **kwargs)
+            return result if handled else own(self, *args, **kwargs)
+        finally:
+            self.__dict__[flag] = False
+
+    wrapped._off_policy_wrapped = True  # type: ignore[attr-defined]
+    return wrapped
