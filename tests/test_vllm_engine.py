@@ -140,6 +140,7 @@ def test_missing_vllm_gives_install_hint(monkeypatch):
         (dict(weight_sync_tolerance=-1.0), "weight_sync_tolerance"),
         (dict(engine_kwargs={"logprobs_mode": "raw_logprobs"}), "processed_logprobs"),
         (dict(engine_kwargs={"model": "x"}), "model"),
+        (dict(lora_sync="lora"), "lora_sync"),
     ],
 )
 def test_bad_arguments(kwargs, match):
@@ -175,15 +176,16 @@ def test_bad_calls_fail_before_starting_anything(monkeypatch):
 
 @requires_vllm
 def test_start_failure_hint_names_unsupported_head_dim(tmp_path):
-    from lightning_offpolicy.rollout.vllm_engine import _head_dim_hint, supported_cpu_head_dims
+    from lightning_offpolicy.rollout.vllm_engine import supported_cpu_head_dims
+    from lightning_offpolicy.rollout.vllm_errors import head_dim_hint
     from lightning_offpolicy.tiny import tiny_llama_config
 
     tiny_llama_config(head_dim=16).save_pretrained(tmp_path)
-    hint = _head_dim_hint(str(tmp_path))
+    hint = head_dim_hint(str(tmp_path))
     assert hint is not None and "16" in hint and "64" in hint
     assert 64 in supported_cpu_head_dims()
     tiny_llama_config().save_pretrained(tmp_path)
-    assert _head_dim_hint(str(tmp_path)) is None
+    assert head_dim_hint(str(tmp_path)) is None
 
 
 # ---------------------------------------------------------------------- shared engine

