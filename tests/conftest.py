@@ -6,6 +6,11 @@ import os
 
 import pytest
 
+# The real-vLLM fixtures, registered here once for the whole suite: a session-scoped fixture
+# imported into several test modules would be a separate fixture per module (one engine and one
+# checkpoint each). Test modules import only the constants and markers of tests/vllm_fixtures.py.
+from tests.vllm_fixtures import tiny_ckpt, trainer_model, vllm_engine, vllm_engine_holder  # noqa: F401
+
 
 @pytest.fixture(scope="session", autouse=True)
 def tiny_checkpoint_cache(tmp_path_factory):

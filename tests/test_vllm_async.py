@@ -1,4 +1,3 @@
-# ruff: noqa: F811 - the fixtures imported from tests.vllm_fixtures are parameters of the tests
 """The asynchronous RolloutCallback on the real vLLM engine: bounded staleness, metrics, engine death."""
 
 from __future__ import annotations
@@ -22,7 +21,7 @@ from lightning_offpolicy.rollout.vllm_engine import VLLMEngine
 from lightning_offpolicy.tasks import PromptDataModule
 from tests.test_async_rollout import VersionSpy
 from tests.test_vllm_fit import vllm_children
-from tests.vllm_fixtures import ENGINE_KWARGS, requires_vllm, tiny_ckpt, vllm_engine_holder  # noqa: F401 - fixtures
+from tests.vllm_fixtures import ENGINE_KWARGS, requires_vllm
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -75,9 +74,7 @@ class KillEngineCore(L.Callback):
                     self.killed_at = time.monotonic()
 
 
-def test_engine_death_mid_async_fit_stops_cleanly_and_keeps_the_checkpoint(
-    tmp_path, tiny_ckpt, vllm_engine_holder
-):
+def test_engine_death_mid_async_fit_stops_cleanly_and_keeps_the_checkpoint(tmp_path, tiny_ckpt, vllm_engine_holder):
     vllm_engine_holder.close()
     engine = VLLMEngine(model=None, request_timeout_s=120, **ENGINE_KWARGS)
     module = OffPolicyRLModule(model=str(tiny_ckpt), optimizer=partial(torch.optim.AdamW, lr=1e-3), num_minibatches=2)

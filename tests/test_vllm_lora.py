@@ -1,4 +1,3 @@
-# ruff: noqa: F811 - the fixtures imported from tests.vllm_fixtures are parameters of the tests
 """LoRA (peft) weight sync into VLLMEngine, both ``lora_sync`` modes, on real vLLM.
 
 The export itself (:func:`merged_state_dict`, :func:`base_state_dict`) is checked in pure Python
@@ -26,11 +25,9 @@ from lightning_offpolicy.rollout.weight_sync import (
 )
 from lightning_offpolicy.tasks import get_task
 from lightning_offpolicy.tokenizers import CharTokenizer
-from tests.vllm_fixtures import (  # noqa: F401 - fixtures
+from tests.vllm_fixtures import (
     ENGINE_KWARGS,
     requires_vllm,
-    tiny_ckpt,
-    vllm_engine_holder,
 )
 
 peft = pytest.importorskip("peft")
