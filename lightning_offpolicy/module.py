@@ -15,8 +15,8 @@ the step's :class:`~lightning_offpolicy.batch.PromptBatch` by the ``RolloutCallb
 Manual optimization: ``trainer.global_step`` and ``max_steps`` count optimizer steps, i.e.
 ``ppo_epochs * num_minibatches`` per training batch.
 
-Strategies: DDP (tested on CPU with 2 processes). For sharded training use
-``ModelParallelStrategy``: ``configure_model`` applies FSDP2 ``fully_shard`` per decoder layer
+Strategies: DDP and, for sharded training, ``ModelParallelStrategy`` (both tested on CPU with 2
+processes against a single one): ``configure_model`` applies FSDP2 ``fully_shard`` per decoder layer
 (Lightning's ``FSDPStrategy`` runs ``training_step`` inside the root module's forward, where
 ``manual_backward`` and several forwards per step break).
 """

@@ -1,0 +1,40 @@
+"""Two CPU processes, ModelParallelStrategy (FSDP2 ``fully_shard`` per decoder layer, gloo): two decoupled
+PPO steps; rank 0 saves the gathered full weights and the logged metrics to ``sys.argv[1]``.
+
+Run by tests/test_module_fsdp.py as a script: Lightning's ModelParallelStrategy starts its other
+ranks by re-running the command (no spawn launcher), which must not be pytest itself.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import torch
+from lightning.pytorch.strategies import ModelParallelStrategy
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from tests.module_helpers import fit_on, make_rollout, tiny_model  # noqa: E402
+from tests.test_module_ddp import make_module  # noqa: E402
+
+if __name__ == "__main__":
+    model = tiny_model()
+    full = make_rollout(model, seed=3, rows=8)
+    halves = [full.select([0, 1, 2, 3]), full.select([4, 5, 6, 7])]
+    module = make_module(model)
+    trainer = fit_on(
+        module,
+        halves,
+        max_steps=2,
+        devices=2,
+        strategy=ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1),
+    )
+    weights = {
+        name: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
+        for name, p in module.policy.named_parameters()
+    }
+    sharded = sum(hasattr(p, "full_tensor") for p in module.policy.parameters())
+    if trainer.global_rank == 0:
+        metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
+        torch.save({"weights": weights, "metrics": metrics, "sharded": sharded}, sys.argv[1])
