@@ -40,5 +40,10 @@ def test_two_rank_fsdp2_step_equals_single_process_step(tmp_path):
     assert moved > 1e-4
     for name, param in single.policy.named_parameters():
         torch.testing.assert_close(result["weights"][name], param.detach(), rtol=1e-5, atol=1e-6, msg=name)
+    # The weights a rollout engine gets from the sharded trainer: whole tensors, checkpoint names.
+    for name, tensor in single.policy.state_dict().items():
+        exported = result["exported"][name]
+        assert type(exported) is torch.Tensor and exported.shape == tensor.shape, name
+        torch.testing.assert_close(exported, tensor, rtol=1e-5, atol=1e-6, msg=name)
     for key in ("rollout_corr/kl", "rollout_corr/chi2_seq", "ppo/clip_frac", "train/reward"):
         assert result["metrics"][key] == pytest.approx(float(single_trainer.callback_metrics[key]), rel=1e-5, abs=1e-7)

@@ -66,7 +66,8 @@ def is_peft_model(source: Any) -> bool:
 def export_state_dict(source: torch.nn.Module | Mapping[str, torch.Tensor], who: str) -> dict[str, torch.Tensor]:
     """The tensors of ``source`` (a module or a state dict) on CPU, contiguous, with no shared storage.
 
-    ``who`` names the caller in error messages (e.g. ``"VLLMEngine.update_weights"``).
+    ``who`` names the caller in error messages (e.g. ``"VLLMEngine.update_weights"``). Sharded
+    (FSDP2 DTensor) parameters are gathered whole: a collective, so every rank must call it.
     """
     state = unwrap(source).state_dict() if isinstance(source, torch.nn.Module) else source
     tensors: dict[str, torch.Tensor] = {}
@@ -74,7 +75,10 @@ def export_state_dict(source: torch.nn.Module | Mapping[str, torch.Tensor], who:
     for name, value in state.items():
         if not isinstance(value, torch.Tensor):
             raise TypeError(f"{who}: {name!r} is a {type(value).__name__}, not a tensor.")
-        tensor = value.detach().to("cpu")
+        tensor = value.detach()
+        if hasattr(tensor, "full_tensor"):  # DTensor (FSDP2): the engine needs the whole parameter
+            tensor = tensor.full_tensor()
+        tensor = tensor.to("cpu")
         ptr = tensor.untyped_storage().data_ptr() if tensor.numel() else -1
         if ptr in seen:  # tied weights: safetensors refuses shared storage
             tensor = tensor.clone()
