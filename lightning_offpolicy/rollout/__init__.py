@@ -3,6 +3,15 @@
 from lightning_offpolicy.rollout.callback import RolloutCallback
 from lightning_offpolicy.rollout.engine import Completion, RolloutEngine, SamplingConfig
 from lightning_offpolicy.rollout.hf_engine import HFEngine
+from lightning_offpolicy.rollout.remote_vllm import RemoteVLLMEngine
 from lightning_offpolicy.rollout.vllm_engine import VLLMEngine
 
-__all__ = ["Completion", "HFEngine", "RolloutCallback", "RolloutEngine", "SamplingConfig", "VLLMEngine"]
+__all__ = [
+    "Completion",
+    "HFEngine",
+    "RemoteVLLMEngine",
+    "RolloutCallback",
+    "RolloutEngine",
+    "SamplingConfig",
+    "VLLMEngine",
+]

@@ -1,0 +1,707 @@
+"""RemoteVLLMEngine against a real vLLM server (``launch_local_server``, loopback) and stand-in servers.
+
+One server is started for this module from the tiny checkpoint (float32, 1 GiB KV cache,
+max_model_len 256) and stopped at its end: one vLLM server at a time on a small machine. Tests
+that change its weights restore them before they end. The references are independent of the
+server: the trainer's float32 teacher-forced logprobs (``causal_lm_token_logprobs``). The
+argument, connection and protocol tests need no vLLM: they run against a closed port, a socket
+that never answers and a small stand-in HTTP server. Measured numbers are printed (``pytest -s``)
+and collected in ``MEASURED``. About 3-5 minutes on a 2-core CPU machine (server start 40-140 s).
+"""
+
+from __future__ import annotations
+
+import http.server
+import json
+import math
+import random
+import socket
+import subprocess
+import sys
+import threading
+import time
+from functools import partial
+from pathlib import Path
+
+import psutil
+import pytest
+import torch
+
+from lightning_offpolicy.logprobs import causal_lm_token_logprobs
+from lightning_offpolicy.rollout.engine import Completion, RolloutEngine, SamplingConfig
+from lightning_offpolicy.rollout.remote_vllm import LocalVLLMServer, RemoteVLLMEngine, launch_local_server
+from lightning_offpolicy.rollout.weight_sync import trainer_probe_logprobs
+from lightning_offpolicy.tasks import get_task
+from lightning_offpolicy.tokenizers import CharTokenizer
+from tests.vllm_fixtures import requires_vllm
+
+#: Largest |server - trainer| per-token logprob residual accepted at equal float32 weights.
+LOGPROB_MAX_TOL = 1e-4
+MEASURED: dict[str, float] = {}
+
+
+def _prompts(n: int, seed: int = 0) -> list[list[int]]:
+    task, tok, rng = get_task("reverse"), CharTokenizer(), random.Random(seed)
+    return [tok.encode(task.sample(rng)[0], add_bos=True) for _ in range(n)]
+
+
+@torch.no_grad()
+def _trainer_logprobs(model, prompts, completions: list[Completion], temperature: float) -> list[list[float]]:
+    """Teacher-forced float32 logprobs of each completion, one unpadded row at a time."""
+    out = []
+    for c in completions:
+        prompt = prompts[c.prompt_index]
+        ids = torch.tensor([prompt + c.token_ids])
+        lp = causal_lm_token_logprobs(
+            model, ids, torch.ones_like(ids), response_start=len(prompt), temperature=temperature
+        )
+        out.append(lp[0, : len(c.token_ids)].tolist())
+    return out
+
+
+def _residuals(engine_lp: list[list[float]], trainer_lp: list[list[float]]) -> torch.Tensor:
+    return torch.tensor(
+        [abs(a - b) for e, t in zip(engine_lp, trainer_lp, strict=True) for a, b in zip(e, t, strict=True)]
+    )
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _running_requests(base_url: str) -> float:
+    """Requests running or waiting in the server (its Prometheus gauges on /metrics)."""
+    import urllib.request
+
+    with urllib.request.urlopen(f"{base_url}/metrics", timeout=30) as answer:
+        text = answer.read().decode()
+    gauges = ("vllm:num_requests_running", "vllm:num_requests_waiting")
+    values = [float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(gauges)]
+    assert values, "no request gauges on /metrics"
+    return sum(values)
+
+
+def _alive(procs: list[psutil.Process]) -> list[psutil.Process]:
+    out = []
+    for p in procs:
+        try:
+            if p.is_running() and p.status() != psutil.STATUS_ZOMBIE:
+                out.append(p)
+        except psutil.Error:
+            continue
+    return out
+
+
+# ---------------------------------------------------------------------- stand-in servers
+
+
+class _StandIn:
+    """A small HTTP server answering ``(method, path)`` from ``routes`` with ``(status, json)``; records requests."""
+
+    def __init__(self, routes: dict[tuple[str, str], tuple[int, object]]) -> None:
+        self.routes = routes
+        self.requests: list[tuple[str, str, dict, object]] = []
+        owner = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def _answer(self) -> None:
+                length = int(self.headers.get("Content-Length") or 0)
+                body = json.loads(self.rfile.read(length)) if length else None
+                path = self.path.split("?")[0]
+                owner.requests.append((self.command, self.path, dict(self.headers), body))
+                status, payload = owner.routes.get((self.command, path), (404, {"detail": "Not Found"}))
+                data = json.dumps(payload).encode()
+                self.send_response(status)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            do_GET = do_POST = _answer
+
+            def log_message(self, *args) -> None:  # quiet
+                pass
+
+        self.httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.base_url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
+        self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
+        self.thread.start()
+
+    def close(self) -> None:
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+def _models(*names: str) -> tuple[int, object]:
+    return 200, {"object": "list", "data": [{"id": n, "object": "model", "max_model_len": 256} for n in names]}
+
+
+def _server_info(mode: str = "processed_logprobs") -> tuple[int, object]:
+    config = {"logprobs_mode": mode, "dtype": "torch.float32", "max_model_len": 256, "generation_config": "vllm"}
+    return 200, {"vllm_config": {"model_config": config}, "vllm_env": {}, "system_env": {}}
+
+
+@pytest.fixture
+def stand_in():
+    servers: list[_StandIn] = []
+
+    def make(routes):
+        servers.append(_StandIn(routes))
+        return servers[-1]
+
+    yield make
+    for s in servers:
+        s.close()
+
+
+# ---------------------------------------------------------------------- no vLLM server needed
+
+
+def test_import_does_not_import_vllm():
+    code = (
+        "import sys; import lightning_offpolicy.rollout.remote_vllm as m; import lightning_offpolicy.rollout as r; "
+        "assert 'vllm' not in sys.modules, 'vllm imported at module import'; "
+        "assert r.RemoteVLLMEngine is m.RemoteVLLMEngine; print(m.RemoteVLLMEngine.__name__)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "RemoteVLLMEngine"
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        (dict(base_url=""), "base_url"),
+        (dict(base_url="127.0.0.1:8000"), "base_url"),
+        (dict(base_url="ftp://host:8000"), "base_url"),
+        (dict(base_url="http://host:notaport"), "base_url"),
+        (dict(base_url="http://host:8000/?x=1"), "base_url"),
+        (dict(model=""), "model"),
+        (dict(request_timeout_s=0), "request_timeout_s"),
+        (dict(request_timeout_s=float("nan")), "request_timeout_s"),
+        (dict(max_concurrent_requests=0), "max_concurrent_requests"),
+        (dict(max_concurrent_requests=2.5), "max_concurrent_requests"),
+        (dict(weight_sync_tolerance=-1.0), "weight_sync_tolerance"),
+        (dict(check_weight_sync="yes"), "check_weight_sync"),
+        (dict(eos_token_id=-1), "eos_token_id"),
+        (dict(pad_token_id=True), "pad_token_id"),
+        (dict(api_key=""), "api_key"),
+        (dict(server_weights_dir="/mnt/x"), "server_weights_dir"),
+    ],
+)
+def test_bad_arguments(kwargs, match):
+    kwargs = {"base_url": "http://127.0.0.1:8000", **kwargs}
+    with pytest.raises(ValueError, match=match):
+        RemoteVLLMEngine(**kwargs)
+
+
+def test_base_url_forms_and_weights_dir_file(tmp_path):
+    assert RemoteVLLMEngine("http://10.0.0.5:8000/v1/").base_url == "http://10.0.0.5:8000"
+    assert RemoteVLLMEngine("https://example.org/vllm/v1").base_url == "https://example.org:443/vllm"
+    assert RemoteVLLMEngine("http://[::1]:9000").base_url == "http://[::1]:9000"
+    file = tmp_path / "f"
+    file.write_text("x")
+    with pytest.raises(ValueError, match="weights_dir"):
+        RemoteVLLMEngine("http://127.0.0.1:8000", weights_dir=str(file))
+
+
+def test_bad_calls_fail_before_any_request(tmp_path):
+
+    # A port nobody listens on: any request would fail with "connection refused", not these errors.
+    engine = RemoteVLLMEngine(f"http://127.0.0.1:{_free_port()}", eos_token_id=2)
+    assert isinstance(engine, RolloutEngine)
+    cfg = SamplingConfig(max_new_tokens=4, samples_per_prompt=1)
+    with pytest.raises(ValueError, match="at least one token"):
+        engine.generate([[]], cfg)
+    with pytest.raises(ValueError, match=">= 0"):
+        engine.generate([[1, -3]], cfg)
+    assert engine.generate([], cfg) == []
+    with pytest.raises(TypeError, match="source"):
+        engine.update_weights([1, 2], 1)
+    with pytest.raises(TypeError, match="version"):
+        engine.update_weights({}, "1")
+    with pytest.raises(RuntimeError, match="weights_dir"):
+        engine.update_weights({"w": torch.zeros(1)}, 1)
+    no_eos = RemoteVLLMEngine("http://127.0.0.1:8000")
+    with pytest.raises(RuntimeError, match="eos_token_id"):
+        no_eos.generate([[1]], cfg)
+    no_eos.set_special_tokens(pad_token_id=0, eos_token_id=2)
+    assert (no_eos.pad_token_id, no_eos.eos_token_id) == (0, 2)
+    engine.close()
+    engine.close()  # idempotent
+    with pytest.raises(RuntimeError, match="closed"):
+        engine.generate([[1]], cfg)
+    assert not engine.connected and engine.stats() == {}
+
+
+def test_server_down_is_a_clear_error_without_hanging():
+    port = _free_port()  # nothing listens there: connection refused
+    engine = RemoteVLLMEngine(f"http://127.0.0.1:{port}", eos_token_id=2, request_timeout_s=30)
+    begin = time.perf_counter()
+    with pytest.raises(RuntimeError, match=rf"127\.0\.0\.1:{port}.*connection refused.*running") as info:
+        engine.generate([[1, 5]], SamplingConfig(max_new_tokens=2))
+    assert time.perf_counter() - begin < 5
+    assert "VLLM_SERVER_DEV_MODE=1" in str(info.value)  # how to start one
+
+
+def test_request_timeout_is_a_clear_error_without_hanging():
+    # A server that accepts connections (kernel backlog) but never answers: a hung server.
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(8)
+        engine = RemoteVLLMEngine(f"http://127.0.0.1:{silent.getsockname()[1]}", eos_token_id=2, request_timeout_s=0.5)
+        begin = time.perf_counter()
+        with pytest.raises(RuntimeError, match=r"request_timeout_s=0\.5"):
+            engine.connect()
+        assert time.perf_counter() - begin < 5
+
+
+def test_connect_checks_the_server_configuration(stand_in, tmp_path):
+    raw = stand_in({("GET", "/v1/models"): _models("m"), ("GET", "/server_info"): _server_info("raw_logprobs")})
+    with pytest.raises(RuntimeError, match="--logprobs-mode processed_logprobs"):
+        RemoteVLLMEngine(raw.base_url, eos_token_id=2).connect()
+
+    two = stand_in({("GET", "/v1/models"): _models("a", "b"), ("GET", "/server_info"): _server_info()})
+    with pytest.raises(RuntimeError, match=r"serves 2 models.*model="):
+        RemoteVLLMEngine(two.base_url).connect()
+    with pytest.raises(RuntimeError, match=r"model='c' is not served.*\['a', 'b'\]"):
+        RemoteVLLMEngine(two.base_url, model="c").connect()
+    engine = RemoteVLLMEngine(two.base_url, model="b")
+    engine.connect()
+    assert (engine.model_name, engine.max_model_len, engine.dev_mode) == ("b", 256, True)
+
+    # Not in dev mode (/server_info is 404): a loud warning at connect, a clear error at the first sync.
+    plain = stand_in({("GET", "/v1/models"): _models("m")})
+    engine = RemoteVLLMEngine(plain.base_url, weights_dir=str(tmp_path), eos_token_id=2)
+    with pytest.warns(RuntimeWarning, match="processed_logprobs"):
+        engine.connect()
+    with pytest.raises(RuntimeError, match="VLLM_SERVER_DEV_MODE=1"):
+        engine.update_weights({"w": torch.zeros(1)}, 1)
+    assert engine.dev_mode is False and engine.version == 0
+
+
+def test_http_errors_carry_the_servers_message_and_the_api_key_is_sent(stand_in):
+    message = "max_tokens=300 cannot be greater than max_model_len=256. Please request fewer output tokens."
+    server = stand_in(
+        {
+            ("GET", "/v1/models"): _models("m"),
+            ("GET", "/server_info"): _server_info(),
+            ("POST", "/v1/completions"): (400, {"error": {"message": message, "type": "BadRequestError"}}),
+        }
+    )
+    engine = RemoteVLLMEngine(server.base_url + "/v1", eos_token_id=2, api_key="secret")
+    with pytest.raises(RuntimeError, match=r"HTTP 400 /v1/completions: max_tokens=300 cannot be greater"):
+        engine.generate([[1, 2]], SamplingConfig(max_new_tokens=2))
+    method, path, headers, body = server.requests[-1]
+    assert (method, path, headers["Authorization"]) == ("POST", "/v1/completions", "Bearer secret")
+    # What the engine asks for: token ids in and out, sampled logprobs, stop on eos only, neutral penalties.
+    assert body["prompt"] == [1, 2] and body["model"] == "m" and body["logprobs"] == 0
+    assert body["ignore_eos"] is True and body["stop_token_ids"] == [2] and body["return_token_ids"] is True
+    assert body["repetition_penalty"] == 1.0 and body["top_k"] == 0 and "seed" not in body
+
+    server.routes[("GET", "/v1/models")] = (401, {"error": "Unauthorized"})
+    with pytest.raises(RuntimeError, match=r"HTTP 401.*Unauthorized.*api_key"):
+        RemoteVLLMEngine(server.base_url).connect()
+
+
+# ---------------------------------------------------------------------- launcher
+
+
+@requires_vllm
+@pytest.mark.slow
+def test_launch_failure_raises_with_the_log_tail(tmp_path):
+    (tmp_path / "config.json").write_text("{}")  # not a model
+    before = {p.pid for p in psutil.Process().children(recursive=True)}
+    begin = time.perf_counter()
+    with pytest.raises(RuntimeError, match=r"exited with code .* during start-up(.|\n)*last lines of the server log"):
+        launch_local_server(tmp_path, startup_timeout_s=300)
+    print(f"\nfailed start detected after {time.perf_counter() - begin:.1f} s")
+    left = [p for p in psutil.Process().children(recursive=True) if p.pid not in before]
+    assert _alive(left) == []
+
+
+def test_launcher_argument_checks(tmp_path):
+    for kwargs, match in [
+        (dict(extra_args=["--port", "1"]), "--port"),
+        (dict(extra_args=["--host=0.0.0.0"]), "--host"),
+        (dict(extra_args=["--logprobs-mode", "raw_logprobs"]), "processed_logprobs"),
+        (dict(extra_args=["--logprobs-mode=raw_logits"]), "processed_logprobs"),
+        (dict(dtype="int8"), "dtype"),
+        (dict(port=0), "port"),
+        (dict(kv_cache_space_gib=0), "kv_cache_space_gib"),
+        (dict(gpu_memory_utilization=2.0), "gpu_memory_utilization"),
+    ]:
+        with pytest.raises(ValueError, match=match):
+            launch_local_server(tmp_path, **kwargs)
+
+
+# ---------------------------------------------------------------------- the module's real server
+
+
+@pytest.fixture(scope="module")
+def server(tiny_ckpt):
+    """One vLLM server for the module (float32), stopped at its end; no process of it may be left."""
+    srv = launch_local_server(
+        tiny_ckpt, dtype="float32", max_model_len=256, kv_cache_space_gib=1, startup_timeout_s=600
+    )
+    MEASURED["server_start_s"] = srv.start_time_s
+    print(f"\nvLLM server started in {srv.start_time_s:.1f} s at {srv.base_url}")
+    procs = srv.processes()
+    yield srv
+    srv.close()
+    assert _alive(procs) == [], [p.name() for p in _alive(procs)]
+
+
+@pytest.fixture(scope="module")
+def weights_dir(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("shared_weights")
+
+
+@pytest.fixture
+def engine(server, weights_dir):
+    eng = RemoteVLLMEngine(server.base_url, weights_dir=str(weights_dir), eos_token_id=2, request_timeout_s=300)
+    yield eng
+    eng.close()
+
+
+def _restore(server: LocalVLLMServer, weights_dir: Path, model) -> None:
+    """Put the original checkpoint's weights back into the module's server (checked)."""
+    with RemoteVLLMEngine(server.base_url, weights_dir=str(weights_dir), eos_token_id=2) as eng:
+        eng.update_weights(model, 0)
+        assert eng.last_sync_check_max_abs_diff <= 1e-3
+
+
+@requires_vllm
+@pytest.mark.slow
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_logprobs_match_trainer(engine, trainer_model, tiny_ckpt, temperature):
+    prompts = _prompts(16)
+    cfg = SamplingConfig(max_new_tokens=16, temperature=temperature, samples_per_prompt=4)
+    begin = time.perf_counter()
+    completions = engine.generate(prompts, cfg, seed=11)
+    MEASURED.setdefault("first_generate_s", time.perf_counter() - begin)
+    MEASURED.setdefault("connect_s", engine.connect_time_s)
+    # Connected at the first call: the only model served (by its path), its context length, dev mode.
+    assert engine.model_name == str(tiny_ckpt) and engine.max_model_len == 256 and engine.dev_mode
+    assert [c.prompt_index for c in completions] == [i for i in range(16) for _ in range(4)]
+    assert all(c.finish_reason in ("stop", "length") and c.policy_version == 0 for c in completions)
+    for c in completions:
+        assert len(c.logprobs) == len(c.token_ids) >= 1
+        if c.finish_reason == "stop":
+            assert c.token_ids[-1] == 2 and 2 not in c.token_ids[:-1]
+        else:
+            assert len(c.token_ids) == 16 and 2 not in c.token_ids
+    res = _residuals(
+        [c.logprobs for c in completions], _trainer_logprobs(trainer_model, prompts, completions, temperature)
+    )
+    MEASURED[f"logprob_residual_max_T{temperature}"] = float(res.max())
+    print(f"\nT={temperature}: {res.numel()} tokens, |server - trainer| max {res.max():.3g} mean {res.mean():.3g}")
+    assert res.max() <= LOGPROB_MAX_TOL
+    if temperature != 1.0:  # processed logprobs: the raw (T=1) ones are clearly different
+        raw = _residuals([c.logprobs for c in completions], _trainer_logprobs(trainer_model, prompts, completions, 1.0))
+        assert raw.mean() > 0.05
+
+
+@requires_vllm
+@pytest.mark.slow
+def test_seeded_generation_is_reproducible(engine):
+    prompts = _prompts(3, seed=4)
+    prompts = prompts + [prompts[0]]  # the same prompt twice in one call
+    cfg = SamplingConfig(max_new_tokens=12, temperature=1.0, samples_per_prompt=4)
+
+    def run(seed):
+        return [(c.token_ids, c.logprobs) for c in engine.generate(prompts, cfg, seed=seed)]
+
+    first, again, other = run(123), run(123), run(124)
+    assert first == again
+    assert first != other
+    group0 = [t for t, _ in first[:4]]
+    assert len({tuple(t) for t in group0}) > 1  # the samples of a group differ
+    assert group0 != [t for t, _ in first[12:16]]  # a repeated prompt gets its own samples
+    assert len(engine.generate(prompts, cfg)) == 16  # unseeded: the server's own random state
+
+
+@requires_vllm
+@pytest.mark.slow
+def test_stops_on_eos_token_id_only(engine):
+    """The stop id is the engine's eos_token_id, not the checkpoint's (2 here): HFEngine's behaviour."""
+    engine.eos_token_id = 5
+    completions = engine.generate(_prompts(16, seed=7), SamplingConfig(max_new_tokens=12), seed=3)
+    for c in completions:
+        assert (c.finish_reason, c.token_ids[-1]) == ("stop", 5) or (c.finish_reason, len(c.token_ids)) == (
+            "length",
+            12,
+        )
+        assert 5 not in c.token_ids[:-1]
+    assert any(2 in c.token_ids for c in completions)  # the checkpoint's eos no longer stops
+
+
+@requires_vllm
+@pytest.mark.slow
+def test_throughput_and_server_errors(engine):
+    prompts = _prompts(64, seed=2)
+    cfg = SamplingConfig(max_new_tokens=16, samples_per_prompt=1)
+    engine.generate(prompts, cfg, seed=0)
+    times = []
+    for _ in range(3):
+        begin = time.perf_counter()
+        engine.generate(prompts, cfg, seed=0)
+        times.append(time.perf_counter() - begin)
+    MEASURED["generate_64x16_s"] = min(times)
+    MEASURED["tokens_per_s"] = engine.last_generate_tokens_per_s
+    print(f"\n64 prompts x <=16 tokens: {min(times):.3f} s ({engine.last_generate_tokens_per_s:.0f} tokens/s)")
+    assert min(times) < 60
+    with pytest.raises(ValueError, match="max_model_len=256"):
+        engine.generate([[1] * 250], SamplingConfig(max_new_tokens=10))
+    # A request the server rejects: its own message comes through.
+    engine.model_name = "no-such-model"
+    with pytest.raises(RuntimeError, match=r"HTTP 404 /v1/completions: The model `no-such-model` does not exist"):
+        engine.generate([[1, 5]], SamplingConfig(max_new_tokens=2))
+
+
+@requires_vllm
+@pytest.mark.slow
+def test_out_of_vocabulary_prompt_is_refused_before_it_reaches_the_server(engine, trainer_model):
+    """vLLM 0.32 without a tokenizer does not check prompt ids: an id >= the vocabulary kills its engine."""
+    engine.update_weights(trainer_model, 0)  # the engine learns the vocabulary size (64) from the module
+    with pytest.raises(ValueError, match=r"token id 64 is outside the model's vocabulary \(64 tokens\)"):
+        engine.generate([[1, 64]], SamplingConfig(max_new_tokens=2))
+    assert len(engine.generate([[1, 63]], SamplingConfig(max_new_tokens=2, samples_per_prompt=1))) == 1
+
+
+@requires_vllm
+@pytest.mark.slow
+def test_update_weights_changes_generation_and_restoring_restores_it(engine, trainer_model, weights_dir):
+    prompts = _prompts(8, seed=3)
+    cfg = SamplingConfig(max_new_tokens=10, temperature=1.0, samples_per_prompt=2)
+    original = {k: v.clone() for k, v in trainer_model.state_dict().items()}
+    before = engine.generate(prompts, cfg, seed=5)
+    with torch.no_grad():
+        gen = torch.Generator().manual_seed(0)
+        for p in trainer_model.parameters():
+            p.add_(0.05 * torch.randn(p.shape, generator=gen))
+    try:
+        begin = time.perf_counter()
+        engine.update_weights(trainer_model, 7)
+        MEASURED["update_weights_s"] = time.perf_counter() - begin
+        MEASURED["sync_s"] = engine.last_sync_time_s
+        MEASURED["sync_check_max_abs_diff"] = engine.last_sync_check_max_abs_diff
+        print(
+            f"\nsync {engine.last_sync_time_s:.3f} s (write {engine.last_write_time_s:.3f}, reload "
+            f"{engine.last_reload_time_s:.3f}), check |diff| {engine.last_sync_check_max_abs_diff:.3g}"
+        )
+        assert engine.version == 7 and engine.last_sync_check_max_abs_diff <= 1e-3
+        assert set(engine.stats()) >= {"vllm/sync_s", "vllm/sync_check_max_abs_diff", "vllm/tokens_per_s"}
+        # The sync file is private to the engine and readable by a server running as another user.
+        (sync_dir,) = [d for d in weights_dir.iterdir() if d.is_dir() and (d / "model.safetensors").exists()]
+        assert (sync_dir / "model.safetensors").stat().st_mode & 0o044 == 0o044
+        after = engine.generate(prompts, cfg, seed=5)
+        assert {c.policy_version for c in after} == {7}
+        assert [c.token_ids for c in after] != [c.token_ids for c in before]
+        # The new weights are the trainer's: its logprobs of what the server sampled match.
+        res = _residuals([c.logprobs for c in after], _trainer_logprobs(trainer_model, prompts, after, 1.0))
+        assert res.max() <= LOGPROB_MAX_TOL
+    finally:  # restore: a state dict this time (no module: the check cannot run)
+        engine.update_weights(original, 8)
+    assert engine.version == 8 and engine.last_sync_check_max_abs_diff is None
+    restored = engine.generate(prompts, cfg, seed=5)
+    assert [(c.token_ids, c.logprobs) for c in restored] == [(c.token_ids, c.logprobs) for c in before]
+    assert {c.policy_version for c in restored} == {8}
+    engine.close()
+    assert not sync_dir.exists()  # close removes the engine's sync files
+
+
+@requires_vllm
+@pytest.mark.slow
+def test_a_lora_policy_syncs_as_merged_weights(engine, trainer_model, tiny_ckpt):
+    import peft
+    from transformers import LlamaForCausalLM
+
+    lora = peft.get_peft_model(trainer_model, peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():  # peft starts lora_B at 0: give the adapters an effect
+        for name, param in lora.named_parameters():
+            if "lora_B" in name:
+                param.normal_(0, 0.05, generator=gen)
+    prompts, cfg = _prompts(8, seed=3), SamplingConfig(max_new_tokens=8, samples_per_prompt=2)
+    try:
+        engine.update_weights(lora, 30)  # the self-check compares the server with the peft forward
+        assert engine.last_sync_check_max_abs_diff <= 1e-3
+        out = engine.generate(prompts, cfg, seed=4)
+        res = _residuals([c.logprobs for c in out], _trainer_logprobs(lora, prompts, out, 1.0))
+        assert res.max() <= LOGPROB_MAX_TOL
+        with lora.disable_adapter():  # and not the base model's
+            base = _residuals([c.logprobs for c in out], _trainer_logprobs(lora, prompts, out, 1.0))
+        assert base.max() > 10 * LOGPROB_MAX_TOL
+    finally:
+        engine.update_weights(LlamaForCausalLM.from_pretrained(str(tiny_ckpt), dtype=torch.float32).eval(), 31)
+
+
+@requires_vllm
+@pytest.mark.slow
+def test_self_check_catches_a_sync_that_did_not_arrive(engine, trainer_model, tiny_ckpt, monkeypatch):
+    engine.update_weights(trainer_model, 20)  # a good sync: the check's reference point
+    monkeypatch.setattr(engine, "_reload_weights", lambda server_path: None)  # nothing arrives
+    with torch.no_grad():
+        trainer_model.lm_head.weight.zero_()
+    with pytest.raises(RuntimeError, match="did not arrive"):
+        engine.update_weights(trainer_model, 21)
+    assert engine.version == 20
+    # A small update (below the tolerance) that did not arrive: the server did not move, the trainer did.
+    monkeypatch.setattr(engine, "weight_sync_tolerance", 0.5)
+    fresh = type(trainer_model).from_pretrained(str(tiny_ckpt), dtype=torch.float32).eval()
+    probe = engine._probe(fresh)
+    before = trainer_probe_logprobs(fresh, probe)
+    with torch.no_grad():
+        fresh.lm_head.weight.add_(
+            0.003 * torch.randn(fresh.lm_head.weight.shape, generator=torch.Generator().manual_seed(0))
+        )
+    moved = float((trainer_probe_logprobs(fresh, probe) - before).abs().max())
+    assert 0.5 / 100 < moved < 0.5  # below the tolerance, above the "did it move" threshold
+    with pytest.raises(RuntimeError, match="did not change at all"):
+        engine.update_weights(fresh, 22)
+    assert engine.version == 20  # the server still holds the checkpoint's weights: nothing to restore
+
+
+@requires_vllm
+@pytest.mark.slow
+def test_request_timeout_and_close_on_the_real_server(engine, server):
+    """A too-short deadline raises at once; close() wakes a generate in flight; the server stays healthy."""
+    engine.eos_token_id = 63  # an id the model (almost) never samples: long completions
+    long = SamplingConfig(max_new_tokens=200, samples_per_prompt=8)
+    quick = RemoteVLLMEngine(server.base_url, eos_token_id=63, request_timeout_s=60)
+    quick.connect()  # (the server's first /server_info answer can take seconds)
+    quick.request_timeout_s = 0.3
+    begin = time.perf_counter()
+    with pytest.raises(RuntimeError, match=r"request_timeout_s=0\.3"):
+        quick.generate(_prompts(32, seed=6), long)
+    assert time.perf_counter() - begin < 10
+    quick.close()
+
+    errors: list[BaseException] = []
+
+    def rollout():
+        try:
+            engine.generate(_prompts(64, seed=6), long)
+        except BaseException as err:  # noqa: BLE001
+            errors.append(err)
+
+    engine.connect()
+    thread = threading.Thread(target=rollout, daemon=True)
+    thread.start()
+    time.sleep(1.0)
+    assert thread.is_alive(), "the generate finished before close"
+    begin = time.perf_counter()
+    engine.close()
+    thread.join(10)
+    assert not thread.is_alive() and time.perf_counter() - begin < 10
+    assert len(errors) == 1 and isinstance(errors[0], RuntimeError) and "closed" in str(errors[0]), errors
+    # The abandoned requests are aborted by the server (client disconnect), not left running.
+    deadline = time.monotonic() + 15
+    while _running_requests(server.base_url) > 0 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert _running_requests(server.base_url) == 0
+    fresh = RemoteVLLMEngine(server.base_url, eos_token_id=2, request_timeout_s=60)
+    assert len(fresh.generate([[1, 5]], SamplingConfig(max_new_tokens=4))) == 4
+    fresh.close()
+
+
+@requires_vllm
+@pytest.mark.slow
+@pytest.mark.parametrize("max_staleness", [0, 1], ids=["sync", "async"])
+def test_fit_with_remote_rollouts(server, weights_dir, tiny_ckpt, trainer_model, tmp_path, max_staleness):
+    """A 4-step OffPolicyRLModule fit with RemoteVLLMEngine in the RolloutCallback (synchronous and background)."""
+    import lightning as L
+    from lightning.pytorch.loggers import TensorBoardLogger
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from lightning_offpolicy.module import OffPolicyRLModule
+    from lightning_offpolicy.rollout import RemoteVLLMEngine as Exported
+    from lightning_offpolicy.rollout import RolloutCallback
+    from lightning_offpolicy.tasks import PromptDataModule
+
+    engine = Exported(server.base_url, weights_dir=str(weights_dir), request_timeout_s=300)
+    seen: list[Completion] = []
+    generate = engine.generate
+
+    def spy(prompt_ids, sampling, seed=None):
+        out = generate(prompt_ids, sampling, seed=seed)
+        seen.extend(out)
+        return out
+
+    engine.generate = spy
+    module = OffPolicyRLModule(model=str(tiny_ckpt), optimizer=partial(torch.optim.AdamW, lr=1e-3))
+    callback = RolloutCallback(
+        engine=engine, samples_per_prompt=4, max_new_tokens=8, seed=0, max_staleness=max_staleness
+    )
+    trainer = L.Trainer(
+        accelerator="cpu",
+        max_steps=4,
+        callbacks=[callback],
+        logger=TensorBoardLogger(str(tmp_path), name="remote"),
+        log_every_n_steps=1,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=tmp_path,
+    )
+    try:
+        begin = time.perf_counter()
+        trainer.fit(module, PromptDataModule(task="reverse", prompts_per_step=4, num_train_prompts=64))
+        seconds = time.perf_counter() - begin
+        MEASURED[f"fit_4_steps_s_{'async' if max_staleness else 'sync'}"] = seconds
+        assert engine._closed  # the callback closed the engine at the end of the fit (not the server)
+        assert module.policy_version == 4 and engine.eos_token_id == module.tokenizer.eos_token_id
+        # Every rollout came from the server with its logprobs, stamped with the weights' version.
+        assert all(c.logprobs is not None for c in seen)
+        if max_staleness == 0:
+            assert len(seen) == 4 * 4 * 4 and sorted({c.policy_version for c in seen}) == [0, 1, 2, 3]
+        else:  # the background producer may have generated ahead (discarded at the end)
+            assert len(seen) >= 4 * 4 * 4 and {c.policy_version for c in seen} <= {0, 1, 2, 3, 4}
+        (version_dir,) = list((tmp_path / "remote").iterdir())
+        events = EventAccumulator(str(version_dir))
+        events.Reload()
+        assert events.Scalars("train/policy_version")[-1].value == 4
+        assert max(e.value for e in events.Scalars("staleness/max")) <= max_staleness
+        diffs = [e.value for e in events.Scalars("rollout_corr/abs_logprob_diff_mean")]
+        assert len(diffs) == 4 and all(math.isfinite(d) for d in diffs), diffs
+        if max_staleness == 0:
+            # The trainer corrected with the server's logprobs: float32 on both sides, a tiny but real gap.
+            assert all(0 <= d < 1e-3 for d in diffs), diffs
+        print(f"\nfit (max_staleness={max_staleness}): 4 steps in {seconds:.1f} s, |log rho| mean per step {diffs}")
+    finally:
+        _restore(server, weights_dir, trainer_model)
+
+
+@requires_vllm
+@pytest.mark.slow
+def test_failed_reload_makes_the_engine_refuse_further_use(server, weights_dir, trainer_model):
+    """vLLM 0.32 leaves the weights half-loaded after a failed reload: the engine says restart, and stops."""
+    eng = RemoteVLLMEngine(
+        server.base_url, weights_dir=str(weights_dir), server_weights_dir="/nonexistent/mount", eos_token_id=2
+    )
+    with pytest.raises(
+        RuntimeError, match=r"HTTP 500 /collective_rpc(.|\n)*must be restarted(.|\n)*server_weights_dir"
+    ):
+        eng.update_weights(trainer_model, 1)
+    with pytest.raises(RuntimeError, match="unusable.*restarted"):
+        eng.generate([[1, 5]], SamplingConfig(max_new_tokens=2))  # refused here: the server is not touched
+    eng.close()
+
+
+@requires_vllm
+@pytest.mark.slow
+def test_server_close_leaves_no_processes(server):
+    procs = server.processes()
+    names = [p.name() for p in procs]  # name() may be cut to 15 characters ("VLLM::EngineCor")
+    assert any(n.startswith("VLLM::Engine") for n in names) and any(n.startswith("VLLM::Worker") for n in names)
+    begin = time.perf_counter()
+    server.close()
+    MEASURED["server_close_s"] = time.perf_counter() - begin
+    assert _alive(procs) == [] and not server.alive
+    server.close()  # idempotent
+    with pytest.raises(RuntimeError, match="connection refused"):
+        RemoteVLLMEngine(server.base_url, eos_token_id=2).connect()
+    print("\nMEASURED", {k: round(v, 6) for k, v in MEASURED.items() if v is not None and not math.isnan(v)})
