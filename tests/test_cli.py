@@ -64,8 +64,9 @@ def print_config(capsys, *config_files: Path) -> str:
     return capsys.readouterr().out
 
 
-def test_print_config_round_trips(tmp_path, capsys):
-    first = print_config(capsys, ROOT / "configs" / "quickstart.yaml")
+@pytest.mark.parametrize("config", CONFIGS, ids=lambda p: p.name)
+def test_print_config_round_trips(tmp_path, capsys, config):
+    first = print_config(capsys, config)
     printed = tmp_path / "printed.yaml"
     printed.write_text(first)
     assert print_config(capsys, printed) == first
@@ -78,13 +79,27 @@ def test_invalid_values_give_a_clear_error_before_training(capsys):
     assert "tis_level" in capsys.readouterr().err
     with pytest.raises(ValueError, match="tis_clip_low"):
         parse("--config", str(ROOT / "configs" / "quickstart.yaml"), "--model.correction.tis_clip_low=3.0")
+    with pytest.raises(ValueError, match="max_staleness >= sync_every - 1"):
+        parse("--config", str(ROOT / "configs" / "vllm_async.yaml"), "--rollout.sync_every=4")
+    with pytest.raises(SystemExit):
+        parse("--config", str(ROOT / "configs" / "lora_single_gpu.yaml"), "--rollout.engine.init_args.lora_sync=lora")
+    assert "lora_sync" in capsys.readouterr().err
 
 
 def test_help_documents_the_knobs(capsys):
     with pytest.raises(SystemExit):
         main(["fit", "--help"])
     out = capsys.readouterr().out
-    for text in ("--model.correction.geo_mask_low", "--rollout.samples_per_prompt", "Completions per prompt"):
+    for text in (
+        "--model.correction.geo_mask_low",
+        "--rollout.samples_per_prompt",
+        "Completions per prompt",
+        "--rollout.max_staleness",
+        "Most policy versions",
+        "--rollout.sync_every",
+        "--model.lora_rank",
+        "--model.gradient_checkpointing",
+    ):
         assert text in out, text
 
 
