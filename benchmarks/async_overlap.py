@@ -197,8 +197,12 @@ def render(results: list[dict], argv: list[str], elapsed: float, args) -> str:
         f"<= {args.max_new_tokens} new tokens, {args.steps_per_batch} optimizer steps; "
         f"{args.batches} batches per run, the first {args.warmup} not counted",
         f"- **Wall time of the whole run**: {elapsed:.1f} s",
+        f"- **Load average** (1 min) at the start / end: {args.load_start:.1f} / {os.getloadavg()[0]:.1f} "
+        f"on {os.cpu_count()} cores",
         "",
         "The machine is shared and noisy: read the ratios (measured within one run), not the seconds.",
+        "Overlap needs idle cores: with a load above the core count, generation and training compete",
+        "with other work and the asynchronous run cannot reach the ideal.",
         "",
         "## Method",
         "",
@@ -235,6 +239,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.quick:
         args.batches, args.warmup, args.prompts_per_step, args.samples_per_prompt = 5, 1, 4, 2
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    args.load_start = os.getloadavg()[0]
     began = time.perf_counter()
     results = []
     for kind in [k.strip() for k in args.engines.split(",") if k.strip()]:
