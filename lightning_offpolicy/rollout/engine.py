@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import random
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
@@ -80,3 +81,39 @@ class RolloutEngine(Protocol):
     def close(self) -> None:
         """Release processes and memory."""
         ...
+
+
+class SpecialTokens:
+    """The padding / stop ids of an engine, filled in from the module's tokenizer when not given."""
+
+    pad_token_id: int | None = None
+    eos_token_id: int | None = None
+
+    def set_special_tokens(self, pad_token_id: int, eos_token_id: int) -> None:
+        """Fill in the padding / stop ids that were not given at construction."""
+        if self.pad_token_id is None:
+            self.pad_token_id = pad_token_id
+        if self.eos_token_id is None:
+            self.eos_token_id = eos_token_id
+
+
+def checked_prompts(prompt_ids: list[list[int]], who: str) -> list[list[int]]:
+    """The prompts as lists of python ints; ``ValueError`` (naming ``who``) for an empty one or a negative id."""
+    prompts = [[int(t) for t in p] for p in prompt_ids]
+    if any(len(p) == 0 for p in prompts):
+        raise ValueError(f"{who}: every prompt needs at least one token.")
+    if any(t < 0 for p in prompts for t in p):
+        raise ValueError(f"{who}: token ids must be >= 0.")
+    return prompts
+
+
+def per_prompt_seeds(seed: int | None, num_prompts: int, samples_per_prompt: int) -> list[int | None]:
+    """One sampler seed per prompt drawn from ``seed`` (``None``: unseeded), the vLLM engines' shared scheme.
+
+    vLLM gives the ``i``-th of the ``n`` samples of a request the seed ``seed + i``: the draws leave
+    room for ``n`` below 2**31.
+    """
+    if seed is None:
+        return [None] * num_prompts
+    rng = random.Random(seed)
+    return [rng.randrange(2**31 - samples_per_prompt) for _ in range(num_prompts)]

@@ -17,10 +17,10 @@ from typing import Any, Literal
 
 import torch
 
-from lightning_offpolicy.rollout.engine import Completion, SamplingConfig
+from lightning_offpolicy.rollout.engine import Completion, SamplingConfig, SpecialTokens, checked_prompts
 
 
-class HFEngine:
+class HFEngine(SpecialTokens):
     """Sample with a ``transformers`` causal LM in the current process.
 
     Args:
@@ -54,13 +54,6 @@ class HFEngine:
     def share_weights(self) -> bool:
         return self.dtype is None
 
-    def set_special_tokens(self, pad_token_id: int, eos_token_id: int) -> None:
-        """Fill in the padding / stop ids that were not given at construction."""
-        if self.pad_token_id is None:
-            self.pad_token_id = pad_token_id
-        if self.eos_token_id is None:
-            self.eos_token_id = eos_token_id
-
     def update_weights(self, source: torch.nn.Module | Mapping[str, torch.Tensor], version: int) -> None:
         if isinstance(source, torch.nn.Module):
             if self.share_weights:
@@ -83,8 +76,7 @@ class HFEngine:
             raise RuntimeError("HFEngine has no weights yet: call update_weights(module, version) first.")
         if self.pad_token_id is None or self.eos_token_id is None:
             raise RuntimeError("HFEngine needs pad_token_id and eos_token_id (or set_special_tokens(...)).")
-        if any(len(p) == 0 for p in prompt_ids):
-            raise ValueError("HFEngine.generate: every prompt needs at least one token.")
+        prompt_ids = checked_prompts(prompt_ids, "HFEngine.generate")
         rows = [i for i in range(len(prompt_ids)) for _ in range(sampling.samples_per_prompt)]
         chunk = self.max_batch_size or len(rows)
         completions: list[Completion] = []

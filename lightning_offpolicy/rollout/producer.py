@@ -47,7 +47,6 @@ class ProducedRollout:
         rollout: The scored rollout, per-token policy versions included.
         generate_s: Seconds the engine call took.
         tokens: Generated (response) tokens.
-        ready_at: ``time.perf_counter()`` when it was queued.
     """
 
     index: int
@@ -55,7 +54,6 @@ class ProducedRollout:
     rollout: RolloutBatch
     generate_s: float
     tokens: int
-    ready_at: float
 
 
 class RolloutProducer:
@@ -204,7 +202,6 @@ class RolloutProducer:
                     rollout=rollout,
                     generate_s=generate_s,
                     tokens=rollout.num_response_tokens,
-                    ready_at=time.perf_counter(),
                 )
                 with self._cond:
                     self._ready.append(produced)

@@ -44,7 +44,6 @@ import json
 import logging
 import math
 import os
-import random
 import shutil
 import signal
 import socket
@@ -61,7 +60,13 @@ from urllib.parse import urlsplit
 
 import torch
 
-from lightning_offpolicy.rollout.engine import Completion, SamplingConfig
+from lightning_offpolicy.rollout.engine import (
+    Completion,
+    SamplingConfig,
+    SpecialTokens,
+    checked_prompts,
+    per_prompt_seeds,
+)
 from lightning_offpolicy.rollout.weight_sync import (
     PROBE_LENGTH,
     SyncCheck,
@@ -96,7 +101,7 @@ _SERVE_HINT = (
 _ALLOWED_DTYPES = ("auto", "half", "float16", "bfloat16", "float", "float32")
 
 
-class RemoteVLLMEngine:
+class RemoteVLLMEngine(SpecialTokens):
     """Sample from a vLLM server (``vllm serve``) over its OpenAI-compatible HTTP API.
 
     The server must run with ``--logprobs-mode processed_logprobs`` and, for weight syncs, with
@@ -238,13 +243,6 @@ class RemoteVLLMEngine:
         """Largest |server - trainer| probe logprob difference of the last self-check (``None``: not run)."""
         return self._sync_check.last_max_abs_diff
 
-    def set_special_tokens(self, pad_token_id: int, eos_token_id: int) -> None:
-        """Fill in the padding / stop ids that were not given at construction."""
-        if self.pad_token_id is None:
-            self.pad_token_id = pad_token_id
-        if self.eos_token_id is None:
-            self.eos_token_id = eos_token_id
-
     def stats(self) -> dict[str, float]:
         """The engine's measurements, for logging (only the ones measured so far)."""
         values = {
@@ -339,11 +337,7 @@ class RemoteVLLMEngine:
         self._check_usable()
         if self.eos_token_id is None:
             raise RuntimeError("RemoteVLLMEngine needs eos_token_id (pass it or call set_special_tokens(...)).")
-        prompts = [[int(t) for t in p] for p in prompt_ids]
-        if any(len(p) == 0 for p in prompts):
-            raise ValueError("RemoteVLLMEngine.generate: every prompt needs at least one token.")
-        if any(t < 0 for p in prompts for t in p):
-            raise ValueError("RemoteVLLMEngine.generate: token ids must be >= 0.")
+        prompts = checked_prompts(prompt_ids, "RemoteVLLMEngine.generate")
         if not prompts:
             return []
         top = max(max(p) for p in prompts)
@@ -360,12 +354,8 @@ class RemoteVLLMEngine:
                 f"({sampling.max_new_tokens}) exceeds the server's max_model_len={self.max_model_len}; restart the "
                 "server with a larger --max-model-len or generate fewer tokens."
             )
-        n = sampling.samples_per_prompt
-        rng = random.Random(seed) if seed is not None else None
-        # vLLM gives the i-th of the n samples the seed `seed + i`: leave room for n (VLLMEngine's scheme).
-        bodies = [
-            self._completion_body(p, sampling, None if rng is None else rng.randrange(2**31 - n)) for p in prompts
-        ]
+        seeds = per_prompt_seeds(seed, len(prompts), sampling.samples_per_prompt)  # VLLMEngine's scheme
+        bodies = [self._completion_body(p, sampling, s) for p, s in zip(prompts, seeds, strict=True)]
         with self._lock:
             self._check_usable()
             version = self.version
@@ -379,7 +369,7 @@ class RemoteVLLMEngine:
             elapsed = time.perf_counter() - begin
         completions: list[Completion] = []
         for index, answer in enumerate(answers):
-            completions.extend(self._parse_choices(index, answer, n, version))
+            completions.extend(self._parse_choices(index, answer, sampling.samples_per_prompt, version))
         generated = sum(len(c.token_ids) for c in completions)
         self.last_generate_tokens_per_s = generated / elapsed if elapsed > 0 else None
         return completions

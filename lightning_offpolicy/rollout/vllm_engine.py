@@ -56,7 +56,6 @@ import importlib.util
 import logging
 import multiprocessing
 import os
-import random
 import shutil
 import sys
 import tempfile
@@ -70,7 +69,13 @@ from typing import Any, Literal, TypeVar
 import torch
 
 from lightning_offpolicy.rollout import vllm_process
-from lightning_offpolicy.rollout.engine import Completion, SamplingConfig
+from lightning_offpolicy.rollout.engine import (
+    Completion,
+    SamplingConfig,
+    SpecialTokens,
+    checked_prompts,
+    per_prompt_seeds,
+)
 from lightning_offpolicy.rollout.vllm_errors import (
     GUARD_HINT,
     INSTALL_HINT,
@@ -115,7 +120,7 @@ def vllm_available() -> bool:
         return False
 
 
-class VLLMEngine:
+class VLLMEngine(SpecialTokens):
     """Sample with a vLLM offline engine (``vllm.LLM``) running in its own processes.
 
     Args:
@@ -283,13 +288,6 @@ class VLLMEngine:
         """The underlying ``vllm.LLM`` (``None`` before the start and after ``close``)."""
         return self._llm
 
-    def set_special_tokens(self, pad_token_id: int, eos_token_id: int) -> None:
-        """Fill in the padding / stop ids that were not given at construction."""
-        if self.pad_token_id is None:
-            self.pad_token_id = pad_token_id
-        if self.eos_token_id is None:
-            self.eos_token_id = eos_token_id
-
     def stats(self) -> dict[str, float]:
         """The engine's measurements, for logging (only the ones measured so far)."""
         values = {
@@ -311,9 +309,7 @@ class VLLMEngine:
         self._check_usable()
         if self.eos_token_id is None:
             raise RuntimeError("VLLMEngine needs eos_token_id (pass it or call set_special_tokens(...)).")
-        prompts = [[int(t) for t in p] for p in prompt_ids]
-        if any(len(p) == 0 for p in prompts):
-            raise ValueError("VLLMEngine.generate: every prompt needs at least one token.")
+        prompts = checked_prompts(prompt_ids, "VLLMEngine.generate")
         longest = max((len(p) for p in prompts), default=0)
         if longest + sampling.max_new_tokens > self.max_model_len:
             raise ValueError(
@@ -325,7 +321,6 @@ class VLLMEngine:
         from vllm import SamplingParams
 
         n = sampling.samples_per_prompt
-        rng = random.Random(seed) if seed is not None else None
         params = [
             SamplingParams(
                 n=n,
@@ -339,10 +334,9 @@ class VLLMEngine:
                 ignore_eos=True,
                 stop_token_ids=[int(self.eos_token_id)],
                 detokenize=False,
-                # vLLM gives the i-th of the n samples the seed `seed + i`: leave room for n.
-                seed=None if rng is None else rng.randrange(2**31 - n),
+                seed=prompt_seed,
             )
-            for _ in prompts
+            for prompt_seed in per_prompt_seeds(seed, len(prompts), n)
         ]
         with self._lock:
             self._ensure_started()
