@@ -45,6 +45,7 @@ from __future__ import annotations
 import argparse
 import datetime as _dt
 import gc
+import json
 import math
 import os
 import platform
@@ -53,7 +54,7 @@ import shlex
 import statistics
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
@@ -598,6 +599,32 @@ def render_report(results: list[SizeResult], argv: list[str], elapsed: float, ex
     return "\n".join(parts).rstrip() + "\n"
 
 
+def _json_safe(value):
+    """NaN / inf -> None, recursively: the .json stays standard JSON."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _json_safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_json_safe(v) for v in value]
+    return value
+
+
+def results_json(results: list[SizeResult], argv: list[str], elapsed: float, profiled: list[str]) -> dict:
+    """The measurements behind the report, for benchmarks/summarize.py (the markdown is unchanged)."""
+    cmd = " ".join(shlex.quote(a) for a in ["python", "benchmarks/correction_bench.py", *argv])
+    header = {
+        "machine": machine_line(),
+        "date": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "code": code_line(),
+        "command": cmd,
+        "elapsed_s": elapsed,
+        "threads": torch.get_num_threads(),
+        "profiled": profiled,
+    }
+    return _json_safe({"header": header, "sizes": [asdict(res) for res in results]})
+
+
 # ------------------------------------------------------------------------------------ profile
 def profile_preset(name: str, batch: int, seq_len: int, seed: int, top: int = 15) -> str:
     """Top aten ops by self CPU time over a few steps of one preset."""
@@ -703,6 +730,7 @@ def main(argv: list[str] | None = None) -> int:
         results.append(res)
         print(f"\nB={res.batch} T={res.seq_len}\n" + render_table(res), flush=True)
     extra = ""
+    wanted: list[str] = []
     if args.profile:
         wanted = [n.strip() for n in args.profile.split(",") if n.strip()]
         if wanted == ["auto"]:  # the slowest and the fastest preset of the first size
@@ -717,7 +745,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.output is not None:
         args.output.parent.mkdir(parents=True, exist_ok=True)
         args.output.write_text(render_report(results, argv, elapsed, extra))
-        log(f"wrote {args.output}")
+        # The same measurements as JSON next to the report (times in seconds, bytes in bytes).
+        json_path = args.output.with_suffix(".json")
+        json_path.write_text(json.dumps(results_json(results, argv, elapsed, wanted), indent=1) + "\n")
+        log(f"wrote {args.output} and {json_path}")
     return 0
 
 

@@ -30,7 +30,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from machine import cpu_model  # benchmarks/machine.py (run as `python benchmarks/<script>.py`)
+from machine import code_line, cpu_model  # benchmarks/machine.py (run as `python benchmarks/<script>.py`)
 
 ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
@@ -366,7 +366,9 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="small sizes, for a smoke test")
     p.add_argument("--output", type=Path, help="write the Markdown report here")
-    p.add_argument("--json", type=Path, help="also write the raw per-case results here")
+    p.add_argument(
+        "--json", type=Path, help="also write the raw per-case results here (default: next to --output, .json)"
+    )
     p.add_argument("--render-json", type=Path, help="only re-render a report from a --json file")
     p.add_argument(
         "--repeats",
@@ -463,16 +465,19 @@ def main(argv: list[str] | None = None) -> int:
         "quick": args.quick,
         "load": f"{load0[0]:.1f} / {os.getloadavg()[0]:.1f} (1-min)" if load0 else "",
     }
+    elapsed = time.perf_counter() - t_start
     report = render(results, header)
-    print(f"total {time.perf_counter() - t_start:.0f} s")
+    print(f"total {elapsed:.0f} s")
     if args.output:
         args.output.parent.mkdir(parents=True, exist_ok=True)
         args.output.write_text(report)
         print(f"wrote {args.output}")
     else:
         print(report)
-    if args.json:
-        args.json.write_text(json.dumps({"header": header, "results": results}, indent=1))
+    json_path = args.json or (args.output.with_suffix(".json") if args.output else None)
+    if json_path:  # render() ignores the extra header keys: the markdown is unchanged
+        extra = {"elapsed_s": elapsed, "code": code_line()}
+        json_path.write_text(json.dumps({"header": {**header, **extra}, "results": results}, indent=1))
     return 0
 
 

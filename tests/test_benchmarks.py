@@ -81,3 +81,132 @@ def test_async_overlap_bench_quick(tmp_path):
     assert row["ideal_step_s"] == max(row["generation_s"], row["training_s"])
     assert math.isclose(row["generation_s"] + row["training_s"], row["sync_step_s"], rel_tol=1e-9)
     assert "| hf |" in out.read_text()
+
+
+# ------------------------------------------------------------------ end_to_end, trainer_memory, summarize
+# Smoke runs, not timed: the JSON schema, and that the figures agree with each other. Both
+# benchmarks run once per session into one folder, named as `make bench` names them, so the
+# summary test reads exactly what the two others checked.
+END_TO_END = BENCH.parent / "end_to_end.py"
+TRAINER_MEMORY = BENCH.parent / "trainer_memory.py"
+SUMMARIZE = BENCH.parent / "summarize.py"
+_QUICK_DOCS: dict[str, Path] = {}
+
+
+def _run_script(args: list[str], timeout: int) -> subprocess.CompletedProcess:
+    proc = subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return proc
+
+
+def _quick_docs(tmp_path_factory) -> Path:
+    if "docs" not in _QUICK_DOCS:
+        docs = tmp_path_factory.mktemp("bench_docs")
+        _run_script([str(END_TO_END), "--quick", "--output", str(docs / "performance_end_to_end.md")], 600)
+        # Three cases keep it short: full vs LoRA, and the naive-logprob / disable_adapter path;
+        # `full` once more under glibc's default malloc settings.
+        _run_script(
+            [
+                str(TRAINER_MEMORY),
+                "--quick",
+                "--cases",
+                "full,lora,lora_ref_naive",
+                "--default-malloc-cases",
+                "full",
+                "--output",
+                str(docs / "performance_trainer_memory.md"),
+            ],
+            900,
+        )
+        _QUICK_DOCS["docs"] = docs
+    return _QUICK_DOCS["docs"]
+
+
+def test_end_to_end_quick(tmp_path_factory):
+    import json
+
+    docs = _quick_docs(tmp_path_factory)
+    data = json.loads((docs / "performance_end_to_end.json").read_text())
+    header, runs = data["header"], data["results"]
+    assert header["quick"] is True and header["batches"] == 4 and header["warmup"] == 1
+    for key in ("machine", "date", "code", "command", "work", "elapsed_s", "load_start", "load_end"):
+        assert key in header, key
+    # --quick: the two HF runs only, (a) as the quickstart ships it, (b) asynchronous.
+    assert [r["key"] for r in runs] == ["a", "b"]
+    a, b = runs
+    assert (a["engine"], a["engine_dtype"], a["max_staleness"]) == ("HFEngine", "bfloat16", 0)
+    assert (b["engine"], b["engine_dtype"], b["max_staleness"]) == ("HFEngine", "float32", 2)
+    for r in runs:
+        assert r["batches_counted"] == 3 and r["optimizer_steps_per_batch"] == 2
+        assert r["wall_s"] > 0 and r["generate_s"] > 0 and r["generated_tokens"] > 0
+        # At most 16 prompts x 8 samples x 8 new tokens per batch.
+        assert 0 < r["tokens_per_batch"] <= 16 * 8 * 8
+        assert math.isclose(r["batches_per_s"], r["batches_counted"] / r["wall_s"], rel_tol=1e-9)
+        assert math.isclose(r["optimizer_steps_per_s"], 2 * r["batches_per_s"], rel_tol=1e-9)
+        assert math.isclose(r["generated_tokens_per_s"], r["generated_tokens"] / r["wall_s"], rel_tol=1e-9)
+        assert math.isclose(r["engine_tokens_per_s"], r["generated_tokens"] / r["generate_s"], rel_tol=1e-9)
+        assert math.isclose(r["tokens_per_batch"], r["generated_tokens"] / r["batches_counted"], rel_tol=1e-9)
+        assert math.isclose(r["batches_per_s_vs_a"], r["batches_per_s"] / a["batches_per_s"], rel_tol=1e-9)
+        assert 0.0 <= r["reward_mean"] <= 1.0
+    # Synchronous: generation is part of the measured wall time.
+    assert a["generate_s"] < a["wall_s"]
+    assert a["batches_per_s_vs_a"] == 1.0
+    text = (docs / "performance_end_to_end.md").read_text()
+    for needed in ("**Machine**", "**Load average**", "## Method", "| (a) |", "| (b) |"):
+        assert needed in text, needed
+
+
+def test_trainer_memory_quick(tmp_path_factory):
+    import json
+
+    docs = _quick_docs(tmp_path_factory)
+    data = json.loads((docs / "performance_trainer_memory.json").read_text())
+    assert data["header"]["quick"] is True
+    rows = {r["case"]: r for r in data["results"] if r["malloc"] == "pinned"}
+    assert set(rows) == {"full", "lora", "lora_ref_naive"}
+    (default,) = [r for r in data["results"] if r["malloc"] == "default"]
+    assert default["case"] == "full" and default["peak_extra"] > 0
+    full, lora, naive = rows["full"], rows["lora"], rows["lora_ref_naive"]
+    for r in rows.values():
+        assert r["model"] == "tiny" and r["peak_reset"] is True
+        assert r["peak_extra"] > 0 and r["baseline_rss"] > 0 and r["step_s"] > 0
+        assert r["state_bytes_analytic"] == r["trainable_params"] * 4 * 3 + r["reference_params"] * 4
+        assert r["base_params"] == full["params"]  # the same model under every case
+    # Full fine-tuning trains everything; LoRA only its adapters, fewer, on top of the same base.
+    assert full["trainable_params"] == full["params"]
+    assert 0 < lora["trainable_params"] < full["trainable_params"]
+    assert lora["params"] == lora["base_params"] + lora["trainable_params"]
+    # No reference copy: none asked for in `full` / `lora`, the adapters disabled in lora_ref_naive.
+    assert full["reference_params"] == lora["reference_params"] == naive["reference_params"] == 0
+    assert (naive["reference"], naive["logprobs"], naive["lora_rank"]) == ("disable_adapter", "naive", 16)
+    ratios = data["ratios"]["tiny"]
+    assert math.isclose(ratios["lora_vs_full_peak_extra"], lora["peak_extra"] / full["peak_extra"], rel_tol=1e-9)
+    text = (docs / "performance_trainer_memory.md").read_text()
+    for needed in ("**Machine**", "## Method", "fresh subprocess", "### tiny", "| full |", "| lora16 |"):
+        assert needed in text, needed
+    for needed in ("glibc's default", "| full | "):  # the table of the default-malloc run
+        assert needed in text, needed
+
+
+def test_summarize_quick_outputs(tmp_path_factory):
+    import re
+    import time
+
+    docs = _quick_docs(tmp_path_factory)
+    out = docs / "performance.md"
+    started = str(time.time() - 90)
+    _run_script(
+        [str(SUMMARIZE), "--docs", str(docs), "--output", str(out), "--started", started, "--load-start", "0.5"], 120
+    )
+    text = out.read_text()
+    wall = re.search(r"\*\*`make bench` wall time\*\*: ([0-9.]+) min", text)
+    assert wall is not None and 1.5 <= float(wall.group(1)) < 3.0, text  # 90 s before the start, plus its run
+    assert "0.5 / " in text  # the load average at the start, as given
+    # The two benchmarks that ran are summarized and linked; the three others say they did not run.
+    assert "[performance_end_to_end.md](performance_end_to_end.md)" in text
+    assert "| (a) | HFEngine(bfloat16), sync |" in text and "**1.00x**" in text
+    assert "[performance_trainer_memory.md](performance_trainer_memory.md)" in text
+    assert "| tiny |" in text
+    for stem in ("performance_async", "performance_logprobs", "performance_correction"):
+        assert f"Not run: no `{stem}.json`" in text, stem
+    assert "Could not summarize" not in text

@@ -1,0 +1,291 @@
+#!/usr/bin/env python
+"""Gather the benchmarks' JSON outputs into one page, ``docs/performance.md``: the key ratios, linked
+to each benchmark's own report.
+
+Reads, from ``--docs`` (each one optional; a missing one is reported as not run):
+
+* ``performance_end_to_end.json``     (``benchmarks/end_to_end.py``)
+* ``performance_async.json``          (``benchmarks/async_overlap.py``)
+* ``performance_trainer_memory.json`` (``benchmarks/trainer_memory.py``)
+* ``performance_logprobs.json``       (``benchmarks/logprob_memory.py``)
+* ``performance_correction.json``     (``benchmarks/correction_bench.py``)
+
+Nothing is measured here. ``make bench`` runs it last with ``--started`` (the epoch second the
+target started) and ``--load-start``, so the page states the wall time of the whole target.
+
+Usage::
+
+    python benchmarks/summarize.py --docs docs --output docs/performance.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import json
+import math
+import os
+import re
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from machine import code_line, cpu_model  # benchmarks/machine.py (run as `python benchmarks/<script>.py`)
+
+#: (file stem, section title, the script that writes it)
+SECTIONS = [
+    ("performance_end_to_end", "End to end: the quickstart recipe per engine", "benchmarks/end_to_end.py"),
+    ("performance_async", "Asynchronous rollouts: overlap of generation and training", "benchmarks/async_overlap.py"),
+    ("performance_trainer_memory", "Trainer memory: full fine-tuning vs LoRA", "benchmarks/trainer_memory.py"),
+    ("performance_logprobs", "Token logprobs: lean vs naive", "benchmarks/logprob_memory.py"),
+    ("performance_correction", "Off-policy correction step", "benchmarks/correction_bench.py"),
+]
+
+
+def load_json(docs: Path, stem: str) -> Any | None:
+    path = docs / f"{stem}.json"
+    if not path.exists():
+        return None
+    return json.loads(path.read_text())
+
+
+def _x(value: float | None, digits: int = 2) -> str:
+    return "n/a" if value is None or not math.isfinite(value) else f"{value:.{digits}f}x"
+
+
+def _mb(value: float) -> str:
+    return f"{value / 1e6:,.0f}"
+
+
+def _mb_diff(value: float) -> str:
+    """A difference in MB: signed, and a plain 0 below 0.5 MB (no "-0")."""
+    return "0" if abs(value) < 0.5e6 else f"{value / 1e6:+,.0f}"
+
+
+def _mb_pair(ratios: dict[str, float], first: str, second: str) -> str:
+    return " / ".join(_mb_diff(ratios[k]) if k in ratios else "-" for k in (first, second))
+
+
+# --------------------------------------------------------------------------- one function per section
+
+
+def end_to_end(data: dict[str, Any]) -> list[str]:
+    runs = data["results"]
+    lines = [
+        "| run | engine, mode | batches/s | optimizer steps/s | generated tokens/s | batches/s vs (a) |",
+        "|---|---|---:|---:|---:|---:|",
+    ]
+    for r in runs:
+        lines.append(
+            f"| ({r['key']}) | {r['label']} | {r['batches_per_s']:.2f} | {r['optimizer_steps_per_s']:.2f} "
+            f"| {r['generated_tokens_per_s']:.0f} | **{_x(r.get('batches_per_s_vs_a'))}** |"
+        )
+    head = data["header"]
+    by_key = {r["key"]: r for r in runs}
+    lines.append("")
+    if "c" in by_key and "d" in by_key:  # the one pair that differs by the staleness alone
+        lines.append(
+            f"Asynchronous / synchronous with the same engine: vLLM (d) / (c) = "
+            f"**{_x(by_key['d']['batches_per_s'] / by_key['c']['batches_per_s'])}** batches/s "
+            "((b) / (a) also changes the engine's dtype)."
+        )
+    lines.append(
+        f"{head['batches']} batches per run, the first {head['warmup']} not counted; "
+        f"load {head['load_start']:.1f} -> {head['load_end']:.1f}."
+    )
+    lines += [f"{n}" for n in head.get("notes", [])]
+    return lines
+
+
+def async_overlap(data: list[dict[str, Any]]) -> list[str]:
+    lines = [
+        "| engine | sync step s | async step s | speed-up | overlap efficiency |",
+        "|---|---:|---:|---:|---:|",
+    ]
+    for r in data:
+        lines.append(
+            f"| {r['engine']} | {r['sync_step_s']:.3f} | {r['async_step_s']:.3f} | **{_x(r['speedup'])}** "
+            f"| {r['overlap_efficiency']:.2f} |"
+        )
+    return lines
+
+
+def trainer_memory(data: dict[str, Any]) -> list[str]:
+    lines: list[str] = []
+    top: list[str] = []
+    for model, s in data.get("ratios", {}).items():
+        mine = [r for r in data["results"] if r["model"] == model and not r.get("skipped")]
+        rows = {r["case"]: r for r in mine if r.get("malloc", "pinned") == "pinned"}
+        if not rows:
+            continue
+        # The same cases under glibc's default malloc settings: what `top` shows.
+        defaults = [
+            f"{r['label']} {_mb(r['peak_extra'])} MB ({_mb_diff(r['peak_extra'] - rows[r['case']]['peak_extra'])})"
+            for r in mine
+            if r.get("malloc") == "default" and r["case"] in rows
+        ]
+        if defaults:
+            top.append(f"- {model}: " + ", ".join(defaults) + ".")
+        weights = s.get("weights_bytes", 0)
+        cases = ("full", "full_ref", "lora", "lora_ref")
+        cells = " | ".join(_mb(rows[k]["peak_extra"]) if k in rows else "-" for k in cases)
+        lines.append(
+            f"| {model} | {_mb(weights)} | {cells} | {_x(s.get('lora_vs_full_peak_extra'))} / "
+            f"**{_x(s.get('lora_vs_full_peak_extra_with_reference'))}** "
+            f"| {_mb_pair(s, 'reference_cost_full_bytes', 'reference_cost_lora_bytes')} "
+            f"| {_mb_pair(s, 'naive_minus_lean_full_bytes', 'naive_minus_lean_lora_bytes')} |"
+        )
+    head = [
+        "Peak RSS extra over the process after the model was built, MB (fresh subprocess per case, glibc's "
+        "mmap threshold pinned so that RSS follows live memory):",
+        "",
+        "| model | weights MB | full | full + frozen_copy | LoRA r16 | LoRA + disable_adapter "
+        "| LoRA / full (no reference / with one) | reference cost MB (full / LoRA) "
+        "| naive - lean logprobs MB (full / LoRA) |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    if not lines:
+        return ["No case ran."]
+    if top:
+        top.insert(0, "Peak extra under glibc's default malloc settings (what `top` shows; in brackets the "
+                   "allocator's retention over the pinned figure):")  # fmt: skip
+        top.insert(1, "")
+    return head + lines + ([""] + top if top else [])
+
+
+def logprobs(data: dict[str, Any]) -> list[str]:
+    results = data["results"]
+    cases = list(dict.fromkeys((r["vocab"], r["tokens"], r["dtype"]) for r in results))
+    lines = [
+        "| V | T | logits dtype | lean chunk | lean peak extra (x logits) | naive peak extra (x logits) "
+        "| naive / lean time |",
+        "|---:|---:|---|---:|---:|---:|---:|",
+    ]
+    for case in cases:
+        same = [r for r in results if (r["vocab"], r["tokens"], r["dtype"]) == case and not r["skipped"]]
+        lean = [r for r in same if r["method"] == "lean"]
+        naive = next((r for r in same if r["method"] == "naive"), None)
+        if not lean:
+            continue
+        first = lean[0]  # the first chunk size listed: 1024, the module's default
+        lean_x = first["peak_fwd_bwd"] / first["logits_bytes"]
+        naive_x = f"{naive['peak_fwd_bwd'] / naive['logits_bytes']:.2f}" if naive else "not run"
+        speed = _x(naive["time_s"] / first["time_s"]) if naive else "-"
+        lines.append(
+            f"| {case[0]} | {case[1]} | {case[2]} | {first['chunk_size']} | **{lean_x:.2f}** | {naive_x} | {speed} |"
+        )
+    return lines
+
+
+def correction(data: dict[str, Any]) -> list[str]:
+    lines = [
+        "| B x T | fastest preset (ms) | slowest preset (ms) | slowest / fastest | median x bandwidth bound (hot) "
+        "| peak extra, x one [B,T] float32 |",
+        "|---|---|---|---:|---:|---:|",
+    ]
+    for size in data["sizes"]:
+        rows = size["rows"]
+        fast = min(rows, key=lambda r: r["total"])
+        slow = max(rows, key=lambda r: r["total"])
+        unit = 4 * size["batch"] * size["seq_len"]
+        hot = [r["hot_ratio"] for r in rows if r["hot_ratio"] is not None]
+        peaks = [r["peak"] / unit for r in rows]
+        lines.append(
+            f"| {size['batch']} x {size['seq_len']} | {fast['preset']} ({fast['total'] * 1e3:.1f}) "
+            f"| {slow['preset']} ({slow['total'] * 1e3:.1f}) | {_x(slow['total'] / fast['total'])} "
+            f"| {statistics.median(hot):.1f} | {min(peaks):.1f} - {max(peaks):.1f} |"
+        )
+    return lines
+
+
+RENDER: dict[str, Callable[[Any], list[str]]] = {
+    "performance_end_to_end": end_to_end,
+    "performance_async": async_overlap,
+    "performance_trainer_memory": trainer_memory,
+    "performance_logprobs": logprobs,
+    "performance_correction": correction,
+}
+
+READING = {
+    "performance_end_to_end": "Throughput of the whole loop (generation, weight pushes, the decoupled PPO "
+    "step, logging) on the tiny model; ratios are to run (a), the quickstart as shipped.",
+    "performance_async": "Sync vs async step time at the same work; overlap needs idle cores (see the load).",
+    "performance_trainer_memory": "What the trainer adds to the policy's weights during one decoupled PPO step "
+    "(2 AdamW steps), measured as peak RSS.",
+    "performance_logprobs": "The logprob computation alone, on [1, T, V] logits; `x logits` = multiples of "
+    "one logits tensor (the gradient alone is 1.0).",
+    "performance_correction": "The correction + loss + metrics step per preset, against a memory-bandwidth "
+    "probe of the same run.",
+}
+
+
+def _when(data: Any, report: Path) -> str:
+    """Date and duration of a benchmark run: from its JSON header, else from its report's header lines."""
+    head = data.get("header", {}) if isinstance(data, dict) else {}
+    parts = [head["date"]] if head.get("date") else []
+    if head.get("elapsed_s") is not None:
+        parts.append(f"{head['elapsed_s'] / 60:.1f} min")
+    if not parts and report.exists():  # e.g. async_overlap.py writes a bare list of rows
+        for line in report.read_text().splitlines():
+            match = re.match(r"- \*\*(Date|Wall time of the whole run)\*\*: (.*)", line)
+            if match:
+                parts.append(match.group(2))
+    return ", ".join(parts)
+
+
+def render(docs: Path, started: float | None, load_start: float | None) -> str:
+    now = _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    lines = [
+        "# Performance",
+        "",
+        "Every figure below comes from one run of one benchmark on a shared CPU machine; the ratios are",
+        "measured within that run (same process or same invocation, same load), the seconds are not",
+        "comparable across runs. Each section links the benchmark's full report (method, every column).",
+        "",
+        f"- **Machine**: {cpu_model()}, nproc={os.cpu_count()}, no GPU",
+        f"- **Summarized**: {now}; {code_line()}",
+    ]
+    if started is not None:
+        lines.append(f"- **`make bench` wall time**: {(time.time() - started) / 60:.1f} min (all five benchmarks)")
+    load_end = os.getloadavg()[0]
+    load = f"{load_start:.1f} / {load_end:.1f}" if load_start is not None else f"{load_end:.1f} (end)"
+    lines.append(f"- **Load average** (1 min) at the start / end of `make bench`: {load} on {os.cpu_count()} cores")
+    lines.append("- **Regenerate**: `make bench` (every benchmark writes its `.md` and `.json`, then this page)")
+    for stem, title, script in SECTIONS:
+        data = load_json(docs, stem)
+        lines += ["", f"## {title}", ""]
+        if data is None:
+            lines.append(f"Not run: no `{stem}.json` (run `{script}`).")
+            continue
+        when = _when(data, docs / f"{stem}.md")
+        lines.append(f"[{stem}.md]({stem}.md), from `{script}`" + (f" ({when})" if when else "") + ".")
+        lines += [READING[stem], ""]
+        try:
+            lines += RENDER[stem](data)
+        except (KeyError, TypeError, ValueError, ZeroDivisionError) as exc:  # an older or partial JSON
+            lines.append(f"Could not summarize `{stem}.json` ({type(exc).__name__}: {exc}); see the report.")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--docs", type=Path, default=Path("docs"), help="folder of the performance_*.json files")
+    p.add_argument("--output", type=Path, default=None, help="write the page here (default: stdout)")
+    p.add_argument("--started", type=float, default=None, help="epoch second `make bench` started (wall time)")
+    p.add_argument("--load-start", type=float, default=None, help="1-min load average when `make bench` started")
+    args = p.parse_args(argv)
+    page = render(args.docs, args.started, args.load_start)
+    if args.output is None:
+        print(page)
+    else:
+        args.output.parent.mkdir(parents=True, exist_ok=True)
+        args.output.write_text(page)
+        print(f"wrote {args.output}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

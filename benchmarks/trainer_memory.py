@@ -1,0 +1,632 @@
+#!/usr/bin/env python
+"""Peak trainer memory of one decoupled PPO step vs model size: full fine-tuning vs LoRA, the
+reference policy's cost in each mode, and the lean vs a naive logprob path, on CPU.
+
+One step is one ``OffPolicyRLModule.training_step`` under a real ``Trainer.fit`` (one batch):
+proximal forward, reference forward (when ``ref_kl_coef > 0``), correction, then
+``num_minibatches = 2`` optimizer steps (AdamW), as in ``configs/quickstart.yaml``. The second
+optimizer step runs with AdamW's state already allocated: the steady-state peak of training.
+
+Cases, per model (see ``CASES``):
+
+* ``full``: full fine-tuning, no reference (``ref_kl_coef = 0``);
+* ``full + frozen_copy``: full fine-tuning with ``ref_kl_coef > 0``: a frozen deep copy of the policy;
+* ``lora16``: peft LoRA, rank 16 on every linear layer, no reference;
+* ``lora16 + disable_adapter``: LoRA with ``ref_kl_coef > 0``: the reference is the same model with
+  the adapters disabled (no copy);
+* the two reference cases again with the logprobs computed naively
+  (``log_softmax(logits.float() / T).gather(...)``, the entropy from its ``exp``) instead of the
+  kit's lean ``token_logprobs``: the module has no switch for it, so the worker replaces
+  ``lightning_offpolicy.logprobs.token_logprobs`` (which ``causal_lm_token_logprobs`` calls).
+
+Models: the quickstart's tiny Llama (~0.5M parameters) and a random ~168M-parameter Llama built
+from a config (hidden 1024, 8 layers, 16 heads, MLP 2816, vocabulary 32000), float32.
+
+Memory is the peak resident set size of a fresh subprocess per case, minus its RSS right after the
+model was built, with glibc's mmap threshold pinned so that RSS follows live memory; the headline
+cases again under glibc's defaults (see ``METHOD``).
+
+Usage::
+
+    python benchmarks/trainer_memory.py --output docs/performance_trainer_memory.md   # ~5-8 min, 2 CPU cores
+    python benchmarks/trainer_memory.py --quick --output /tmp/mem.md                  # tiny model only, ~1 min
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import datetime as _dt
+import gc
+import json
+import os
+import platform
+import shlex
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+# benchmarks/*.py run as scripts: their directory is on sys.path. The RSS helpers are the ones
+# benchmarks/logprob_memory.py measures with (VmRSS, VmHWM reset through /proc/self/clear_refs).
+from logprob_memory import _mem_available, _peak_bytes, _reset_peak, _rss_bytes
+from machine import code_line, cpu_model
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+MB = 1e6
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """A Llama built from a config (random weights) and the rollout batch one step trains on."""
+
+    name: str
+    config: dict[str, int]  # overrides of lightning_offpolicy.tiny.tiny_llama_config
+    rows: int
+    prompt_len: int
+    response_len: int
+
+
+MODELS = {
+    # The quickstart's model and batch: 16 prompts x 8 samples, ~10-character prompts, 8 new tokens.
+    "tiny": ModelSpec("tiny", {"vocab_size": 64}, rows=128, prompt_len=12, response_len=8),
+    # ~168M parameters (33M of them in each of the embedding and the untied lm_head). 16 rows of
+    # 32 + 96 tokens = 2048 tokens per step (1024 per optimizer step): about a minute per case on
+    # one core; enough tokens that activations and logits are visible next to the weights' state.
+    "llama-168m": ModelSpec(
+        "llama-168m",
+        {
+            "vocab_size": 32000,
+            "hidden_size": 1024,
+            "intermediate_size": 2816,
+            "num_hidden_layers": 8,
+            "num_attention_heads": 16,
+            "num_key_value_heads": 16,
+            "head_dim": 64,
+            "max_position_embeddings": 512,
+        },
+        rows=16,
+        prompt_len=32,
+        response_len=96,
+    ),
+}
+
+
+@dataclass(frozen=True)
+class Case:
+    """One trainer configuration."""
+
+    key: str
+    name: str
+    lora_rank: int
+    reference: str  # "none", "frozen_copy" or "disable_adapter"
+    logprobs: str  # "lean" or "naive"
+
+
+CASES = [
+    Case("full", "full", 0, "none", "lean"),
+    Case("full_ref", "full + frozen_copy", 0, "frozen_copy", "lean"),
+    Case("lora", "lora16", 16, "none", "lean"),
+    Case("lora_ref", "lora16 + disable_adapter", 16, "disable_adapter", "lean"),
+    Case("full_ref_naive", "full + frozen_copy, naive logprobs", 0, "frozen_copy", "naive"),
+    Case("lora_ref_naive", "lora16 + disable_adapter, naive logprobs", 16, "disable_adapter", "naive"),
+]
+NUM_MINIBATCHES = 2
+REF_KL_COEF = 0.001
+#: glibc's mmap threshold in the workers (bytes). Pinning it (which also turns off glibc's dynamic
+#: threshold, that rises up to 32 MiB) makes every block >= 64 KiB an mmap, unmapped when freed:
+#: RSS then follows the live memory, and the cases can be compared to within a few MB.
+PINNED_MMAP_THRESHOLD = 65536
+#: Cases measured a second time under glibc's default allocator settings (what `top` shows).
+DEFAULT_MALLOC_CASES = ("full_ref", "lora_ref")
+LEARNING_RATE = 1e-6
+
+METHOD = """\
+* Every (model, case) runs in a **fresh subprocess** (one OpenMP thread), so no allocator cache
+  or earlier peak leaks between cases, with glibc's mmap threshold pinned
+  (`MALLOC_MMAP_THRESHOLD_=65536`): every block of 64 KiB or more is its own mapping, returned to
+  the kernel when freed, so RSS follows what is live. With glibc's defaults the threshold rises
+  with the first large frees (up to 32 MiB) and freed blocks below it stay in the heap: RSS then
+  carries a few hundred MB of run-to-run retention that hides the differences between cases (a
+  trial run of this benchmark had the lean path 220 MB *above* the naive one). The headline
+  cases are measured under the defaults too (last table: what `top` shows). In the subprocess,
+  in this order:
+  1. imports, then one whole warm-up step of the same case on the tiny model (touches the code
+     pages of every kernel, optimizer and peft path the step uses: libtorch's code is file-backed
+     RSS too), then everything is freed, `gc.collect()` and glibc `malloc_trim(0)`;
+  2. the measured model is built (random float32 weights) and its rollout batch made; again
+     `gc.collect()` + `malloc_trim(0)`; **baseline** = `VmRSS` now. The policy's own weights are
+     in the baseline; everything the trainer adds to them is not;
+  3. `OffPolicyRLModule(model=<instance>, ...)` (peft wrapping, the frozen reference copy), a
+     `Trainer` and `fit` over one batch. Just before `fit` the kernel's peak-RSS counter is reset
+     (`5 > /proc/self/clear_refs`); **peak** = `VmHWM` after the fit, which also covers the module
+     set-up (measured separately as `set-up`, RSS after the module was built). Where the reset is
+     not available, the lifetime `ru_maxrss` is used and the report says so.
+* `peak extra` = peak - baseline: reference copy, LoRA adapters, gradients, AdamW state,
+  activations, logits and every temporary, as the process really touched them (RSS, not an
+  allocator count: `tracemalloc` sees no torch memory at all and `psutil` sampling misses
+  short peaks). `held` = RSS after the step minus the baseline (AdamW state, the reference).
+* `state (analytic)` = what the parameters alone imply: trainable x 4 B x 3 (gradient, AdamW
+  `exp_avg`, `exp_avg_sq`) + reference parameters x 4 B. `peak - state` is the working memory
+  (activations, logits, temporaries) on top of that state *at the peak*: with full fine-tuning
+  the peak can come when every gradient and the AdamW state are allocated and most activations
+  are already freed, so it is smaller than a micro-batch's activations; with LoRA the state is
+  small and the peak is the activations and logits of a micro-batch.
+* The step: `ppo_epochs = 1`, `num_minibatches = 2` (the second optimizer step runs with AdamW's
+  state allocated: steady state), `max_tokens_per_microbatch = 2048`, token TIS (cap 2), PPO clip
+  0.2 / 0.28, AdamW lr 1e-6 (torch's default implementation on CPU: no multi-tensor temporaries),
+  `ref_kl_coef = 0.001` in the reference cases. Batch: `rows` full-length sequences of random
+  tokens, random rollout logprobs and advantages (values do not change memory).
+* Naive logprobs: the worker replaces `lightning_offpolicy.logprobs.token_logprobs` by
+  `log_softmax(logits.float() / T, -1).gather(-1, targets)` (the entropy, logged by the module,
+  from `exp` of it under `no_grad`): what the kit's lean path replaces (see
+  `docs/performance_logprobs.md` for the isolated comparison)."""
+
+
+# --------------------------------------------------------------------------- worker (subprocess)
+
+
+def _malloc_trim() -> None:
+    """Give freed heap memory back to the kernel, so the baseline is not inflated by a warm-up's leftovers."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
+def _naive_token_logprobs(
+    logits: Any, targets: Any, temperature: float = 1.0, chunk_size: int = 1024, return_entropy: bool = False
+) -> Any:
+    """The textbook path ``token_logprobs`` replaces (``chunk_size`` is ignored)."""
+    import torch
+
+    logp = torch.log_softmax(logits.float() / temperature, dim=-1)
+    lp = logp.gather(-1, targets.long()[..., None]).squeeze(-1)
+    if not return_entropy:
+        return lp
+    with torch.no_grad():
+        entropy = -(logp.exp() * logp).sum(-1)
+    return lp, entropy
+
+
+def _identity(x: Any) -> Any:
+    return x
+
+
+def _build_model(spec: ModelSpec, seed: int = 0) -> Any:
+    import torch
+    from transformers import LlamaForCausalLM
+
+    from lightning_offpolicy.tiny import tiny_llama_config
+
+    torch.manual_seed(seed)
+    return LlamaForCausalLM(tiny_llama_config(**spec.config)).to(torch.float32).eval()
+
+
+def _make_rollout(spec: ModelSpec, seed: int = 0) -> Any:
+    import torch
+
+    from lightning_offpolicy.batch import RolloutBatch
+
+    gen = torch.Generator().manual_seed(seed)
+    vocab = spec.config["vocab_size"]
+    prompts = torch.randint(3, vocab, (spec.rows, spec.prompt_len), generator=gen).tolist()
+    responses = torch.randint(3, vocab, (spec.rows, spec.response_len), generator=gen).tolist()
+    rollout_lp = (-torch.rand(spec.rows, spec.response_len, generator=gen) * 4.0).tolist()
+    return RolloutBatch.from_sequences(
+        prompt_ids=prompts,
+        response_ids=responses,
+        rewards=torch.rand(spec.rows, generator=gen),
+        advantages=torch.randn(spec.rows, generator=gen),
+        group_ids=[i // 8 for i in range(spec.rows)],
+        policy_versions=[0] * spec.rows,
+        rollout_logprobs=rollout_lp,
+        pad_token_id=0,
+    )
+
+
+def _make_module(model: Any, case: Case) -> Any:
+    from functools import partial
+
+    import torch
+
+    from lightning_offpolicy.correction import OffPolicyCorrectionConfig, PolicyLossConfig
+    from lightning_offpolicy.module import OffPolicyRLModule
+    from lightning_offpolicy.tokenizers import CharTokenizer
+
+    with_ref = case.reference != "none"
+    return OffPolicyRLModule(
+        model=model,
+        tokenizer=CharTokenizer(),  # required with a model instance; unused when fed RolloutBatch directly
+        optimizer=partial(torch.optim.AdamW, lr=LEARNING_RATE),
+        correction=OffPolicyCorrectionConfig(tis_level="token", tis_clip_high=2.0),
+        loss=PolicyLossConfig(eps_clip_low=0.2, eps_clip_high=0.28, ref_kl_coef=REF_KL_COEF if with_ref else 0.0),
+        num_minibatches=NUM_MINIBATCHES,
+        max_tokens_per_microbatch=2048,
+        reference=case.reference if with_ref else "auto",
+        lora_rank=case.lora_rank,
+    )
+
+
+def _fit_one_batch(module: Any, rollout: Any, on_batch_end: Callable[[], None] | None = None) -> None:
+    import lightning as L
+    from torch.utils.data import DataLoader
+
+    callbacks = []
+    if on_batch_end is not None:
+
+        class _After(L.Callback):
+            def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+                on_batch_end()
+
+        callbacks.append(_After())
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_steps=module.optimizer_steps_per_batch,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=callbacks,
+    )
+    trainer.fit(module, DataLoader([rollout], batch_size=None, collate_fn=_identity))
+    if trainer.global_step != module.optimizer_steps_per_batch:
+        raise RuntimeError(f"{trainer.global_step} optimizer steps, expected {module.optimizer_steps_per_batch}")
+
+
+def _numel(model: Any, trainable: bool | None = None) -> int:
+    if model is None:
+        return 0
+    return sum(p.numel() for p in model.parameters() if trainable is None or p.requires_grad == trainable)
+
+
+def worker(model_name: str, case_key: str, threads: int) -> dict[str, Any]:
+    import warnings
+
+    import torch
+
+    warnings.filterwarnings("ignore")
+    torch.set_num_threads(threads)
+    spec = MODELS[model_name]
+    case = next(c for c in CASES if c.key == case_key)
+    if case.logprobs == "naive":
+        import lightning_offpolicy.logprobs as logprobs_module
+
+        logprobs_module.token_logprobs = _naive_token_logprobs
+
+    # 1. Warm-up: the same case, one whole step, on the tiny model.
+    warm = MODELS["tiny"]
+    _fit_one_batch(_make_module(_build_model(warm, seed=1), case), _make_rollout(warm, seed=1))
+    gc.collect()
+    _malloc_trim()
+
+    # 2. The measured model and its batch, then the baseline.
+    model = _build_model(spec)
+    rollout = _make_rollout(spec)
+    param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    gc.collect()
+    _malloc_trim()
+    baseline = _rss_bytes()
+
+    # 3. Module (peft wrapping, reference copy) and one fitted batch, under a reset peak counter.
+    reset_ok = _reset_peak()
+    module = _make_module(model, case)
+    setup = _rss_bytes() - baseline
+    held: list[int] = []
+    started = time.perf_counter()
+    _fit_one_batch(module, rollout, on_batch_end=lambda: held.append(_rss_bytes() - baseline))
+    seconds = time.perf_counter() - started
+    peak = _peak_bytes(reset_ok) - baseline
+
+    trainable = _numel(module.policy, trainable=True)
+    reference = _numel(module.reference_model)
+    minibatch_rows = spec.rows // NUM_MINIBATCHES
+    return {
+        "model": spec.name,
+        "case": case.key,
+        "label": case.name,
+        "lora_rank": case.lora_rank,
+        "reference": case.reference,
+        "logprobs": case.logprobs,
+        "params": _numel(module.policy),
+        "base_params": sum(p.numel() for n, p in module.policy.named_parameters() if "lora_" not in n),
+        "trainable_params": trainable,
+        "reference_params": reference,
+        "param_bytes": param_bytes,
+        "state_bytes_analytic": trainable * 4 * 3 + reference * 4,
+        # One optimizer step's logits: [rows / num_minibatches, response + 1, V] float32.
+        "logits_bytes": minibatch_rows * (spec.response_len + 1) * spec.config["vocab_size"] * 4,
+        "rows": spec.rows,
+        "prompt_len": spec.prompt_len,
+        "response_len": spec.response_len,
+        "tokens": spec.rows * (spec.prompt_len + spec.response_len),
+        "baseline_rss": baseline,
+        "setup_extra": setup,
+        "held_extra": held[-1] if held else 0,
+        "peak_extra": peak,
+        "peak_reset": reset_ok,
+        "step_s": seconds,
+        "threads": torch.get_num_threads(),
+        "malloc": "pinned" if os.environ.get("MALLOC_MMAP_THRESHOLD_") else "default",
+    }
+
+
+# --------------------------------------------------------------------------- driver
+
+
+def run_case(model: str, case: Case, threads: int, timeout: float, pinned: bool = True) -> dict[str, Any]:
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", model, case.key, "--threads", str(threads)]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")}
+    if pinned:
+        env["MALLOC_MMAP_THRESHOLD_"] = str(PINNED_MMAP_THRESHOLD)
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT, env=env)
+    if proc.returncode != 0:
+        raise RuntimeError(f"worker failed ({' '.join(cmd)}):\n{proc.stderr[-4000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def _estimated_need(spec: ModelSpec) -> float:
+    """Bytes a full-fine-tuning case with a frozen copy may need: weights x 6 (+ reference, grads,
+    AdamW x 2, slack) and 2 GB for activations, logits and the runtime."""
+    cfg = spec.config
+    hidden, layers, vocab = cfg.get("hidden_size", 128), cfg.get("num_hidden_layers", 2), cfg["vocab_size"]
+    params = 2 * vocab * hidden + layers * (4 * hidden * hidden + 3 * hidden * cfg.get("intermediate_size", 256))
+    return 6 * 4 * params + 2e9
+
+
+def summarize(results: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
+    """Per model: the ratios the report leads with, from this run's cases."""
+    out: dict[str, dict[str, float]] = {}
+    for model in dict.fromkeys(r["model"] for r in results):
+        by = {r["case"]: r for r in results if r["model"] == model and not r.get("skipped")}
+
+        def peak(name: str, by: dict[str, dict[str, Any]] = by) -> float | None:
+            return by[name]["peak_extra"] if name in by else None
+
+        s: dict[str, float] = {}
+        full, full_ref = peak("full"), peak("full_ref")
+        lora, lora_ref = peak("lora"), peak("lora_ref")
+        weights = next(iter(by.values()))["param_bytes"] if by else 0
+        if full and lora:
+            s["lora_vs_full_peak_extra"] = lora / full
+            s["lora_vs_full_peak_total"] = (lora + weights) / (full + weights)
+        if full_ref and lora_ref:
+            s["lora_vs_full_peak_extra_with_reference"] = lora_ref / full_ref
+            s["lora_vs_full_peak_total_with_reference"] = (lora_ref + weights) / (full_ref + weights)
+        if full is not None and full_ref is not None:
+            s["reference_cost_full_bytes"] = full_ref - full
+            s["reference_cost_full_x_weights"] = (full_ref - full) / weights
+        if lora is not None and lora_ref is not None:
+            s["reference_cost_lora_bytes"] = lora_ref - lora
+            s["reference_cost_lora_x_weights"] = (lora_ref - lora) / weights
+        for mode in ("full", "lora"):
+            lean_name = f"{mode}_ref"
+            naive, lean = peak(f"{mode}_ref_naive"), peak(lean_name)
+            if naive is not None and lean is not None:
+                s[f"naive_minus_lean_{mode}_bytes"] = naive - lean
+                s[f"naive_minus_lean_{mode}_x_logits"] = (naive - lean) / by[lean_name]["logits_bytes"]
+                s[f"naive_vs_lean_{mode}_peak_extra"] = naive / lean
+        s["weights_bytes"] = weights
+        out[model] = s
+    return out
+
+
+def _mb(b: float) -> str:
+    return f"{b / MB:,.0f}"
+
+
+def _mb_diff(b: float) -> str:
+    """A difference in MB: signed, and a plain 0 below 0.5 MB (no "-0")."""
+    return "0" if abs(b) < 0.5 * MB else f"{b / MB:+,.0f}"
+
+
+def render(results: list[dict[str, Any]], ratios: dict[str, dict[str, float]], header: dict[str, Any]) -> str:
+    lines = [
+        "# Trainer memory: full fine-tuning vs LoRA, the reference, lean vs naive logprobs",
+        "",
+        f"- **Machine**: {header['machine']}",
+        f"- **Date**: {header['date']}",
+        f"- **Code**: {header['code']}",
+        f"- **Command**: `{header['command']}`",
+        f"- **Wall time of the whole run**: {header['elapsed_s']:.1f} s",
+        f"- **Load average** (1 min) at the start / end: {header['load_start']:.1f} / {header['load_end']:.1f} "
+        f"on {os.cpu_count()} cores",
+        "",
+        "Memory figures are resident bytes of one process (not timings): the machine's load does not",
+        "change them. `step s` is wall time on a shared machine: read it as a ratio between cases.",
+    ]
+    if header.get("quick"):
+        lines.append("`--quick`: the tiny model only: its figures are the fixed cost of a fit, not of the model.")
+    if not all(r.get("peak_reset", True) for r in results if not r.get("skipped")):
+        lines.append("**VmHWM reset unavailable: peaks are the lifetime `ru_maxrss` of each subprocess.**")
+    lines += ["", "## Method", "", METHOD, "", "## Results", ""]
+    for model in dict.fromkeys(r["model"] for r in results):
+        rows = [r for r in results if r["model"] == model and r.get("malloc") == "pinned"]
+        defaults = [r for r in results if r["model"] == model and r.get("malloc") == "default"]
+        first = next((r for r in rows if not r.get("skipped")), None)
+        lines.append(f"### {model}")
+        lines.append("")
+        if first is not None:
+            lines.append(
+                f"{first['params'] if first['lora_rank'] == 0 else first['base_params']:,} parameters "
+                f"({_mb(first['param_bytes'])} MB of float32 weights, in the baseline); batch {first['rows']} rows x "
+                f"({first['prompt_len']} prompt + {first['response_len']} response) tokens = {first['tokens']:,} "
+                f"tokens, {NUM_MINIBATCHES} optimizer steps; one optimizer step's logits: "
+                f"{_mb(first['logits_bytes'])} MB."
+            )
+            lines.append("")
+        lines.append(
+            "| case | trainable params | reference params | set-up MB | peak extra MB | held after MB "
+            "| state (analytic) MB | peak - state MB | peak extra / weights | step s |"
+        )
+        lines.append("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+        for r in rows:
+            if r.get("skipped"):
+                lines.append(f"| {r['label']} | {r['skipped']} | | | | | | | | |")
+                continue
+            lines.append(
+                f"| {r['label']} | {r['trainable_params']:,} | {r['reference_params']:,} | {_mb(r['setup_extra'])} "
+                f"| **{_mb(r['peak_extra'])}** | {_mb(r['held_extra'])} | {_mb(r['state_bytes_analytic'])} "
+                f"| {_mb(r['peak_extra'] - r['state_bytes_analytic'])} | {r['peak_extra'] / r['param_bytes']:.2f} "
+                f"| {r['step_s']:.1f} |"
+            )
+        s = ratios.get(model, {})
+        lines += ["", "Ratios (same run):", ""]
+        if "lora_vs_full_peak_extra" in s:
+            lines.append(
+                f"- LoRA / full, peak extra: **{s['lora_vs_full_peak_extra']:.2f}** without a reference, "
+                f"**{s.get('lora_vs_full_peak_extra_with_reference', float('nan')):.2f}** with one; counting the "
+                f"weights too: {s['lora_vs_full_peak_total']:.2f} / "
+                f"{s.get('lora_vs_full_peak_total_with_reference', float('nan')):.2f}."
+            )
+        if "reference_cost_full_bytes" in s:
+            lines.append(
+                f"- The reference costs {_mb_diff(s['reference_cost_full_bytes'])} MB of peak with full fine-tuning "
+                f"(frozen_copy: {s['reference_cost_full_x_weights']:.2f} x the weights) and "
+                f"{_mb_diff(s.get('reference_cost_lora_bytes', float('nan')))} MB with LoRA "
+                f"(disable_adapter: {s.get('reference_cost_lora_x_weights', float('nan')):.2f} x the weights)."
+            )
+        for mode, label in (("full", "full + frozen_copy"), ("lora", "LoRA + disable_adapter")):
+            if f"naive_minus_lean_{mode}_bytes" in s:
+                lines.append(
+                    f"- Naive logprobs, {label}: {_mb_diff(s[f'naive_minus_lean_{mode}_bytes'])} MB of peak "
+                    f"({s[f'naive_minus_lean_{mode}_x_logits']:.2f} x one optimizer step's logits; "
+                    f"naive / lean peak extra {s[f'naive_vs_lean_{mode}_peak_extra']:.2f})."
+                )
+        if defaults:
+            pinned = {r["case"]: r for r in rows if not r.get("skipped")}
+            lines += [
+                "",
+                "The same cases under glibc's default malloc settings (what `top` shows; allocator retention "
+                "included):",
+                "",
+                "| case | peak extra MB, glibc defaults | peak extra MB, pinned threshold | defaults - pinned MB "
+                "| held after MB, glibc defaults |",
+                "|---|---:|---:|---:|---:|",
+            ]
+            for r in defaults:
+                if r.get("skipped"):
+                    lines.append(f"| {r['label']} | {r['skipped']} | | | |")
+                    continue
+                ref = pinned.get(r["case"])
+                lines.append(
+                    f"| {r['label']} | {_mb(r['peak_extra'])} | {_mb(ref['peak_extra']) if ref else '-'} "
+                    f"| {_mb_diff(r['peak_extra'] - ref['peak_extra']) if ref else '-'} | {_mb(r['held_extra'])} |"
+                )
+        lines.append("")
+    return "\n".join(lines).rstrip() + "\n"
+
+
+def machine_line() -> str:
+    import torch
+
+    mem = _mem_total()
+    return (
+        f"{cpu_model()}, nproc={os.cpu_count()}{f', RAM {mem / 1024**3:.1f} GiB' if mem else ''}, "
+        f"torch {torch.__version__}, Python {platform.python_version()}"
+    )
+
+
+def _mem_total() -> int | None:
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemTotal:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--models", default="tiny,llama-168m", help=f"comma-separated, of {', '.join(MODELS)}")
+    p.add_argument(
+        "--cases", default=None, help=f"comma-separated, of {', '.join(c.key for c in CASES)} (default: all)"
+    )
+    p.add_argument("--quick", action="store_true", help="the tiny model only: a smoke test")
+    p.add_argument("--threads", type=int, default=1, help="intra-op threads in the workers (default 1)")
+    p.add_argument(
+        "--default-malloc-cases",
+        default=",".join(DEFAULT_MALLOC_CASES),
+        help="cases measured again under glibc's default malloc settings (default: %(default)s; '' for none)",
+    )
+    p.add_argument("--timeout", type=float, default=900.0, help="seconds per subprocess")
+    p.add_argument("--output", type=Path, default=None, help="markdown report (a .json is written next to it)")
+    p.add_argument("--worker", nargs=2, metavar=("MODEL", "CASE_KEY"), help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.worker:
+        print(json.dumps(worker(args.worker[0], args.worker[1], args.threads)))
+        return 0
+
+    models = ["tiny"] if args.quick else [m.strip() for m in args.models.split(",") if m.strip()]
+    unknown = [m for m in models if m not in MODELS]
+    if unknown:
+        p.error(f"unknown model(s) {unknown}; known: {list(MODELS)}")
+    cases = CASES
+    if args.cases:
+        names = [c.strip() for c in args.cases.split(",") if c.strip()]
+        cases = [c for c in CASES if c.key in names]
+        if len(cases) != len(names):
+            p.error(f"unknown case(s) in {names}; known: {[c.key for c in CASES]}")
+    load_start = os.getloadavg()[0]
+    began = time.perf_counter()
+    results = []
+    default_cases = [c.strip() for c in args.default_malloc_cases.split(",") if c.strip()]
+    plan = [(m, c, True) for m in models for c in cases]
+    plan += [(m, c, False) for m in models for c in cases if c.key in default_cases]
+    for model, case, pinned in plan:
+        need, avail = _estimated_need(MODELS[model]), _mem_available()
+        if avail is not None and need > avail:
+            skipped = f"skipped: needs ~{need / 1e9:.1f} GB, {avail / 1e9:.1f} GB available"
+            results.append(
+                {
+                    "model": model,
+                    "case": case.key,
+                    "label": case.name,
+                    "malloc": "pinned" if pinned else "default",
+                    "skipped": skipped,
+                }
+            )
+            continue
+        r = run_case(model, case, args.threads, args.timeout, pinned=pinned)
+        results.append(r)
+        print(
+            f"{model:>11} | {case.name:<42} {r['malloc']:>7} malloc: peak extra {r['peak_extra'] / MB:8,.0f} MB, "
+            f"set-up {r['setup_extra'] / MB:6,.0f} MB, {r['step_s']:.1f} s",
+            flush=True,
+        )
+    ratios = summarize([r for r in results if r.get("malloc") == "pinned"])
+    import torch
+
+    header = {
+        "machine": machine_line(),
+        "torch": torch.__version__,
+        "date": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "code": code_line(),
+        "command": " ".join(shlex.quote(a) for a in ["python", "benchmarks/trainer_memory.py", *argv]),
+        "quick": args.quick,
+        "elapsed_s": time.perf_counter() - began,
+        "load_start": load_start,
+        "load_end": os.getloadavg()[0],
+        "models": {m: asdict(MODELS[m]) for m in models},
+    }
+    report = render(results, ratios, header)
+    print(report)
+    if args.output is not None:
+        args.output.parent.mkdir(parents=True, exist_ok=True)
+        args.output.write_text(report)
+        payload = {"header": header, "results": results, "ratios": ratios}
+        args.output.with_suffix(".json").write_text(json.dumps(payload, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
