@@ -70,12 +70,11 @@ from lightning_offpolicy.rollout.engine import (
 from lightning_offpolicy.rollout.weight_sync import (
     PROBE_LENGTH,
     SyncCheck,
-    export_state_dict,
-    is_peft_model,
-    merged_state_dict,
+    default_sync_tolerance,
+    full_state_dict,
     probe_ids,
     trainer_probe_logprobs,
-    unwrap,
+    weight_source,
     write_safetensors,
 )
 
@@ -383,16 +382,7 @@ class RemoteVLLMEngine(SpecialTokens):
         ``RuntimeError`` (the version is not bumped) when the weights did not arrive.
         """
         self._check_usable()
-        if _bad_int(version):
-            raise TypeError(f"RemoteVLLMEngine.update_weights: version must be an int, got {version!r}.")
-        is_module = isinstance(source, torch.nn.Module)
-        if not is_module and not isinstance(source, Mapping):
-            raise TypeError(
-                "RemoteVLLMEngine.update_weights: source must be a torch.nn.Module or a mapping of parameter names to "
-                f"tensors, got {type(source).__name__}."
-            )
-        if is_module:
-            source = unwrap(source)
+        source, is_module = weight_source(source, version, "RemoteVLLMEngine.update_weights")
         if self.weights_dir is None:
             raise RuntimeError(
                 "RemoteVLLMEngine.update_weights needs weights_dir: a directory both this trainer and the server can "
@@ -580,9 +570,8 @@ class RemoteVLLMEngine(SpecialTokens):
 
     def _sync(self, source: torch.nn.Module | Mapping[str, torch.Tensor]) -> None:
         begin = time.perf_counter()
-        who = "RemoteVLLMEngine.update_weights"
         # A peft LoRA policy goes over as merged weights (W + scaling B A, computed out of place).
-        tensors = merged_state_dict(source, who) if is_peft_model(source) else export_state_dict(source, who)
+        tensors = full_state_dict(source, "RemoteVLLMEngine.update_weights")
         sync_dir = self._ensure_sync_dir()
         path = write_safetensors(tensors, sync_dir)
         del tensors
@@ -700,8 +689,7 @@ class RemoteVLLMEngine(SpecialTokens):
     def _tolerance(self, module: torch.nn.Module) -> float:
         if self.weight_sync_tolerance is not None:
             return self.weight_sync_tolerance
-        module_dtype = next(module.parameters()).dtype
-        return 1e-3 if self.server_dtype == "torch.float32" and module_dtype == torch.float32 else 1.0
+        return default_sync_tolerance(self.server_dtype == "torch.float32", module)
 
     def _verify_sync(self, module: torch.nn.Module) -> None:
         probe = self._probe(module)

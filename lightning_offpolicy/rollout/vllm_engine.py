@@ -86,13 +86,14 @@ from lightning_offpolicy.rollout.weight_sync import (
     SyncCheck,
     adapter_rank,
     base_state_dict,
-    export_state_dict,
+    default_sync_tolerance,
+    full_state_dict,
     is_peft_model,
     merged_state_dict,
     probe_ids,
     save_adapter,
     trainer_probe_logprobs,
-    unwrap,
+    weight_source,
     write_safetensors,
 )
 
@@ -391,16 +392,7 @@ class VLLMEngine(SpecialTokens):
         (and the version is not bumped) when the weights did not arrive.
         """
         self._check_usable()
-        if _bad_int(version):
-            raise TypeError(f"VLLMEngine.update_weights: version must be an int, got {version!r}.")
-        is_module = isinstance(source, torch.nn.Module)
-        if not is_module and not isinstance(source, Mapping):
-            raise TypeError(
-                "VLLMEngine.update_weights: source must be a torch.nn.Module or a mapping of parameter names to "
-                f"tensors, got {type(source).__name__}."
-            )
-        if is_module:
-            source = unwrap(source)
+        source, is_module = weight_source(source, version, "VLLMEngine.update_weights")
         if self.lora_sync == "adapter" and not (is_module and is_peft_model(source)):
             raise TypeError(
                 "VLLMEngine(lora_sync='adapter') syncs the adapter of a peft LoRA model, got "
@@ -588,7 +580,7 @@ class VLLMEngine(SpecialTokens):
             return
         self._ensure_started()
         begin = time.perf_counter()
-        self._push_weights(merged_state_dict(source, _WHO) if peft else export_state_dict(source, _WHO))
+        self._push_weights(full_state_dict(source, _WHO))
         self.last_sync_time_s = time.perf_counter() - begin
 
     def _update_adapter(self, model: torch.nn.Module, version: int) -> None:
@@ -696,8 +688,7 @@ class VLLMEngine(SpecialTokens):
         if self.weight_sync_tolerance is not None:
             return self.weight_sync_tolerance
         engine_dtype = getattr(self._llm.llm_engine.model_config, "dtype", None)
-        module_dtype = next(module.parameters()).dtype
-        return 1e-3 if engine_dtype == torch.float32 and module_dtype == torch.float32 else 1.0
+        return default_sync_tolerance(engine_dtype == torch.float32, module)
 
     def _verify_sync(self, module: torch.nn.Module) -> None:
         engine = self._engine_probe_logprobs()

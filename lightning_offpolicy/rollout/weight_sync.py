@@ -32,13 +32,16 @@ __all__ = [
     "SyncCheck",
     "adapter_rank",
     "base_state_dict",
+    "default_sync_tolerance",
     "export_state_dict",
+    "full_state_dict",
     "is_peft_model",
     "merged_state_dict",
     "probe_ids",
     "save_adapter",
     "trainer_probe_logprobs",
     "unwrap",
+    "weight_source",
     "write_safetensors",
 ]
 
@@ -85,6 +88,35 @@ def export_state_dict(source: torch.nn.Module | Mapping[str, torch.Tensor], who:
         seen.add(ptr)
         tensors[name] = tensor.contiguous()
     return tensors
+
+
+def weight_source(
+    source: torch.nn.Module | Mapping[str, torch.Tensor], version: int, who: str
+) -> tuple[torch.nn.Module | Mapping[str, torch.Tensor], bool]:
+    """Check the arguments of an engine's ``update_weights``; returns ``(source unwrapped, is a module)``."""
+    if isinstance(version, bool) or not isinstance(version, int):
+        raise TypeError(f"{who}: version must be an int, got {version!r}.")
+    is_module = isinstance(source, torch.nn.Module)
+    if not is_module and not isinstance(source, Mapping):
+        raise TypeError(
+            f"{who}: source must be a torch.nn.Module or a mapping of parameter names to tensors, "
+            f"got {type(source).__name__}."
+        )
+    return (unwrap(source) if is_module else source), is_module
+
+
+def full_state_dict(source: torch.nn.Module | Mapping[str, torch.Tensor], who: str) -> dict[str, torch.Tensor]:
+    """The weights an engine without adapters computes with: merged for a peft model, else exported as they are."""
+    return merged_state_dict(source, who) if is_peft_model(source) else export_state_dict(source, who)
+
+
+def default_sync_tolerance(engine_is_float32: bool, module: torch.nn.Module) -> float:
+    """Probe tolerance when none is given: tight when engine and trainer are both float32.
+
+    Reduced precision differs by design (1.0); a sync that did not arrive is then still caught by
+    :class:`SyncCheck`'s "the engine did not move while the trainer did" test.
+    """
+    return 1e-3 if engine_is_float32 and next(module.parameters()).dtype == torch.float32 else 1.0
 
 
 def write_safetensors(
