@@ -14,7 +14,6 @@ from __future__ import annotations
 import http.server
 import json
 import math
-import random
 import socket
 import subprocess
 import sys
@@ -27,42 +26,14 @@ import psutil
 import pytest
 import torch
 
-from lightning_offpolicy.logprobs import causal_lm_token_logprobs
 from lightning_offpolicy.rollout.engine import Completion, RolloutEngine, SamplingConfig
 from lightning_offpolicy.rollout.remote_vllm import LocalVLLMServer, RemoteVLLMEngine, launch_local_server
 from lightning_offpolicy.rollout.weight_sync import trainer_probe_logprobs
-from lightning_offpolicy.tasks import get_task
-from lightning_offpolicy.tokenizers import CharTokenizer
-from tests.vllm_fixtures import requires_vllm
+from tests.vllm_fixtures import requires_vllm, residuals, reverse_prompts, teacher_forced_logprobs
 
 #: Largest |server - trainer| per-token logprob residual accepted at equal float32 weights.
 LOGPROB_MAX_TOL = 1e-4
 MEASURED: dict[str, float] = {}
-
-
-def _prompts(n: int, seed: int = 0) -> list[list[int]]:
-    task, tok, rng = get_task("reverse"), CharTokenizer(), random.Random(seed)
-    return [tok.encode(task.sample(rng)[0], add_bos=True) for _ in range(n)]
-
-
-@torch.no_grad()
-def _trainer_logprobs(model, prompts, completions: list[Completion], temperature: float) -> list[list[float]]:
-    """Teacher-forced float32 logprobs of each completion, one unpadded row at a time."""
-    out = []
-    for c in completions:
-        prompt = prompts[c.prompt_index]
-        ids = torch.tensor([prompt + c.token_ids])
-        lp = causal_lm_token_logprobs(
-            model, ids, torch.ones_like(ids), response_start=len(prompt), temperature=temperature
-        )
-        out.append(lp[0, : len(c.token_ids)].tolist())
-    return out
-
-
-def _residuals(engine_lp: list[list[float]], trainer_lp: list[list[float]]) -> torch.Tensor:
-    return torch.tensor(
-        [abs(a - b) for e, t in zip(engine_lp, trainer_lp, strict=True) for a, b in zip(e, t, strict=True)]
-    )
 
 
 def _free_port() -> int:
@@ -377,7 +348,7 @@ def _restore(server: LocalVLLMServer, weights_dir: Path, model) -> None:
 @pytest.mark.slow
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 def test_logprobs_match_trainer(engine, trainer_model, tiny_ckpt, temperature):
-    prompts = _prompts(16)
+    prompts = reverse_prompts(16)
     cfg = SamplingConfig(max_new_tokens=16, temperature=temperature, samples_per_prompt=4)
     begin = time.perf_counter()
     completions = engine.generate(prompts, cfg, seed=11)
@@ -393,21 +364,23 @@ def test_logprobs_match_trainer(engine, trainer_model, tiny_ckpt, temperature):
             assert c.token_ids[-1] == 2 and 2 not in c.token_ids[:-1]
         else:
             assert len(c.token_ids) == 16 and 2 not in c.token_ids
-    res = _residuals(
-        [c.logprobs for c in completions], _trainer_logprobs(trainer_model, prompts, completions, temperature)
+    res = residuals(
+        [c.logprobs for c in completions], teacher_forced_logprobs(trainer_model, prompts, completions, temperature)
     )
     MEASURED[f"logprob_residual_max_T{temperature}"] = float(res.max())
     print(f"\nT={temperature}: {res.numel()} tokens, |server - trainer| max {res.max():.3g} mean {res.mean():.3g}")
     assert res.max() <= LOGPROB_MAX_TOL
     if temperature != 1.0:  # processed logprobs: the raw (T=1) ones are clearly different
-        raw = _residuals([c.logprobs for c in completions], _trainer_logprobs(trainer_model, prompts, completions, 1.0))
+        raw = residuals(
+            [c.logprobs for c in completions], teacher_forced_logprobs(trainer_model, prompts, completions, 1.0)
+        )
         assert raw.mean() > 0.05
 
 
 @requires_vllm
 @pytest.mark.slow
 def test_seeded_generation_is_reproducible(engine):
-    prompts = _prompts(3, seed=4)
+    prompts = reverse_prompts(3, seed=4)
     prompts = prompts + [prompts[0]]  # the same prompt twice in one call
     cfg = SamplingConfig(max_new_tokens=12, temperature=1.0, samples_per_prompt=4)
 
@@ -428,7 +401,7 @@ def test_seeded_generation_is_reproducible(engine):
 def test_stops_on_eos_token_id_only(engine):
     """The stop id is the engine's eos_token_id, not the checkpoint's (2 here): HFEngine's behaviour."""
     engine.eos_token_id = 5
-    completions = engine.generate(_prompts(16, seed=7), SamplingConfig(max_new_tokens=12), seed=3)
+    completions = engine.generate(reverse_prompts(16, seed=7), SamplingConfig(max_new_tokens=12), seed=3)
     for c in completions:
         assert (c.finish_reason, c.token_ids[-1]) == ("stop", 5) or (c.finish_reason, len(c.token_ids)) == (
             "length",
@@ -441,7 +414,7 @@ def test_stops_on_eos_token_id_only(engine):
 @requires_vllm
 @pytest.mark.slow
 def test_throughput_and_server_errors(engine):
-    prompts = _prompts(64, seed=2)
+    prompts = reverse_prompts(64, seed=2)
     cfg = SamplingConfig(max_new_tokens=16, samples_per_prompt=1)
     engine.generate(prompts, cfg, seed=0)
     times = []
@@ -474,7 +447,7 @@ def test_out_of_vocabulary_prompt_is_refused_before_it_reaches_the_server(engine
 @requires_vllm
 @pytest.mark.slow
 def test_update_weights_changes_generation_and_restoring_restores_it(engine, trainer_model, weights_dir):
-    prompts = _prompts(8, seed=3)
+    prompts = reverse_prompts(8, seed=3)
     cfg = SamplingConfig(max_new_tokens=10, temperature=1.0, samples_per_prompt=2)
     original = {k: v.clone() for k, v in trainer_model.state_dict().items()}
     before = engine.generate(prompts, cfg, seed=5)
@@ -501,7 +474,7 @@ def test_update_weights_changes_generation_and_restoring_restores_it(engine, tra
         assert {c.policy_version for c in after} == {7}
         assert [c.token_ids for c in after] != [c.token_ids for c in before]
         # The new weights are the trainer's: its logprobs of what the server sampled match.
-        res = _residuals([c.logprobs for c in after], _trainer_logprobs(trainer_model, prompts, after, 1.0))
+        res = residuals([c.logprobs for c in after], teacher_forced_logprobs(trainer_model, prompts, after, 1.0))
         assert res.max() <= LOGPROB_MAX_TOL
     finally:  # restore: a state dict this time (no module: the check cannot run)
         engine.update_weights(original, 8)
@@ -525,15 +498,15 @@ def test_a_lora_policy_syncs_as_merged_weights(engine, trainer_model, tiny_ckpt)
         for name, param in lora.named_parameters():
             if "lora_B" in name:
                 param.normal_(0, 0.05, generator=gen)
-    prompts, cfg = _prompts(8, seed=3), SamplingConfig(max_new_tokens=8, samples_per_prompt=2)
+    prompts, cfg = reverse_prompts(8, seed=3), SamplingConfig(max_new_tokens=8, samples_per_prompt=2)
     try:
         engine.update_weights(lora, 30)  # the self-check compares the server with the peft forward
         assert engine.last_sync_check_max_abs_diff <= 1e-3
         out = engine.generate(prompts, cfg, seed=4)
-        res = _residuals([c.logprobs for c in out], _trainer_logprobs(lora, prompts, out, 1.0))
+        res = residuals([c.logprobs for c in out], teacher_forced_logprobs(lora, prompts, out, 1.0))
         assert res.max() <= LOGPROB_MAX_TOL
         with lora.disable_adapter():  # and not the base model's
-            base = _residuals([c.logprobs for c in out], _trainer_logprobs(lora, prompts, out, 1.0))
+            base = residuals([c.logprobs for c in out], teacher_forced_logprobs(lora, prompts, out, 1.0))
         assert base.max() > 10 * LOGPROB_MAX_TOL
     finally:
         engine.update_weights(LlamaForCausalLM.from_pretrained(str(tiny_ckpt), dtype=torch.float32).eval(), 31)
@@ -576,7 +549,7 @@ def test_request_timeout_and_close_on_the_real_server(engine, server):
     quick.request_timeout_s = 0.3
     begin = time.perf_counter()
     with pytest.raises(RuntimeError, match=r"request_timeout_s=0\.3"):
-        quick.generate(_prompts(32, seed=6), long)
+        quick.generate(reverse_prompts(32, seed=6), long)
     assert time.perf_counter() - begin < 10
     quick.close()
 
@@ -584,7 +557,7 @@ def test_request_timeout_and_close_on_the_real_server(engine, server):
 
     def rollout():
         try:
-            engine.generate(_prompts(64, seed=6), long)
+            engine.generate(reverse_prompts(64, seed=6), long)
         except BaseException as err:  # noqa: BLE001
             errors.append(err)
 

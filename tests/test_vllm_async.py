@@ -8,7 +8,6 @@ from functools import partial
 from pathlib import Path
 
 import lightning as L
-import psutil
 import pytest
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
@@ -106,11 +105,4 @@ def test_engine_death_mid_async_fit_stops_cleanly_and_keeps_the_checkpoint(tmp_p
     last = max((tmp_path / "ckpt").glob("*.ckpt"), key=lambda p: p.stat().st_mtime)
     state = torch.load(last, map_location="cpu", weights_only=False)
     assert state["policy_version"] == state["global_step"] == 8
-    assert not [p for p in psutil.Process().children(recursive=True) if _is_vllm(p)]
-
-
-def _is_vllm(proc: psutil.Process) -> bool:
-    try:
-        return proc.status() != psutil.STATUS_ZOMBIE and "VLLM" in " ".join([proc.name(), *proc.cmdline()])
-    except psutil.Error:
-        return False
+    assert not vllm_children(), vllm_children()

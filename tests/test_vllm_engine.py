@@ -8,7 +8,6 @@ in ``MEASURED``. About 100 s on a 2-core CPU machine (three engine starts of ~20
 from __future__ import annotations
 
 import math
-import random
 import subprocess
 import sys
 import threading
@@ -17,15 +16,15 @@ import time
 import pytest
 import torch
 
-from lightning_offpolicy.logprobs import causal_lm_token_logprobs
-from lightning_offpolicy.rollout.engine import Completion, RolloutEngine, SamplingConfig
+from lightning_offpolicy.rollout.engine import RolloutEngine, SamplingConfig
 from lightning_offpolicy.rollout.vllm_engine import VLLMEngine
 from lightning_offpolicy.rollout.weight_sync import trainer_probe_logprobs
-from lightning_offpolicy.tasks import get_task
-from lightning_offpolicy.tokenizers import CharTokenizer
 from tests.vllm_fixtures import (
     ENGINE_KWARGS,
     requires_vllm,
+    residuals,
+    reverse_prompts,
+    teacher_forced_logprobs,
 )
 
 pytestmark = pytest.mark.slow
@@ -34,11 +33,6 @@ pytestmark = pytest.mark.slow
 LOGPROB_MAX_TOL = 1e-3
 LOGPROB_MEAN_TOL = 1e-4
 MEASURED: dict[str, float] = {}
-
-
-def _prompts(n: int, seed: int = 0) -> list[list[int]]:
-    task, tok, rng = get_task("reverse"), CharTokenizer(), random.Random(seed)
-    return [tok.encode(task.sample(rng)[0], add_bos=True) for _ in range(n)]
 
 
 def _psutil_engine_procs() -> list:
@@ -66,22 +60,6 @@ def _name(proc) -> str:
 
 
 @torch.no_grad()
-def _trainer_logprobs(model, prompts, completions: list[Completion], temperature: float) -> list[list[float]]:
-    """Teacher-forced float32 logprobs of each completion, [left-padded prompt | right-padded response]."""
-    rows = [(prompts[c.prompt_index], c.token_ids) for c in completions]
-    width_p = max(len(p) for p, _ in rows)
-    width_r = max(len(r) for _, r in rows)
-    ids = torch.zeros((len(rows), width_p + width_r), dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for i, (p, r) in enumerate(rows):
-        ids[i, width_p - len(p) : width_p] = torch.tensor(p)
-        ids[i, width_p : width_p + len(r)] = torch.tensor(r)
-        mask[i, width_p - len(p) : width_p + len(r)] = 1
-    lp = causal_lm_token_logprobs(model, ids, mask, response_start=width_p, temperature=temperature)
-    return [lp[i, : len(r)].tolist() for i, (_, r) in enumerate(rows)]
-
-
-@torch.no_grad()
 def _trainer_topk_logprobs(model, prompts, completions, temperature: float, top_k: int) -> list[list[float]]:
     """Per-row forward: log_softmax of the top-k-filtered logits / T (the distribution sampled from)."""
     out = []
@@ -94,12 +72,6 @@ def _trainer_topk_logprobs(model, prompts, completions, temperature: float, top_
         lp = torch.log_softmax(logits, -1).gather(-1, torch.tensor(c.token_ids)[:, None])[:, 0]
         out.append(lp.tolist())
     return out
-
-
-def _residuals(engine_lp: list[list[float]], trainer_lp: list[list[float]]) -> torch.Tensor:
-    return torch.tensor(
-        [abs(a - b) for e, t in zip(engine_lp, trainer_lp, strict=True) for a, b in zip(e, t, strict=True)]
-    )
 
 
 # ---------------------------------------------------------------------- no engine needed
@@ -193,7 +165,7 @@ def test_logprobs_match_trainer(vllm_engine, trainer_model, temperature):
     assert vllm_engine.model is None and vllm_engine.started and vllm_engine.version == 0
     assert vllm_engine.last_sync_check_max_abs_diff <= 1e-3
     MEASURED["engine_start_s"] = vllm_engine.start_time_s
-    prompts = _prompts(16)
+    prompts = reverse_prompts(16)
     cfg = SamplingConfig(max_new_tokens=16, temperature=temperature, samples_per_prompt=4)
     begin = time.perf_counter()
     completions = vllm_engine.generate(prompts, cfg, seed=11)
@@ -206,22 +178,24 @@ def test_logprobs_match_trainer(vllm_engine, trainer_model, temperature):
             assert c.token_ids[-1] == 2 and 2 not in c.token_ids[:-1]
         else:
             assert len(c.token_ids) == 16 and 2 not in c.token_ids
-    reference = _trainer_logprobs(trainer_model, prompts, completions, temperature)
-    res = _residuals([c.logprobs for c in completions], reference)
+    reference = teacher_forced_logprobs(trainer_model, prompts, completions, temperature)
+    res = residuals([c.logprobs for c in completions], reference)
     MEASURED[f"logprob_residual_max_T{temperature}"] = float(res.max())
     MEASURED[f"logprob_residual_mean_T{temperature}"] = float(res.mean())
     print(f"\nT={temperature}: {res.numel()} tokens, |vLLM - trainer| max {res.max():.3g} mean {res.mean():.3g}")
     assert res.max() <= LOGPROB_MAX_TOL and res.mean() <= LOGPROB_MEAN_TOL
     if temperature != 1.0:  # processed logprobs: the raw (T=1) ones are clearly different
-        raw = _residuals([c.logprobs for c in completions], _trainer_logprobs(trainer_model, prompts, completions, 1.0))
+        raw = residuals(
+            [c.logprobs for c in completions], teacher_forced_logprobs(trainer_model, prompts, completions, 1.0)
+        )
         assert raw.mean() > 0.05
 
 
 @requires_vllm
 def test_top_k_logprobs_are_of_the_filtered_distribution(vllm_engine, trainer_model):
-    prompts = _prompts(8, seed=1)
+    prompts = reverse_prompts(8, seed=1)
     completions = vllm_engine.generate(prompts, SamplingConfig(max_new_tokens=12, temperature=0.8, top_k=3), seed=5)
-    res = _residuals(
+    res = residuals(
         [c.logprobs for c in completions], _trainer_topk_logprobs(trainer_model, prompts, completions, 0.8, 3)
     )
     print(f"\ntop_k=3 T=0.8: |vLLM - trainer| max {res.max():.3g} mean {res.mean():.3g}")
@@ -232,7 +206,7 @@ def test_top_k_logprobs_are_of_the_filtered_distribution(vllm_engine, trainer_mo
 def test_stops_on_eos_token_id_only(vllm_engine, monkeypatch):
     """The stop id is the engine's eos_token_id, not the checkpoint's (2 here): HFEngine's behaviour."""
     monkeypatch.setattr(vllm_engine, "eos_token_id", 5)
-    completions = vllm_engine.generate(_prompts(16, seed=7), SamplingConfig(max_new_tokens=12), seed=3)
+    completions = vllm_engine.generate(reverse_prompts(16, seed=7), SamplingConfig(max_new_tokens=12), seed=3)
     for c in completions:
         assert (c.finish_reason, c.token_ids[-1]) == ("stop", 5) or (c.finish_reason, len(c.token_ids)) == (
             "length",
@@ -244,7 +218,7 @@ def test_stops_on_eos_token_id_only(vllm_engine, monkeypatch):
 
 @requires_vllm
 def test_throughput(vllm_engine):
-    prompts = _prompts(64, seed=2)
+    prompts = reverse_prompts(64, seed=2)
     cfg = SamplingConfig(max_new_tokens=16, samples_per_prompt=1)
     vllm_engine.generate(prompts, cfg, seed=0)
     times = []
@@ -259,7 +233,7 @@ def test_throughput(vllm_engine):
 
 @requires_vllm
 def test_update_weights_changes_generation(vllm_engine, trainer_model):
-    prompts = _prompts(4, seed=3)
+    prompts = reverse_prompts(4, seed=3)
     original = {k: v.clone() for k, v in trainer_model.state_dict().items()}
     with torch.no_grad():
         trainer_model.lm_head.weight.zero_()
@@ -282,7 +256,9 @@ def test_update_weights_changes_generation(vllm_engine, trainer_model):
     trainer_model.load_state_dict(original)
     completions = vllm_engine.generate(prompts, SamplingConfig(max_new_tokens=8), seed=1)
     assert {c.policy_version for c in completions} == {8}
-    res = _residuals([c.logprobs for c in completions], _trainer_logprobs(trainer_model, prompts, completions, 1.0))
+    res = residuals(
+        [c.logprobs for c in completions], teacher_forced_logprobs(trainer_model, prompts, completions, 1.0)
+    )
     assert res.max() <= LOGPROB_MAX_TOL
     vllm_engine.update_weights(trainer_model, 9)  # back to a checked module sync
     assert vllm_engine.last_sync_check_max_abs_diff <= 1e-3
@@ -314,7 +290,7 @@ def test_self_check_catches_a_sync_that_did_not_arrive(vllm_engine, trainer_mode
 
 @requires_vllm
 def test_seeded_generation_is_reproducible(vllm_engine):
-    prompts = _prompts(3, seed=4)
+    prompts = reverse_prompts(3, seed=4)
     prompts = prompts + [prompts[0]]  # the same prompt twice in one call
     cfg = SamplingConfig(max_new_tokens=12, temperature=1.0, samples_per_prompt=4)
 
@@ -340,7 +316,7 @@ def test_close_leaves_no_processes(vllm_engine, vllm_engine_holder):
 
     def rollout():
         try:
-            vllm_engine.generate(_prompts(256, seed=6), SamplingConfig(max_new_tokens=200, samples_per_prompt=8))
+            vllm_engine.generate(reverse_prompts(256, seed=6), SamplingConfig(max_new_tokens=200, samples_per_prompt=8))
         except BaseException as err:  # noqa: BLE001
             errors.append(err)
 
@@ -390,7 +366,7 @@ def test_dead_engine_raises_instead_of_hanging(tiny_ckpt, vllm_engine_holder):
     try:
         cfg = SamplingConfig(max_new_tokens=200, samples_per_prompt=8)
         with pytest.raises(RuntimeError, match="engine"):
-            engine.generate(_prompts(256, seed=5), cfg)
+            engine.generate(reverse_prompts(256, seed=5), cfg)
         assert "at" in killed, "the engine finished before it could be killed"
         delay = time.perf_counter() - killed["at"]
         print(f"\ndead engine detected {delay:.2f} s after the kill")

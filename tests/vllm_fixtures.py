@@ -71,3 +71,40 @@ def vllm_engine_holder(tiny_ckpt):
 def vllm_engine(vllm_engine_holder) -> VLLMEngine:
     """The session's shared engine (float32, eos id 2), started from the tiny checkpoint's module."""
     return vllm_engine_holder.get()
+
+
+# ---------------------------------------------------------------------- shared references
+
+
+def reverse_prompts(n: int, seed: int = 0) -> list[list[int]]:
+    """``n`` prompt id lists of the ``reverse`` task (character tokenizer, with bos)."""
+    import random
+
+    from lightning_offpolicy.tasks import get_task
+    from lightning_offpolicy.tokenizers import CharTokenizer
+
+    task, tok, rng = get_task("reverse"), CharTokenizer(), random.Random(seed)
+    return [tok.encode(task.sample(rng)[0], add_bos=True) for _ in range(n)]
+
+
+@torch.no_grad()
+def teacher_forced_logprobs(model, prompts, completions, temperature: float) -> list[list[float]]:
+    """The trainer's float32 logprobs of each completion, one unpadded row at a time (the reference)."""
+    from lightning_offpolicy.logprobs import causal_lm_token_logprobs
+
+    out = []
+    for c in completions:
+        prompt = prompts[c.prompt_index]
+        ids = torch.tensor([prompt + c.token_ids])
+        lp = causal_lm_token_logprobs(
+            model, ids, torch.ones_like(ids), response_start=len(prompt), temperature=temperature
+        )
+        out.append(lp[0, : len(c.token_ids)].tolist())
+    return out
+
+
+def residuals(engine_lp: list[list[float]], trainer_lp: list[list[float]]) -> torch.Tensor:
+    """|engine - trainer| per generated token, flattened."""
+    return torch.tensor(
+        [abs(a - b) for e, t in zip(engine_lp, trainer_lp, strict=True) for a, b in zip(e, t, strict=True)]
+    )
