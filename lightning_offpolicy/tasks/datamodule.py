@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+import warnings
 from typing import Any
 
 import torch
@@ -14,6 +15,10 @@ from lightning_offpolicy.tasks.base import Task, TaskReward
 from lightning_offpolicy.tasks.registry import TASKS, get_task
 
 __all__ = ["PromptDataset", "PromptDataModule", "collate_prompts"]
+
+# ``num_val_prompts=0`` answers val_dataloader() with an empty list (no validation); Lightning's
+# notice about an empty list loader is noise then.
+warnings.filterwarnings("ignore", message=r"Total length of `list` across ranks is zero")
 
 
 class PromptDataset(Dataset):
