@@ -212,7 +212,16 @@ class EvalSpy(L.Callback):
         self.train_rewards.append(float(trainer.callback_metrics["train/reward"]))
 
 
-def fit(root, num_val_prompts: int, max_staleness: int = 0, engine=None, callbacks=(), batches: int = 4):
+def fit(
+    root,
+    num_val_prompts: int,
+    max_staleness: int = 0,
+    sync_every: int = 1,
+    engine=None,
+    callbacks=(),
+    batches: int = 4,
+    val_check_interval: int = 2,
+):
     L.seed_everything(0)
     module = OffPolicyRLModule(model="tiny:reverse", optimizer=partial(torch.optim.AdamW, lr=1e-3))
     rollout = RolloutCallback(
@@ -221,6 +230,7 @@ def fit(root, num_val_prompts: int, max_staleness: int = 0, engine=None, callbac
         max_new_tokens=NEW_TOKENS,
         seed=SEED,
         max_staleness=max_staleness,
+        sync_every=sync_every,
         success_threshold=THRESHOLD,
     )
     spy = EvalSpy()
@@ -233,7 +243,7 @@ def fit(root, num_val_prompts: int, max_staleness: int = 0, engine=None, callbac
         enable_progress_bar=False,
         enable_model_summary=False,
         enable_checkpointing=any(isinstance(c, L.pytorch.callbacks.ModelCheckpoint) for c in callbacks),
-        val_check_interval=2,
+        val_check_interval=val_check_interval,
         check_val_every_n_epoch=None,  # val_check_interval counts training batches across epochs
         num_sanity_val_steps=2,
     )
@@ -283,13 +293,21 @@ def test_val_metrics_equal_a_hand_recomputation_and_validation_leaves_training_u
 
 @pytest.mark.slow
 def test_async_validation_uses_the_current_weights_between_generation_requests(tmp_path):
+    # Weights are pushed every 2 optimizer steps (versions 2, 4); the evaluation comes at version 3,
+    # when the producer's engine still holds version 2: it must push the current weights itself.
     module, rollout, spy, trainer, data = fit(
-        tmp_path, num_val_prompts=4, max_staleness=1, engine=HFEngine(dtype="float32"), batches=4
+        tmp_path,
+        num_val_prompts=4,
+        max_staleness=1,
+        sync_every=2,
+        engine=HFEngine(dtype="float32"),
+        batches=4,
+        val_check_interval=3,
     )
-    assert [(r["sanity"], r["version"]) for r in spy.records] == [(True, 0), (False, 2), (False, 4)]
-    # The engine is not stale at evaluation: the producer was told its engine holds the current weights.
-    assert [r["engine_version"] for r in spy.records] == [None, 2, 4]
+    assert [(r["sanity"], r["version"]) for r in spy.records] == [(True, 0), (False, 3)]
     check_against_hand_recomputation(spy, module, data)
+    # The producer was told its engine holds the current weights.
+    assert [r["engine_version"] for r in spy.records] == [None, 3]
 
 
 def test_validation_needs_prompt_batches_and_the_callback(tmp_path):
