@@ -20,25 +20,12 @@ from lightning_offpolicy.module import OffPolicyRLModule
 from lightning_offpolicy.rollout import HFEngine, RolloutCallback
 from lightning_offpolicy.rollout.engine import SamplingConfig
 from lightning_offpolicy.tasks import TASKS, CopyTask, PromptDataModule
-from tests.module_helpers import tiny_model
+from tests.module_helpers import argmax_completion, tiny_model
 
 SAMPLES, NEW_TOKENS, SEED, THRESHOLD = 3, 7, 3, 0.75
 
 
 # ------------------------------------------------------------------------------ hand-written references
-@torch.no_grad()
-def argmax_completion(model, prompt: list[int], max_new_tokens: int, eos: int) -> list[int]:
-    """Greedy decoding, one unpadded row, no KV cache: the argmax of the last logits, step by step."""
-    ids, out = list(prompt), []
-    for _ in range(max_new_tokens):
-        token = int(model(input_ids=torch.tensor([ids])).logits[0, -1].argmax())
-        ids.append(token)
-        out.append(token)
-        if token == eos:
-            break
-    return out
-
-
 @torch.no_grad()
 def sampled_completions(model, prompt: list[int], k: int, max_new_tokens: int, eos: int, pad: int, seed: int):
     """``k`` samples at temperature 1: seed, then one multinomial draw per row and step (finished rows get pad)."""
