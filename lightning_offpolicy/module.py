@@ -12,6 +12,10 @@ the step's :class:`~lightning_offpolicy.batch.PromptBatch` by the ``RolloutCallb
    mini-batch (exact under accumulation and DDP), gradient clipping, optimizer and scheduler
    step, ``policy_version += 1``.
 
+Held-out evaluation: ``validation_step`` aggregates the greedy and sampled completions that the
+``RolloutCallback`` scores on each validation batch into ``val/*``
+(:class:`~lightning_offpolicy.evaluation.EvaluationMetrics`), logged at the end of the validation epoch.
+
 Manual optimization: ``trainer.global_step`` and ``max_steps`` count optimizer steps, i.e.
 ``ppo_epochs * num_minibatches`` per training batch.
 
