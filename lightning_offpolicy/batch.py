@@ -22,11 +22,14 @@ class PromptBatch:
             :meth:`~lightning_offpolicy.tokenizers.HFTokenizer.encode_prompt`).
         metadata: one dict per prompt for the reward function (e.g. the expected answer).
         rollout: the rollouts of these prompts, filled in by the callback.
+        evaluation: in a validation batch, the scored greedy and sampled completions
+            (:class:`~lightning_offpolicy.evaluation.EvaluationBatch`), filled in by the callback.
     """
 
     prompts: list[str | list[dict[str, Any]]]
     metadata: list[dict[str, Any]] = field(default_factory=list)
     rollout: Any = None
+    evaluation: Any = None
 
     def __post_init__(self) -> None:
         if not self.metadata:

@@ -12,6 +12,10 @@ the step's :class:`~lightning_offpolicy.batch.PromptBatch` by the ``RolloutCallb
    mini-batch (exact under accumulation and DDP), gradient clipping, optimizer and scheduler
    step, ``policy_version += 1``.
 
+Held-out evaluation: ``validation_step`` aggregates the greedy and sampled completions that the
+``RolloutCallback`` scores on each validation batch into ``val/*``
+(:class:`~lightning_offpolicy.evaluation.EvaluationMetrics`), logged at the end of the validation epoch.
+
 Manual optimization: ``trainer.global_step`` and ``max_steps`` count optimizer steps, i.e.
 ``ppo_epochs * num_minibatches`` per training batch.
 
@@ -46,6 +50,7 @@ from lightning_offpolicy.correction import (
     compute_correction,
     policy_loss,
 )
+from lightning_offpolicy.evaluation import EvaluationMetrics
 from lightning_offpolicy.logprobs import causal_lm_token_logprobs
 from lightning_offpolicy.metrics import CorrectionMetrics, PolicyLossMetrics
 from lightning_offpolicy.tokenizers import CharTokenizer, HFTokenizer
@@ -193,6 +198,8 @@ class OffPolicyRLModule(LightningModule):
         # Versions behind the weights of this step, per response token (0 for synchronous rollouts).
         self.staleness_mean = MeanMetric()
         self.staleness_max = MaxMetric()
+        # Held-out evaluation (validation loop): val/* over the whole validation set and all ranks.
+        self.evaluation_metrics = EvaluationMetrics()
         if self.policy is not None:
             self._prepare_policy()
 
@@ -495,6 +502,26 @@ class OffPolicyRLModule(LightningModule):
             self.staleness_max,
         ):
             metric.reset()
+
+    # ------------------------------------------------------------------------------ held-out evaluation
+    def validation_step(self, batch: PromptBatch, batch_idx: int) -> None:
+        evaluation = getattr(batch, "evaluation", None)
+        if evaluation is None:
+            raise RuntimeError(
+                "OffPolicyRLModule.validation_step got a batch without evaluation completions. Add "
+                "lightning_offpolicy.rollout.RolloutCallback(...) to the Trainer's callbacks (it generates and "
+                "scores the greedy and sampled completions of each validation PromptBatch)."
+            )
+        self.evaluation_metrics.update(evaluation)
+
+    def on_validation_epoch_end(self) -> None:
+        if not self.evaluation_metrics.update_called:
+            return
+        # compute() sums the states over ranks: every rank logs the same global values.
+        values = {name: value.float() for name, value in self.evaluation_metrics.compute().items()}
+        self.evaluation_metrics.reset()
+        self.log_dict(values, sync_dist=False)
+        self.log("val_reward", values["val/reward_greedy"], prog_bar=True, logger=False)
 
     # ------------------------------------------------------------------------------ distributed
     def _global_sum(self, tensor: torch.Tensor) -> torch.Tensor:

@@ -128,3 +128,16 @@ def tiny_model(seed: int = 0) -> torch.nn.Module:
     with torch.no_grad():
         model.lm_head.weight.mul_(20.0)  # a peaked policy, like a trained model
     return model
+
+
+@torch.no_grad()
+def argmax_completion(model: torch.nn.Module, prompt: list[int], max_new_tokens: int, eos: int) -> list[int]:
+    """Greedy decoding by hand: one unpadded row, no KV cache, the argmax of the last logits step by step."""
+    ids, out = list(prompt), []
+    for _ in range(max_new_tokens):
+        token = int(model(input_ids=torch.tensor([ids])).logits[0, -1].argmax())
+        ids.append(token)
+        out.append(token)
+        if token == eos:
+            break
+    return out

@@ -116,6 +116,8 @@ def test_short_fit_writes_tensorboard_metrics(tmp_path):
             "--trainer.enable_progress_bar=false",
             "--data.init_args.prompts_per_step=4",
             "--rollout.samples_per_prompt=4",
+            "--trainer.val_check_interval=2",
+            "--data.init_args.num_val_prompts=8",
         ]
     )
     (version,) = list((tmp_path / "quickstart").iterdir())
@@ -131,8 +133,13 @@ def test_short_fit_writes_tensorboard_metrics(tmp_path):
         "rollout/tokens_per_s",
         "staleness/max",
         "perf/train_tokens_per_s",
+        "val/reward_greedy",
+        "val/reward_sampled",
+        "val/pass@k",
+        "val/length",
     ):
         assert tag in tags, tag
+    assert len(events.Scalars("val/reward_greedy")) == 1  # after batch 2 (the sanity check is not logged)
     assert len(events.Scalars("train/reward")) == 2  # 2 batches x 2 mini-batches = 4 optimizer steps
     assert list((version / "checkpoints").glob("*.ckpt"))
     assert OffPolicyCorrectionConfig.token_tis()  # the config of the run (sanity)

@@ -29,6 +29,7 @@ import torch
 from lightning_offpolicy.rollout.engine import Completion, RolloutEngine, SamplingConfig
 from lightning_offpolicy.rollout.remote_vllm import LocalVLLMServer, RemoteVLLMEngine, launch_local_server
 from lightning_offpolicy.rollout.weight_sync import trainer_probe_logprobs
+from tests.module_helpers import argmax_completion
 from tests.vllm_fixtures import requires_vllm, residuals, reverse_prompts, teacher_forced_logprobs
 
 #: Largest |server - trainer| per-token logprob residual accepted at equal float32 weights.
@@ -404,6 +405,16 @@ def test_logprobs_match_trainer(engine, trainer_model, tiny_ckpt, temperature):
             [c.logprobs for c in completions], teacher_forced_logprobs(trainer_model, prompts, completions, 1.0)
         )
         assert raw.mean() > 0.05
+
+
+@requires_vllm
+@pytest.mark.slow
+def test_greedy_equals_a_hand_written_argmax_loop(engine, trainer_model):
+    prompts = reverse_prompts(6, seed=7)
+    completions = engine.generate(prompts, SamplingConfig(max_new_tokens=10, samples_per_prompt=1, greedy=True))
+    assert [c.prompt_index for c in completions] == list(range(6))
+    for c in completions:
+        assert c.token_ids == argmax_completion(trainer_model, prompts[c.prompt_index], 10, eos=2)
 
 
 @requires_vllm

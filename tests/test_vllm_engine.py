@@ -19,6 +19,7 @@ import torch
 from lightning_offpolicy.rollout.engine import RolloutEngine, SamplingConfig
 from lightning_offpolicy.rollout.vllm_engine import VLLMEngine
 from lightning_offpolicy.rollout.weight_sync import trainer_probe_logprobs
+from tests.module_helpers import argmax_completion
 from tests.vllm_fixtures import (
     ENGINE_KWARGS,
     requires_vllm,
@@ -326,6 +327,17 @@ def test_seeded_generation_is_reproducible(vllm_engine):
     group0 = [t for t, _ in first[:4]]
     assert len({tuple(t) for t in group0}) > 1  # the samples of a group differ
     assert group0 != [t for t, _ in first[12:16]]  # a repeated prompt gets its own samples
+
+
+@requires_vllm
+def test_greedy_equals_a_hand_written_argmax_loop(vllm_engine, trainer_model):
+    prompts = reverse_prompts(6, seed=7)
+    greedy = SamplingConfig(max_new_tokens=10, samples_per_prompt=1, greedy=True)
+    completions = vllm_engine.generate(prompts, greedy, seed=3)
+    assert [c.prompt_index for c in completions] == list(range(6))
+    for c in completions:
+        assert c.token_ids == argmax_completion(trainer_model, prompts[c.prompt_index], 10, eos=2)
+    assert [c.token_ids for c in vllm_engine.generate(prompts, greedy)] == [c.token_ids for c in completions]
 
 
 @requires_vllm

@@ -19,6 +19,16 @@ Two ways of running, chosen by ``max_staleness``:
   the steps and epochs, so Lightning's one-batch read-ahead does not count against the bound.
   Weights are pushed every ``sync_every`` optimizer steps, between two generation requests.
 
+Held-out evaluation: when the datamodule has a ``val_dataloader()`` of ``PromptBatch``, Lightning's
+validation loop runs (``val_check_interval``, ``check_val_every_n_epoch``, ``limit_val_batches``,
+the sanity check). In ``on_validation_batch_start`` the callback pushes the trainer's current
+weights, generates one greedy and ``samples_per_prompt`` sampled completions per prompt, scores
+them and attaches an :class:`~lightning_offpolicy.evaluation.EvaluationBatch`; the module logs
+``val/*`` (see :mod:`lightning_offpolicy.evaluation`). Evaluation leaves training as it is: no
+seed, prompt or counter of the training stream moves. In asynchronous mode it runs between two
+generation requests of the producer (``engine_access``) and tells the producer that its engine
+now holds the current weights.
+
 What it needs from the LightningModule (``OffPolicyRLModule`` has all of it):
 
 * ``policy``: the causal LM to sample with (shared with ``HFEngine``, no copy);
@@ -43,6 +53,7 @@ from typing_extensions import override
 
 from lightning_offpolicy.advantages import ADVANTAGE_ESTIMATORS, compute_advantages
 from lightning_offpolicy.batch import PromptBatch, RolloutBatch
+from lightning_offpolicy.evaluation import EvaluationBatch, prompt_seed
 from lightning_offpolicy.rewards import RewardSpec, resolve_reward, score_completions
 from lightning_offpolicy.rollout.engine import RolloutEngine, SamplingConfig, generation_eos_ids
 from lightning_offpolicy.rollout.hf_engine import HFEngine
@@ -79,6 +90,8 @@ class RolloutCallback(Callback):
         sync_every: Push the weights to the engine every this many optimizer steps (asynchronous
             mode; at batch boundaries). Needs ``max_staleness >= sync_every - 1``, or no batch
             could ever be admitted.
+        success_threshold: Held-out evaluation: a prompt passes (``val/pass@k``) when one of its
+            ``samples_per_prompt`` sampled completions gets a reward ``>= success_threshold``.
     """
 
     def __init__(
@@ -94,6 +107,7 @@ class RolloutCallback(Callback):
         seed: int = 0,
         max_staleness: int = 0,
         sync_every: int = 1,
+        success_threshold: float = 1.0,
     ) -> None:
         if advantage_estimator not in ADVANTAGE_ESTIMATORS:
             raise ValueError(
@@ -112,6 +126,11 @@ class RolloutCallback(Callback):
                 f"(got max_staleness={max_staleness}): between two pushes the engine falls up to sync_every - 1 "
                 "versions behind, so no batch could be admitted. Raise max_staleness or lower sync_every."
             )
+        if isinstance(success_threshold, bool) or not isinstance(success_threshold, (int, float)):
+            raise ValueError(
+                f"RolloutCallback.success_threshold={success_threshold!r} must be a number (the reward a sample "
+                "needs for its prompt to count in val/pass@k)."
+            )
         self.engine = engine
         self.reward_fn = resolve_reward(reward_fn, "RolloutCallback.reward_fn")
         self.sampling = SamplingConfig(
@@ -125,6 +144,10 @@ class RolloutCallback(Callback):
         self.seed = seed
         self.max_staleness = max_staleness
         self.sync_every = sync_every
+        self.success_threshold = float(success_threshold)
+        self._greedy_sampling = SamplingConfig(max_new_tokens=max_new_tokens, samples_per_prompt=1, greedy=True)
+        # Policy version whose weights the current validation epoch pushed (None: not pushed yet).
+        self._evaluated_version: int | None = None
         #: Batches handed to training so far (restored from checkpoints; numbers the seeds).
         self.generated_batches = 0
         #: Samples generated but too stale to train (regenerated; 0 unless the module takes more
@@ -341,6 +364,70 @@ class RolloutCallback(Callback):
             if isinstance(logger, TensorBoardLogger) and tokens.any():
                 staleness = (version - rollout.policy_version[tokens]).float()
                 logger.experiment.add_histogram("staleness/hist", staleness, global_step=trainer.global_step)
+
+    # ------------------------------------------------------------------------------ held-out evaluation
+    @override
+    def on_validation_epoch_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._evaluated_version = None  # push the current weights before the first batch
+
+    @override
+    def on_validation_batch_start(
+        self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int, dataloader_idx: int = 0
+    ) -> None:
+        if not isinstance(batch, PromptBatch):
+            raise TypeError(
+                "RolloutCallback evaluates validation batches of PromptBatch (prompts and reward metadata); "
+                f"val_dataloader() yielded {type(batch).__name__}."
+            )
+        batch.evaluation = self.evaluate(pl_module, batch)
+
+    def evaluate(self, pl_module: LightningModule, prompts: PromptBatch) -> EvaluationBatch:
+        """Greedy and sampled completions of ``prompts`` with the module's current weights, scored.
+
+        Touches nothing of the training stream (seeds, prompt order, ``generated_batches``).
+        """
+        # Lightning validates under inference mode; a tensor an engine created there (its first
+        # private weight copy) could never be updated in place by the training-time pushes.
+        with torch.inference_mode(False), torch.no_grad():
+            if self.producer is None:  # synchronous mode, the sanity check, trainer.validate
+                return self._evaluate_now(pl_module, prompts)
+            with self.producer.engine_access():  # between two generation requests of the producer
+                return self._evaluate_now(pl_module, prompts)
+
+    def _evaluate_now(self, pl_module: LightningModule, prompts: PromptBatch) -> EvaluationBatch:
+        engine = self._engine(pl_module)
+        version = int(pl_module.policy_version)
+        if self._evaluated_version != version:
+            if self.producer is None or self.producer.engine_version != version:
+                engine.update_weights(pl_module.policy, version)
+            if self.producer is not None:
+                self.producer.set_engine_version(version)  # the producer's next batches are fresher
+            self._evaluated_version = version
+        prompt_ids = [encode_prompt(self._tokenizer, prompt) for prompt in prompts.prompts]
+        greedy = engine.generate(prompt_ids, self._greedy_sampling)
+        sampled = []
+        for text, ids in zip(prompts.prompts, prompt_ids, strict=True):
+            # One call per prompt, seeded by its text: the same samples at every evaluation, whatever
+            # the batch size or number of ranks.
+            sampled += engine.generate([ids], self.sampling, seed=prompt_seed(self.seed, text))
+        k = self.sampling.samples_per_prompt
+        owners = list(range(len(prompts))) + [i for i in range(len(prompts)) for _ in range(k)]
+        rewards = self._evaluation_rewards(prompts, owners, [*greedy, *sampled])
+        num = len(prompts)
+        return EvaluationBatch.from_scores(
+            greedy_rewards=rewards[:num],
+            sampled_rewards=[rewards[num + i * k : num + (i + 1) * k] for i in range(num)],
+            greedy_lengths=[len(c.token_ids) for c in greedy],
+            sampled_lengths=[[len(c.token_ids) for c in sampled[i * k : (i + 1) * k]] for i in range(num)],
+            success_threshold=self.success_threshold,
+        )
+
+    def _evaluation_rewards(self, prompts: PromptBatch, owners: list[int], completions: list[Any]) -> list[float]:
+        texts = [self._tokenizer.decode(c.token_ids) for c in completions]
+        scored = score_completions(
+            self.reward_fn, [prompts.prompts[i] for i in owners], texts, [prompts.metadata[i] for i in owners]
+        )
+        return scored.total.tolist()
 
     # ------------------------------------------------------------------------------ state
     @override

@@ -17,10 +17,14 @@ class SamplingConfig:
     Args:
         max_new_tokens: Maximum tokens generated per completion.
         temperature: Softmax temperature; must be > 0 (greedy decoding has no sampling distribution
-            for the importance ratios).
+            for the importance ratios: for evaluation, ask for ``greedy=True`` instead).
         top_k: Keep the ``top_k`` most likely tokens (0: off).
         top_p: Nucleus sampling mass (1.0: off).
         samples_per_prompt: Completions per prompt (the group of GRPO / RLOO).
+        greedy: Greedy (argmax) decoding, for evaluation only: one completion per prompt
+            (``samples_per_prompt`` must be 1), ``temperature`` / ``top_k`` / ``top_p`` are ignored,
+            and the completions' logprobs are the untempered model's (no sampling distribution:
+            never train on them).
     """
 
     max_new_tokens: int = 16
@@ -28,14 +32,22 @@ class SamplingConfig:
     top_k: int = 0
     top_p: float = 1.0
     samples_per_prompt: int = 4
+    greedy: bool = False
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:
             raise ValueError(f"SamplingConfig.max_new_tokens={self.max_new_tokens} must be at least 1.")
-        if not self.temperature > 0:
+        if not isinstance(self.greedy, bool):
+            raise ValueError(f"SamplingConfig.greedy={self.greedy!r} must be a bool.")
+        if self.greedy and self.samples_per_prompt != 1:
+            raise ValueError(
+                f"SamplingConfig(greedy=True, samples_per_prompt={self.samples_per_prompt}): greedy decoding gives "
+                "one completion per prompt; set samples_per_prompt=1."
+            )
+        if not self.greedy and not self.temperature > 0:
             raise ValueError(
                 f"SamplingConfig.temperature={self.temperature} must be > 0: RL needs the logprobs of a "
-                "sampling distribution."
+                "sampling distribution (for greedy evaluation use SamplingConfig(greedy=True, samples_per_prompt=1))."
             )
         if self.top_k < 0:
             raise ValueError(f"SamplingConfig.top_k={self.top_k} must be >= 0 (0 disables it).")
@@ -43,6 +55,12 @@ class SamplingConfig:
             raise ValueError(f"SamplingConfig.top_p={self.top_p} must be in (0, 1].")
         if self.samples_per_prompt < 1:
             raise ValueError(f"SamplingConfig.samples_per_prompt={self.samples_per_prompt} must be at least 1.")
+
+    def sampler_settings(self) -> dict[str, float | int]:
+        """``temperature`` / ``top_k`` / ``top_p`` as vLLM takes them: temperature 0 (argmax) when ``greedy``."""
+        if self.greedy:
+            return {"temperature": 0.0, "top_k": 0, "top_p": 1.0}
+        return {"temperature": self.temperature, "top_k": self.top_k, "top_p": self.top_p}
 
 
 @dataclass

@@ -6,7 +6,8 @@ step. With ``dtype="bfloat16"`` it keeps its own bfloat16 copy instead, refreshe
 ``update_weights``: the precision gap of a real inference engine, on a laptop. Its logprobs are
 those of the distribution it sampled from: ``generate`` returns the processed scores
 (temperature, top-k and top-p applied, filtered tokens at ``-inf``), and the logprob of each
-sampled token is read from their log-softmax.
+sampled token is read from their log-softmax. ``SamplingConfig(greedy=True)`` decodes by argmax
+(``do_sample=False``), for evaluation.
 """
 
 from __future__ import annotations
@@ -116,13 +117,19 @@ class HFEngine(SpecialTokens):
         for r, i in enumerate(rows):
             input_ids[r, width - len(prompt_ids[i]) :] = torch.tensor(prompt_ids[i])
             attention_mask[r, width - len(prompt_ids[i]) :] = 1
+        if sampling.greedy:
+            decoding: dict[str, Any] = {"do_sample": False}  # argmax; the scores are the raw logits
+        else:
+            decoding = {
+                "do_sample": True,
+                "temperature": sampling.temperature,
+                "top_k": sampling.top_k,  # 0 disables it (None would fall back to the model's default of 50)
+                "top_p": sampling.top_p,
+            }
         out = model.generate(
             input_ids=input_ids.to(device),
             attention_mask=attention_mask.to(device),
-            do_sample=True,
-            temperature=sampling.temperature,
-            top_k=sampling.top_k,  # 0 disables it (None would fall back to the model's default of 50)
-            top_p=sampling.top_p,
+            **decoding,
             max_new_tokens=sampling.max_new_tokens,
             pad_token_id=self.pad_token_id,
             eos_token_id=self.stop_ids,  # every stop id: generate pads a row after the first one it samples

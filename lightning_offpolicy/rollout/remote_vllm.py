@@ -481,9 +481,7 @@ class RemoteVLLMEngine(SpecialTokens):
             "prompt": prompt,
             "n": sampling.samples_per_prompt,
             "max_tokens": sampling.max_new_tokens,
-            "temperature": sampling.temperature,
-            "top_p": sampling.top_p,
-            "top_k": sampling.top_k,  # 0: off
+            **sampling.sampler_settings(),  # temperature 0 when greedy (vLLM's argmax); top_k 0: off
             # Neutral, explicitly: otherwise the server takes them from the checkpoint's
             # generation_config.json (unless started with --generation-config vllm), and a penalty
             # would change the distribution sampled from without the trainer knowing.

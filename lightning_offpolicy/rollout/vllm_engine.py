@@ -332,9 +332,8 @@ class VLLMEngine(SpecialTokens):
         params = [
             SamplingParams(
                 n=n,
-                temperature=sampling.temperature,
-                top_k=sampling.top_k,  # 0: off (vLLM >= 0.9 also maps -1 to 0)
-                top_p=sampling.top_p,
+                # temperature 0 (greedy=True) is vLLM's argmax; top_k 0: off (vLLM >= 0.9 also maps -1 to 0)
+                **sampling.sampler_settings(),
                 max_tokens=sampling.max_new_tokens,
                 logprobs=0,  # the sampled token's logprob only
                 # Stop on the engine's stop ids and only on them, as HFEngine: without ignore_eos vLLM also

@@ -1,10 +1,12 @@
-"""The prompt DataModule: a fixed, seeded set of task prompts, served as PromptBatch."""
+"""The prompt DataModule: a fixed, seeded set of task prompts, served as PromptBatch, and held-out prompts."""
 
 from __future__ import annotations
 
 import random
+import warnings
 from typing import Any
 
+import torch
 from lightning.pytorch import LightningDataModule
 from torch.utils.data import DataLoader, Dataset
 
@@ -14,6 +16,10 @@ from lightning_offpolicy.tasks.base import Task, TaskReward
 from lightning_offpolicy.tasks.registry import TASKS, get_task
 
 __all__ = ["PromptDataset", "PromptDataModule", "collate_prompts"]
+
+# ``num_val_prompts=0`` answers val_dataloader() with an empty list (no validation); Lightning's
+# notice about an empty list loader is noise then.
+warnings.filterwarnings("ignore", message=r"Total length of `list` across ranks is zero")
 
 
 class PromptDataset(Dataset):
@@ -50,6 +56,11 @@ class PromptDataModule(ResumableTrainLoader, LightningDataModule):
             sampled ``group_size`` times by the rollout side.
         num_train_prompts: size of the fixed training prompt set (one epoch = this many prompts).
         seed: seed of the prompt set and of the shuffling order.
+        num_val_prompts: held-out prompts for evaluation in Lightning's validation loop (``val/*``
+            metrics, see :mod:`lightning_offpolicy.evaluation`); 0: no validation. They come from
+            a seed stream of their own and never equal a training prompt; the training prompts and
+            their order are the same whatever this is.
+        val_prompts_per_step: held-out prompts per validation batch.
     """
 
     def __init__(
@@ -58,6 +69,8 @@ class PromptDataModule(ResumableTrainLoader, LightningDataModule):
         prompts_per_step: int = 16,
         num_train_prompts: int = 2048,
         seed: int = 0,
+        num_val_prompts: int = 0,
+        val_prompts_per_step: int = 16,
     ) -> None:
         super().__init__()
         if task not in TASKS:
@@ -73,6 +86,18 @@ class PromptDataModule(ResumableTrainLoader, LightningDataModule):
                 f"PromptDataModule: `prompts_per_step` ({prompts_per_step}) must be <= `num_train_prompts` "
                 f"({num_train_prompts}), or no full batch can be drawn."
             )
+        if isinstance(num_val_prompts, bool) or not isinstance(num_val_prompts, int) or num_val_prompts < 0:
+            raise ValueError(
+                f"PromptDataModule: `num_val_prompts` must be an int >= 0 (0: no validation), got {num_val_prompts!r}."
+            )
+        if (
+            isinstance(val_prompts_per_step, bool)
+            or not isinstance(val_prompts_per_step, int)
+            or val_prompts_per_step < 1
+        ):
+            raise ValueError(
+                f"PromptDataModule: `val_prompts_per_step` must be a positive int, got {val_prompts_per_step!r}."
+            )
         self.save_hyperparameters()
         self.task_name = task
         self.prompts_per_step = prompts_per_step
@@ -83,6 +108,43 @@ class PromptDataModule(ResumableTrainLoader, LightningDataModule):
         self.reward_fn = TaskReward(self.task)
         rng = random.Random(seed)
         self.train_dataset = PromptDataset([self.task.sample(rng) for _ in range(num_train_prompts)])
+        self.num_val_prompts = num_val_prompts
+        self.val_prompts_per_step = val_prompts_per_step
+        self.val_dataset = PromptDataset(self._held_out_prompts(num_val_prompts))
+
+    def _held_out_prompts(self, count: int) -> list[tuple[str, dict[str, Any]]]:
+        """``count`` distinct prompts, none of them a training prompt, from a stream of their own."""
+        if count == 0:
+            return []
+        taken = {prompt for prompt, _ in self.train_dataset.items}
+        rng = random.Random(f"held-out:{self.seed}")  # str seeds are hashed with sha512: stable across runs
+        items: list[tuple[str, dict[str, Any]]] = []
+        for _ in range(100 * count + 10_000):
+            prompt, metadata = self.task.sample(rng)
+            if prompt not in taken:
+                taken.add(prompt)
+                items.append((prompt, metadata))
+                if len(items) == count:
+                    return items
+        raise ValueError(
+            f"PromptDataModule: could not draw {count} held-out prompts of task {self.task_name!r} distinct from "
+            f"the {self.num_train_prompts} training prompts (found {len(items)}); the task has too few distinct "
+            "prompts: lower `num_val_prompts` or `num_train_prompts`."
+        )
 
     def train_dataloader(self) -> DataLoader:
         return self._resumable_loader(self.train_dataset, collate_prompts)
+
+    def val_dataloader(self) -> DataLoader | list:
+        """The held-out prompts in a fixed order (an empty list, no validation, when ``num_val_prompts=0``)."""
+        if not len(self.val_dataset):
+            return []
+        return DataLoader(
+            self.val_dataset,
+            batch_size=self.val_prompts_per_step,
+            shuffle=False,
+            num_workers=0,
+            collate_fn=collate_prompts,
+            # Its own generator: the loader's iterator draws a base seed, which must not move the global RNG.
+            generator=torch.Generator().manual_seed(self.seed),
+        )
