@@ -41,6 +41,7 @@ from typing_extensions import override
 
 from lightning_offpolicy.advantages import ADVANTAGE_ESTIMATORS, compute_advantages
 from lightning_offpolicy.batch import PromptBatch, RolloutBatch
+from lightning_offpolicy.preflight import check_context, check_group_size, check_prompt_fits, check_vocab, context_limit
 from lightning_offpolicy.rollout.engine import RolloutEngine, SamplingConfig
 from lightning_offpolicy.rollout.hf_engine import HFEngine
 from lightning_offpolicy.rollout.producer import RolloutProducer
@@ -104,6 +105,7 @@ class RolloutCallback(Callback):
                 f"(got max_staleness={max_staleness}): between two pushes the engine falls up to sync_every - 1 "
                 "versions behind, so no batch could be admitted. Raise max_staleness or lower sync_every."
             )
+        check_group_size(samples_per_prompt, advantage_estimator)
         self.engine = engine
         self.reward_fn = reward_fn
         self.sampling = SamplingConfig(
@@ -129,6 +131,7 @@ class RolloutCallback(Callback):
         self._tokenizer: Any = None
         self._rank = 0
         self._version_at_batch_start = 0
+        self._context_limit: tuple[int, str] | None = None
 
     @property
     def asynchronous(self) -> bool:
@@ -166,6 +169,17 @@ class RolloutCallback(Callback):
                 "HFEngine(dtype='float32' / 'bfloat16') instead of an HFEngine that shares the module's weights."
             )
         self._rank = trainer.global_rank
+
+    @override
+    def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        # Here, not in setup: configure_model (which loads a model given by name) runs in between.
+        # Checks of what would otherwise crash inside generate, after the training started.
+        policy = getattr(pl_module, "policy", None)
+        if policy is None:
+            return
+        check_vocab(policy, pl_module.tokenizer)
+        self._context_limit = context_limit(policy, self.engine)
+        check_context(self.sampling.max_new_tokens, self._context_limit)
 
     def _engine(self, pl_module: LightningModule) -> RolloutEngine:
         if self.engine is None:
@@ -242,6 +256,7 @@ class RolloutCallback(Callback):
         tokenizer = self._tokenizer
         prompt_ids = [tokenizer.encode(text) for text in prompts.prompts]
         started = time.perf_counter()
+        check_prompt_fits(max(map(len, prompt_ids), default=0), self.sampling.max_new_tokens, self._context_limit)
         completions = self.engine.generate(prompt_ids, self.sampling, seed=_mix_seed(self.seed, index, self._rank))
         generate_s = time.perf_counter() - started
         texts = [tokenizer.decode(c.token_ids) for c in completions]
