@@ -22,6 +22,7 @@ import traceback
 from lightning.pytorch.cli import LightningCLI
 
 from lightning_offpolicy.module import OffPolicyRLModule
+from lightning_offpolicy.preemption import PreemptionCheckpoint
 from lightning_offpolicy.rollout.callback import RolloutCallback
 from lightning_offpolicy.tasks import PromptDataModule
 
@@ -32,6 +33,8 @@ class OffPolicyCLI(LightningCLI):
     def add_arguments_to_parser(self, parser) -> None:
         parser.add_lightning_class_args(RolloutCallback, "rollout")
         parser.link_arguments("rollout.temperature", "model.temperature")
+        # SIGTERM (preemption): checkpoint at the next batch boundary, then exit 143, not 0.
+        parser.add_lightning_class_args(PreemptionCheckpoint, "preemption")
 
     def instantiate_classes(self) -> None:
         try:
