@@ -54,7 +54,9 @@ class PreemptionCheckpoint(Callback):
 
     def __init__(self, dirpath: str | None = None, filename: str = "preempted", exit_code: int = SIGTERM_EXIT_CODE):
         if not filename or os.sep in filename:
-            raise ValueError(f"PreemptionCheckpoint.filename={filename!r} must be a non-empty file name (no '{os.sep}').")
+            raise ValueError(
+                f"PreemptionCheckpoint.filename={filename!r} must be a non-empty file name (no '{os.sep}')."
+            )
         if isinstance(exit_code, bool) or not isinstance(exit_code, int) or not 1 <= exit_code <= 255:
             raise ValueError(
                 f"PreemptionCheckpoint.exit_code={exit_code!r} must be an int in 1..255: 0 would tell the scheduler "
@@ -98,7 +100,8 @@ class PreemptionCheckpoint(Callback):
         if not self._installed or threading.current_thread() is not threading.main_thread():
             return
         if signal.getsignal(signal.SIGTERM) == self._on_sigterm:
-            signal.signal(signal.SIGTERM, self._previous_handler if self._previous_handler is not None else signal.SIG_DFL)
+            previous = self._previous_handler
+            signal.signal(signal.SIGTERM, previous if previous is not None else signal.SIG_DFL)
         self._installed = False
 
     # ------------------------------------------------------------------------------ hooks
