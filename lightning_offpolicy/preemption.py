@@ -10,11 +10,13 @@ and the process exits with status **0**: the scheduler reads success, and nothin
   handler runs a ``broadcast`` inside the signal handler, which under DDP can interleave with the
   step's own collectives);
 * at the end of every training batch, agrees across ranks whether any rank was signalled (one
-  ``all_reduce`` of one number), so every rank stops at the same batch;
-* then saves ``<dirpath>/<filename>.ckpt`` (a full checkpoint: weights, optimizer, ``policy_version``,
-  the rollout callback's state) and raises ``SIGTERMException(exit_code)``: the rollout producer and
-  the engine are shut down by the usual exception path, and the process exits with ``exit_code``
-  (143 = 128 + SIGTERM, what a shell reports for a process killed by SIGTERM).
+  ``all_reduce`` of one number) and, if so, sets Lightning's own SIGTERM flag on every rank: Lightning
+  then raises its ``SIGTERMException`` on all ranks once that batch is complete (logged, counted);
+  a signal during the last batch lets the run finish normally;
+* on that exception saves ``<dirpath>/<filename>.ckpt`` (a full checkpoint: weights, optimizer,
+  ``policy_version``, the rollout callback's state) and gives the exception the code ``exit_code``: the
+  rollout producer and the engine are shut down by the usual exception path, and the process exits
+  with ``exit_code`` (143 = 128 + SIGTERM, what a shell reports for a process killed by SIGTERM).
 
 Resume with ``lightning-offpolicy fit ... --ckpt_path <dirpath>/preempted.ckpt`` (or
 ``trainer.fit(..., ckpt_path=...)``). ``lightning-offpolicy fit`` always adds it (``--preemption.*``);
@@ -117,7 +119,13 @@ class PreemptionCheckpoint(Callback):
     ) -> None:
         if not self._any_rank_signalled(trainer):
             return
-        self._save(trainer)
+        connector = getattr(trainer, "_signal_connector", None)
+        if connector is not None and hasattr(connector, "received_sigterm"):
+            # Every rank sets Lightning's own flag at this same batch: its loop then raises SIGTERMException
+            # once the batch is complete (metrics logged, progress counted), and on_exception saves.
+            connector.received_sigterm = True
+            return
+        self._save(trainer)  # a Lightning without the signal connector: stop here
         raise SIGTERMException(self.exit_code)
 
     @override
@@ -126,7 +134,7 @@ class PreemptionCheckpoint(Callback):
         if not isinstance(exception, SIGTERMException):
             return
         if self.saved_path is None and trainer.global_step > 0:
-            # Lightning's own handler stopped the run (SIGTERM before on_train_start): still a batch boundary.
+            # Lightning raises it between two batches (every rank at the same one), after the batch's logging.
             self._save(trainer)
         if not exception.code:
             exception.code = self.exit_code  # Lightning raises it with no code: the process would exit 0

@@ -28,6 +28,7 @@ from lightning_offpolicy.rollout import HFEngine, RolloutCallback
 from lightning_offpolicy.tasks import PromptDataModule
 from lightning_offpolicy.tiny import build_tiny_llama
 from lightning_offpolicy.tokenizers import CharTokenizer
+from tests.vllm_fixtures import requires_vllm
 
 ROOT = Path(__file__).resolve().parents[1]
 STEPS_PER_BATCH = 2  # num_minibatches below, and in configs/quickstart.yaml
@@ -139,15 +140,22 @@ def session_processes(sid: int) -> list[psutil.Process]:
     return out
 
 
-def run_cli(tmp_path: Path, name: str, *args: str, sigterm_after: str | None = None, timeout: float = 600):
-    """``python -m lightning_offpolicy.cli fit`` on the quickstart; SIGTERM once ``sigterm_after`` is logged.
+def run_cli(
+    tmp_path: Path,
+    name: str,
+    *args: str,
+    sigterm_after: str | None = None,
+    timeout: float = 600,
+    config: str = "quickstart.yaml",
+):
+    """``python -m lightning_offpolicy.cli fit`` on ``config``; SIGTERM once ``sigterm_after`` is logged.
 
     Returns (exit status, log text). Asserts that no process of its session outlives it.
     """
     log_path = tmp_path / f"{name}.log"
     command = [
         sys.executable, "-m", "lightning_offpolicy.cli", "fit",
-        "--config", str(ROOT / "configs" / "quickstart.yaml"),
+        "--config", str(ROOT / "configs" / config),
         f"--trainer.default_root_dir={tmp_path / name}",
         f"--trainer.logger.init_args.save_dir={tmp_path / name}",
         "--trainer.enable_progress_bar=false",
@@ -180,8 +188,8 @@ def run_cli(tmp_path: Path, name: str, *args: str, sigterm_after: str | None = N
     return status, log_path.read_text()
 
 
-def logged_policy_versions(run_dir: Path) -> list[float]:
-    (version,) = [p for p in (run_dir / "quickstart").iterdir() if p.is_dir()]
+def logged_policy_versions(run_dir: Path, name: str = "quickstart") -> list[float]:
+    (version,) = [p for p in (run_dir / name).iterdir() if p.is_dir()]
     events = EventAccumulator(str(version))
     events.Reload()
     return [e.value for e in events.Scalars("train/policy_version")]
@@ -212,3 +220,17 @@ def test_cli_sigterm_mid_fit_exits_143_with_a_checkpoint_that_resumes(tmp_path):
 @pytest.mark.slow
 def test_cli_sigterm_under_two_rank_ddp(tmp_path):
     check_preempt_and_resume(tmp_path, "--trainer.strategy=ddp", "--trainer.devices=2")
+
+
+@requires_vllm
+@pytest.mark.slow
+def test_cli_sigterm_with_async_vllm_stops_the_engine_processes(tmp_path, vllm_engine_holder):
+    vllm_engine_holder.close()  # one engine at a time on a small machine
+    status, log = run_cli(
+        tmp_path, "vllm", "--trainer.max_steps=2000", config="vllm_async.yaml", sigterm_after="first rollout"
+    )  # run_cli asserts that no process of the run (EngineCore included) is left
+    assert status == SIGTERM_EXIT_CODE, log[-3000:]
+    (path,) = (tmp_path / "vllm").rglob("preempted.ckpt")
+    checkpoint = torch.load(path, weights_only=False)
+    assert checkpoint["policy_version"] == checkpoint["global_step"] >= STEPS_PER_BATCH
+    assert logged_policy_versions(tmp_path / "vllm", "vllm_async")[-1] == checkpoint["policy_version"]
