@@ -11,8 +11,8 @@ and the process exits with status **0**: the scheduler reads success, and nothin
   step's own collectives);
 * at the end of every training batch, agrees across ranks whether any rank was signalled (one
   ``all_reduce`` of one number) and, if so, sets Lightning's own SIGTERM flag on every rank: Lightning
-  then raises its ``SIGTERMException`` on all ranks once that batch is complete (logged, counted);
-  a signal during the last batch lets the run finish normally;
+  then raises its ``SIGTERMException`` on all ranks once that batch is complete (logged, counted;
+  during the last batch: at the end of the epoch, so the checkpoint is the finished run);
 * on that exception saves ``<dirpath>/<filename>.ckpt`` (a full checkpoint: weights, optimizer,
   ``policy_version``, the rollout callback's state) and gives the exception the code ``exit_code``: the
   rollout producer and the engine are shut down by the usual exception path, and the process exits

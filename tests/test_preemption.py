@@ -107,6 +107,18 @@ def test_sigterm_saves_at_the_batch_boundary_exits_143_and_resumes(tmp_path):
     assert resumed_rollout.generated_batches == 4
 
 
+def test_sigterm_during_the_last_batch_still_saves_and_exits_143(tmp_path):
+    """Lightning stops at the end of the epoch then: the checkpoint is the finished run (resuming ends at once)."""
+    before = signal.getsignal(signal.SIGTERM)
+    preemption = PreemptionCheckpoint(dirpath=str(tmp_path))
+    module, _, trainer, data = build(tmp_path, 2 * STEPS_PER_BATCH, [SendSigterm(at_batch=1), preemption])
+    with pytest.raises(SystemExit) as info:
+        trainer.fit(module, data)
+    assert info.value.code == 143 and module.policy_version == 2 * STEPS_PER_BATCH
+    assert torch.load(preemption.saved_path, weights_only=False)["global_step"] == 2 * STEPS_PER_BATCH
+    assert signal.getsignal(signal.SIGTERM) is before
+
+
 def test_sigterm_stops_the_background_producer(tmp_path):
     preemption = PreemptionCheckpoint(dirpath=str(tmp_path))
     module, rollout, trainer, data = build(
