@@ -382,11 +382,11 @@ def _fmt(value: float | None, digits: int = 2) -> str:
 
 
 def markdown(results: list[RunResult], skipped: list[SoakConfig], meta: dict[str, Any]) -> str:
-    mode = "quick (a few steps per config; the reward rise is not asserted)" if meta["quick"] else "full max_steps"
+    mode = "`--quick`: a few steps per config, the reward rise not asserted" if meta["quick"] else "full max_steps"
     lines = [
         "# Soak: every shipped config to the end, quiet and beside a CPU hog",
         "",
-        f"`python benchmarks/soak.py` ({mode}); {meta['machine']}. Total wall time "
+        f"`python benchmarks/soak.py`, {mode}; {meta['machine']}. Total wall time "
         f"**{meta['wall_s'] / 60:.1f} min**; {sum(r.ok for r in results)} of {len(results)} runs passed every check.",
         "",
         "Checks per run: exit status 0; the reward rises (mean `train/reward` of the last block of batches > "
@@ -395,7 +395,7 @@ def markdown(results: list[RunResult], skipped: list[SoakConfig], meta: dict[str
         f"the last checkpoint resumes for {meta['resume_batches']} batches and continues the policy version. "
         f"`hog` runs beside {meta['hog_processes']} busy-loop process(es).",
         "",
-        "| config | condition | exit | wall s | batches | reward first -> last | staleness max / bound "
+        "| config | condition | exit | fit wall s | batches | reward first -> last | staleness max / bound "
         "| leftovers | resume | result |",
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
