@@ -4,6 +4,7 @@
 #   make selfcheck  every correction preset on a real tiny model (no training)
 #   make bench  run the benchmarks under benchmarks/
 #   make study  the mismatch study: correction vs staleness / engine mismatch (~36 min on 2 cores)
+#   make soak   every shipped config to its max_steps, quiet and beside a CPU hog (~2 h on 2 cores)
 PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
@@ -14,7 +15,7 @@ VLLM_EXTRA ?= $(shell command -v nvidia-smi >/dev/null 2>&1 && echo vllm || echo
 # (`pip install torch==2.13.0` resolves to the local CPU wheel there).
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: demo selfcheck test bench study lint clean venv venv-dev
+.PHONY: demo selfcheck test bench study soak lint clean venv venv-dev
 
 $(VENV)/.base: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -64,6 +65,12 @@ bench: $(VENV)/.dev
 study: $(VENV)/.dev
 	OMP_NUM_THREADS=1 nice -n 10 $(PY) benchmarks/mismatch_study.py --output-dir docs/results \
 		--reading docs/results/reading.md
+
+# Every config under configs/ to its full max_steps, once quiet and once beside a busy-loop process:
+# exit 0, reward rises, staleness bound, no leftover process, the last checkpoint resumes.
+# Writes docs/soak.md and docs/soak.json. Not part of `make test` (about 2 h on 2 cores).
+soak: $(VENV)/.dev
+	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} $(PY) benchmarks/soak.py --output docs/soak.md
 
 lint: $(VENV)/.dev
 	$(VENV)/bin/ruff check lightning_offpolicy tests benchmarks examples

@@ -16,13 +16,16 @@ temperature the engine samples with.
 
 from __future__ import annotations
 
+import os
 import sys
+import traceback
 
 from lightning.pytorch import LightningDataModule
 from lightning.pytorch.cli import LightningCLI
 
 from lightning_offpolicy.data import DatasetDataModule  # noqa: F401  (a known data class for --data.help)
 from lightning_offpolicy.module import OffPolicyRLModule
+from lightning_offpolicy.preemption import PreemptionCheckpoint
 from lightning_offpolicy.rollout.callback import RolloutCallback
 from lightning_offpolicy.tasks import PromptDataModule  # noqa: F401
 
@@ -33,6 +36,32 @@ class OffPolicyCLI(LightningCLI):
     def add_arguments_to_parser(self, parser) -> None:
         parser.add_lightning_class_args(RolloutCallback, "rollout")
         parser.link_arguments("rollout.temperature", "model.temperature")
+        # SIGTERM (preemption): checkpoint at the next batch boundary, then exit 143, not 0.
+        parser.add_lightning_class_args(PreemptionCheckpoint, "preemption")
+
+    def instantiate_classes(self) -> None:
+        try:
+            super().instantiate_classes()
+        except ValueError as err:
+            # A constructor's own error inside a subclass-mode group (`data`) reaches the user wrapped in
+            # jsonargparse's "Does not validate against any of the Union subtypes" dump: show it alone.
+            cause = _constructor_error(err)
+            if cause is None:
+                raise
+            raise cause from None
+
+
+def _constructor_error(err: BaseException) -> BaseException | None:
+    """The error a constructor raised under jsonargparse's union wrapper, or ``None`` when ``err`` is not that."""
+    if not str(err).startswith("Does not validate against any of the Union subtypes"):
+        return None
+    root = err
+    while root.__cause__ is not None:
+        root = root.__cause__
+    frames = traceback.extract_tb(root.__traceback__)
+    if root is err or not frames or f"{os.sep}jsonargparse{os.sep}" in frames[-1].filename:
+        return None
+    return root
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -53,6 +53,7 @@ from lightning_offpolicy.correction import (
 from lightning_offpolicy.evaluation import EvaluationMetrics
 from lightning_offpolicy.logprobs import causal_lm_token_logprobs
 from lightning_offpolicy.metrics import CorrectionMetrics, PolicyLossMetrics
+from lightning_offpolicy.preflight import check_model_path, check_vocab
 from lightning_offpolicy.tokenizers import CharTokenizer, HFTokenizer
 
 ReferenceMode = Literal["auto", "none", "frozen_copy", "disable_adapter"]
@@ -164,6 +165,7 @@ class OffPolicyRLModule(LightningModule):
             self.policy: torch.nn.Module | None = model
             self.model_name = type(model).__name__
         else:
+            check_model_path(str(model), "OffPolicyRLModule.model")
             self.policy = None
             self.model_name = model
         self.tokenizer = tokenizer
@@ -223,6 +225,7 @@ class OffPolicyRLModule(LightningModule):
             elif isinstance(self.tokenizer, HFTokenizer) and not self.tokenizer.loaded:
                 self.tokenizer.load(path)  # options from the config, files from the model's directory
             self._prepare_policy()
+        check_vocab(self.policy, self.tokenizer)
         # Dropout off for good: pi_prox, pi_theta and the engine must be the same function of the
         # weights, or the PPO ratio is not 1 at the start of a step and the mismatch metrics lie.
         self.policy.eval()

@@ -39,6 +39,7 @@ from urllib.parse import parse_qsl
 import torch
 import torch.nn.functional as F
 
+from lightning_offpolicy.preflight import check_vocab
 from lightning_offpolicy.tasks import Task, get_task
 from lightning_offpolicy.tokenizers import CharTokenizer, HFTokenizer, encode_prompt
 
@@ -106,12 +107,6 @@ def build_tiny_llama(vocab_size: int = 64, seed: int = 0):
     return model.to(torch.float32).eval()
 
 
-def _check_vocab(model: torch.nn.Module, tokenizer: Tokenizer) -> None:
-    model_vocab = model.get_input_embeddings().num_embeddings
-    if tokenizer.vocab_size > model_vocab:
-        raise ValueError(f"tokenizer vocab ({tokenizer.vocab_size}) exceeds the model's ({model_vocab}).")
-
-
 def warmup_sft(
     model: torch.nn.Module,
     tokenizer: Tokenizer,
@@ -131,7 +126,7 @@ def warmup_sft(
         raise ValueError(f"warmup_sft: `steps` must be >= 0, got {steps}.")
     if batch_size < 1:
         raise ValueError(f"warmup_sft: `batch_size` must be >= 1, got {batch_size}.")
-    _check_vocab(model, tokenizer)
+    check_vocab(model, tokenizer)
     rng = random.Random(seed)
     device = next(model.parameters()).device
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id

@@ -54,6 +54,7 @@ from typing_extensions import override
 from lightning_offpolicy.advantages import ADVANTAGE_ESTIMATORS, compute_advantages
 from lightning_offpolicy.batch import PromptBatch, RolloutBatch
 from lightning_offpolicy.evaluation import EvaluationBatch, prompt_seed
+from lightning_offpolicy.preflight import check_context, check_group_size, check_prompt_fits, check_vocab, context_limit
 from lightning_offpolicy.rewards import RewardSpec, resolve_reward, score_completions
 from lightning_offpolicy.rollout.engine import RolloutEngine, SamplingConfig, generation_eos_ids
 from lightning_offpolicy.rollout.hf_engine import HFEngine
@@ -131,6 +132,7 @@ class RolloutCallback(Callback):
                 f"RolloutCallback.success_threshold={success_threshold!r} must be a number (the reward a sample "
                 "needs for its prompt to count in val/pass@k)."
             )
+        check_group_size(samples_per_prompt, advantage_estimator)
         self.engine = engine
         self.reward_fn = resolve_reward(reward_fn, "RolloutCallback.reward_fn")
         self.sampling = SamplingConfig(
@@ -160,6 +162,7 @@ class RolloutCallback(Callback):
         self._tokenizer: Any = None
         self._rank = 0
         self._version_at_batch_start = 0
+        self._context_limit: tuple[int, str] | None = None
 
     @property
     def asynchronous(self) -> bool:
@@ -198,6 +201,17 @@ class RolloutCallback(Callback):
                 "HFEngine(dtype='float32' / 'bfloat16') instead of an HFEngine that shares the module's weights."
             )
         self._rank = trainer.global_rank
+
+    @override
+    def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        # Here, not in setup: configure_model (which loads a model given by name) runs in between.
+        # Checks of what would otherwise crash inside generate, after the training started.
+        policy = getattr(pl_module, "policy", None)
+        if policy is None:
+            return
+        check_vocab(policy, pl_module.tokenizer)
+        self._context_limit = context_limit(policy, self.engine)
+        check_context(self.sampling.max_new_tokens, self._context_limit)
 
     def _engine(self, pl_module: LightningModule) -> RolloutEngine:
         if self.engine is None:
@@ -283,6 +297,7 @@ class RolloutCallback(Callback):
         # The tokenizer's own rule (bos only where it adds one; chat prompts through its template).
         prompt_ids = [encode_prompt(tokenizer, prompt) for prompt in prompts.prompts]
         started = time.perf_counter()
+        check_prompt_fits(max(map(len, prompt_ids), default=0), self.sampling.max_new_tokens, self._context_limit)
         completions = self.engine.generate(prompt_ids, self.sampling, seed=_mix_seed(self.seed, index, self._rank))
         generate_s = time.perf_counter() - started
         texts = [tokenizer.decode(c.token_ids) for c in completions]

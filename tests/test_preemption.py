@@ -1,0 +1,248 @@
+"""SIGTERM: a checkpoint at a batch boundary, a non-zero exit, a clean shutdown, and a resume that continues.
+
+The in-process tests drive the callback through the Python API (the signal is sent to the test
+process itself); the slow ones run ``python -m lightning_offpolicy.cli fit`` as a real subprocess
+(one process and 2 DDP ranks) and send it SIGTERM mid-fit, as a scheduler would.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from functools import partial
+from pathlib import Path
+
+import lightning as L
+import psutil
+import pytest
+import torch
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+from lightning_offpolicy.module import OffPolicyRLModule
+from lightning_offpolicy.preemption import SIGTERM_EXIT_CODE, PreemptionCheckpoint
+from lightning_offpolicy.rollout import HFEngine, RolloutCallback
+from lightning_offpolicy.tasks import PromptDataModule
+from lightning_offpolicy.tiny import build_tiny_llama
+from lightning_offpolicy.tokenizers import CharTokenizer
+from tests.vllm_fixtures import requires_vllm
+
+ROOT = Path(__file__).resolve().parents[1]
+STEPS_PER_BATCH = 2  # num_minibatches below, and in configs/quickstart.yaml
+
+
+class SendSigterm(L.Callback):
+    """Sends SIGTERM to this very process at the end of batch ``at_batch`` (as a scheduler would)."""
+
+    def __init__(self, at_batch: int) -> None:
+        self.at_batch = at_batch
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if batch_idx == self.at_batch:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+
+def build(tmp_path, max_steps: int, callbacks, **rollout):
+    module = OffPolicyRLModule(
+        model=build_tiny_llama(),
+        tokenizer=CharTokenizer(),
+        optimizer=partial(torch.optim.AdamW, lr=1e-3),
+        num_minibatches=STEPS_PER_BATCH,
+    )
+    rollout_callback = RolloutCallback(samples_per_prompt=2, max_new_tokens=7, seed=1, **rollout)
+    trainer = L.Trainer(
+        accelerator="cpu",
+        max_steps=max_steps,
+        callbacks=[rollout_callback, *callbacks],
+        default_root_dir=tmp_path,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+    )
+    data = PromptDataModule(task="reverse", prompts_per_step=2, num_train_prompts=32)
+    return module, rollout_callback, trainer, data
+
+
+def test_lightning_alone_exits_zero_on_sigterm(tmp_path):
+    """The problem, in this Lightning version: the SIGTERMException it raises carries no code (status 0)."""
+    module, _, trainer, data = build(tmp_path, 40, [SendSigterm(at_batch=1)])
+    with pytest.raises(SystemExit) as info:
+        trainer.fit(module, data)
+    assert info.value.code is None  # sys.exit(None): the process exits with status 0
+
+
+def test_sigterm_saves_at_the_batch_boundary_exits_143_and_resumes(tmp_path):
+    before = signal.getsignal(signal.SIGTERM)
+    preemption = PreemptionCheckpoint(dirpath=str(tmp_path / "ckpt"))
+    module, rollout, trainer, data = build(tmp_path, 40, [SendSigterm(at_batch=1), preemption])
+    with pytest.raises(SystemExit) as info:
+        trainer.fit(module, data)
+    assert info.value.code == SIGTERM_EXIT_CODE == 143
+    assert signal.getsignal(signal.SIGTERM) is before  # the handler is given back
+    path = tmp_path / "ckpt" / "preempted.ckpt"
+    assert preemption.saved_path == str(path) and path.is_file()
+    # Signalled at the end of batch 1: saved right there, after 2 batches of 2 optimizer steps.
+    checkpoint = torch.load(path, weights_only=False)
+    assert checkpoint["global_step"] == checkpoint["policy_version"] == 2 * STEPS_PER_BATCH == module.policy_version
+    saved_weights = {k: v.clone() for k, v in module.policy.state_dict().items()}
+
+    resumed, resumed_rollout, resumed_trainer, data = build(tmp_path, 4 * STEPS_PER_BATCH, [PreemptionCheckpoint()])
+    seen = {}
+
+    class Probe(L.Callback):
+        def on_train_start(self, trainer, pl_module):
+            seen["version"] = pl_module.policy_version
+            seen["weights"] = {k: v.clone() for k, v in pl_module.policy.state_dict().items()}
+
+    resumed_trainer.callbacks.append(Probe())
+    resumed_trainer.fit(resumed, data, ckpt_path=path)  # no SystemExit: finishes normally
+    assert seen["version"] == 2 * STEPS_PER_BATCH
+    for name, value in saved_weights.items():
+        torch.testing.assert_close(seen["weights"][name], value, rtol=0, atol=0)
+    assert resumed.policy_version == resumed_trainer.global_step == 4 * STEPS_PER_BATCH
+    assert resumed_rollout.generated_batches == 4
+
+
+def test_sigterm_during_the_last_batch_still_saves_and_exits_143(tmp_path):
+    """Lightning stops at the end of the epoch then: the checkpoint is the finished run (resuming ends at once)."""
+    before = signal.getsignal(signal.SIGTERM)
+    preemption = PreemptionCheckpoint(dirpath=str(tmp_path))
+    module, _, trainer, data = build(tmp_path, 2 * STEPS_PER_BATCH, [SendSigterm(at_batch=1), preemption])
+    with pytest.raises(SystemExit) as info:
+        trainer.fit(module, data)
+    assert info.value.code == 143 and module.policy_version == 2 * STEPS_PER_BATCH
+    assert torch.load(preemption.saved_path, weights_only=False)["global_step"] == 2 * STEPS_PER_BATCH
+    assert signal.getsignal(signal.SIGTERM) is before
+
+
+def test_sigterm_stops_the_background_producer(tmp_path):
+    preemption = PreemptionCheckpoint(dirpath=str(tmp_path))
+    module, rollout, trainer, data = build(
+        tmp_path, 40, [SendSigterm(at_batch=2), preemption], engine=HFEngine(dtype="bfloat16"), max_staleness=1
+    )
+    with pytest.raises(SystemExit) as info:
+        trainer.fit(module, data)
+    assert info.value.code == 143
+    assert rollout.producer is None
+    assert not [t for t in threading.enumerate() if t.name == "RolloutProducer" and t.is_alive()]
+    assert torch.load(tmp_path / "preempted.ckpt", weights_only=False)["policy_version"] == 3 * STEPS_PER_BATCH
+
+
+def test_bad_settings_are_refused():
+    with pytest.raises(ValueError, match="exit_code=0"):
+        PreemptionCheckpoint(exit_code=0)
+    with pytest.raises(ValueError, match="filename"):
+        PreemptionCheckpoint(filename="")
+
+
+# ------------------------------------------------------------------------------ the real CLI, SIGTERM'd
+def session_processes(sid: int) -> list[psutil.Process]:
+    """Live processes of session ``sid`` (the CLI runs in its own session: its DDP ranks and engines too)."""
+    out = []
+    for proc in psutil.process_iter():
+        try:
+            if os.getsid(proc.pid) == sid and proc.status() != psutil.STATUS_ZOMBIE:
+                out.append(proc)
+        except (psutil.Error, ProcessLookupError, PermissionError):
+            continue
+    return out
+
+
+def run_cli(
+    tmp_path: Path,
+    name: str,
+    *args: str,
+    sigterm_after: str | None = None,
+    timeout: float = 600,
+    config: str = "quickstart.yaml",
+):
+    """``python -m lightning_offpolicy.cli fit`` on ``config``; SIGTERM once ``sigterm_after`` is logged.
+
+    Returns (exit status, log text). Asserts that no process of its session outlives it.
+    """
+    log_path = tmp_path / f"{name}.log"
+    command = [
+        sys.executable, "-m", "lightning_offpolicy.cli", "fit",
+        "--config", str(ROOT / "configs" / config),
+        f"--trainer.default_root_dir={tmp_path / name}",
+        f"--trainer.logger.init_args.save_dir={tmp_path / name}",
+        "--trainer.enable_progress_bar=false",
+        "--data.init_args.prompts_per_step=4",
+        "--rollout.samples_per_prompt=2",
+        *args,
+    ]  # fmt: skip
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(
+            command, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
+        )
+    try:
+        deadline = time.monotonic() + timeout
+        if sigterm_after is not None:
+            while sigterm_after not in log_path.read_text() and proc.poll() is None:
+                assert time.monotonic() < deadline, "the fit did not start in time"
+                time.sleep(0.5)
+            time.sleep(3.0)  # a few optimizer steps in
+            proc.send_signal(signal.SIGTERM)
+        status = proc.wait(timeout=max(deadline - time.monotonic(), 1))
+        for _ in range(60):  # DDP ranks and engine processes exit right after the main one
+            if not session_processes(proc.pid):
+                break
+            time.sleep(0.5)
+        assert not session_processes(proc.pid), [p.cmdline() for p in session_processes(proc.pid)]
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    return status, log_path.read_text()
+
+
+def logged_policy_versions(run_dir: Path, name: str = "quickstart") -> list[float]:
+    (version,) = [p for p in (run_dir / name).iterdir() if p.is_dir()]
+    events = EventAccumulator(str(version))
+    events.Reload()
+    return [e.value for e in events.Scalars("train/policy_version")]
+
+
+def check_preempt_and_resume(tmp_path: Path, *extra: str) -> None:
+    status, log = run_cli(tmp_path, "first", "--trainer.max_steps=2000", *extra, sigterm_after="first rollout")
+    assert status == SIGTERM_EXIT_CODE, log[-3000:]
+    (path,) = (tmp_path / "first").rglob("preempted.ckpt")
+    assert path.parent.name == "checkpoints"  # the ModelCheckpoint's directory
+    checkpoint = torch.load(path, weights_only=False)
+    step = checkpoint["global_step"]
+    assert step >= STEPS_PER_BATCH and step % STEPS_PER_BATCH == 0 and checkpoint["policy_version"] == step
+    assert logged_policy_versions(tmp_path / "first")[-1] == step  # nothing trained after the checkpoint
+
+    target = step + 2 * STEPS_PER_BATCH
+    status, log = run_cli(tmp_path, "resumed", f"--trainer.max_steps={target}", f"--ckpt_path={path}", *extra)
+    assert status == 0, log[-3000:]
+    # The resumed run's first step is version step + 2: it continued, it did not restart from 0.
+    assert logged_policy_versions(tmp_path / "resumed") == [step + STEPS_PER_BATCH, target]
+
+
+@pytest.mark.slow
+def test_cli_sigterm_mid_fit_exits_143_with_a_checkpoint_that_resumes(tmp_path):
+    check_preempt_and_resume(tmp_path)
+
+
+@pytest.mark.slow
+def test_cli_sigterm_under_two_rank_ddp(tmp_path):
+    check_preempt_and_resume(tmp_path, "--trainer.strategy=ddp", "--trainer.devices=2")
+
+
+@requires_vllm
+@pytest.mark.slow
+def test_cli_sigterm_with_async_vllm_stops_the_engine_processes(tmp_path, vllm_engine_holder):
+    vllm_engine_holder.close()  # one engine at a time on a small machine
+    status, log = run_cli(
+        tmp_path, "vllm", "--trainer.max_steps=2000", config="vllm_async.yaml", sigterm_after="first rollout"
+    )  # run_cli asserts that no process of the run (EngineCore included) is left
+    assert status == SIGTERM_EXIT_CODE, log[-3000:]
+    (path,) = (tmp_path / "vllm").rglob("preempted.ckpt")
+    checkpoint = torch.load(path, weights_only=False)
+    assert checkpoint["policy_version"] == checkpoint["global_step"] >= STEPS_PER_BATCH
+    assert logged_policy_versions(tmp_path / "vllm", "vllm_async")[-1] == checkpoint["policy_version"]

@@ -1,0 +1,193 @@
+"""Settings that would train nothing or crash after the start fail before the first step, naming the setting."""
+
+from __future__ import annotations
+
+import lightning as L
+import pytest
+import torch
+
+from lightning_offpolicy.advantages import compute_advantages
+from lightning_offpolicy.cli import _constructor_error
+from lightning_offpolicy.module import OffPolicyRLModule
+from lightning_offpolicy.preflight import GROUP_ESTIMATORS, looks_local
+from lightning_offpolicy.rollout import HFEngine, RolloutCallback
+from lightning_offpolicy.tasks import PromptDataModule
+from lightning_offpolicy.tiny import build_tiny_llama
+from lightning_offpolicy.tokenizers import CharTokenizer
+from tests.test_cli import ROOT, parse
+
+
+class CountingHFEngine(HFEngine):
+    """The real embedded engine, counting its generate calls (to prove a check came before any)."""
+
+    calls = 0
+
+    def generate(self, *args, **kwargs):
+        CountingHFEngine.calls += 1
+        return super().generate(*args, **kwargs)
+
+
+def fit(module, callback, tmp_path, steps: int = 2) -> L.Trainer:
+    trainer = L.Trainer(
+        accelerator="cpu",
+        max_steps=steps,
+        callbacks=[callback],
+        default_root_dir=tmp_path,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+    )
+    trainer.fit(module, PromptDataModule(task="reverse", prompts_per_step=2, num_train_prompts=8))
+    return trainer
+
+
+# ---------------------------------------------------------------------------- samples_per_prompt=1
+@pytest.mark.parametrize("estimator", GROUP_ESTIMATORS)
+def test_group_estimators_give_zero_advantages_for_groups_of_one(estimator):
+    """Why the check exists: the estimator's own output is identically 0 for groups of one."""
+    rewards = torch.tensor([0.1, 0.9, 0.4, 1.0])
+    advantages = compute_advantages(estimator, rewards, torch.arange(4))
+    torch.testing.assert_close(advantages, torch.zeros(4), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("estimator", GROUP_ESTIMATORS)
+def test_one_sample_per_prompt_with_a_group_estimator_is_refused_at_construction(estimator):
+    with pytest.raises(ValueError) as info:
+        RolloutCallback(samples_per_prompt=1, advantage_estimator=estimator)
+    message = str(info.value)
+    for text in ("rollout.samples_per_prompt=1", f"rollout.advantage_estimator={estimator!r}", "reinforce", ">= 2"):
+        assert text in message
+
+
+def test_one_sample_per_prompt_is_fine_with_reinforce_and_groups_of_two_with_grpo():
+    RolloutCallback(samples_per_prompt=1, advantage_estimator="reinforce")
+    RolloutCallback(samples_per_prompt=2, advantage_estimator="grpo")
+
+
+def test_cli_refuses_one_sample_per_prompt_with_grpo():
+    with pytest.raises(ValueError, match="rollout.samples_per_prompt=1"):
+        parse("--config", str(ROOT / "configs" / "quickstart.yaml"), "--rollout.samples_per_prompt=1")
+
+
+# ---------------------------------------------------------------------------- vocabulary
+def test_tokenizer_larger_than_the_embedding_fails_before_the_first_step(tmp_path):
+    tokenizer = CharTokenizer()
+    assert len(tokenizer) == 48  # the tiny models' embeddings have 64 rows, this test's 32
+    model = build_tiny_llama(vocab_size=32)
+    module = OffPolicyRLModule(model=model, tokenizer=tokenizer)
+    CountingHFEngine.calls = 0
+    callback = RolloutCallback(engine=CountingHFEngine(), samples_per_prompt=2, max_new_tokens=4)
+    with pytest.raises(ValueError) as info:
+        fit(module, callback, tmp_path)
+    assert "48 token ids" in str(info.value) and "32 rows" in str(info.value)
+    assert module.policy_version == 0 and CountingHFEngine.calls == 0
+
+
+def test_the_rollout_callback_checks_the_vocabulary_of_any_module(tmp_path):
+    """A module other than OffPolicyRLModule (no check of its own) is checked by the callback at fit start."""
+
+    class PlainModule(OffPolicyRLModule):
+        def configure_model(self) -> None:  # skips OffPolicyRLModule's own check
+            self.policy.eval()
+
+    module = PlainModule(model=build_tiny_llama(vocab_size=40), tokenizer=CharTokenizer())
+    with pytest.raises(ValueError, match="48 token ids but the model's input embedding only 40 rows"):
+        fit(module, RolloutCallback(samples_per_prompt=2, max_new_tokens=4), tmp_path)
+    assert module.policy_version == 0
+
+
+# ---------------------------------------------------------------------------- context length
+def test_max_new_tokens_at_the_models_context_fails_at_fit_start(tmp_path):
+    model = build_tiny_llama()
+    assert model.config.max_position_embeddings == 256
+    module = OffPolicyRLModule(model=model, tokenizer=CharTokenizer())
+    CountingHFEngine.calls = 0
+    callback = RolloutCallback(engine=CountingHFEngine(), samples_per_prompt=2, max_new_tokens=256)
+    with pytest.raises(ValueError) as info:
+        fit(module, callback, tmp_path)
+    assert "rollout.max_new_tokens=256" in str(info.value) and "max_position_embeddings=256" in str(info.value)
+    assert CountingHFEngine.calls == 0
+
+
+def test_prompt_plus_max_new_tokens_past_the_context_fails_before_generating(tmp_path):
+    """HFEngine alone only warns and generates past the model's positions; the callback refuses first."""
+    tokenizer = CharTokenizer()
+    data = PromptDataModule(task="reverse", prompts_per_step=2, num_train_prompts=8)
+    shortest = min(len(tokenizer.encode(prompt)) for prompt, _ in data.train_dataset.items)
+    max_new_tokens = 256 - shortest + 1  # every prompt of the set runs past 256
+    module = OffPolicyRLModule(model=build_tiny_llama(), tokenizer=tokenizer)
+    CountingHFEngine.calls = 0
+    callback = RolloutCallback(engine=CountingHFEngine(), samples_per_prompt=2, max_new_tokens=max_new_tokens)
+    with pytest.raises(ValueError) as info:
+        fit(module, callback, tmp_path)
+    message = str(info.value)
+    assert f"rollout.max_new_tokens={max_new_tokens}" in message and "max_position_embeddings=256" in message
+    longest = int(message.split("(")[1].split(" tokens")[0])
+    assert longest + max_new_tokens > 256 and longest >= shortest
+    assert CountingHFEngine.calls == 0 and module.policy_version == 0
+
+
+def test_vllm_max_model_len_is_checked_before_the_engine_starts(tmp_path):
+    pytest.importorskip("vllm")
+    from lightning_offpolicy.rollout import VLLMEngine
+
+    engine = VLLMEngine(max_model_len=32, eos_token_id=2)
+    module = OffPolicyRLModule(model=build_tiny_llama(), tokenizer=CharTokenizer())
+    callback = RolloutCallback(engine=engine, samples_per_prompt=2, max_new_tokens=40)
+    with pytest.raises(ValueError) as info:
+        fit(module, callback, tmp_path)
+    assert "rollout.max_new_tokens=40" in str(info.value) and "max_model_len=32" in str(info.value)
+    assert not engine.started
+
+
+# ---------------------------------------------------------------------------- model path
+@pytest.mark.parametrize("kind", ["relative", "absolute", "home", "parent_exists"])
+def test_a_missing_local_model_directory_is_named(tmp_path, monkeypatch, kind):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("HOME", str(tmp_path))
+    (tmp_path / "checkpoints").mkdir()
+    name = {
+        "relative": "./no_such_model",
+        "absolute": str(tmp_path / "no_such_model"),
+        "home": "~/no_such_model",
+        "parent_exists": "checkpoints/step-100",
+    }[kind]
+    with pytest.raises(FileNotFoundError) as info:
+        OffPolicyRLModule(model=name)
+    assert "was not found" in str(info.value) and "OffPolicyRLModule.model" in str(info.value)
+    assert "Repo id" not in str(info.value)
+
+
+def test_a_file_is_not_a_model_directory(tmp_path):
+    (tmp_path / "model.safetensors").write_bytes(b"")
+    with pytest.raises(FileNotFoundError, match="is a file, not a model directory"):
+        OffPolicyRLModule(model=str(tmp_path / "model.safetensors"))
+
+
+def test_hub_ids_and_tiny_specs_are_not_taken_for_local_paths(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert not looks_local("Qwen/Qwen2.5-1.5B-Instruct") and not looks_local("gpt2")
+    assert not looks_local("tiny:reverse")
+    OffPolicyRLModule(model="Qwen/Qwen2.5-1.5B-Instruct")  # not loaded before configure_model
+
+
+def test_cli_names_the_missing_model_directory(tmp_path):
+    with pytest.raises(FileNotFoundError, match="was not found"):
+        parse("--config", str(ROOT / "configs" / "quickstart.yaml"), f"--model.model={tmp_path}/missing")
+
+
+# ---------------------------------------------------------------------------- unknown task
+def test_cli_shows_the_unknown_task_message_itself():
+    with pytest.raises(ValueError) as info:
+        parse("--config", str(ROOT / "configs" / "quickstart.yaml"), "--data.init_args.task=foo")
+    message = str(info.value)
+    assert message.startswith("PromptDataModule: unknown `task` 'foo'; available: addition, copy, reverse")
+    assert "Union subtypes" not in message
+
+
+def test_other_union_errors_are_left_as_they_are():
+    """Only a constructor's error under the union wrapper is unwrapped; jsonargparse's own errors stay whole."""
+    plain = ValueError("Does not validate against any of the Union subtypes\n...")
+    assert _constructor_error(plain) is None
+    assert _constructor_error(ValueError("something else")) is None

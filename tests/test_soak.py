@@ -1,0 +1,102 @@
+"""benchmarks/soak.py: its readers and checks on real files and processes, and its quick mode end to end."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+import soak  # noqa: E402
+
+from tests.vllm_fixtures import requires_vllm  # noqa: E402
+
+
+def test_reward_blocks_are_a_quarter_of_the_batches_at_most_30():
+    assert soak.reward_blocks([0.0, 0.0, 0.5, 0.5, 1.0, 1.0, 1.0, 1.0]) == (0.0, 1.0)  # blocks of 2
+    rewards = [i / 199 for i in range(200)]  # blocks of 30: means of 0..29 and 170..199, over 199
+    first, last = soak.reward_blocks(rewards)
+    assert first == pytest.approx(14.5 / 199) and last == pytest.approx(184.5 / 199)
+    assert soak.reward_blocks([0.3]) is None
+
+
+def test_scalars_come_back_in_step_order_from_real_event_files(tmp_path):
+    from torch.utils.tensorboard import SummaryWriter
+
+    writer = SummaryWriter(str(tmp_path / "run" / "version_0"))
+    for step, value in [(2, 0.5), (0, 0.1), (1, 0.3)]:
+        writer.add_scalar("train/reward", value, step)
+    writer.close()
+    directory = soak.run_dir(tmp_path / "run")
+    assert directory == tmp_path / "run" / "version_0"
+    assert soak.scalars(directory, "train/reward") == pytest.approx([0.1, 0.3, 0.5])
+    assert soak.scalars(directory, "staleness/max") == []
+
+
+def test_a_process_left_over_by_a_run_is_found_and_killed():
+    script = (
+        "import subprocess, sys; "
+        "subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(120)'])"  # outlives its parent
+    )
+    leader = subprocess.Popen([sys.executable, "-c", script], start_new_session=True)
+    leader.wait(timeout=60)
+    time.sleep(0.5)
+    left = soak.leftovers_after_exit(leader.pid, grace_s=1.0)
+    assert len(left) == 1 and "time.sleep(120)" in left[0]
+    assert soak.leftovers_after_exit(leader.pid, grace_s=5.0) == []  # killed
+
+
+def test_every_shipped_config_is_run_or_skipped_with_a_reason():
+    specs = soak.shipped_configs()
+    files = {str(p.relative_to(ROOT)) for p in (ROOT / "configs").rglob("*.yaml")}
+    assert {s.configs[-1] for s in specs} == files and len(specs) == len(files)
+    by_name = {s.name: s for s in specs}
+    assert by_name["fsdp"].skip_reason and "GPU" in by_name["fsdp"].skip_reason
+    lora = by_name["lora_single_gpu (CPU form)"]
+    assert lora.skip_reason is None and "--model.model=tiny:reverse" in lora.args
+    assert by_name["correction/cispo"].configs == [soak.BASE, "configs/correction/cispo.yaml"]
+    assert by_name["vllm_async"].uses_vllm and not by_name["quickstart"].uses_vllm
+
+
+def test_a_gpu_recipe_without_a_cpu_form_is_skipped():
+    reason = soak._not_cpu_runnable({"trainer": {"accelerator": "gpu"}, "model": {"model": "tiny:reverse"}})
+    assert "accelerator='gpu'" in reason
+    assert "not built locally" in soak._not_cpu_runnable({"model": {"model": "Qwen/Qwen2.5-0.5B"}})
+    assert soak._not_cpu_runnable({"trainer": {"accelerator": "cpu"}, "model": {"model": "tiny:copy"}}) is None
+
+
+def run_quick(tmp_path: Path, *args: str) -> dict:
+    status = soak.main(
+        ["--quick", "--workdir", str(tmp_path / "runs"), "--output", str(tmp_path / "soak.md"), *args]
+    )
+    report = json.loads((tmp_path / "soak.json").read_text())
+    assert status == 0, [(r["config"], r["condition"], r["failures"], r["log_tail"][-1500:]) for r in report["runs"]]
+    markdown = (tmp_path / "soak.md").read_text()
+    for run in report["runs"]:
+        assert run["ok"] and run["exit_code"] == 0 and run["resume_ok"] and not run["leftover_processes"]
+        assert run["staleness_max"] <= run["staleness_bound"]
+        assert f"| {run['config']} | {run['condition']} | 0 |" in markdown
+    return report
+
+
+@pytest.mark.slow
+def test_quick_soak_of_the_quickstart_quiet_and_beside_a_hog(tmp_path):
+    report = run_quick(tmp_path, "--only", "quickstart")
+    assert [(r["config"], r["condition"]) for r in report["runs"]] == [("quickstart", "quiet"), ("quickstart", "hog")]
+    for run in report["runs"]:
+        assert run["batches"] == 2  # --quick-steps 4 at 2 optimizer steps per batch
+        assert run["resumed_versions"] == [6.0, 8.0]  # continued from version 4, 2 more batches
+
+
+@requires_vllm
+@pytest.mark.slow
+def test_quick_soak_of_the_async_vllm_config(tmp_path, vllm_engine_holder):
+    vllm_engine_holder.close()  # one engine at a time on a small machine
+    report = run_quick(tmp_path, "--only", "vllm_async", "--conditions", "quiet")
+    (run,) = report["runs"]
+    assert run["staleness_bound"] == 2
