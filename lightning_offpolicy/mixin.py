@@ -28,7 +28,14 @@ What the mixin and the callback do to it:
   clipping, accumulation, precision and strategies as configured on the Trainer): one forward with
   gradient gives ``pi_theta``; at that single step ``pi_prox == pi_theta``, so its detached value
   is the proximal policy without a second forward; then the correction, the surrogate and the
-  ``rollout_corr/*`` and ``ppo/*`` metrics as in :class:`~lightning_offpolicy.OffPolicyRLModule`;
+  ``rollout_corr/*``, ``ppo/*`` and ``train/*`` metrics (``train/entropy`` included) as in
+  :class:`~lightning_offpolicy.OffPolicyRLModule`;
+* the RL forward runs with the whole module in eval mode (dropout off), as
+  :class:`~lightning_offpolicy.OffPolicyRLModule` does: the engines generate without dropout, so a
+  training forward with dropout would add a training-inference mismatch of its own that the
+  correction would then "correct". Each submodule's mode is restored after the forward, so SFT
+  batches keep the module's own dropout. Decoder layers with transformers' gradient checkpointing
+  on keep their training flag (not their children's), so they are still recomputed in the backward;
 * ``policy_version`` counts optimizer steps, the SFT ones included (``on_before_zero_grad``), and
   is saved in checkpoints; the callback stamps it on generated tokens.
 
@@ -39,8 +46,9 @@ mixin's loss is each rank's own token mean (the gradient is the mean of the rank
 
 from __future__ import annotations
 
+import contextlib
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -118,13 +126,15 @@ class OffPolicyMixin:
         check_compatible(self.rl_correction, self.rl_loss)
         rollout = rollout.to(self.device)
         rollout.validate(require_rollout_logprobs=True)
-        logprobs = causal_lm_token_logprobs(
-            self.policy,
-            rollout.input_ids,
-            rollout.attention_mask,
-            response_start=rollout.prompt_length,
-            temperature=self.temperature,
-        )
+        with _dropout_off(self):
+            logprobs, entropy = causal_lm_token_logprobs(
+                self.policy,
+                rollout.input_ids,
+                rollout.attention_mask,
+                response_start=rollout.prompt_length,
+                temperature=self.temperature,
+                return_entropy=True,
+            )
         prox = logprobs.detach()  # the step's weights: pi_prox == pi_theta before the optimizer step
         correction = compute_correction(prox, rollout.rollout_logprobs, rollout.response_mask, self.rl_correction)
         loss, info = policy_loss(
@@ -136,7 +146,7 @@ class OffPolicyMixin:
             self.rl_loss,
             correction=correction,
         )
-        self._log_off_policy(rollout, correction, info)
+        self._log_off_policy(rollout, correction, info, entropy.detach())
         return loss
 
     def _count_optimizer_step(self, optimizer: Any, *args: Any, **kwargs: Any) -> tuple[bool, Any]:
@@ -152,7 +162,7 @@ class OffPolicyMixin:
         self.policy_version = int(checkpoint.get("policy_version", 0))
         return False, None
 
-    def _log_off_policy(self, rollout: RolloutBatch, correction: Any, info: Any) -> None:
+    def _log_off_policy(self, rollout: RolloutBatch, correction: Any, info: Any, entropy: torch.Tensor) -> None:
         if getattr(self, "_off_policy_metrics", None) is None:
             # Created on first use: the module's own __init__ is not ours to extend.
             self._off_policy_metrics = torch.nn.ModuleList(
@@ -164,6 +174,8 @@ class OffPolicyMixin:
         values = {**correction_metrics.compute(), **loss_metrics.compute()}
         tokens = rollout.response_mask.bool()
         values["train/reward"] = rollout.rewards.mean()
+        # Mean entropy (nats) of the policy over the response tokens: a fall towards 0 is collapse.
+        values["train/entropy"] = entropy[tokens].float().mean() if tokens.any() else torch.zeros(())
         values["staleness/mean"] = (self.policy_version - rollout.policy_version[tokens]).float().mean()
         values["train/policy_version"] = float(self.policy_version)
         values = {k: torch.as_tensor(v, dtype=torch.float32) for k, v in values.items()}
@@ -171,6 +183,29 @@ class OffPolicyMixin:
         self.log("reward", values["train/reward"], prog_bar=True, batch_size=1, logger=False)
         correction_metrics.reset()
         loss_metrics.reset()
+
+
+@contextlib.contextmanager
+def _dropout_off(module: torch.nn.Module) -> Iterator[None]:
+    """Eval mode for every submodule during the block, then each one's own mode back.
+
+    Modes only matter in the forward: the backward replays what the forward recorded, so restoring
+    before ``loss.backward()`` is safe.
+    """
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    modes = [(sub, sub.training) for sub in module.modules()]
+    module.eval()
+    for sub in module.modules():
+        # transformers recomputes a checkpointed layer only in training mode: set the layer's flag
+        # alone, not its children's, so that its dropout stays off (as OffPolicyRLModule does).
+        if isinstance(sub, GradientCheckpointingLayer) and sub.gradient_checkpointing:
+            sub.training = True
+    try:
+        yield
+    finally:
+        for sub, training in modes:
+            sub.training = training
 
 
 #: Methods a subclass may define that would hide the mixin's, and the mixin part run before them:
