@@ -21,8 +21,8 @@ What the mixin and the callback do to it:
 * ``training_step`` receives :class:`~lightning_offpolicy.batch.PromptBatch` objects carrying the
   callback's rollouts; the mixin handles those (:meth:`OffPolicyMixin.off_policy_step`) and passes
   every other batch to the module's own ``training_step``. The module's class defines its own
-  ``training_step`` (and maybe ``on_before_zero_grad`` / ``on_save_checkpoint`` /
-  ``on_load_checkpoint``), which would hide the mixin's: the mixin wraps those methods when the
+  ``training_step`` (and maybe ``on_before_zero_grad`` / ``on_train_batch_end`` /
+  ``on_save_checkpoint`` / ``on_load_checkpoint``), which would hide the mixin's: the mixin wraps those methods when the
   class is created, so its part always runs first and the module's code stays as written;
 * the RL step is one optimizer step per batch under Lightning's automatic optimization (gradient
   clipping, accumulation, precision and strategies as configured on the Trainer): one forward with
@@ -30,12 +30,13 @@ What the mixin and the callback do to it:
   is the proximal policy without a second forward; then the correction, the surrogate and the
   ``rollout_corr/*``, ``ppo/*`` and ``train/*`` metrics (``train/entropy`` included) as in
   :class:`~lightning_offpolicy.OffPolicyRLModule`;
-* the RL forward runs with the whole module in eval mode (dropout off), as
+* an RL batch runs with the whole module in eval mode (dropout off), as
   :class:`~lightning_offpolicy.OffPolicyRLModule` does: the engines generate without dropout, so a
   training forward with dropout would add a training-inference mismatch of its own that the
-  correction would then "correct". Each submodule's mode is restored after the forward, so SFT
-  batches keep the module's own dropout. Decoder layers with transformers' gradient checkpointing
-  on keep their training flag (not their children's), so they are still recomputed in the backward;
+  correction would then "correct". Each submodule's mode is given back in ``on_train_batch_end``
+  (after the backward, which recomputes checkpointed layers in the mode of the forward), so SFT
+  batches and later fits keep the module's own dropout. Decoder layers with transformers' gradient
+  checkpointing on keep their training flag (not their children's), so they are still recomputed;
 * ``policy_version`` counts optimizer steps, the SFT ones included (``on_before_zero_grad``), and
   is saved in checkpoints; the callback stamps it on generated tokens.
 
@@ -46,9 +47,8 @@ mixin's loss is each rank's own token mean (the gradient is the mean of the rank
 
 from __future__ import annotations
 
-import contextlib
 import functools
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -126,15 +126,16 @@ class OffPolicyMixin:
         check_compatible(self.rl_correction, self.rl_loss)
         rollout = rollout.to(self.device)
         rollout.validate(require_rollout_logprobs=True)
-        with _dropout_off(self):
-            logprobs, entropy = causal_lm_token_logprobs(
-                self.policy,
-                rollout.input_ids,
-                rollout.attention_mask,
-                response_start=rollout.prompt_length,
-                temperature=self.temperature,
-                return_entropy=True,
-            )
+        if self.__dict__.get("_modes_before_rl") is None:
+            self.__dict__["_modes_before_rl"] = _dropout_off(self)
+        logprobs, entropy = causal_lm_token_logprobs(
+            self.policy,
+            rollout.input_ids,
+            rollout.attention_mask,
+            response_start=rollout.prompt_length,
+            temperature=self.temperature,
+            return_entropy=True,
+        )
         prox = logprobs.detach()  # the step's weights: pi_prox == pi_theta before the optimizer step
         correction = compute_correction(prox, rollout.rollout_logprobs, rollout.response_mask, self.rl_correction)
         loss, info = policy_loss(
@@ -152,6 +153,13 @@ class OffPolicyMixin:
     def _count_optimizer_step(self, optimizer: Any, *args: Any, **kwargs: Any) -> tuple[bool, Any]:
         # Called once per optimizer step under automatic optimization, after optimizer.step().
         self.policy_version = int(self.policy_version) + 1
+        return False, None
+
+    def _restore_modes(self, *args: Any, **kwargs: Any) -> tuple[bool, Any]:
+        # After the batch's backward (and optimizer step): the modes the module had before the RL batch.
+        modes = self.__dict__.pop("_modes_before_rl", None)
+        for sub, training in modes or ():
+            sub.training = training
         return False, None
 
     def _save_policy_version(self, checkpoint: dict[str, Any], *args: Any, **kwargs: Any) -> tuple[bool, Any]:
@@ -185,12 +193,10 @@ class OffPolicyMixin:
         loss_metrics.reset()
 
 
-@contextlib.contextmanager
-def _dropout_off(module: torch.nn.Module) -> Iterator[None]:
-    """Eval mode for every submodule during the block, then each one's own mode back.
+def _dropout_off(module: torch.nn.Module) -> list[tuple[torch.nn.Module, bool]]:
+    """Put every submodule in eval mode; return each one's previous mode, to be restored later.
 
-    Modes only matter in the forward: the backward replays what the forward recorded, so restoring
-    before ``loss.backward()`` is safe.
+    Not before the backward: a checkpointed layer is recomputed there in its mode at that time.
     """
     from transformers.modeling_layers import GradientCheckpointingLayer
 
@@ -201,11 +207,7 @@ def _dropout_off(module: torch.nn.Module) -> Iterator[None]:
         # alone, not its children's, so that its dropout stays off (as OffPolicyRLModule does).
         if isinstance(sub, GradientCheckpointingLayer) and sub.gradient_checkpointing:
             sub.training = True
-    try:
-        yield
-    finally:
-        for sub, training in modes:
-            sub.training = training
+    return modes
 
 
 #: Methods a subclass may define that would hide the mixin's, and the mixin part run before them:
@@ -213,6 +215,7 @@ def _dropout_off(module: torch.nn.Module) -> Iterator[None]:
 _ROUTED: dict[str, Callable[..., tuple[bool, Any]]] = {
     "training_step": OffPolicyMixin._route_training_step,
     "on_before_zero_grad": OffPolicyMixin._count_optimizer_step,
+    "on_train_batch_end": OffPolicyMixin._restore_modes,
     "on_save_checkpoint": OffPolicyMixin._save_policy_version,
     "on_load_checkpoint": OffPolicyMixin._load_policy_version,
 }

@@ -166,3 +166,15 @@ def test_mixin_logs_the_policy_entropy_of_the_response_tokens():
     trainer = fit_on(module, [rollout], max_steps=1)
     assert expected > 0.05  # a peaked but not collapsed policy: the check can fail
     assert trainer.callback_metrics["train/entropy"].item() == pytest.approx(expected, rel=1e-4)
+
+
+def test_mixin_keeps_gradient_checkpointing_with_dropout_off():
+    model = dropout_model()
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    layer = model.model.layers[0]
+    seen = []  # (layer recomputed?, its attention's dropout on?) per forward of the layer
+    layer.register_forward_pre_hook(lambda mod, *_: seen.append((mod.training, mod.self_attn.training)))
+    module = RLModule(model)
+    fit_on(module, [make_rollout(tiny_model(), seed=1, rows=3)], max_steps=1)
+    # The forward, then its recomputation in the backward: checkpointed, and without dropout both times.
+    assert seen == [(True, False), (True, False)]
