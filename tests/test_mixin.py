@@ -178,3 +178,45 @@ def test_mixin_keeps_gradient_checkpointing_with_dropout_off():
     fit_on(module, [make_rollout(tiny_model(), seed=1, rows=3)], max_steps=1)
     # The forward, then its recomputation in the backward: checkpointed, and without dropout both times.
     assert seen == [(True, False), (True, False)]
+
+
+def journeys_snippet() -> str:
+    """The Python block of docs/journeys.md section 2, as a user copies it."""
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[1] / "docs" / "journeys.md").read_text()
+    (block,) = [b for b in text.split("```python\n")[1:] if "class MyLM(OffPolicyMixin" in b]
+    return block.split("```")[0]
+
+
+@pytest.mark.slow
+def test_the_documented_mixin_snippet_writes_train_scalars_in_20_steps(tmp_path, monkeypatch):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    code = journeys_snippet()
+    # Fill the user's parts (the "..." of the snippet) with a tiny model and an SFT step; shorten the runs.
+    fills = {
+        "self.model = ...": "self.model = build_tiny_llama()",
+        "self.tokenizer = ...": "self.tokenizer = CharTokenizer()",
+        "# your SFT step, unchanged\n        ...": "\n        return self.model(input_ids=batch, labels=batch).loss",
+        "def configure_optimizers(self):\n        ...": (
+            "def configure_optimizers(self):\n        return torch.optim.AdamW(self.model.parameters(), lr=1e-3)"
+        ),
+        "max_steps=300": "max_steps=2",
+        "max_steps=200": "max_steps=20",
+    }
+    for placeholder, fill in fills.items():
+        assert code.count(placeholder) == 1, f"docs/journeys.md snippet changed: {placeholder!r}"
+        code = code.replace(placeholder, fill)
+    monkeypatch.chdir(tmp_path)
+    sft_data = torch.utils.data.DataLoader([torch.tensor([[1, 5, 6, 7, 2]])] * 2, batch_size=None)
+    namespace = {"sft_data": sft_data, "torch": torch, "CharTokenizer": type(TOKENIZER)}
+    exec("from lightning_offpolicy.tiny import build_tiny_llama\n" + code, namespace)
+
+    rl_run = sorted((tmp_path / "lightning_logs").iterdir())[-1]  # the second fit's version
+    events = EventAccumulator(str(rl_run))
+    events.Reload()
+    scalars = events.Tags()["scalars"]
+    for key in ("train/reward", "train/entropy", "rollout_corr/kl", "ppo/clip_frac"):
+        assert key in scalars, scalars
+        assert len(events.Scalars(key)) == 20
