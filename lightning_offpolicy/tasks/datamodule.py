@@ -43,7 +43,7 @@ class PromptDataModule(LightningDataModule):
     Args:
         task: name of a built-in task (``reverse``, ``addition``, ``copy``).
         prompts_per_step: prompts per training step (the DataLoader batch size); each prompt is
-            sampled ``samples_per_prompt`` times by the rollout side (``RolloutCallback.samples_per_prompt``).
+            sampled ``RolloutCallback.samples_per_prompt`` times by the rollout side.
         num_train_prompts: size of the fixed training prompt set (one epoch = this many prompts).
         seed: seed of the prompt set and of the shuffling order.
     """
