@@ -29,7 +29,7 @@ from lightning_offpolicy.tasks import PromptDataModule
 DESCRIPTION = (
     "Off-policy-corrected RL of language models with Lightning. `lightning-offpolicy fit --config "
     "configs/quickstart.yaml` trains; `lightning-offpolicy selfcheck` checks every correction preset on a "
-    "real tiny model in about a minute, without training (`selfcheck --help` for its options)."
+    "real tiny model in under a minute, without training (`selfcheck --help` for its options)."
 )
 
 MODEL_HELP = (
