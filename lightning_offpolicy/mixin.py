@@ -22,8 +22,9 @@ What the mixin and the callback do to it:
   callback's rollouts; the mixin handles those (:meth:`OffPolicyMixin.off_policy_step`) and passes
   every other batch to the module's own ``training_step``. The module's class defines its own
   ``training_step`` (and maybe ``on_before_zero_grad`` / ``on_train_batch_end`` /
-  ``on_save_checkpoint`` / ``on_load_checkpoint``), which would hide the mixin's: the mixin wraps those methods when the
-  class is created, so its part always runs first and the module's code stays as written;
+  ``on_save_checkpoint`` / ``on_load_checkpoint``), which would hide the mixin's: the mixin wraps
+  those methods when the class is created, so its part always runs first and the module's code
+  stays as written;
 * the RL step is one optimizer step per batch under Lightning's automatic optimization (gradient
   clipping, accumulation, precision and strategies as configured on the Trainer): one forward with
   gradient gives ``pi_theta``; at that single step ``pi_prox == pi_theta``, so its detached value
