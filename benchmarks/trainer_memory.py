@@ -19,7 +19,7 @@ Cases, per model (see ``CASES``):
   kit's lean ``token_logprobs``: the module has no switch for it, so the worker replaces
   ``lightning_offpolicy.logprobs.token_logprobs`` (which ``causal_lm_token_logprobs`` calls).
 
-Models: the quickstart's tiny Llama (~0.5M parameters) and a random ~168M-parameter Llama built
+Models: the quickstart's tiny Llama (~0.34M parameters) and a random ~168M-parameter Llama built
 from a config (hidden 1024, 8 layers, 16 heads, MLP 2816, vocabulary 32000), float32.
 
 Memory is the peak resident set size of a fresh subprocess per case, minus its RSS right after the

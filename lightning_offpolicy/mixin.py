@@ -22,14 +22,23 @@ What the mixin and the callback do to it:
 * ``training_step`` receives :class:`~lightning_offpolicy.batch.PromptBatch` objects carrying the
   callback's rollouts; the mixin handles those (:meth:`OffPolicyMixin.off_policy_step`) and passes
   every other batch to the module's own ``training_step``. The module's class defines its own
-  ``training_step`` (and maybe ``on_before_zero_grad`` / ``on_save_checkpoint`` /
-  ``on_load_checkpoint``), which would hide the mixin's: the mixin wraps those methods when the
-  class is created, so its part always runs first and the module's code stays as written;
+  ``training_step`` (and maybe ``on_before_zero_grad`` / ``on_train_batch_end`` /
+  ``on_save_checkpoint`` / ``on_load_checkpoint``), which would hide the mixin's: the mixin wraps
+  those methods when the class is created, so its part always runs first and the module's code
+  stays as written;
 * the RL step is one optimizer step per batch under Lightning's automatic optimization (gradient
   clipping, accumulation, precision and strategies as configured on the Trainer): one forward with
   gradient gives ``pi_theta``; at that single step ``pi_prox == pi_theta``, so its detached value
   is the proximal policy without a second forward; then the correction, the surrogate and the
-  ``rollout_corr/*`` and ``ppo/*`` metrics as in :class:`~lightning_offpolicy.OffPolicyRLModule`;
+  ``rollout_corr/*``, ``ppo/*`` and ``train/*`` metrics (``train/entropy`` included) as in
+  :class:`~lightning_offpolicy.OffPolicyRLModule`;
+* an RL batch runs with the whole module in eval mode (dropout off), as
+  :class:`~lightning_offpolicy.OffPolicyRLModule` does: the engines generate without dropout, so a
+  training forward with dropout would add a training-inference mismatch of its own that the
+  correction would then "correct". Each submodule's mode is given back in ``on_train_batch_end``
+  (after the backward, which recomputes checkpointed layers in the mode of the forward), so SFT
+  batches and later fits keep the module's own dropout. Decoder layers with transformers' gradient
+  checkpointing on keep their training flag (not their children's), so they are still recomputed;
 * ``policy_version`` counts optimizer steps, the SFT ones included (``on_before_zero_grad``), and
   is saved in checkpoints; the callback stamps it on generated tokens.
 
@@ -119,12 +128,15 @@ class OffPolicyMixin:
         check_compatible(self.rl_correction, self.rl_loss)
         rollout = rollout.to(self.device)
         rollout.validate(require_rollout_logprobs=True)
-        logprobs = causal_lm_token_logprobs(
+        if self.__dict__.get("_modes_before_rl") is None:
+            self.__dict__["_modes_before_rl"] = _dropout_off(self)
+        logprobs, entropy = causal_lm_token_logprobs(
             self.policy,
             rollout.input_ids,
             rollout.attention_mask,
             response_start=rollout.prompt_length,
             temperature=self.temperature,
+            return_entropy=True,
         )
         prox = logprobs.detach()  # the step's weights: pi_prox == pi_theta before the optimizer step
         correction = compute_correction(prox, rollout.rollout_logprobs, rollout.response_mask, self.rl_correction)
@@ -137,12 +149,19 @@ class OffPolicyMixin:
             self.rl_loss,
             correction=correction,
         )
-        self._log_off_policy(rollout, correction, info)
+        self._log_off_policy(rollout, correction, info, entropy.detach())
         return loss
 
     def _count_optimizer_step(self, optimizer: Any, *args: Any, **kwargs: Any) -> tuple[bool, Any]:
         # Called once per optimizer step under automatic optimization, after optimizer.step().
         self.policy_version = int(self.policy_version) + 1
+        return False, None
+
+    def _restore_modes(self, *args: Any, **kwargs: Any) -> tuple[bool, Any]:
+        # After the batch's backward (and optimizer step): the modes the module had before the RL batch.
+        modes = self.__dict__.pop("_modes_before_rl", None)
+        for sub, training in modes or ():
+            sub.training = training
         return False, None
 
     def _save_policy_version(self, checkpoint: dict[str, Any], *args: Any, **kwargs: Any) -> tuple[bool, Any]:
@@ -153,7 +172,7 @@ class OffPolicyMixin:
         self.policy_version = int(checkpoint.get("policy_version", 0))
         return False, None
 
-    def _log_off_policy(self, rollout: RolloutBatch, correction: Any, info: Any) -> None:
+    def _log_off_policy(self, rollout: RolloutBatch, correction: Any, info: Any, entropy: torch.Tensor) -> None:
         if getattr(self, "_off_policy_metrics", None) is None:
             # Created on first use: the module's own __init__ is not ours to extend.
             self._off_policy_metrics = torch.nn.ModuleList(
@@ -165,6 +184,8 @@ class OffPolicyMixin:
         values = {**correction_metrics.compute(), **loss_metrics.compute()}
         tokens = rollout.response_mask.bool()
         values["train/reward"] = rollout.rewards.mean()
+        # Mean entropy (nats) of the policy over the response tokens: a fall towards 0 is collapse.
+        values["train/entropy"] = entropy[tokens].float().mean() if tokens.any() else torch.zeros(())
         values["staleness/mean"] = (self.policy_version - rollout.policy_version[tokens]).float().mean()
         values["train/policy_version"] = float(self.policy_version)
         values = {k: torch.as_tensor(v, dtype=torch.float32) for k, v in values.items()}
@@ -174,11 +195,29 @@ class OffPolicyMixin:
         loss_metrics.reset()
 
 
+def _dropout_off(module: torch.nn.Module) -> list[tuple[torch.nn.Module, bool]]:
+    """Put every submodule in eval mode; return each one's previous mode, to be restored later.
+
+    Not before the backward: a checkpointed layer is recomputed there in its mode at that time.
+    """
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    modes = [(sub, sub.training) for sub in module.modules()]
+    module.eval()
+    for sub in module.modules():
+        # transformers recomputes a checkpointed layer only in training mode: set the layer's flag
+        # alone, not its children's, so that its dropout stays off (as OffPolicyRLModule does).
+        if isinstance(sub, GradientCheckpointingLayer) and sub.gradient_checkpointing:
+            sub.training = True
+    return modes
+
+
 #: Methods a subclass may define that would hide the mixin's, and the mixin part run before them:
 #: it returns ``(handled, result)``; when handled, the subclass's method is not called.
 _ROUTED: dict[str, Callable[..., tuple[bool, Any]]] = {
     "training_step": OffPolicyMixin._route_training_step,
     "on_before_zero_grad": OffPolicyMixin._count_optimizer_step,
+    "on_train_batch_end": OffPolicyMixin._restore_modes,
     "on_save_checkpoint": OffPolicyMixin._save_policy_version,
     "on_load_checkpoint": OffPolicyMixin._load_policy_version,
 }

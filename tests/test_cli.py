@@ -103,6 +103,31 @@ def test_help_documents_the_knobs(capsys):
         assert text in out, text
 
 
+def test_fit_help_shows_the_model_as_a_path_not_every_torch_class(capsys):
+    with pytest.raises(SystemExit):
+        main(["fit", "--help"])
+    out = capsys.readouterr().out
+    # It was 1,345 lines, ~470 of them torch.nn classes listed as "known subclasses" of --model.model.
+    assert len(out.splitlines()) < 1000
+    assert "torch.nn.Linear" not in out and "torch.nn.Module" not in out
+    assert "tiny:<task>" in out and "(type: str, default: tiny:reverse)" in out
+
+
+def test_model_path_from_the_command_line_reaches_the_module():
+    cli = parse("--config", str(ROOT / "configs" / "quickstart.yaml"), "--model.model=tiny:copy")
+    assert cli.model.model_name == "tiny:copy"
+    assert cli.config["model"]["model"] == "tiny:copy"
+
+
+def test_top_level_help_names_selfcheck(capsys, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "300")  # no line wrapped inside a command
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--help"])
+    assert exit_info.value.code == 0
+    out = capsys.readouterr().out
+    assert "lightning-offpolicy selfcheck" in out and "fit --config" in out
+
+
 @pytest.mark.slow
 def test_short_fit_writes_tensorboard_metrics(tmp_path):
     main(

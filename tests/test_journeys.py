@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shlex
 from pathlib import Path
 
 import pytest
@@ -14,18 +15,23 @@ from tests.vllm_fixtures import requires_vllm
 ROOT = Path(__file__).resolve().parents[1]
 
 
+def documented_command(doc: Path, heading: str) -> list[str]:
+    """The words of the first ``bash`` block after ``heading`` in ``doc`` (one command, continued lines)."""
+    section = doc.read_text().split(heading, 1)[1]
+    block = section.split("```bash\n", 1)[1].split("```", 1)[0]
+    return shlex.split(block.replace("\\\n", " "))
+
+
 @requires_vllm
 @pytest.mark.slow
 def test_lora_single_gpu_recipe_runs_on_cpu_with_the_tiny_model(tmp_path, vllm_engine_holder):
     vllm_engine_holder.close()  # one engine at a time on a small machine
+    # The command docs/journeys.md gives for CPU (the model, the dtypes, the sizes overridden), as
+    # written there, plus where this test wants the files.
+    command = documented_command(ROOT / "docs" / "journeys.md", "### The same recipe on CPU")
+    assert command[:4] == ["lightning-offpolicy", "fit", "--config", "configs/lora_single_gpu.yaml"], command
     main([
-        "fit", "--config", str(ROOT / "configs" / "lora_single_gpu.yaml"),
-        # What differs on a CPU machine: the model, the dtypes, the sizes.
-        "--model.model=tiny:reverse", "--model.torch_dtype=float32", "--model.lora_rank=8",
-        "--model.lora_alpha=16", "--model.optimizer.init_args.lr=1e-3", "--trainer.accelerator=cpu",
-        "--rollout.engine.init_args.dtype=float32", "--rollout.engine.init_args.max_model_len=128",
-        "--rollout.engine.init_args.enforce_eager=true", "--rollout.max_new_tokens=8",
-        "--rollout.samples_per_prompt=2", "--data.init_args.prompts_per_step=4", "--trainer.max_steps=8",
+        *command[1:3], str(ROOT / command[3]), *command[4:],
         f"--trainer.logger.init_args.save_dir={tmp_path}", f"--trainer.default_root_dir={tmp_path}",
         "--trainer.enable_progress_bar=false",
     ])  # fmt: skip
