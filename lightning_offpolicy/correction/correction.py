@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from lightning_offpolicy.correction.checks import check_response_values
 from lightning_offpolicy.correction.config import OffPolicyCorrectionConfig
 from lightning_offpolicy.correction.distributed import global_sum
 from lightning_offpolicy.correction.masks import (
@@ -104,6 +105,12 @@ def compute_correction(
 
     Returns:
         :class:`CorrectionOutput`; nothing in it carries gradient.
+
+    Raises:
+        ValueError: A shape differs from ``response_mask``'s, or a logprob the correction reads is
+            NaN at a response token (the message names the tensor and the first ``(row, token)``).
+            Padding may hold anything; +-inf at a response token is accepted (the log ratio becomes
+            ``+-INFINITE_LOG_RATIO``: clamped weights, rejected by every mask, finite metrics).
 
     Note:
         With ``normalize_weights`` under ``torch.distributed`` this is a collective: every rank
@@ -227,3 +234,9 @@ def _check_inputs(
         raise ValueError(
             f"prox_logprobs shape {tuple(prox_logprobs.shape)} != response_mask shape {tuple(response_mask.shape)}."
         )
+    uses_prox = prox_logprobs is not None and not cfg.bypass_mode  # bypass never reads it
+    check_response_values(
+        "compute_correction",
+        response_mask,
+        [("rollout_logprobs", rollout_logprobs, False), ("prox_logprobs", prox_logprobs if uses_prox else None, False)],
+    )

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
+from lightning_offpolicy.correction.checks import check_response_values
 from lightning_offpolicy.correction.config import PolicyLossConfig, check_compatible
 from lightning_offpolicy.correction.correction import CorrectionOutput
 from lightning_offpolicy.correction.kl import kl_estimate
@@ -133,6 +134,13 @@ def policy_loss(
         ref_logprobs: ``[B, T]`` under the reference policy, needed when ``ref_kl_coef > 0``.
         token_count: global token denominator (see :func:`aggregate`).
         sequence_count: global sequence denominator (see :func:`aggregate`).
+
+    Raises:
+        ValueError: A shape differs from ``response_mask``'s (``advantages``: ``[B]`` or ``[B, T]``;
+            ``correction``: computed for this batch), or, at a response token, NaN in a logprob
+            tensor the loss reads, or NaN / +-inf in ``logprobs`` or ``advantages`` (the message
+            names the tensor and the first ``(row, token)``). Padding may hold anything; +-inf in
+            ``prox`` / ``rollout`` / ``ref_logprobs`` gives the clamped loss.
     """
     loss_cfg = loss_cfg if loss_cfg is not None else PolicyLossConfig()
     cfg = correction.config if correction is not None else None
@@ -141,9 +149,34 @@ def policy_loss(
     objective = cfg.objective if cfg is not None else "ppo"
     bypass = cfg is not None and cfg.bypass_mode
     _require(logprobs, "logprobs", response_mask)
+    if advantages.dim() == 1 and advantages.shape[0] != response_mask.shape[0]:
+        raise ValueError(
+            f"policy_loss: advantages has shape {tuple(advantages.shape)}: one per sequence needs "
+            f"{response_mask.shape[0]} values (response_mask is {tuple(response_mask.shape)}), or pass [B, T]."
+        )
+    if advantages.dim() != 1:
+        _require(advantages, "advantages", response_mask)
+    if correction is not None and (
+        correction.mask.shape != response_mask.shape or correction.weights.shape != response_mask.shape
+    ):
+        raise ValueError(
+            f"policy_loss: correction was computed for a batch of shape {tuple(correction.mask.shape)}, "
+            f"response_mask is {tuple(response_mask.shape)} (it would be broadcast silently): pass the "
+            "compute_correction output of this batch."
+        )
+    # Every logprob tensor the loss or its statistics read (prox: not in bypass; ref: with its KL term).
+    read = [("logprobs", logprobs, True), ("advantages", advantages, True)]
+    for name, tensor, used in (
+        ("rollout_logprobs", rollout_logprobs, rollout_logprobs is not None),
+        ("prox_logprobs", prox_logprobs, prox_logprobs is not None and not bypass),
+        ("ref_logprobs", ref_logprobs, ref_logprobs is not None and loss_cfg.ref_kl_coef > 0),
+    ):
+        if used:
+            _require(tensor, name, response_mask)
+            read.append((name, tensor, False))  # +-inf allowed: the log ratio is clamped
+    check_response_values("policy_loss", response_mask, read)
     if advantages.dim() == 1:
         advantages = advantages.unsqueeze(-1).expand_as(logprobs)
-    _require(advantages, "advantages", response_mask)
 
     valid = response_mask.bool()
     kept = valid if correction is None else valid & correction.mask.bool()

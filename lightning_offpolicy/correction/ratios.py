@@ -3,6 +3,9 @@
 Every ratio is formed in log space and exponentiated through :func:`safe_exp`, so log ratios of
 +-1000 (a token the engine nearly never samples) give finite numbers. Padded positions (mask 0)
 are replaced by 0 before any arithmetic, so NaN or inf there never reaches a result or a gradient.
+A logprob of -inf at a response token (one policy calls the token impossible) gives a log ratio of
+``+-INFINITE_LOG_RATIO`` instead of an infinity, so sums, means and metrics stay finite (NaN at a
+response token is refused earlier, by :mod:`~lightning_offpolicy.correction.checks`).
 """
 
 from __future__ import annotations
@@ -11,6 +14,11 @@ import torch
 
 LOG_RATIO_CLAMP = 20.0
 """Log ratios are clamped to [-20, 20] before ``exp`` (``exp(20) ~ 4.9e8``)."""
+
+INFINITE_LOG_RATIO = 1e6
+"""The log ratio that stands for an infinite one (a logprob of -inf on one side): beyond every clamp
+and mask bound (even averaged over 10^5 tokens it exceeds ``LOG_RATIO_CLAMP``), yet finite, and
+small enough that float32 sums over any realistic number of tokens stay finite."""
 
 
 def safe_exp(log_ratio: torch.Tensor, clamp: float = LOG_RATIO_CLAMP) -> torch.Tensor:
@@ -29,13 +37,16 @@ def log_ratio(numerator: torch.Tensor, denominator: torch.Tensor, mask: torch.Te
     """Per-token ``numerator - denominator`` over valid tokens, exactly 0 at padding.
 
     Both inputs are cleaned before the subtraction, so a NaN / inf in a padded position of either
-    one cannot produce a NaN (not even a NaN gradient through ``torch.where``).
+    one cannot produce a NaN (not even a NaN gradient through ``torch.where``). An infinite
+    difference at a valid token becomes ``+-INFINITE_LOG_RATIO`` (no gradient flows there), and
+    ``-inf - -inf`` (both policies call the token impossible) becomes 0.
     """
     valid = mask.bool()
     dtype = torch.promote_types(numerator.dtype, denominator.dtype)
     if dtype in (torch.float16, torch.bfloat16):
         dtype = torch.float32
-    return masked(numerator.to(dtype), valid) - masked(denominator.to(dtype), valid)
+    diff = masked(numerator.to(dtype), valid) - masked(denominator.to(dtype), valid)
+    return torch.nan_to_num(diff, nan=0.0, posinf=INFINITE_LOG_RATIO, neginf=-INFINITE_LOG_RATIO)
 
 
 def sequence_sum(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

@@ -70,9 +70,10 @@ from lightning_offpolicy.rollout.engine import (
 from lightning_offpolicy.rollout.weight_sync import (
     PROBE_LENGTH,
     SyncCheck,
-    default_sync_tolerance,
+    SyncTolerance,
     full_state_dict,
     probe_ids,
+    sync_tolerance,
     trainer_probe_logprobs,
     weight_source,
     write_safetensors,
@@ -127,10 +128,12 @@ class RemoteVLLMEngine(SpecialTokens):
             prompt, carrying its ``samples_per_prompt`` samples); the server batches them.
         check_weight_sync: After each ``update_weights`` from a module, check that the server's
             logprobs of a fixed probe sequence match the module's; raise ``RuntimeError`` if not.
-        weight_sync_tolerance: Largest per-token |logprob difference| the check accepts. ``None``:
-            ``1e-3`` when the server and the trainer's module are both float32, else ``1.0``
-            (reduced precision differs by design; a sync that did not arrive is then still caught
-            by the "server unchanged while the trainer moved" test).
+        weight_sync_tolerance: Absolute part (nats) of the per-token |logprob difference| the check
+            accepts. ``None``: ``1e-3`` when the server and the trainer's module are both float32,
+            else ``1.0``. With a reduced-precision server or trainer a relative part is added,
+            ``16 * eps * |trainer logprob|`` (bfloat16: 0.125 |lp|), since the difference grows with
+            the logits (``weight_sync.SyncTolerance``); a sync that did not arrive is also caught by
+            the "server unchanged while the trainer moved" test.
         eos_token_id: Stop token id; ``None``: set by the ``RolloutCallback`` from the module's
             tokenizer (:meth:`set_special_tokens`).
         pad_token_id: Not needed by the server; accepted for symmetry with :class:`HFEngine`.
@@ -686,10 +689,11 @@ class RemoteVLLMEngine(SpecialTokens):
             dtype=torch.float64,
         )
 
-    def _tolerance(self, module: torch.nn.Module) -> float:
-        if self.weight_sync_tolerance is not None:
-            return self.weight_sync_tolerance
-        return default_sync_tolerance(self.server_dtype == "torch.float32", module)
+    def _tolerance(self, module: torch.nn.Module) -> SyncTolerance:
+        # /server_info spells it "torch.bfloat16"; anything unknown counts as reduced precision.
+        server_dtype = getattr(torch, (self.server_dtype or "").removeprefix("torch."), None)
+        server_dtype = server_dtype if isinstance(server_dtype, torch.dtype) else None
+        return sync_tolerance(server_dtype, module, self.weight_sync_tolerance)
 
     def _verify_sync(self, module: torch.nn.Module) -> None:
         probe = self._probe(module)
