@@ -188,10 +188,10 @@ def test_infinite_logprob_at_a_response_token_keeps_every_metric_finite():
     loss_metrics.update(info=info)
     values = {**metrics.compute(), **loss_metrics.compute()}
     assert all(torch.isfinite(v) for v in values.values()), {k: float(v) for k, v in values.items()}
-    # The infinite log ratio counts as INFINITE_LOG_RATIO = 1e6 nats: loud, but finite.
-    assert float(values["rollout_corr/abs_logprob_diff_max"]) == 1e6
-    assert float(values["rollout_corr/kl"]) == pytest.approx(-1e6 / 3)
-    assert float(values["ppo/rollout_kl"]) == pytest.approx(0.5 * 1e12 / 3)  # k2 (the default) of d = 1e6
+    # The -inf logprob counts as -INFINITE_LOG_RATIO = -1e6, so log_rho = -1 + 1e6: loud, but finite.
+    assert float(values["rollout_corr/abs_logprob_diff_max"]) == 1e6 - 1
+    assert float(values["rollout_corr/kl"]) == pytest.approx(-(1e6 - 1) / 3)
+    assert float(values["ppo/rollout_kl"]) == pytest.approx(0.5 * (1e6 - 1) ** 2 / 3)  # k2 (the default)
 
 
 def test_nan_at_a_response_token_never_reaches_the_metric_states():

@@ -8,13 +8,18 @@ The contract (``docs/off_policy_correction.md``):
   naming the tensor and the first bad position ``(row, token)``: a NaN there would otherwise turn
   the loss, every weight and every metric state into NaN, silently;
 * **+-inf at a response token** of ``rollout_logprobs`` / ``prox_logprobs`` / ``ref_logprobs`` is
-  accepted (a logprob of -inf is a token one policy calls impossible): the log ratio becomes
-  ``+-INFINITE_LOG_RATIO`` (clamped in every ``exp``, rejected by every mask), so the loss stays the
-  clamped one and the metrics stay finite. The policy's own ``logprobs`` and the ``advantages``
-  must be finite: an infinite one has no clamped loss (``-A * log pi`` is infinite).
+  accepted (a logprob of -inf is a token one policy calls impossible): it counts as
+  ``-INFINITE_LOG_RATIO`` (-1e6), so the log ratio is about +-1e6 (clamped in every ``exp``,
+  rejected by every mask), the loss stays the clamped one and the metrics stay finite. The
+  policy's own ``logprobs`` and the ``advantages`` must be finite: an infinite one has no clamped
+  loss (``-A * log pi`` is infinite).
 
-Cost: one masked float64 sum per tensor and a single host synchronisation for all of them; the
-position is searched only when a sum is not finite.
+Cost: the callers do not scan their inputs. ``compute_correction`` checks the sum of its log
+ratios, ``policy_loss`` the loss and its statistics: a NaN (or infinity) at a response token shows
+there, for one host synchronisation per call. Only then does :func:`check_response_values` search
+the inputs, raise or report the infinities, and the caller recomputes with
+:func:`~lightning_offpolicy.correction.ratios.finite_logprobs`. (A NaN in ``logprobs`` or the
+advantages at a token a rejection mask removed reaches nothing, so it is not searched for.)
 """
 
 from __future__ import annotations
@@ -23,14 +28,12 @@ from collections.abc import Sequence
 
 import torch
 
-from lightning_offpolicy.correction.ratios import masked
-
 #: ``(name, tensor or None, whether +-inf is also refused)``.
 Checked = tuple[str, torch.Tensor | None, bool]
 
 
-def check_response_values(who: str, response_mask: torch.Tensor, tensors: Sequence[Checked]) -> None:
-    """Raise ``ValueError`` if a tensor holds NaN (or, where refused, +-inf) at a response token.
+def check_response_values(who: str, response_mask: torch.Tensor, tensors: Sequence[Checked]) -> set[str]:
+    """Raise ``ValueError`` if a tensor holds NaN (or, where refused, +-inf) at a response token (the slow path).
 
     Args:
         who: The function checked, for the message (``"policy_loss"``).
@@ -38,17 +41,17 @@ def check_response_values(who: str, response_mask: torch.Tensor, tensors: Sequen
         tensors: ``(name, tensor, refuse_inf)``; a tensor is ``[B, T]`` (per token) or ``[B]``
             (per sequence: checked where the sequence has a response token); ``None`` is skipped.
             Shapes must have been checked already.
+
+    Returns:
+        The names of the (accepted) tensors holding +-inf at a response token: the caller makes
+        them finite (:func:`~lightning_offpolicy.correction.ratios.finite_logprobs`).
     """
     valid = response_mask.bool()
-    present = [(name, t, refuse_inf) for name, t, refuse_inf in tensors if t is not None]
-    if not present:
-        return
-    # A float64 sum over the response tokens is finite iff none of them is NaN or +-inf (a float32
-    # tensor cannot overflow it): one reduction per tensor, one host sync for the lot.
-    sums = torch.stack([masked(t.detach(), _where(t, valid)).sum(dtype=torch.float64) for _, t, _ in present])
-    if bool(torch.isfinite(sums).all()):
-        return
-    for name, t, refuse_inf in present:
+    infinite = set()
+    for name, t, refuse_inf in tensors:
+        if t is None:
+            continue
+        t = t.detach()
         where = _where(t, valid)
         bad = (~torch.isfinite(t) if refuse_inf else torch.isnan(t)) & where
         if bool(bad.any()):
@@ -61,6 +64,9 @@ def check_response_values(who: str, response_mask: torch.Tensor, tensors: Sequen
                 f"need {allowed}; only padding (response_mask 0) may hold anything. Check what produced {name} "
                 "(the engine's logprobs, the trainer's forward pass, the reward / advantage computation)."
             )
+        if bool((torch.isinf(t) & where).any()):
+            infinite.add(name)
+    return infinite
 
 
 def _where(tensor: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:

@@ -37,7 +37,13 @@ from lightning_offpolicy.correction.masks import (
     product_mask,
     token_ratio_mask,
 )
-from lightning_offpolicy.correction.ratios import log_ratio, safe_exp, sequence_count, sequence_sum
+from lightning_offpolicy.correction.ratios import (
+    finite_logprobs,
+    log_ratio,
+    safe_exp,
+    sequence_count,
+    sequence_sum,
+)
 
 
 @dataclass
@@ -108,9 +114,10 @@ def compute_correction(
 
     Raises:
         ValueError: A shape differs from ``response_mask``'s, or a logprob the correction reads is
-            NaN at a response token (the message names the tensor and the first ``(row, token)``).
-            Padding may hold anything; +-inf at a response token is accepted (the log ratio becomes
-            ``+-INFINITE_LOG_RATIO``: clamped weights, rejected by every mask, finite metrics).
+            NaN at a response token (the message names the tensor and the first ``(row, token)``; in
+            bypass mode no logprob is read here: ``policy_loss`` checks ``rollout_logprobs``).
+            Padding may hold anything; +-inf at a response token is accepted (it counts as
+            ``-INFINITE_LOG_RATIO`` = -1e6: clamped weights, rejected by every mask, finite metrics).
 
     Note:
         With ``normalize_weights`` under ``torch.distributed`` this is a collective: every rank
@@ -124,6 +131,18 @@ def compute_correction(
             log_rho = torch.zeros(valid.shape, dtype=torch.float32, device=valid.device)
         else:
             log_rho = log_ratio(prox_logprobs.detach(), rollout_logprobs.detach(), valid).float()
+            # NaN / +-inf at a response token of either input shows in the sum of log_rho (padding is
+            # 0 there): one read and one host sync, before any collective; the inputs are searched
+            # only then.
+            if not bool(torch.isfinite(log_rho.sum())):
+                check_response_values(
+                    "compute_correction",
+                    response_mask,
+                    [("prox_logprobs", prox_logprobs, False), ("rollout_logprobs", rollout_logprobs, False)],
+                )
+                # No NaN: a logprob of -inf at a response token, counted as -INFINITE_LOG_RATIO.
+                prox, rollout = finite_logprobs(prox_logprobs.detach()), finite_logprobs(rollout_logprobs.detach())
+                log_rho = log_ratio(prox, rollout, valid).float()
 
         token_rejected: dict[str, torch.Tensor] = {}
         token_keep = valid.clone()
@@ -234,9 +253,3 @@ def _check_inputs(
         raise ValueError(
             f"prox_logprobs shape {tuple(prox_logprobs.shape)} != response_mask shape {tuple(response_mask.shape)}."
         )
-    uses_prox = prox_logprobs is not None and not cfg.bypass_mode  # bypass never reads it
-    check_response_values(
-        "compute_correction",
-        response_mask,
-        [("rollout_logprobs", rollout_logprobs, False), ("prox_logprobs", prox_logprobs if uses_prox else None, False)],
-    )

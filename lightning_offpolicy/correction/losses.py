@@ -28,7 +28,7 @@ from lightning_offpolicy.correction.checks import check_response_values
 from lightning_offpolicy.correction.config import PolicyLossConfig, check_compatible
 from lightning_offpolicy.correction.correction import CorrectionOutput
 from lightning_offpolicy.correction.kl import kl_estimate
-from lightning_offpolicy.correction.ratios import log_ratio, masked, safe_exp, sequence_sum
+from lightning_offpolicy.correction.ratios import finite_logprobs, log_ratio, masked, safe_exp, sequence_sum
 
 
 @dataclass
@@ -174,21 +174,60 @@ def policy_loss(
         if used:
             _require(tensor, name, response_mask)
             read.append((name, tensor, False))  # +-inf allowed: the log ratio is clamped
-    check_response_values("policy_loss", response_mask, read)
-    if advantages.dim() == 1:
-        advantages = advantages.unsqueeze(-1).expand_as(logprobs)
-
-    valid = response_mask.bool()
-    kept = valid if correction is None else valid & correction.mask.bool()
-    weights = torch.ones_like(logprobs, dtype=torch.float32) if correction is None else correction.weights
-    adv = masked(advantages.detach().float(), valid)
-
     anchor = rollout_logprobs if bypass else prox_logprobs
     needs_rollout = bypass or objective == "pure_is" or (objective == "cispo" and cfg.anchor == "rollout")
     if needs_rollout or loss_cfg.rollout_kl_coef > 0:
         _require(rollout_logprobs, "rollout_logprobs", response_mask, hint=_ROLLOUT_HINT)
     if objective == "ppo" or (objective == "cispo" and cfg.anchor == "prox"):
         _require(anchor, "rollout_logprobs" if bypass else "prox_logprobs", response_mask)
+    if advantages.dim() == 1:
+        advantages = advantages.unsqueeze(-1).expand_as(logprobs)
+
+    def terms() -> tuple[torch.Tensor, PolicyLossInfo]:
+        return _policy_loss_terms(
+            logprobs, prox_logprobs, rollout_logprobs, advantages, response_mask, loss_cfg, correction,
+            ref_logprobs, token_count, sequence_count,
+        )  # fmt: skip
+
+    total, info = terms()
+    # NaN at a response token of any input reaches the loss or a statistic, so checking those few
+    # scalars (one host sync) replaces a pass over every input; the inputs are searched only then.
+    if not _all_finite(total, info):
+        infinite = check_response_values("policy_loss", response_mask, read)
+        if infinite:  # rare: a logprob of -inf at a response token counts as -INFINITE_LOG_RATIO
+            rollout_logprobs = finite_logprobs(rollout_logprobs) if "rollout_logprobs" in infinite else rollout_logprobs
+            prox_logprobs = finite_logprobs(prox_logprobs) if "prox_logprobs" in infinite else prox_logprobs
+            ref_logprobs = finite_logprobs(ref_logprobs) if "ref_logprobs" in infinite else ref_logprobs
+            total, info = terms()
+    return total, info
+
+
+def _all_finite(total: torch.Tensor, info: PolicyLossInfo) -> bool:
+    scalars = (total.detach(), info.policy_loss, info.rollout_kl, info.ref_kl, info.approx_kl_sum, info.rollout_kl_sum)
+    return bool(torch.isfinite(torch.stack([s.to(torch.float64) for s in scalars])).all())
+
+
+def _policy_loss_terms(
+    logprobs: torch.Tensor,
+    prox_logprobs: torch.Tensor | None,
+    rollout_logprobs: torch.Tensor | None,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    loss_cfg: PolicyLossConfig,
+    correction: CorrectionOutput | None,
+    ref_logprobs: torch.Tensor | None,
+    token_count: float | torch.Tensor | None,
+    sequence_count: float | torch.Tensor | None,
+) -> tuple[torch.Tensor, PolicyLossInfo]:
+    """:func:`policy_loss` once its arguments are checked."""
+    cfg = correction.config if correction is not None else None
+    objective = cfg.objective if cfg is not None else "ppo"
+    bypass = cfg is not None and cfg.bypass_mode
+    valid = response_mask.bool()
+    kept = valid if correction is None else valid & correction.mask.bool()
+    weights = torch.ones_like(logprobs, dtype=torch.float32) if correction is None else correction.weights
+    adv = masked(advantages.detach().float(), valid)
+    anchor = rollout_logprobs if bypass else prox_logprobs
 
     if objective == "ppo":
         per_token, clipped, dual = _ppo_surrogate(logprobs, anchor, adv, valid, kept, loss_cfg)
