@@ -166,19 +166,22 @@ def sync_tolerance(engine_dtype: torch.dtype | None, module: torch.nn.Module, at
 
 
 def write_safetensors(
-    tensors: Mapping[str, torch.Tensor], directory: Path, filename: str = "model.safetensors"
+    tensors: Mapping[str, torch.Tensor], directory: Path, filename: str = "model.safetensors", mode: int = 0o600
 ) -> Path:
     """Write ``tensors`` to ``directory / filename`` atomically; returns the file's path.
 
     The partial file's name does not end in ``.safetensors``, so a loader globbing the directory
-    never picks it up.
+    never picks it up. The file gets exactly ``mode`` (default owner-only) before it takes its
+    name, whatever the umask: the engine loads what it finds there, so no other user may write it.
+    A missing ``directory`` is created ``0700``.
     """
     from safetensors.torch import save_file
 
-    directory.mkdir(parents=True, exist_ok=True)
+    directory.mkdir(parents=True, exist_ok=True, mode=0o700)
     target = directory / filename
     partial = directory / (filename + ".partial")
     save_file(dict(tensors), str(partial))
+    os.chmod(partial, mode)
     os.replace(partial, target)
     return target
 
