@@ -22,9 +22,11 @@ What the engine guarantees (each one checked by ``tests/test_vllm_engine.py`` an
   (``collective_rpc("reload_weights", kwargs={"weights_path": DIR})``) and resets the prefix
   cache (cached KV of the old weights must not serve new requests). With
   ``check_weight_sync=True`` it then scores a fixed probe sequence with the engine
-  (``prompt_logprobs``) and with the trainer's module, and raises if the two disagree, or if
-  the engine's answer did not move while the trainer's did: a sync that silently never
-  arrived is caught at once instead of poisoning the run with stale rollouts.
+  (``prompt_logprobs``) and with the trainer's module, and raises if the two disagree by more
+  than the engine's precision explains (``weight_sync.SyncTolerance``: relative for bfloat16,
+  so a peaked policy is no false alarm), or if the engine's answer did not move while the
+  trainer's did: a sync that silently never arrived is caught at once instead of poisoning the
+  run with stale rollouts.
 * **LoRA (peft) models, two ways** (``lora_sync``): ``"merged"`` pushes the base weights with
   the adapters folded in (:func:`~lightning_offpolicy.rollout.weight_sync.merged_state_dict`,
   computed out of place: the trainer's weights stay bit-identical); ``"adapter"`` pushes the
