@@ -538,3 +538,35 @@ def test_property_stats_consistent(cfg, batch):
     assert set(s.token_rejected) == set(cfg.mask_names)
     if cfg.tis_level is None:
         assert torch.equal(out.weights, torch.ones_like(out.weights))
+
+
+# ------------------------------------------------------------------------ NaN / inf at response tokens (issue 11 §5)
+@pytest.mark.parametrize("which", ["prox_logprobs", "rollout_logprobs"])
+def test_nan_at_a_response_token_is_refused_with_its_position(which):
+    nan = float("nan")
+    mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 1.0, 1.0]])
+    good = torch.tensor([[-1.0, -2.0, nan], [-1.0, -0.5, -0.3]])  # NaN in padding: allowed
+    bad = good.clone()
+    bad[1, 2] = nan
+    args = {"prox_logprobs": good, "rollout_logprobs": good, which: bad}
+    with pytest.raises(ValueError, match=rf"compute_correction: {which} is nan at a response token \(row 1, token 2;"):
+        compute_correction(args["prox_logprobs"], args["rollout_logprobs"], mask, OffPolicyCorrectionConfig.token_tis())
+    if which == "prox_logprobs":  # bypass never reads prox: nothing to refuse
+        out = compute_correction(bad, good, mask, OffPolicyCorrectionConfig.bypass())
+        assert torch.isfinite(out.weights).all()
+
+
+def test_infinite_logprob_at_a_response_token_gives_clamped_finite_outputs():
+    inf = float("inf")
+    # Row 0: the engine calls token 1 impossible (rollout -inf, counted as -1e6): log_rho = -1 + 1e6.
+    # Row 1: both call token 0 impossible: -inf - -inf -> 0 (equal), token 1 log_rho = 0.1.
+    prox = torch.tensor([[-1.0, -1.0, -1.0], [-inf, -1.0, 0.0]])
+    rollout = torch.tensor([[-1.0, -inf, -1.0], [-inf, -1.1, 0.0]])
+    mask = torch.tensor([[1.0, 1.0, 1.0], [1.0, 1.0, 0.0]])
+    out = compute_correction(prox, rollout, mask, OffPolicyCorrectionConfig.token_tis(clip_high=2.0))
+    torch.testing.assert_close(out.stats.log_rho, torch.tensor([[0.0, 1e6 - 1, 0.0], [0.0, 0.1, 0.0]]))
+    torch.testing.assert_close(out.weights, torch.tensor([[1.0, 2.0, 1.0], [1.0, math.exp(0.1), 1.0]]))
+    # A sequence mask rejects the row with the infinite token (geometric mean exp(~1e6 / 3)), keeps the other.
+    geo = compute_correction(prox, rollout, mask, OffPolicyCorrectionConfig(geo_mask=True, geo_mask_high=2.0))
+    assert geo.mask.tolist() == [[0.0, 0.0, 0.0], [1.0, 1.0, 0.0]]
+    assert all(torch.isfinite(v).all() for v in (out.stats.seq_log_rho, geo.stats.seq_log_rho, geo.weights))

@@ -659,3 +659,77 @@ def test_reference_correction_is_used_consistently():
     cfg = C.geo_mis(low=0.95, high=1.05)
     ref = run_ref(batch, PolicyLossConfig(), cfg)
     assert ref.kept_tokens == int(ref_correction(batch["prox"], batch["rollout"], batch["mask"], cfg).kept.sum())
+
+
+# ------------------------------------------------------------------------ bad values and shapes (issue 11 §5)
+def _small():
+    nan = float("nan")
+    mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 1.0, 1.0]])
+    lp = torch.tensor([[-1.0, -2.0, nan], [-1.0, -0.5, -0.3]])  # NaN in padding: allowed
+    return mask, lp
+
+
+@pytest.mark.parametrize(
+    ("which", "value", "position"),
+    [
+        ("logprobs", float("nan"), (1, 1)),
+        ("logprobs", float("-inf"), (0, 1)),
+        ("prox_logprobs", float("nan"), (1, 2)),
+        ("rollout_logprobs", float("nan"), (0, 0)),
+        ("advantages", float("nan"), (1, 2)),
+        ("advantages", float("inf"), (0, 1)),
+    ],
+)
+def test_nan_at_a_response_token_is_refused_with_its_position(which, value, position):
+    mask, lp = _small()
+    args = dict(logprobs=lp, prox_logprobs=lp, rollout_logprobs=lp, advantages=torch.ones(2, 3))
+    args[which] = args[which].clone()
+    args[which][position] = value
+    row, token = position
+    with pytest.raises(
+        ValueError, match=rf"policy_loss: {which} is {value} at a response token \(row {row}, token {token};"
+    ):
+        policy_loss(response_mask=mask, **args)
+
+
+def test_nan_per_sequence_advantage_is_refused_with_its_row():
+    mask, lp = _small()
+    with pytest.raises(ValueError, match=r"policy_loss: advantages is nan at a response token \(row 1;"):
+        policy_loss(lp, lp, lp, torch.tensor([1.0, float("nan")]), mask)
+    # A row without any response token may carry a NaN advantage: it is padding.
+    mask3 = torch.cat([mask, torch.zeros(1, 3)])
+    lp3 = torch.cat([lp, torch.full((1, 3), float("nan"))])
+    loss, _ = policy_loss(lp3, lp3, lp3, torch.tensor([1.0, 2.0, float("nan")]), mask3)
+    assert loss.item() == pytest.approx(-(2 * 1.0 + 3 * 2.0) / 5)  # ratios 1: L = -A per token, token-mean
+
+
+def test_bypass_does_not_read_prox_and_inf_in_rollout_keeps_the_clamped_loss():
+    # Hand computation: bypass (anchor = rollout), A = 1, eps 0.2, token-mean over 2 tokens.
+    # token 0: ratio 1 -> -1; token 1: rollout -inf -> ratio exp(20) -> clipped at 1.2 -> -1.2; loss -1.1.
+    # Gradient into logprobs: token 0 -(1/2) * ratio = -0.5; token 1 clipped: 0.
+    lp = torch.tensor([[-1.0, -1.0]], requires_grad=True)
+    rollout = torch.tensor([[-1.0, float("-inf")]])
+    mask = torch.ones(1, 2)
+    corr = compute_correction(None, rollout, mask, C.bypass())
+    garbage_prox = torch.full((1, 2), float("nan"))  # never read in bypass
+    loss, info = policy_loss(lp, garbage_prox, rollout, torch.ones(1), mask, PolicyLossConfig(), correction=corr)
+    loss.backward()
+    assert loss.item() == pytest.approx(-1.1)
+    torch.testing.assert_close(lp.grad, torch.tensor([[-0.5, 0.0]]))
+    # k2 rollout KL: the -inf logprob counts as -1e6 (INFINITE_LOG_RATIO), d = -1 + 1e6: finite, loud; before: inf.
+    assert info.rollout_kl_sum.item() == pytest.approx(0.5 * (1e6 - 1) ** 2)
+    assert all(math.isfinite(float(getattr(info, f))) for f in info.__dataclass_fields__)
+
+
+def test_wrong_shapes_get_the_kits_own_error():
+    mask, lp = _small()
+    with pytest.raises(ValueError, match=r"advantages has shape \(3,\): one per sequence needs 2 values"):
+        policy_loss(lp, lp, lp, torch.ones(3), mask)  # before: torch's "The expanded size of the tensor ..."
+    with pytest.raises(ValueError, match=r"advantages has shape \(2, 2\)"):
+        policy_loss(lp, lp, lp, torch.ones(2, 2), mask)
+    # A correction of another batch (here [1, T] against [2, T]) was broadcast silently before.
+    one_row = compute_correction(lp[:1], lp[:1], mask[:1], C.token_tis())
+    with pytest.raises(
+        ValueError, match=r"correction was computed for a batch of shape \(1, 3\), response_mask is \(2, 3\)"
+    ):
+        policy_loss(lp, lp, lp, torch.ones(2), mask, correction=one_row)

@@ -175,3 +175,29 @@ def test_standalone_metric_reset():
     assert float(metric.compute()) > 1.0
     metric.reset()
     assert float(metric.compute()) == 1.0
+
+
+def test_infinite_logprob_at_a_response_token_keeps_every_metric_finite():
+    # rollout -inf at a response token: before, kl / k3 / log_ppl / abs diff went to +-inf and stayed there.
+    prox = torch.tensor([[-1.0, -1.0, -2.0]])
+    rollout = torch.tensor([[-1.0, float("-inf"), -2.0]])
+    cfg = OffPolicyCorrectionConfig.token_tis()
+    metrics, loss_metrics = CorrectionMetrics(cfg), PolicyLossMetrics()
+    metrics.update(stats=compute_correction(prox, rollout, torch.ones(1, 3), cfg).stats)
+    _, info = policy_loss(prox.clone(), prox, rollout, torch.ones(1), torch.ones(1, 3), PolicyLossConfig())
+    loss_metrics.update(info=info)
+    values = {**metrics.compute(), **loss_metrics.compute()}
+    assert all(torch.isfinite(v) for v in values.values()), {k: float(v) for k, v in values.items()}
+    # The -inf logprob counts as -INFINITE_LOG_RATIO = -1e6, so log_rho = -1 + 1e6: loud, but finite.
+    assert float(values["rollout_corr/abs_logprob_diff_max"]) == 1e6 - 1
+    assert float(values["rollout_corr/kl"]) == pytest.approx(-(1e6 - 1) / 3)
+    assert float(values["ppo/rollout_kl"]) == pytest.approx(0.5 * (1e6 - 1) ** 2 / 3)  # k2 (the default)
+
+
+def test_nan_at_a_response_token_never_reaches_the_metric_states():
+    metrics = CorrectionMetrics()
+    prox = torch.tensor([[-1.0, float("nan")]])
+    with pytest.raises(ValueError, match=r"prox_logprobs is nan .*row 0, token 1"):
+        metrics.update(stats=compute_correction(prox, torch.zeros(1, 2), torch.ones(1, 2)).stats)
+    metrics.update(stats=compute_correction(torch.tensor([[-1.0, -1.0]]), torch.zeros(1, 2), torch.ones(1, 2)).stats)
+    assert float(metrics.compute()["rollout_corr/kl"]) == pytest.approx(1.0)  # -mean(log_rho) = -mean(-1, -1)

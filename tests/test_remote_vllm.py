@@ -507,9 +507,11 @@ def test_update_weights_changes_generation_and_restoring_restores_it(engine, tra
         )
         assert engine.version == 7 and engine.last_sync_check_max_abs_diff <= 1e-3
         assert set(engine.stats()) >= {"vllm/sync_s", "vllm/sync_check_max_abs_diff", "vllm/tokens_per_s"}
-        # The sync file is private to the engine and readable by a server running as another user.
+        # The sync directory and file are the engine's alone (the server runs as the same user):
+        # nobody else can swap the weights before the reload (docs/remote_vllm.md, "Trust model").
         (sync_dir,) = [d for d in weights_dir.iterdir() if d.is_dir() and (d / "model.safetensors").exists()]
-        assert (sync_dir / "model.safetensors").stat().st_mode & 0o044 == 0o044
+        assert (sync_dir / "model.safetensors").stat().st_mode & 0o777 == 0o600
+        assert sync_dir.stat().st_mode & 0o777 == 0o700
         after = engine.generate(prompts, cfg, seed=5)
         assert {c.policy_version for c in after} == {7}
         assert [c.token_ids for c in after] != [c.token_ids for c in before]

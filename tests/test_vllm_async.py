@@ -45,7 +45,13 @@ def test_async_vllm_fit_from_the_yaml_stays_within_max_staleness_and_logs_the_qu
     assert staleness_max[0] == 0
     histograms = events.Histograms("staleness/hist")
     assert len(histograms) == 8 and all(h.histogram_value.max <= 2 for h in histograms)
-    for key in ("rollout/queue_depth", "rollout/wait_s", "rollout/tokens_per_s", "rollout/sync_s"):
+    for key in (
+        "rollout/queue_depth",
+        "rollout/wait_s",
+        "rollout/tokens_per_s",
+        "rollout/sync_s",
+        "rollout/sync_probe_diff",
+    ):
         assert events.Scalars(key), key
     assert all(e.value == 0 for e in events.Scalars("rollout/dropped_samples"))
     kl = [e.value for e in events.Scalars("rollout_corr/abs_logprob_diff_mean")]

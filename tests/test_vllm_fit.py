@@ -28,6 +28,9 @@ def test_fit_with_vllm_rollouts_logs_a_real_bf16_mismatch_and_closes_the_engine(
     kl = [e.value for e in events.Scalars("rollout_corr/abs_logprob_diff_mean")]
     # bfloat16 engine vs float32 trainer: a real, small gap on every batch.
     assert all(1e-5 < value < 0.1 for value in kl), kl
+    # The weight-sync self-check's probe difference, one per batch: the bf16 gap, accepted (no false alarm).
+    probe = [e.value for e in events.Scalars("rollout/sync_probe_diff")]
+    assert len(probe) == 3 and all(0 < value < 10 for value in probe), probe
     assert events.Scalars("train/policy_version")[-1].value == 6
     # The callback closed the engine at the end of the fit: no vLLM process is left behind.
     assert not vllm_children(), vllm_children()

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from lightning_offpolicy.correction.checks import check_response_values
 from lightning_offpolicy.correction.config import OffPolicyCorrectionConfig
 from lightning_offpolicy.correction.distributed import global_sum
 from lightning_offpolicy.correction.masks import (
@@ -36,7 +37,13 @@ from lightning_offpolicy.correction.masks import (
     product_mask,
     token_ratio_mask,
 )
-from lightning_offpolicy.correction.ratios import log_ratio, safe_exp, sequence_count, sequence_sum
+from lightning_offpolicy.correction.ratios import (
+    finite_logprobs,
+    log_ratio,
+    safe_exp,
+    sequence_count,
+    sequence_sum,
+)
 
 
 @dataclass
@@ -105,6 +112,13 @@ def compute_correction(
     Returns:
         :class:`CorrectionOutput`; nothing in it carries gradient.
 
+    Raises:
+        ValueError: A shape differs from ``response_mask``'s, or a logprob the correction reads is
+            NaN at a response token (the message names the tensor and the first ``(row, token)``; in
+            bypass mode no logprob is read here: ``policy_loss`` checks ``rollout_logprobs``).
+            Padding may hold anything; +-inf at a response token is accepted (it counts as
+            ``-INFINITE_LOG_RATIO`` = -1e6: clamped weights, rejected by every mask, finite metrics).
+
     Note:
         With ``normalize_weights`` under ``torch.distributed`` this is a collective: every rank
         must call it for the same batch index.
@@ -117,6 +131,18 @@ def compute_correction(
             log_rho = torch.zeros(valid.shape, dtype=torch.float32, device=valid.device)
         else:
             log_rho = log_ratio(prox_logprobs.detach(), rollout_logprobs.detach(), valid).float()
+            # NaN / +-inf at a response token of either input shows in the sum of log_rho (padding is
+            # 0 there): one read and one host sync, before any collective; the inputs are searched
+            # only then.
+            if not bool(torch.isfinite(log_rho.sum())):
+                check_response_values(
+                    "compute_correction",
+                    response_mask,
+                    [("prox_logprobs", prox_logprobs, False), ("rollout_logprobs", rollout_logprobs, False)],
+                )
+                # No NaN: a logprob of -inf at a response token, counted as -INFINITE_LOG_RATIO.
+                prox, rollout = finite_logprobs(prox_logprobs.detach()), finite_logprobs(rollout_logprobs.detach())
+                log_rho = log_ratio(prox, rollout, valid).float()
 
         token_rejected: dict[str, torch.Tensor] = {}
         token_keep = valid.clone()

@@ -24,10 +24,11 @@ from dataclasses import dataclass
 
 import torch
 
+from lightning_offpolicy.correction.checks import check_response_values
 from lightning_offpolicy.correction.config import PolicyLossConfig, check_compatible
 from lightning_offpolicy.correction.correction import CorrectionOutput
 from lightning_offpolicy.correction.kl import kl_estimate
-from lightning_offpolicy.correction.ratios import log_ratio, masked, safe_exp, sequence_sum
+from lightning_offpolicy.correction.ratios import finite_logprobs, log_ratio, masked, safe_exp, sequence_sum
 
 
 @dataclass
@@ -133,6 +134,13 @@ def policy_loss(
         ref_logprobs: ``[B, T]`` under the reference policy, needed when ``ref_kl_coef > 0``.
         token_count: global token denominator (see :func:`aggregate`).
         sequence_count: global sequence denominator (see :func:`aggregate`).
+
+    Raises:
+        ValueError: A shape differs from ``response_mask``'s (``advantages``: ``[B]`` or ``[B, T]``;
+            ``correction``: computed for this batch), or, at a response token, NaN in a logprob
+            tensor the loss reads, or NaN / +-inf in ``logprobs`` or ``advantages`` (the message
+            names the tensor and the first ``(row, token)``). Padding may hold anything; +-inf in
+            ``prox`` / ``rollout`` / ``ref_logprobs`` gives the clamped loss.
     """
     loss_cfg = loss_cfg if loss_cfg is not None else PolicyLossConfig()
     cfg = correction.config if correction is not None else None
@@ -141,21 +149,85 @@ def policy_loss(
     objective = cfg.objective if cfg is not None else "ppo"
     bypass = cfg is not None and cfg.bypass_mode
     _require(logprobs, "logprobs", response_mask)
-    if advantages.dim() == 1:
-        advantages = advantages.unsqueeze(-1).expand_as(logprobs)
-    _require(advantages, "advantages", response_mask)
-
-    valid = response_mask.bool()
-    kept = valid if correction is None else valid & correction.mask.bool()
-    weights = torch.ones_like(logprobs, dtype=torch.float32) if correction is None else correction.weights
-    adv = masked(advantages.detach().float(), valid)
-
+    if advantages.dim() == 1 and advantages.shape[0] != response_mask.shape[0]:
+        raise ValueError(
+            f"policy_loss: advantages has shape {tuple(advantages.shape)}: one per sequence needs "
+            f"{response_mask.shape[0]} values (response_mask is {tuple(response_mask.shape)}), or pass [B, T]."
+        )
+    if advantages.dim() != 1:
+        _require(advantages, "advantages", response_mask)
+    if correction is not None and (
+        correction.mask.shape != response_mask.shape or correction.weights.shape != response_mask.shape
+    ):
+        raise ValueError(
+            f"policy_loss: correction was computed for a batch of shape {tuple(correction.mask.shape)}, "
+            f"response_mask is {tuple(response_mask.shape)} (it would be broadcast silently): pass the "
+            "compute_correction output of this batch."
+        )
+    # Every logprob tensor the loss or its statistics read (prox: not in bypass; ref: with its KL term).
+    read = [("logprobs", logprobs, True), ("advantages", advantages, True)]
+    for name, tensor, used in (
+        ("rollout_logprobs", rollout_logprobs, rollout_logprobs is not None),
+        ("prox_logprobs", prox_logprobs, prox_logprobs is not None and not bypass),
+        ("ref_logprobs", ref_logprobs, ref_logprobs is not None and loss_cfg.ref_kl_coef > 0),
+    ):
+        if used:
+            _require(tensor, name, response_mask)
+            read.append((name, tensor, False))  # +-inf allowed: the log ratio is clamped
     anchor = rollout_logprobs if bypass else prox_logprobs
     needs_rollout = bypass or objective == "pure_is" or (objective == "cispo" and cfg.anchor == "rollout")
     if needs_rollout or loss_cfg.rollout_kl_coef > 0:
         _require(rollout_logprobs, "rollout_logprobs", response_mask, hint=_ROLLOUT_HINT)
     if objective == "ppo" or (objective == "cispo" and cfg.anchor == "prox"):
         _require(anchor, "rollout_logprobs" if bypass else "prox_logprobs", response_mask)
+    if advantages.dim() == 1:
+        advantages = advantages.unsqueeze(-1).expand_as(logprobs)
+
+    def terms() -> tuple[torch.Tensor, PolicyLossInfo]:
+        return _policy_loss_terms(
+            logprobs, prox_logprobs, rollout_logprobs, advantages, response_mask, loss_cfg, correction,
+            ref_logprobs, token_count, sequence_count,
+        )  # fmt: skip
+
+    total, info = terms()
+    # NaN at a response token of any input reaches the loss or a statistic, so checking those few
+    # scalars (one host sync) replaces a pass over every input; the inputs are searched only then.
+    if not _all_finite(total, info):
+        infinite = check_response_values("policy_loss", response_mask, read)
+        if infinite:  # rare: a logprob of -inf at a response token counts as -INFINITE_LOG_RATIO
+            rollout_logprobs = finite_logprobs(rollout_logprobs) if "rollout_logprobs" in infinite else rollout_logprobs
+            prox_logprobs = finite_logprobs(prox_logprobs) if "prox_logprobs" in infinite else prox_logprobs
+            ref_logprobs = finite_logprobs(ref_logprobs) if "ref_logprobs" in infinite else ref_logprobs
+            total, info = terms()
+    return total, info
+
+
+def _all_finite(total: torch.Tensor, info: PolicyLossInfo) -> bool:
+    scalars = (total.detach(), info.policy_loss, info.rollout_kl, info.ref_kl, info.approx_kl_sum, info.rollout_kl_sum)
+    return bool(torch.isfinite(torch.stack([s.to(torch.float64) for s in scalars])).all())
+
+
+def _policy_loss_terms(
+    logprobs: torch.Tensor,
+    prox_logprobs: torch.Tensor | None,
+    rollout_logprobs: torch.Tensor | None,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    loss_cfg: PolicyLossConfig,
+    correction: CorrectionOutput | None,
+    ref_logprobs: torch.Tensor | None,
+    token_count: float | torch.Tensor | None,
+    sequence_count: float | torch.Tensor | None,
+) -> tuple[torch.Tensor, PolicyLossInfo]:
+    """:func:`policy_loss` once its arguments are checked."""
+    cfg = correction.config if correction is not None else None
+    objective = cfg.objective if cfg is not None else "ppo"
+    bypass = cfg is not None and cfg.bypass_mode
+    valid = response_mask.bool()
+    kept = valid if correction is None else valid & correction.mask.bool()
+    weights = torch.ones_like(logprobs, dtype=torch.float32) if correction is None else correction.weights
+    adv = masked(advantages.detach().float(), valid)
+    anchor = rollout_logprobs if bypass else prox_logprobs
 
     if objective == "ppo":
         per_token, clipped, dual = _ppo_surrogate(logprobs, anchor, adv, valid, kept, loss_cfg)

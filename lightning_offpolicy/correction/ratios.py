@@ -3,6 +3,9 @@
 Every ratio is formed in log space and exponentiated through :func:`safe_exp`, so log ratios of
 +-1000 (a token the engine nearly never samples) give finite numbers. Padded positions (mask 0)
 are replaced by 0 before any arithmetic, so NaN or inf there never reaches a result or a gradient.
+A logprob of -inf at a response token (one policy calls the token impossible) is replaced by
+``-INFINITE_LOG_RATIO`` (:func:`finite_logprobs`), so log ratios, sums, means and metrics stay
+finite (NaN at a response token is refused, by :mod:`~lightning_offpolicy.correction.checks`).
 """
 
 from __future__ import annotations
@@ -11,6 +14,11 @@ import torch
 
 LOG_RATIO_CLAMP = 20.0
 """Log ratios are clamped to [-20, 20] before ``exp`` (``exp(20) ~ 4.9e8``)."""
+
+INFINITE_LOG_RATIO = 1e6
+"""The magnitude that stands for an infinite logprob (and so an infinite log ratio): beyond every
+clamp and mask bound (even averaged over 10^4 tokens it exceeds ``LOG_RATIO_CLAMP``), yet finite,
+and small enough that float32 sums over any realistic number of tokens stay finite."""
 
 
 def safe_exp(log_ratio: torch.Tensor, clamp: float = LOG_RATIO_CLAMP) -> torch.Tensor:
@@ -36,6 +44,16 @@ def log_ratio(numerator: torch.Tensor, denominator: torch.Tensor, mask: torch.Te
     if dtype in (torch.float16, torch.bfloat16):
         dtype = torch.float32
     return masked(numerator.to(dtype), valid) - masked(denominator.to(dtype), valid)
+
+
+def finite_logprobs(logprobs: torch.Tensor) -> torch.Tensor:
+    """``logprobs`` with +-inf replaced by +-``INFINITE_LOG_RATIO`` (NaN, allowed only in padding, by 0).
+
+    Applied by ``compute_correction`` / ``policy_loss`` only when a response token holds an
+    infinity, so the common path pays nothing. A -inf logprob thus gives a log ratio of about
+    +-1e6 (two -inf ones: 0), and no gradient flows through the replaced entries.
+    """
+    return torch.nan_to_num(logprobs, nan=0.0, posinf=INFINITE_LOG_RATIO, neginf=-INFINITE_LOG_RATIO)
 
 
 def sequence_sum(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

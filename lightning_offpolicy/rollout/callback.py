@@ -289,7 +289,14 @@ class RolloutCallback(Callback):
         rollout, generate_s = self._produce(prompts, self.generated_batches)
         self.generated_batches += 1
         self.last_timing = {"generate_s": generate_s, "tokens": float(rollout.num_response_tokens), "sync_s": sync_s}
+        self._record_sync_probe_diff()
         return rollout
+
+    def _record_sync_probe_diff(self) -> None:
+        """Log the sync self-check's max |engine - trainer| probe logprob difference as ``rollout/sync_probe_diff``."""
+        diff = getattr(self.engine, "last_sync_check_max_abs_diff", None)
+        if diff is not None:
+            self.last_timing["sync_probe_diff"] = float(diff)
 
     def _produce(self, prompts: PromptBatch, index: int) -> tuple[RolloutBatch, float]:
         """Generate and score batch ``index`` with the engine's current weights (any thread)."""
@@ -372,6 +379,7 @@ class RolloutCallback(Callback):
             self.engine.update_weights(pl_module.policy, version)
             self.producer.set_engine_version(version)
         self.last_timing["sync_s"] = time.perf_counter() - started
+        self._record_sync_probe_diff()
 
     def _log_staleness_histogram(self, trainer: Trainer, version: int, rollout: RolloutBatch) -> None:
         tokens = rollout.response_mask.bool()

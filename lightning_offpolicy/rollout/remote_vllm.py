@@ -41,6 +41,7 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import http.client
+import ipaddress
 import json
 import logging
 import math
@@ -48,6 +49,7 @@ import os
 import shutil
 import signal
 import socket
+import stat
 import subprocess
 import sys
 import tempfile
@@ -72,9 +74,10 @@ from lightning_offpolicy.rollout.engine import (
 from lightning_offpolicy.rollout.weight_sync import (
     PROBE_LENGTH,
     SyncCheck,
-    default_sync_tolerance,
+    SyncTolerance,
     full_state_dict,
     probe_ids,
+    sync_tolerance,
     trainer_probe_logprobs,
     weight_source,
     write_safetensors,
@@ -118,9 +121,10 @@ class RemoteVLLMEngine(SpecialTokens):
         weights_dir: Directory that BOTH this trainer and the server can read and write at the
             same path (shared storage such as NFS when they run on different machines; see
             ``server_weights_dir`` when the server mounts it elsewhere). Each sync writes the
-            trainer's weights as safetensors into a private subdirectory (removed by
-            :meth:`close`) and asks the server to reload from there. ``None``: no weight syncs
-            (``update_weights`` raises).
+            trainer's weights as safetensors into a private subdirectory (``0700``, files
+            ``0600``; removed by :meth:`close`) and asks the server to reload from there. Whoever
+            can write there controls the policy the server samples (docs/remote_vllm.md, "Trust
+            model"). ``None``: no weight syncs (``update_weights`` raises).
         server_weights_dir: The path under which the server sees ``weights_dir`` (``None``: the
             same path).
         request_timeout_s: Longest one HTTP request (a generation of one prompt's samples, a
@@ -129,10 +133,12 @@ class RemoteVLLMEngine(SpecialTokens):
             prompt, carrying its ``samples_per_prompt`` samples); the server batches them.
         check_weight_sync: After each ``update_weights`` from a module, check that the server's
             logprobs of a fixed probe sequence match the module's; raise ``RuntimeError`` if not.
-        weight_sync_tolerance: Largest per-token |logprob difference| the check accepts. ``None``:
-            ``1e-3`` when the server and the trainer's module are both float32, else ``1.0``
-            (reduced precision differs by design; a sync that did not arrive is then still caught
-            by the "server unchanged while the trainer moved" test).
+        weight_sync_tolerance: Absolute part (nats) of the per-token |logprob difference| the check
+            accepts. ``None``: ``1e-3`` when the server and the trainer's module are both float32,
+            else ``1.0``. With a reduced-precision server or trainer a relative part is added,
+            ``16 * eps * |trainer logprob|`` (bfloat16: 0.125 |lp|), since the difference grows with
+            the logits (``weight_sync.SyncTolerance``); a sync that did not arrive is also caught by
+            the "server unchanged while the trainer moved" test.
         eos_token_id: Stop token id; ``None``: set by the ``RolloutCallback`` from the module's
             tokenizer (:meth:`set_special_tokens`).
         stop_token_ids: More ids that end a completion besides ``eos_token_id``; ``None``: the eos
@@ -140,7 +146,11 @@ class RemoteVLLMEngine(SpecialTokens):
         pad_token_id: Not needed by the server; accepted for symmetry with :class:`HFEngine`.
         api_key: The server's ``--api-key`` (sent as ``Authorization: Bearer``); ``None``: the
             environment variable ``VLLM_API_KEY`` if set. vLLM checks it on ``/v1`` routes only:
-            its dev-mode endpoints are unauthenticated, keep the server on a private network.
+            its dev-mode endpoints are unauthenticated, keep the server on a private network. A
+            key sent over ``http://`` to a host other than loopback gets a warning.
+        share_weights_with_group: Make the sync directory and files readable (never writable) by
+            the group of ``weights_dir`` (``0750`` / ``0640``) for a server running as another user
+            of that group. ``False``: owner only (``0700`` / ``0600``), whatever the umask.
 
     Attributes:
         version: Policy version of the weights in the server (stamped on every completion).
@@ -167,6 +177,7 @@ class RemoteVLLMEngine(SpecialTokens):
         stop_token_ids: list[int] | None = None,
         pad_token_id: int | None = None,
         api_key: str | None = None,
+        share_weights_with_group: bool = False,
     ) -> None:
         scheme, host, port, prefix = _parse_base_url(base_url)
         if model is not None and (not isinstance(model, str) or not model):
@@ -199,6 +210,19 @@ class RemoteVLLMEngine(SpecialTokens):
                 raise ValueError(f"RemoteVLLMEngine.{name}={value!r} must be a token id (int >= 0) or None.")
         if api_key is not None and (not isinstance(api_key, str) or not api_key):
             raise ValueError("RemoteVLLMEngine.api_key must be a non-empty str or None.")
+        if not isinstance(share_weights_with_group, bool):
+            raise ValueError(
+                f"RemoteVLLMEngine.share_weights_with_group={share_weights_with_group!r} must be True or False."
+            )
+        api_key = api_key or os.environ.get("VLLM_API_KEY") or None
+        if api_key and scheme == "http" and not _is_loopback(host):
+            warnings.warn(
+                f"RemoteVLLMEngine: the API key goes to {host} over plain http://: anyone on the network path can read "
+                "it (and the prompts, completions and weight paths). Use https:// (a TLS proxy in front of the "
+                "server), an SSH tunnel, or a private network.",
+                RuntimeWarning,
+                stacklevel=2,
+            )
         self.base_url = f"{scheme}://{_host_for_url(host)}:{port}{prefix}"
         self.model = model
         self.weights_dir = None if weights_dir is None else str(weights_dir)
@@ -224,9 +248,8 @@ class RemoteVLLMEngine(SpecialTokens):
         self.last_reload_time_s: float | None = None
         self.last_generate_tokens_per_s: float | None = None
 
-        self._http = _HTTPClient(
-            scheme, host, port, prefix, api_key or os.environ.get("VLLM_API_KEY") or None, self.base_url
-        )
+        self.share_weights_with_group = share_weights_with_group
+        self._http = _HTTPClient(scheme, host, port, prefix, api_key, self.base_url)
         self._lock = threading.Lock()
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None
         self._pool_lock = threading.Lock()
@@ -579,11 +602,8 @@ class RemoteVLLMEngine(SpecialTokens):
         # A peft LoRA policy goes over as merged weights (W + scaling B A, computed out of place).
         tensors = full_state_dict(source, "RemoteVLLMEngine.update_weights")
         sync_dir = self._ensure_sync_dir()
-        path = write_safetensors(tensors, sync_dir)
+        write_safetensors(tensors, sync_dir, mode=0o640 if self.share_weights_with_group else 0o600)
         del tensors
-        # safetensors writes 0600 files: a server running as another user could not read them.
-        with contextlib.suppress(OSError):
-            os.chmod(path, 0o666 & ~_umask())
         written = time.perf_counter()
         self._reload_weights(self._server_path(sync_dir))
         reloaded = time.perf_counter()
@@ -596,17 +616,19 @@ class RemoteVLLMEngine(SpecialTokens):
         if self._sync_dir is None:
             assert self.weights_dir is not None
             root = Path(self.weights_dir)
+            dir_mode = 0o750 if self.share_weights_with_group else 0o700
             try:
-                root.mkdir(parents=True, exist_ok=True)
-                # Private to this engine: the server loads every *.safetensors file of the directory it is given.
+                root.mkdir(parents=True, exist_ok=True, mode=dir_mode)
+                # Private to this engine (mkdtemp: 0700, whatever the umask): the server loads every
+                # *.safetensors file of the directory it is given, so no other user may write there.
                 path = Path(tempfile.mkdtemp(prefix=f"lightning_offpolicy_sync_{socket.gethostname()}_", dir=root))
+                os.chmod(path, dir_mode)
             except OSError as err:
                 raise RuntimeError(
                     f"RemoteVLLMEngine: cannot create the sync directory in weights_dir={self.weights_dir!r} ({err}): "
                     "it must be writable by the trainer."
                 ) from err
-            with contextlib.suppress(OSError):
-                os.chmod(path, 0o777 & ~_umask())  # mkdtemp makes it 0700: readable by the server's user too
+            _warn_if_others_can_replace(root)
             self._sync_dir = path
         return self._sync_dir
 
@@ -692,10 +714,11 @@ class RemoteVLLMEngine(SpecialTokens):
             dtype=torch.float64,
         )
 
-    def _tolerance(self, module: torch.nn.Module) -> float:
-        if self.weight_sync_tolerance is not None:
-            return self.weight_sync_tolerance
-        return default_sync_tolerance(self.server_dtype == "torch.float32", module)
+    def _tolerance(self, module: torch.nn.Module) -> SyncTolerance:
+        # /server_info spells it "torch.bfloat16"; anything unknown counts as reduced precision.
+        server_dtype = getattr(torch, (self.server_dtype or "").removeprefix("torch."), None)
+        server_dtype = server_dtype if isinstance(server_dtype, torch.dtype) else None
+        return sync_tolerance(server_dtype, module, self.weight_sync_tolerance)
 
     def _verify_sync(self, module: torch.nn.Module) -> None:
         probe = self._probe(module)
@@ -889,15 +912,19 @@ def _fmt(value: float | None) -> str:
     return "-" if value is None else f"{value:.3g}"
 
 
-def _umask() -> int:
-    """The process umask (read without a race where /proc has it, else by setting and restoring it)."""
-    with contextlib.suppress(OSError, ValueError):
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("Umask:"):
-                return int(line.split()[1], 8)
-    mask = os.umask(0o022)
-    os.umask(mask)
-    return mask
+def _warn_if_others_can_replace(root: Path) -> None:
+    """Warn when other users may rename entries of ``weights_dir``: a swapped sync directory is loaded."""
+    with contextlib.suppress(OSError):
+        st = root.stat()
+        if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH) and not st.st_mode & stat.S_ISVTX:
+            warnings.warn(
+                f"RemoteVLLMEngine: weights_dir={str(root)!r} is writable by other users (mode "
+                f"{st.st_mode & 0o7777:o}) without the sticky bit: one of them could replace the sync directory "
+                "between the write and the server's reload. Use a directory only the trainer (and the "
+                "server's user) can write, or chmod +t it.",
+                RuntimeWarning,
+                stacklevel=4,
+            )
 
 
 # ---------------------------------------------------------------------- a local server
@@ -912,16 +939,26 @@ class LocalVLLMServer:
 
     Attributes:
         base_url: ``http://127.0.0.1:PORT``, for :class:`RemoteVLLMEngine`.
-        port: The port it listens on (loopback only).
+        port: The port it listens on (loopback only, unless ``allow_non_loopback``).
+        connect_host: The address this machine reaches it at.
         model_dir: The checkpoint it serves (also its served model name).
         log_path: Its combined stdout / stderr.
         start_time_s: Seconds from the process start to the first healthy answer.
     """
 
-    def __init__(self, process: subprocess.Popen, port: int, model_dir: str, log_path: Path, own_log: bool) -> None:
+    def __init__(
+        self,
+        process: subprocess.Popen,
+        port: int,
+        model_dir: str,
+        log_path: Path,
+        own_log: bool,
+        connect_host: str = "127.0.0.1",
+    ) -> None:
         self.process = process
         self.port = port
-        self.base_url = f"http://127.0.0.1:{port}"
+        self.connect_host = connect_host
+        self.base_url = f"http://{_host_for_url(connect_host)}:{port}"
         self.model_dir = model_dir
         self.log_path = log_path
         self.start_time_s: float | None = None
@@ -993,6 +1030,47 @@ class LocalVLLMServer:
         )
 
 
+#: Options launch_local_server sets itself; extra_args may not set them, in any spelling vLLM reads.
+#: (``--config``: a YAML file's options, its host for one, would escape the checks below.)
+_LAUNCHER_OWN = ("--port", "--model", "--config")
+
+
+def _option_values(args: Sequence[str], option: str) -> list[tuple[str, str | None]]:
+    """``(spelling, value)`` of each occurrence of ``option`` in ``args``, read as vLLM's parser reads it.
+
+    vLLM's ``FlexibleArgumentParser`` turns underscores in option names into dashes, and, an
+    ``argparse`` parser with ``allow_abbrev``, takes any unambiguous prefix of an option for it:
+    ``--hos 0.0.0.0`` sets ``--host``. So every ``--name`` / ``--name=value`` whose normalised name
+    is a prefix of ``option`` counts (a prefix that is ambiguous among vLLM's options makes vLLM
+    refuse the command anyway). The value is the part after ``=`` or the next argument.
+    """
+    found = []
+    for i, arg in enumerate(args):
+        if not arg.startswith("--") or len(arg) <= 2:
+            continue
+        name, eq, inline = arg.partition("=")
+        name = name.replace("_", "-")
+        if len(name) > 2 and option.startswith(name):
+            found.append((arg, inline if eq else (args[i + 1] if i + 1 < len(args) else None)))
+    return found
+
+
+def _is_loopback(host: str) -> bool:
+    """Whether binding ``host`` keeps a server reachable from this machine only."""
+    if host.strip().lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip().strip("[]")).is_loopback
+    except ValueError:
+        return False  # a host name other than localhost may resolve to anything
+
+
+def _connect_host(host: str) -> str:
+    """The address to reach a server bound to ``host`` from this machine (a wildcard bind: loopback)."""
+    host = host.strip().strip("[]")
+    return {"0.0.0.0": "127.0.0.1", "::": "::1", "": "127.0.0.1"}.get(host, host)
+
+
 def launch_local_server(
     model_dir: str | os.PathLike,
     port: int | None = None,
@@ -1005,6 +1083,7 @@ def launch_local_server(
     startup_timeout_s: float = 300.0,
     log_file: str | os.PathLike | None = None,
     extra_args: Sequence[str] = (),
+    allow_non_loopback: bool = False,
 ) -> LocalVLLMServer:
     """Start a vLLM OpenAI-compatible server on 127.0.0.1 from this Python environment, set up for RL.
 
@@ -1027,8 +1106,15 @@ def launch_local_server(
         startup_timeout_s: Longest wait for ``/health``; the server is stopped and a ``RuntimeError``
             with the tail of its log raised after it.
         log_file: Where the server's output goes; ``None``: a temporary file removed by ``close``.
-        extra_args: More command-line arguments for the server (``--host`` and ``--port`` are
-            this function's; ``--logprobs-mode`` must stay ``processed_logprobs``).
+        extra_args: More command-line arguments for the server, read as vLLM reads them
+            (abbreviations such as ``--hos``, underscores, ``--opt=value``): ``--port``,
+            ``--model`` and ``--config`` are this function's; ``--logprobs-mode`` must stay
+            ``processed_logprobs``; ``--host`` may only name a loopback address (``127.0.0.1``,
+            ``::1``, ``localhost``) unless ``allow_non_loopback``.
+        allow_non_loopback: Let ``extra_args`` bind another interface (``--host 0.0.0.0``). The
+            server then answers anyone who can reach the port, and with ``VLLM_SERVER_DEV_MODE``
+            its unauthenticated ``/collective_rpc`` reloads weights from any path it is given
+            (docs/remote_vllm.md, "Trust model"): only on a private network.
 
     Raises:
         RuntimeError: The server exited or did not become healthy in time (the message has its log's tail).
@@ -1045,19 +1131,31 @@ def launch_local_server(
         raise ValueError(f"launch_local_server: gpu_memory_utilization={gpu_memory_utilization!r} must be in (0, 1].")
     if _bad_number(startup_timeout_s) or not startup_timeout_s > 0:
         raise ValueError(f"launch_local_server: startup_timeout_s={startup_timeout_s!r} must be > 0 (seconds).")
+    if not isinstance(allow_non_loopback, bool):
+        raise ValueError(f"launch_local_server: allow_non_loopback={allow_non_loopback!r} must be True or False.")
     extra = [str(a) for a in extra_args]
-    for flag in ("--host", "--port", "--model"):
-        if any(a == flag or a.startswith(flag + "=") for a in extra):
-            raise ValueError(f"launch_local_server: extra_args must not set {flag}: use the function's arguments.")
-    for i, arg in enumerate(extra):
-        value = arg.split("=", 1)[1] if arg.startswith("--logprobs-mode=") else None
-        if arg == "--logprobs-mode":
-            value = extra[i + 1] if i + 1 < len(extra) else ""
-        if value is not None and value != "processed_logprobs":
+    for flag in _LAUNCHER_OWN:
+        for spelling, _ in _option_values(extra, flag):
             raise ValueError(
-                f"launch_local_server: extra_args sets --logprobs-mode {value}: RL needs the logprobs of the "
-                "distribution sampled from, 'processed_logprobs'."
+                f"launch_local_server: extra_args must not set {flag} (here as {spelling!r}, which vLLM reads as "
+                f"{flag}): use the function's arguments."
             )
+    for spelling, value in _option_values(extra, "--logprobs-mode"):
+        if value != "processed_logprobs":
+            raise ValueError(
+                f"launch_local_server: extra_args sets --logprobs-mode {value} (as {spelling!r}): RL needs the "
+                "logprobs of the distribution sampled from, 'processed_logprobs'."
+            )
+    host = "127.0.0.1"
+    for spelling, value in _option_values(extra, "--host"):  # argparse: the last one wins
+        if value is None or (not allow_non_loopback and not _is_loopback(value)):
+            raise ValueError(
+                f"launch_local_server: extra_args binds the server to --host {value} (as {spelling!r}, which vLLM "
+                "reads as --host): not a loopback address, so every machine that can reach the port could use the "
+                "server and its unauthenticated dev-mode endpoints. Pass allow_non_loopback=True to do so on a "
+                "private network, or leave --host out (127.0.0.1)."
+            )
+        host = value
     model = str(model_dir)
     chosen = port if port is not None else _free_port()
     own_log = log_file is None
@@ -1094,7 +1192,7 @@ def launch_local_server(
         process = subprocess.Popen(
             cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env, start_new_session=True
         )
-    server = LocalVLLMServer(process, chosen, model, log_path, own_log)
+    server = LocalVLLMServer(process, chosen, model, log_path, own_log, _connect_host(host))
     try:
         _wait_healthy(server, startup_timeout_s)
     except BaseException as err:
@@ -1116,7 +1214,7 @@ def _wait_healthy(server: LocalVLLMServer, timeout_s: float) -> None:
         if code is not None:
             raise RuntimeError(f"launch_local_server: the vLLM server exited with code {code} during start-up.")
         try:
-            conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=2.0)
+            conn = http.client.HTTPConnection(server.connect_host, server.port, timeout=2.0)
             try:
                 conn.request("GET", "/health")
                 if conn.getresponse().status == 200:

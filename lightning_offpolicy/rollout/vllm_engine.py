@@ -22,9 +22,11 @@ What the engine guarantees (each one checked by ``tests/test_vllm_engine.py`` an
   (``collective_rpc("reload_weights", kwargs={"weights_path": DIR})``) and resets the prefix
   cache (cached KV of the old weights must not serve new requests). With
   ``check_weight_sync=True`` it then scores a fixed probe sequence with the engine
-  (``prompt_logprobs``) and with the trainer's module, and raises if the two disagree, or if
-  the engine's answer did not move while the trainer's did: a sync that silently never
-  arrived is caught at once instead of poisoning the run with stale rollouts.
+  (``prompt_logprobs``) and with the trainer's module, and raises if the two disagree by more
+  than the engine's precision explains (``weight_sync.SyncTolerance``: relative for bfloat16,
+  so a peaked policy is no false alarm), or if the engine's answer did not move while the
+  trainer's did: a sync that silently never arrived is caught at once instead of poisoning the
+  run with stale rollouts.
 * **LoRA (peft) models, two ways** (``lora_sync``): ``"merged"`` pushes the base weights with
   the adapters folded in (:func:`~lightning_offpolicy.rollout.weight_sync.merged_state_dict`,
   computed out of place: the trainer's weights stay bit-identical); ``"adapter"`` pushes the
@@ -85,14 +87,15 @@ from lightning_offpolicy.rollout.vllm_errors import (
 )
 from lightning_offpolicy.rollout.weight_sync import (
     SyncCheck,
+    SyncTolerance,
     adapter_rank,
     base_state_dict,
-    default_sync_tolerance,
     full_state_dict,
     is_peft_model,
     merged_state_dict,
     probe_ids,
     save_adapter,
+    sync_tolerance,
     trainer_probe_logprobs,
     weight_source,
     write_safetensors,
@@ -142,10 +145,12 @@ class VLLMEngine(SpecialTokens):
         tensor_parallel_size: Number of workers a model is split across.
         check_weight_sync: After each ``update_weights`` from a module, check that the engine's
             logprobs of a fixed probe sequence match the module's; raise ``RuntimeError`` if not.
-        weight_sync_tolerance: Largest per-token |logprob difference| the check accepts. ``None``:
-            ``1e-3`` when the engine and the trainer's module are both float32, else ``1.0``
-            (reduced precision differs by design; a sync that did not arrive is then still
-            caught by the "engine unchanged while the trainer moved" test).
+        weight_sync_tolerance: Absolute part (nats) of the per-token |logprob difference| the check
+            accepts. ``None``: ``1e-3`` when the engine and the trainer's module are both float32,
+            else ``1.0``. With a reduced-precision engine or trainer a relative part is added,
+            ``16 * eps * |trainer logprob|`` (bfloat16: 0.125 |lp|), since the difference grows with
+            the logits (``weight_sync.SyncTolerance``); a sync that did not arrive is also caught by
+            the "engine unchanged while the trainer moved" test.
         request_timeout_s: Longest an engine call (generate, weight reload) may take before the
             engine is declared hung, shut down and a ``RuntimeError`` raised.
         lora_sync: How a peft LoRA model's weights reach the engine. ``"merged"``: at every sync the
@@ -690,11 +695,10 @@ class VLLMEngine(SpecialTokens):
             [entry[tok].logprob for entry, tok in zip(entries, probe[1:], strict=True)], dtype=torch.float64
         )
 
-    def _tolerance(self, module: torch.nn.Module) -> float:
-        if self.weight_sync_tolerance is not None:
-            return self.weight_sync_tolerance
+    def _tolerance(self, module: torch.nn.Module) -> SyncTolerance:
         engine_dtype = getattr(self._llm.llm_engine.model_config, "dtype", None)
-        return default_sync_tolerance(engine_dtype == torch.float32, module)
+        engine_dtype = engine_dtype if isinstance(engine_dtype, torch.dtype) else None
+        return sync_tolerance(engine_dtype, module, self.weight_sync_tolerance)
 
     def _verify_sync(self, module: torch.nn.Module) -> None:
         engine = self._engine_probe_logprobs()
