@@ -190,7 +190,8 @@ def test_config_error_hint_comes_first_even_without_main_guard(monkeypatch):
     assert "1 validation error for ModelConfig" in str(err)
     message = vllm_errors.start_failure_message(err, "ckpt", True, 0.3, 1)
     hints = message.split("\n- ")[1:]
-    assert hints[0].startswith("likely: vLLM rejected a setting") and "greater than the derived max_model_len" in hints[0]
+    assert hints[0].startswith("likely: vLLM rejected a setting")
+    assert "greater than the derived max_model_len" in hints[0]
     assert "leave it unset (None" in hints[0] and "Value error," not in hints[0]
     assert hints[-1] == vllm_errors.GUARD_HINT  # the guard is listed, not called likely: nothing was spawned
     assert sum("likely" in h for h in hints) == 1 and "rejected its configuration (ValidationError)" in message
@@ -469,7 +470,9 @@ def test_default_max_model_len_is_the_models_context(tiny_ckpt, vllm_engine_hold
             engine.generate([[1] * (context - 4)], cfg)
     finally:
         engine.close()
-    too_long = VLLMEngine(model=str(tiny_ckpt), eos_token_id=2, dtype="float32", kv_cache_space_gib=1, max_model_len=512)
+    too_long = VLLMEngine(
+        model=str(tiny_ckpt), eos_token_id=2, dtype="float32", kv_cache_space_gib=1, max_model_len=512
+    )
     with pytest.raises(RuntimeError, match="rejected its configuration") as info:
         too_long.generate(reverse_prompts(1), cfg)
     first_hint = str(info.value).split("\n- ")[1]
