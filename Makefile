@@ -4,6 +4,7 @@
 #   make selfcheck  every correction preset on a real tiny model (no training)
 #   make bench  run the benchmarks under benchmarks/
 #   make study  the mismatch study: correction vs staleness / engine mismatch (~36 min on 2 cores)
+#   make docs-check  re-run the cheap figures of README.md / docs/ and compare (~3-5 min; not in `make test`)
 PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
@@ -14,7 +15,7 @@ VLLM_EXTRA ?= $(shell command -v nvidia-smi >/dev/null 2>&1 && echo vllm || echo
 # (`pip install torch==2.13.0` resolves to the local CPU wheel there).
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: demo selfcheck test bench study lint clean venv venv-dev
+.PHONY: demo selfcheck test bench study docs-check lint clean venv venv-dev
 
 $(VENV)/.base: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -64,6 +65,12 @@ bench: $(VENV)/.dev
 study: $(VENV)/.dev
 	OMP_NUM_THREADS=1 nice -n 10 $(PY) benchmarks/mismatch_study.py --output-dir docs/results \
 		--reading docs/results/reading.md
+
+# The figures of README.md and docs/*.md marked `<!-- docs-check: ... -->` (the quickstart reward
+# table, the selfcheck table), re-run with the command the docs state and compared within the
+# tolerances stated in benchmarks/docs_check.py; exit status 1 on a mismatch.
+docs-check: $(VENV)/.base
+	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} $(PY) benchmarks/docs_check.py
 
 lint: $(VENV)/.dev
 	$(VENV)/bin/ruff check lightning_offpolicy tests benchmarks examples
