@@ -130,16 +130,22 @@ def parse_selfcheck_table(text: str) -> dict[str, dict[str, float]]:
     table: dict[str, dict[str, float]] = {}
     for line in lines[start + 1 :]:
         words = line.split()
-        if not words or line.startswith("```"):
-            break
         if set(line.strip()) == {"-"}:
             continue
-        if len(words) != len(columns) + 1:
-            raise ValueError(f"selfcheck row {line!r} has {len(words) - 1} numbers for {len(columns)} columns")
-        table[words[0]] = {c: float(v) for c, v in zip(columns, words[1:], strict=True)}
+        row = _numbers(words[1:]) if len(words) == len(columns) + 1 else None
+        if row is None:  # the end of the table (a blank line, a fence, the line after it in the output)
+            break
+        table[words[0]] = dict(zip(columns, row, strict=True))
     if not table:
         raise ValueError("the selfcheck table has no rows")
     return table
+
+
+def _numbers(words: list[str]) -> list[float] | None:
+    try:
+        return [float(w) for w in words]
+    except ValueError:
+        return None
 
 
 def parse_readme_summary(text: str) -> tuple[int, float, float] | None:
@@ -288,7 +294,7 @@ def check(files: list[Path], only: tuple[str, ...] = KINDS) -> int:
             failures += 1
             print("  MISMATCH:\n    " + "\n    ".join(problems) + "\n  measured:\n" + measured)
         else:
-            print("  ok")
+            print("  ok" + (f", measured:\n{measured}" if figure.kind == "quickstart" else ""))
     print(f"docs-check: {len(figures) - failures} of {len(figures)} figures match")
     return 1 if failures else 0
 

@@ -71,6 +71,11 @@ def test_parse_errors_name_what_is_expected():
         docs_check.parse_reward_table("| batches | first |\n|---|---|\n| `train/reward` | 0.4 |\n")
     with pytest.raises(ValueError, match="preset"):
         docs_check.parse_selfcheck_table("no table here")
+    with pytest.raises(ValueError, match="no rows"):
+        docs_check.parse_selfcheck_table("preset kl ms\n-------\nnot numbers\n")
+    # The selfcheck's own output: the table ends where the numbers end (the next line names the logdir).
+    printed = "tiny\npreset kl ms\n----\na 1e-2 3.0\nb 0.5 4.0\nTensorBoard events: runs/x  (tensorboard --logdir x)\n"
+    assert docs_check.parse_selfcheck_table(printed) == {"a": {"kl": 0.01, "ms": 3.0}, "b": {"kl": 0.5, "ms": 4.0}}
     with pytest.raises(ValueError, match="lightning-offpolicy"):
         docs_check.command_argv("python train.py")
 
