@@ -5,6 +5,7 @@
 #   make bench  run the benchmarks under benchmarks/
 #   make study  the mismatch study: correction vs staleness / engine mismatch (~36 min on 2 cores)
 #   make soak   every shipped config to its max_steps, quiet and beside a CPU hog (~2 h on 2 cores)
+#   make docs-check  re-run the cheap figures of README.md / docs/ and compare (~3-5 min; not in `make test`)
 PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
@@ -15,7 +16,7 @@ VLLM_EXTRA ?= $(shell command -v nvidia-smi >/dev/null 2>&1 && echo vllm || echo
 # (`pip install torch==2.13.0` resolves to the local CPU wheel there).
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: demo selfcheck test bench study soak lint clean venv venv-dev
+.PHONY: demo selfcheck test bench study soak docs-check lint clean venv venv-dev
 
 # A .venv that already imports this checkout's kit at pyproject.toml's version, with its
 # dependencies installed (tools/check_venv.py), is kept even when pyproject.toml is newer than its
@@ -86,6 +87,12 @@ study: $(VENV)/.dev
 # Writes docs/soak.md and docs/soak.json. Not part of `make test` (about 2 h on 2 cores).
 soak: $(VENV)/.dev
 	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} $(PY) benchmarks/soak.py --output docs/soak.md
+
+# The figures of README.md and docs/*.md marked `<!-- docs-check: ... -->` (the quickstart reward
+# table, the selfcheck table), re-run with the command the docs state and compared within the
+# tolerances stated in benchmarks/docs_check.py; exit status 1 on a mismatch.
+docs-check: $(VENV)/.base
+	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} $(PY) benchmarks/docs_check.py
 
 lint: $(VENV)/.dev
 	$(VENV)/bin/ruff check lightning_offpolicy tests benchmarks examples

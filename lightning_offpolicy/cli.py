@@ -13,7 +13,9 @@ Config groups: ``model`` (:class:`~lightning_offpolicy.module.OffPolicyRLModule`
 ``model.temperature`` is linked to ``rollout.temperature``: the trainer scores tokens with the
 temperature the engine samples with. On the command line ``model.model`` is a string (a path, a hub
 name or ``tiny:<task>``); a module instance is for Python callers of ``OffPolicyRLModule``, and
-typing it as ``torch.nn.Module`` here would list every ``torch.nn`` class in ``fit --help``.
+typing it as ``torch.nn.Module`` here would list every ``torch.nn`` class in ``fit --help``. Unless
+the config names a progress bar, the training bar is
+:class:`~lightning_offpolicy.progress.RLProgressBar` (batches, with the optimizer step in the postfix).
 """
 
 from __future__ import annotations
@@ -21,13 +23,16 @@ from __future__ import annotations
 import os
 import sys
 import traceback
+from typing import Any
 
-from lightning.pytorch import LightningDataModule
+from lightning.pytorch import LightningDataModule, Trainer
+from lightning.pytorch.callbacks import ProgressBar
 from lightning.pytorch.cli import LightningCLI
 
 from lightning_offpolicy.data import DatasetDataModule  # noqa: F401  (a known data class for --data.help)
 from lightning_offpolicy.module import OffPolicyRLModule
 from lightning_offpolicy.preemption import PreemptionCheckpoint
+from lightning_offpolicy.progress import RLProgressBar
 from lightning_offpolicy.rollout.callback import RolloutCallback
 from lightning_offpolicy.tasks import PromptDataModule  # noqa: F401
 
@@ -80,6 +85,17 @@ class OffPolicyCLI(LightningCLI):
             if cause is None:
                 raise
             raise cause from None
+
+    def instantiate_trainer(self, **kwargs: Any) -> Trainer:
+        """The Trainer, with :class:`RLProgressBar` in place of the bar Lightning adds by default."""
+        trainer = super().instantiate_trainer(**kwargs)
+        configured = self._get(self.config_init, "trainer", default={}).get("callbacks") or []
+        configured = configured if isinstance(configured, list) else [configured]
+        default_bar = trainer.progress_bar_callback
+        if default_bar is not None and not any(isinstance(c, ProgressBar) for c in configured):
+            # Lightning's default counts max_steps (optimizer steps) as batches: 2 per batch -> twice the batches.
+            trainer.callbacks[trainer.callbacks.index(default_bar)] = RLProgressBar()
+        return trainer
 
 
 def _constructor_error(err: BaseException) -> BaseException | None:

@@ -343,10 +343,12 @@ def test_launcher_argument_checks(tmp_path):
 
 @pytest.fixture(scope="module")
 def server(tiny_ckpt):
-    """One vLLM server for the module (float32), stopped at its end; no process of it may be left."""
-    srv = launch_local_server(
-        tiny_ckpt, dtype="float32", max_model_len=256, kv_cache_space_gib=1, startup_timeout_s=600
-    )
+    """One vLLM server for the module (float32), stopped at its end; no process of it may be left.
+
+    ``max_model_len`` is left at its default: the model's own context (256), which the engine's
+    connect reads back (a default of 512 made the server refuse to start with this model).
+    """
+    srv = launch_local_server(tiny_ckpt, dtype="float32", kv_cache_space_gib=1, startup_timeout_s=600)
     MEASURED["server_start_s"] = srv.start_time_s
     print(f"\nvLLM server started in {srv.start_time_s:.1f} s at {srv.base_url}")
     procs = srv.processes()

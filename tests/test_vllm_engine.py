@@ -156,6 +156,52 @@ def test_start_failure_hint_names_unsupported_head_dim(tmp_path):
     assert head_dim_hint(str(tmp_path)) is None
 
 
+#: What vLLM 0.32 raises (a pydantic ValidationError of its ModelConfig) for a max_model_len above the model's context.
+_VLLM_MAX_LEN_MESSAGE = (
+    "User-specified max_model_len (512) is greater than the derived max_model_len (max_position_embeddings=256.0 "
+    "or model_max_length=None in model's config.json). To allow overriding this maximum, set the env var "
+    "VLLM_ALLOW_LONG_MAX_MODEL_LEN=1."
+)
+
+
+def _pydantic_config_error(message: str) -> Exception:
+    """A real pydantic ValidationError raised by a validator, as vLLM's config dataclasses raise them."""
+    import pydantic
+
+    @pydantic.dataclasses.dataclass
+    class ModelConfig:
+        max_model_len: int
+
+        def __post_init__(self) -> None:
+            raise ValueError(message)
+
+    try:
+        ModelConfig(max_model_len=512)
+    except pydantic.ValidationError as err:
+        return err
+    raise AssertionError("the validator did not raise")
+
+
+def test_config_error_hint_comes_first_even_without_main_guard(monkeypatch):
+    from lightning_offpolicy.rollout import vllm_errors
+
+    monkeypatch.setattr(vllm_errors, "main_guard_missing", lambda: True)
+    monkeypatch.setattr(vllm_errors, "head_dim_hint", lambda model: None)
+    err = _pydantic_config_error(_VLLM_MAX_LEN_MESSAGE)
+    assert "1 validation error for ModelConfig" in str(err)
+    message = vllm_errors.start_failure_message(err, "ckpt", True, 0.3, 1)
+    hints = message.split("\n- ")[1:]
+    assert hints[0].startswith("likely: vLLM rejected a setting")
+    assert "greater than the derived max_model_len" in hints[0]
+    assert "leave it unset (None" in hints[0] and "Value error," not in hints[0]
+    assert hints[-1] == vllm_errors.GUARD_HINT  # the guard is listed, not called likely: nothing was spawned
+    assert sum("likely" in h for h in hints) == 1 and "rejected its configuration (ValidationError)" in message
+    # Not a config error (the generic failure of a spawned engine): the missing guard stays first.
+    generic = vllm_errors.start_failure_message(RuntimeError("Engine core initialization failed"), "ckpt", True, 0.3, 1)
+    assert generic.split("\n- ")[1].startswith("likely: the main script has no")
+    assert vllm_errors.config_error_hint(RuntimeError("Engine core initialization failed")) is None
+
+
 # ---------------------------------------------------------------------- shared engine
 
 
@@ -439,3 +485,32 @@ def test_start_failure_says_what_to_change(tiny_ckpt, vllm_engine_holder, monkey
     assert not engine.started
     assert [p for p in _psutil_engine_procs() if p.pid not in before and _running(p)] == []
     engine.close()
+
+
+@requires_vllm
+def test_default_max_model_len_is_the_models_context(tiny_ckpt, vllm_engine_holder):
+    """max_model_len=None starts on a 256-context model (512 was refused) and reads vLLM's length back."""
+    from transformers import AutoConfig
+
+    vllm_engine_holder.close()  # one engine at a time on a small machine
+    context = AutoConfig.from_pretrained(str(tiny_ckpt)).max_position_embeddings
+    assert context == 256
+    engine = VLLMEngine(model=str(tiny_ckpt), eos_token_id=2, dtype="float32", kv_cache_space_gib=1)
+    try:
+        assert engine.max_model_len is None
+        cfg = SamplingConfig(max_new_tokens=8, samples_per_prompt=2)
+        out = engine.generate(reverse_prompts(3), cfg, seed=0)
+        assert len(out) == 6 and engine.max_model_len == context
+        with pytest.raises(ValueError, match=f"exceeds max_model_len={context}"):
+            engine.generate([[1] * (context - 4)], cfg)
+    finally:
+        engine.close()
+    too_long = VLLMEngine(
+        model=str(tiny_ckpt), eos_token_id=2, dtype="float32", kv_cache_space_gib=1, max_model_len=512
+    )
+    with pytest.raises(RuntimeError, match="rejected its configuration") as info:
+        too_long.generate(reverse_prompts(1), cfg)
+    first_hint = str(info.value).split("\n- ")[1]
+    assert "greater than the derived max_model_len" in first_hint and "leave it unset" in first_hint
+    assert not too_long.started
+    too_long.close()

@@ -1075,7 +1075,7 @@ def launch_local_server(
     model_dir: str | os.PathLike,
     port: int | None = None,
     dtype: Literal["auto", "half", "float16", "bfloat16", "float", "float32"] = "auto",
-    max_model_len: int = 512,
+    max_model_len: int | None = None,
     kv_cache_space_gib: int | None = 1,
     gpu_memory_utilization: float = 0.3,
     seed: int = 0,
@@ -1097,7 +1097,8 @@ def launch_local_server(
         model_dir: Checkpoint directory (or hub name) to serve; also the served model name.
         port: Port on 127.0.0.1; ``None``: a free one.
         dtype: Precision of the server's weights (vLLM's ``--dtype``).
-        max_model_len: Longest prompt + completion in tokens.
+        max_model_len: Longest prompt + completion in tokens; ``None``: the model's own context length
+            (vLLM derives it from the checkpoint's config; the engine reads it from the server).
         kv_cache_space_gib: CPU only: GiB of KV cache (``VLLM_CPU_KVCACHE_SPACE``); ``None``: vLLM's default.
         gpu_memory_utilization: Fraction of GPU memory; on CPU the fraction of host memory vLLM
             reserves (keep it low there: start-up fails when that much is not free).
@@ -1123,8 +1124,11 @@ def launch_local_server(
         raise ValueError(f"launch_local_server: dtype={dtype!r} is not known; allowed: {', '.join(_ALLOWED_DTYPES)}.")
     if port is not None and (_bad_int(port) or not 0 < port < 65536):
         raise ValueError(f"launch_local_server: port={port!r} must be an int in 1..65535 or None (a free port).")
-    if _bad_int(max_model_len) or max_model_len < 2:
-        raise ValueError(f"launch_local_server: max_model_len={max_model_len!r} must be an int >= 2.")
+    if max_model_len is not None and (_bad_int(max_model_len) or max_model_len < 2):
+        raise ValueError(
+            f"launch_local_server: max_model_len={max_model_len!r} must be an int >= 2 or None (the model's own "
+            "context)."
+        )
     if kv_cache_space_gib is not None and (_bad_int(kv_cache_space_gib) or kv_cache_space_gib < 1):
         raise ValueError(f"launch_local_server: kv_cache_space_gib={kv_cache_space_gib!r} must be an int >= 1 or None.")
     if _bad_number(gpu_memory_utilization) or not 0 < gpu_memory_utilization <= 1:
@@ -1169,7 +1173,7 @@ def launch_local_server(
         "--host", "127.0.0.1",
         "--port", str(chosen),
         "--dtype", dtype,
-        "--max-model-len", str(max_model_len),
+        *(["--max-model-len", str(max_model_len)] if max_model_len is not None else []),
         "--gpu-memory-utilization", str(gpu_memory_utilization),
         "--seed", str(seed),
         "--enforce-eager",

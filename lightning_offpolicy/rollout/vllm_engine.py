@@ -135,7 +135,10 @@ class VLLMEngine(SpecialTokens):
             weights, or with ``lora_sync="adapter"`` the base weights).
         dtype: Precision of the engine's weights and activations (vLLM's ``dtype``): ``"auto"`` takes
             the checkpoint's; ``"float32"`` / ``"bfloat16"`` / ``"float16"`` force one.
-        max_model_len: Longest prompt + completion in tokens.
+        max_model_len: Longest prompt + completion in tokens. ``None``: the model's own context length
+            as vLLM derives it from the checkpoint's config (``max_position_embeddings``), read back
+            into this attribute once the engine has started. A smaller value (the longest prompt +
+            ``max_new_tokens``) saves KV-cache memory on long-context models.
         gpu_memory_utilization: Fraction of GPU memory vLLM may use; on CPU, the fraction of host
             memory it reserves (keep it low on CPU: start-up fails when that much is not free).
         kv_cache_space_gib: CPU only: GiB of KV cache (sets ``VLLM_CPU_KVCACHE_SPACE``); ``None``
@@ -187,7 +190,7 @@ class VLLMEngine(SpecialTokens):
         self,
         model: str | None = None,
         dtype: Literal["auto", "half", "float16", "bfloat16", "float", "float32"] = "auto",
-        max_model_len: int = 512,
+        max_model_len: int | None = None,
         gpu_memory_utilization: float = 0.3,
         kv_cache_space_gib: int | None = 1,
         enforce_eager: bool = True,
@@ -210,8 +213,10 @@ class VLLMEngine(SpecialTokens):
             raise ValueError(
                 f"VLLMEngine.dtype={dtype!r} is not known; allowed: {', '.join(map(repr, _ALLOWED_DTYPES))}."
             )
-        if _bad_int(max_model_len) or max_model_len < 2:
-            raise ValueError(f"VLLMEngine.max_model_len={max_model_len!r} must be an int >= 2.")
+        if max_model_len is not None and (_bad_int(max_model_len) or max_model_len < 2):
+            raise ValueError(
+                f"VLLMEngine.max_model_len={max_model_len!r} must be an int >= 2 or None (the model's own context)."
+            )
         if not isinstance(gpu_memory_utilization, (int, float)) or not 0 < gpu_memory_utilization <= 1:
             raise ValueError(
                 f"VLLMEngine.gpu_memory_utilization={gpu_memory_utilization!r} must be in (0, 1] (on CPU: the "
@@ -245,7 +250,7 @@ class VLLMEngine(SpecialTokens):
             )
         self.model = None if model is None else str(model)
         self.dtype = dtype
-        self.max_model_len = int(max_model_len)
+        self.max_model_len: int | None = None if max_model_len is None else int(max_model_len)
         self.gpu_memory_utilization = float(gpu_memory_utilization)
         self.kv_cache_space_gib = kv_cache_space_gib
         self.enforce_eager = enforce_eager
@@ -324,11 +329,8 @@ class VLLMEngine(SpecialTokens):
             raise RuntimeError("VLLMEngine needs eos_token_id (pass it or call set_special_tokens(...)).")
         prompts = checked_prompts(prompt_ids, "VLLMEngine.generate")
         longest = max((len(p) for p in prompts), default=0)
-        if longest + sampling.max_new_tokens > self.max_model_len:
-            raise ValueError(
-                f"VLLMEngine.generate: the longest prompt ({longest} tokens) + max_new_tokens "
-                f"({sampling.max_new_tokens}) exceeds max_model_len={self.max_model_len}; raise max_model_len."
-            )
+        if self.max_model_len is not None:  # known before the start: fail without starting anything
+            self._check_length(longest, sampling.max_new_tokens)
         if not prompts:
             return []
         from vllm import SamplingParams
@@ -352,6 +354,7 @@ class VLLMEngine(SpecialTokens):
         ]
         with self._lock:
             self._ensure_started()
+            self._check_length(longest, sampling.max_new_tokens)  # max_model_len=None: known now
             llm, lora = self._llm, self._lora_request
             begin = time.perf_counter()
             outputs = self._watched(
@@ -452,6 +455,14 @@ class VLLMEngine(SpecialTokens):
     def __exit__(self, *exc: Any) -> None:
         self.close()
 
+    def _check_length(self, longest: int, max_new_tokens: int) -> None:
+        if self.max_model_len is not None and longest + max_new_tokens > self.max_model_len:
+            raise ValueError(
+                f"VLLMEngine.generate: the longest prompt ({longest} tokens) + max_new_tokens "
+                f"({max_new_tokens}) exceeds max_model_len={self.max_model_len}; raise max_model_len (at most the "
+                "model's context length), or shorten the prompts / lower max_new_tokens."
+            )
+
     # ------------------------------------------------------------------ start / stop
 
     def _check_usable(self) -> None:
@@ -482,7 +493,6 @@ class VLLMEngine(SpecialTokens):
         kwargs: dict[str, Any] = dict(
             model=model,
             dtype=self.dtype,
-            max_model_len=self.max_model_len,
             gpu_memory_utilization=self.gpu_memory_utilization,
             enforce_eager=self.enforce_eager,
             seed=self.seed,
@@ -492,6 +502,8 @@ class VLLMEngine(SpecialTokens):
             # Neutral defaults, not the checkpoint's generation_config.json (every request sets its own).
             generation_config="vllm",
         )
+        if self.max_model_len is not None:  # None: vLLM derives it from the model's config
+            kwargs["max_model_len"] = self.max_model_len
         if self.lora_sync == "adapter":
             if self._max_lora_rank is None and "max_lora_rank" not in self.engine_kwargs:
                 raise RuntimeError(
@@ -515,6 +527,8 @@ class VLLMEngine(SpecialTokens):
             raise RuntimeError(message) from err
         self.start_time_s = time.perf_counter() - begin
         self._engine_procs = vllm_process.new_engine_procs(before)
+        # The length vLLM runs with (the model's context when max_model_len was None).
+        self.max_model_len = int(self._llm.llm_engine.model_config.max_model_len)
         log.info("VLLMEngine: engine started in %.1f s (%d processes)", self.start_time_s, len(self._engine_procs))
 
     def _shutdown_engine(self, graceful: bool = True) -> None:

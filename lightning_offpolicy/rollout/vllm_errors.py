@@ -5,6 +5,9 @@ vLLM's own start-up errors are raised in its engine processes and reach the call
 re-raises them with :func:`start_failure_message`: the common causes on the machines this kit
 targets (too much memory requested, an attention head size the CPU backend rejects, a main
 script without the ``__main__`` guard that ``spawn`` needs), each with the setting to change.
+A setting vLLM rejects while validating its configuration (e.g. a ``max_model_len`` above the
+model's context) is raised in the calling process, before any engine process exists: that error
+names its own cause, so its hint comes first and the ``spawn`` hint is not called "likely".
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from pathlib import Path
 __all__ = [
     "GUARD_HINT",
     "INSTALL_HINT",
+    "config_error_hint",
     "head_dim_hint",
     "main_guard_missing",
     "start_failure_message",
@@ -79,6 +83,42 @@ def head_dim_hint(model: str) -> str | None:
     )
 
 
+def _config_error_text(err: BaseException) -> str | None:
+    """vLLM's own words when ``err`` is a configuration validation error, else ``None``.
+
+    vLLM validates its config classes with pydantic: a rejected setting surfaces as a
+    ``pydantic.ValidationError`` ("1 validation error for ModelConfig ... Value error, ...").
+    """
+    kind = type(err)
+    is_pydantic = kind.__name__ == "ValidationError" and kind.__module__.startswith("pydantic")
+    if not is_pydantic and "validation error for" not in str(err):
+        return None
+    try:
+        messages = [str(e.get("msg", "")) for e in err.errors()]  # type: ignore[attr-defined]
+    except Exception:  # noqa: BLE001 - not pydantic's error API: use the text as it is
+        messages = []
+    text = "; ".join(m for m in messages if m) or str(err).strip()
+    return text.removeprefix("Value error, ")
+
+
+def config_error_hint(err: BaseException) -> str | None:
+    """The hint for an engine start that vLLM refused while validating its settings (``None``: not that).
+
+    Args:
+        err: What ``vllm.LLM(...)`` (or the server launcher) raised.
+    """
+    text = _config_error_text(err)
+    if text is None:
+        return None
+    hint = f"likely: vLLM rejected a setting while validating its configuration: {text} Change the setting it names"
+    if "max_model_len" in text:
+        hint += (
+            "; for max_model_len: leave it unset (None: the model's own context length, e.g. its "
+            "max_position_embeddings) or set it to at most that length"
+        )
+    return hint + "."
+
+
 def start_failure_message(
     err: BaseException,
     model: str,
@@ -107,6 +147,14 @@ def start_failure_message(
     head_dim = head_dim_hint(model) if on_cpu else None
     if head_dim:
         hints.insert(0, head_dim)
+    config = config_error_hint(err)
+    if config:  # raised in this process before any engine process was spawned: the error is the root cause
+        hints.insert(0, config)
+        hints.append(GUARD_HINT)
+        return (
+            f"VLLMEngine: the vLLM engine failed to start from {model!r}: vLLM rejected its configuration "
+            f"({type(err).__name__}). What to change, most likely first:\n- " + "\n- ".join(hints)
+        )
     if main_guard_missing():
         hints.insert(0, 'likely: the main script has no `if __name__ == "__main__":` guard. ' + GUARD_HINT)
     else:

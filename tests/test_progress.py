@@ -1,0 +1,75 @@
+"""RLProgressBar: the training bar counts batches when a batch takes several optimizer steps."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+from lightning.pytorch.callbacks import TQDMProgressBar
+
+from lightning_offpolicy.cli import OffPolicyCLI
+from lightning_offpolicy.module import OffPolicyRLModule
+from lightning_offpolicy.progress import RLProgressBar, remaining_batches
+from lightning_offpolicy.tasks import PromptDataModule
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.parametrize(
+    ("epoch_batches", "max_steps", "global_step", "per_batch", "expected"),
+    [
+        (128, 600, 0, 2, 128),  # the quickstart's first epoch: the epoch is shorter than 300 batches
+        (128, 600, 512, 2, 44),  # its third epoch: 88 optimizer steps = 44 batches left
+        (1000, 600, 0, 2, 300),
+        (1000, 7, 0, 2, 4),  # a last batch that overshoots max_steps still runs
+        (math.inf, 600, 100, 4, 125),
+        (10, -1, 0, 2, 10),  # no step limit: the epoch
+    ],
+)
+def test_remaining_batches(epoch_batches, max_steps, global_step, per_batch, expected):
+    assert remaining_batches(epoch_batches, max_steps, global_step, per_batch) == expected
+
+
+def _fit(tmp_path: Path, *extra: str) -> OffPolicyCLI:
+    return OffPolicyCLI(
+        OffPolicyRLModule,
+        PromptDataModule,
+        subclass_mode_data=True,
+        args=[
+            "fit",
+            "--config",
+            str(ROOT / "configs" / "quickstart.yaml"),
+            "--trainer.max_steps=6",
+            "--trainer.logger=false",
+            "--trainer.enable_checkpointing=false",
+            f"--trainer.default_root_dir={tmp_path}",
+            "--data.init_args.prompts_per_step=2",
+            "--data.init_args.num_train_prompts=40",
+            "--rollout.samples_per_prompt=2",
+            "--rollout.max_new_tokens=4",
+            *extra,
+        ],
+        save_config_kwargs={"overwrite": True},
+        auto_configure_optimizers=False,
+    )
+
+
+@pytest.mark.slow
+def test_cli_bar_total_is_batches_on_a_real_fit(tmp_path):
+    """max_steps=6 at 2 optimizer steps per batch: 3 batches; Lightning's own bar promised 6."""
+    cli = _fit(tmp_path)
+    trainer, bar = cli.trainer, cli.trainer.progress_bar_callback
+    assert type(bar) is RLProgressBar
+    batches_run = trainer.fit_loop.epoch_loop.batch_progress.total.completed
+    assert trainer.global_step == 6 and batches_run == 3 and trainer.num_training_batches == 20
+    assert bar.train_progress_bar.total == batches_run == bar.train_progress_bar.n
+    assert bar.train_progress_bar.postfix is not None and "opt_step=6/6" in bar.train_progress_bar.postfix
+    # Lightning's formula for the same fit: min(batches per epoch, max_steps - global_step) at the start.
+    assert min(trainer.num_training_batches, trainer.max_steps - 0) == 6 != batches_run
+
+
+@pytest.mark.slow
+def test_cli_keeps_a_progress_bar_the_config_names(tmp_path):
+    cli = _fit(tmp_path, "--trainer.max_steps=2", "--trainer.callbacks+=TQDMProgressBar")
+    assert type(cli.trainer.progress_bar_callback) is TQDMProgressBar
