@@ -58,7 +58,7 @@ class SFTPairs(IterableDataset):
             rows = []
             for _ in range(self.batch_size):
                 prompt, metadata = self.task.sample(rng)
-                prompt_ids = self.tokenizer.encode(prompt)
+                prompt_ids = self.tokenizer.encode_prompt(prompt)  # as the RolloutCallback encodes it
                 answer_ids = self.tokenizer.encode(self.task.reference_completion(metadata), add_bos=False)
                 rows.append((prompt_ids, answer_ids + [self.tokenizer.eos_token_id]))
             width = max(len(p) + len(a) for p, a in rows)

@@ -17,12 +17,14 @@ class PromptBatch:
     very step, before ``training_step`` receives the batch.
 
     Attributes:
-        prompts: prompt texts.
+        prompts: prompt texts, or chat ``messages`` lists (``[{"role": ..., "content": ...}, ...]``,
+            rendered by the tokenizer's chat template; see
+            :meth:`~lightning_offpolicy.tokenizers.HFTokenizer.encode_prompt`).
         metadata: one dict per prompt for the reward function (e.g. the expected answer).
         rollout: the rollouts of these prompts, filled in by the callback.
     """
 
-    prompts: list[str]
+    prompts: list[str | list[dict[str, Any]]]
     metadata: list[dict[str, Any]] = field(default_factory=list)
     rollout: Any = None
 

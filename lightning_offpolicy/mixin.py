@@ -12,8 +12,9 @@ What the module must expose:
 * the causal LM as an attribute named by ``policy_attribute`` (default ``"model"``): a
   ``transformers``-style model called as ``model(input_ids=..., attention_mask=...)`` returning
   ``.logits``;
-* ``tokenizer``: ``encode`` / ``decode`` / ``pad_token_id`` / ``eos_token_id`` (the callback
-  tokenizes prompts and decodes completions with it);
+* ``tokenizer``: ``encode_prompt`` (or ``encode``; a ``transformers`` tokenizer works as is) /
+  ``decode`` / ``pad_token_id`` / ``eos_token_id`` (the callback tokenizes prompts and decodes
+  completions with it);
 * its own ``training_step`` for its usual batches, and ``configure_optimizers`` (unchanged).
 
 What the mixin and the callback do to it:

@@ -48,6 +48,7 @@ from lightning_offpolicy.correction import (
 )
 from lightning_offpolicy.logprobs import causal_lm_token_logprobs
 from lightning_offpolicy.metrics import CorrectionMetrics, PolicyLossMetrics
+from lightning_offpolicy.tokenizers import CharTokenizer, HFTokenizer
 
 ReferenceMode = Literal["auto", "none", "frozen_copy", "disable_adapter"]
 
@@ -66,8 +67,12 @@ class OffPolicyRLModule(LightningModule):
         model: A ``transformers`` causal LM: a local path, a hub name, ``"tiny:<task>"`` (a tiny
             Llama built and SFT-warmed locally, see :mod:`lightning_offpolicy.tiny`), or a module
             instance (then pass ``tokenizer`` too).
-        tokenizer: Tokenizer with ``encode`` / ``decode`` / ``pad_token_id`` / ``eos_token_id``;
-            loaded from ``model``'s directory when ``None``.
+        tokenizer: ``None``: loaded from ``model``'s directory (a ``CharTokenizer`` for ``tiny:``
+            models, else an ``HFTokenizer`` following the tokenizer's own special-token rule). An
+            ``HFTokenizer`` without ``path`` (e.g. ``class_path: lightning_offpolicy.tokenizers.HFTokenizer``
+            with only ``add_bos`` / ``chat_template`` / ``system_prompt`` in ``init_args``) is loaded
+            from ``model``'s directory too. In Python, any object with ``encode_prompt`` (or
+            ``encode``) / ``decode`` / ``pad_token_id`` / ``eos_token_id`` works.
         optimizer: Optimizer factory ``params -> Optimizer`` (LightningCLI injects it from YAML);
             default ``AdamW(lr=1e-5)``. Only parameters with ``requires_grad`` are passed.
         lr_scheduler: Scheduler factory ``optimizer -> scheduler``, stepped once per optimizer step.
@@ -97,7 +102,7 @@ class OffPolicyRLModule(LightningModule):
     def __init__(
         self,
         model: str | torch.nn.Module = "tiny:reverse",
-        tokenizer: Any = None,
+        tokenizer: CharTokenizer | HFTokenizer | None = None,
         optimizer: OptimizerCallable | None = None,
         lr_scheduler: LRSchedulerCallable | None = None,
         correction: OffPolicyCorrectionConfig = OffPolicyCorrectionConfig(),  # noqa: B008 (read-only, copied)
@@ -146,6 +151,11 @@ class OffPolicyRLModule(LightningModule):
         if isinstance(model, torch.nn.Module):
             if tokenizer is None:
                 raise ValueError("OffPolicyRLModule: with a model instance, pass its tokenizer too.")
+            if isinstance(tokenizer, HFTokenizer) and not tokenizer.loaded:
+                raise ValueError(
+                    "OffPolicyRLModule: with a model instance, the HFTokenizer needs its `path` (there is no model "
+                    "directory to load it from)."
+                )
             self.policy: torch.nn.Module | None = model
             self.model_name = type(model).__name__
         else:
@@ -203,6 +213,8 @@ class OffPolicyRLModule(LightningModule):
             self.policy = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, self.torch_dtype))
             if self.tokenizer is None:
                 self.tokenizer = load_tokenizer(path)
+            elif isinstance(self.tokenizer, HFTokenizer) and not self.tokenizer.loaded:
+                self.tokenizer.load(path)  # options from the config, files from the model's directory
             self._prepare_policy()
         # Dropout off for good: pi_prox, pi_theta and the engine must be the same function of the
         # weights, or the PPO ratio is not 1 at the start of a step and the mismatch metrics lie.

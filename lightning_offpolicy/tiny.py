@@ -40,7 +40,7 @@ import torch
 import torch.nn.functional as F
 
 from lightning_offpolicy.tasks import Task, get_task
-from lightning_offpolicy.tokenizers import CharTokenizer, HFTokenizer
+from lightning_offpolicy.tokenizers import CharTokenizer, HFTokenizer, encode_prompt
 
 __all__ = [
     "CACHE_ENV",
@@ -142,7 +142,7 @@ def warmup_sft(
         sequences, starts = [], []
         for _ in range(batch_size):
             prompt, metadata = task.sample(rng)
-            prompt_ids = tokenizer.encode(prompt, add_bos=True)
+            prompt_ids = encode_prompt(tokenizer, prompt)
             completion_ids = tokenizer.encode(task.reference_completion(metadata), add_bos=False)
             sequences.append(prompt_ids + completion_ids + [tokenizer.eos_token_id])
             starts.append(len(prompt_ids))
@@ -184,7 +184,7 @@ def greedy_completions(
     out: list[str] = []
     try:
         for begin in range(0, len(prompts), batch_size):
-            encoded = [tokenizer.encode(p, add_bos=True) for p in prompts[begin : begin + batch_size]]
+            encoded = [encode_prompt(tokenizer, p) for p in prompts[begin : begin + batch_size]]
             length = max(len(e) for e in encoded)
             input_ids = torch.full((len(encoded), length), pad, dtype=torch.long)
             attention_mask = torch.zeros((len(encoded), length), dtype=torch.long)

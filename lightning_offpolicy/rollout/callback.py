@@ -22,7 +22,9 @@ Two ways of running, chosen by ``max_staleness``:
 What it needs from the LightningModule (``OffPolicyRLModule`` has all of it):
 
 * ``policy``: the causal LM to sample with (shared with ``HFEngine``, no copy);
-* ``tokenizer``: ``encode(text) -> list[int]``, ``decode(ids) -> str``, ``pad_token_id``, ``eos_token_id``;
+* ``tokenizer``: ``encode_prompt(prompt) -> list[int]`` (or ``encode(text)``; see
+  :func:`~lightning_offpolicy.tokenizers.encode_prompt`), ``decode(ids) -> str``, ``pad_token_id``,
+  ``eos_token_id``. Engines stop on its eos and on every eos id of ``policy.generation_config``;
 * ``policy_version``: the number of optimizer steps taken, stamped on every generated token;
 * optionally ``optimizer_steps_per_batch`` (default 1): policy versions one batch advances, for the
   admission rule of the asynchronous mode.
@@ -41,10 +43,11 @@ from typing_extensions import override
 
 from lightning_offpolicy.advantages import ADVANTAGE_ESTIMATORS, compute_advantages
 from lightning_offpolicy.batch import PromptBatch, RolloutBatch
-from lightning_offpolicy.rollout.engine import RolloutEngine, SamplingConfig
+from lightning_offpolicy.rollout.engine import RolloutEngine, SamplingConfig, generation_eos_ids
 from lightning_offpolicy.rollout.hf_engine import HFEngine
 from lightning_offpolicy.rollout.producer import RolloutProducer
 from lightning_offpolicy.rollout.prompt_source import prompt_batches
+from lightning_offpolicy.tokenizers import encode_prompt
 
 
 class RolloutCallback(Callback):
@@ -171,7 +174,15 @@ class RolloutCallback(Callback):
         if self.engine is None:
             self.engine = HFEngine()
         if hasattr(self.engine, "set_special_tokens"):
-            self.engine.set_special_tokens(pl_module.tokenizer.pad_token_id, pl_module.tokenizer.eos_token_id)
+            # Stop where the model's generation config says (a chat model's end-of-turn id included),
+            # as transformers and vLLM do, besides the tokenizer's eos.
+            eos_ids = generation_eos_ids(pl_module.policy)
+            eos = pl_module.tokenizer.eos_token_id
+            self.engine.set_special_tokens(
+                pl_module.tokenizer.pad_token_id,
+                eos if eos is not None else (eos_ids[0] if eos_ids else None),
+                stop_token_ids=eos_ids,
+            )
         self._tokenizer = pl_module.tokenizer
         return self.engine
 
@@ -240,7 +251,8 @@ class RolloutCallback(Callback):
     def _produce(self, prompts: PromptBatch, index: int) -> tuple[RolloutBatch, float]:
         """Generate and score batch ``index`` with the engine's current weights (any thread)."""
         tokenizer = self._tokenizer
-        prompt_ids = [tokenizer.encode(text) for text in prompts.prompts]
+        # The tokenizer's own rule (bos only where it adds one; chat prompts through its template).
+        prompt_ids = [encode_prompt(tokenizer, prompt) for prompt in prompts.prompts]
         started = time.perf_counter()
         completions = self.engine.generate(prompt_ids, self.sampling, seed=_mix_seed(self.seed, index, self._rank))
         generate_s = time.perf_counter() - started

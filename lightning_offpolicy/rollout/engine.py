@@ -84,17 +84,73 @@ class RolloutEngine(Protocol):
 
 
 class SpecialTokens:
-    """The padding / stop ids of an engine, filled in from the module's tokenizer when not given."""
+    """The padding / stop ids of an engine, filled in from the module's tokenizer and model when not given.
+
+    A completion ends at the first of its :attr:`stop_ids`: ``eos_token_id`` and every id of
+    ``stop_token_ids`` (the ``RolloutCallback`` fills these in with the eos ids the model's
+    generation config lists: ``generation_config.eos_token_id``, an int or a list).
+    """
 
     pad_token_id: int | None = None
     eos_token_id: int | None = None
+    stop_token_ids: list[int] | None = None
 
-    def set_special_tokens(self, pad_token_id: int, eos_token_id: int) -> None:
+    def set_special_tokens(
+        self, pad_token_id: int | None, eos_token_id: int | None, stop_token_ids: list[int] | None = None
+    ) -> None:
         """Fill in the padding / stop ids that were not given at construction."""
         if self.pad_token_id is None:
             self.pad_token_id = pad_token_id
         if self.eos_token_id is None:
             self.eos_token_id = eos_token_id
+        if self.stop_token_ids is None and stop_token_ids is not None:
+            self.stop_token_ids = checked_token_ids(stop_token_ids, f"{type(self).__name__}.stop_token_ids")
+
+    @property
+    def stop_ids(self) -> list[int]:
+        """Every id that ends a completion: ``eos_token_id`` first, then ``stop_token_ids``, no repeats."""
+        ids = [] if self.eos_token_id is None else [int(self.eos_token_id)]
+        for token in self.stop_token_ids or ():
+            if int(token) not in ids:
+                ids.append(int(token))
+        return ids
+
+
+def checked_token_ids(ids: Any, who: str) -> list[int]:
+    """``ids`` (an int or a list / tuple of ints, each >= 0) as a list; ``ValueError`` naming ``who`` otherwise."""
+    items = [ids] if isinstance(ids, int) else ids
+    valid = isinstance(items, (list, tuple)) and all(
+        isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in items
+    )
+    if not valid:
+        raise ValueError(f"{who}={ids!r} must be token ids (an int or a list of ints, each >= 0).")
+    return [int(t) for t in items]
+
+
+def generation_eos_ids(model: Any) -> list[int]:
+    """The eos ids ``model.generation_config`` lists (``eos_token_id``: an int or a list); ``[]`` if none.
+
+    A chat model often ends a turn with a token other than its tokenizer's eos (Llama 3's
+    ``<|eot_id|>``, Qwen's ``<|im_end|>``): its generation config lists both, and vLLM and
+    ``transformers`` stop on all of them.
+    """
+    config = getattr(model, "generation_config", None)
+    eos = getattr(config, "eos_token_id", None)
+    if eos is None:
+        return []
+    if hasattr(eos, "tolist"):
+        eos = eos.tolist()
+    return checked_token_ids(eos, "generation_config.eos_token_id")
+
+
+def first_stop(tokens: list[int], stop_ids: list[int]) -> tuple[int, str]:
+    """``(length, finish_reason)`` of a sampled row: up to and including the first stop id (``"stop"``),
+    else the whole row (``"length"``)."""
+    stops = set(stop_ids)
+    for position, token in enumerate(tokens):
+        if token in stops:
+            return position + 1, "stop"
+    return len(tokens), "length"
 
 
 def checked_prompts(prompt_ids: list[list[int]], who: str) -> list[list[int]]:

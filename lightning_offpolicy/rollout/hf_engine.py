@@ -17,7 +17,14 @@ from typing import Any, Literal
 
 import torch
 
-from lightning_offpolicy.rollout.engine import Completion, SamplingConfig, SpecialTokens, checked_prompts
+from lightning_offpolicy.rollout.engine import (
+    Completion,
+    SamplingConfig,
+    SpecialTokens,
+    checked_prompts,
+    checked_token_ids,
+    first_stop,
+)
 
 
 class HFEngine(SpecialTokens):
@@ -30,6 +37,8 @@ class HFEngine(SpecialTokens):
         pad_token_id: Padding id for batched generation (prompts are left-padded); ``None``: set
             by the ``RolloutCallback`` from the module's tokenizer.
         eos_token_id: Stop token id; ``None``: from the module's tokenizer.
+        stop_token_ids: More ids that end a completion besides ``eos_token_id``; ``None``: the eos
+            ids the model's generation config lists (set by the ``RolloutCallback``); ``[]``: none.
     """
 
     def __init__(
@@ -38,6 +47,7 @@ class HFEngine(SpecialTokens):
         max_batch_size: int = 0,
         pad_token_id: int | None = None,
         eos_token_id: int | None = None,
+        stop_token_ids: list[int] | None = None,
     ) -> None:
         if dtype not in (None, "bfloat16", "float16", "float32"):
             raise ValueError(f"HFEngine.dtype={dtype!r} is not known; allowed: None, 'bfloat16', 'float16', 'float32'.")
@@ -46,6 +56,9 @@ class HFEngine(SpecialTokens):
         self.dtype = dtype
         self.pad_token_id = pad_token_id
         self.eos_token_id = eos_token_id
+        self.stop_token_ids = (
+            None if stop_token_ids is None else checked_token_ids(stop_token_ids, "HFEngine.stop_token_ids")
+        )
         self.max_batch_size = max_batch_size
         self.model: torch.nn.Module | None = None
         self.version = 0
@@ -112,7 +125,7 @@ class HFEngine(SpecialTokens):
             top_p=sampling.top_p,
             max_new_tokens=sampling.max_new_tokens,
             pad_token_id=self.pad_token_id,
-            eos_token_id=self.eos_token_id,
+            eos_token_id=self.stop_ids,  # every stop id: generate pads a row after the first one it samples
             output_scores=True,
             return_dict_in_generate=True,
         )
@@ -123,10 +136,7 @@ class HFEngine(SpecialTokens):
         completions = []
         for r, i in enumerate(rows):
             tokens = generated[r].tolist()
-            if self.eos_token_id in tokens:
-                length, reason = tokens.index(self.eos_token_id) + 1, "stop"
-            else:
-                length, reason = len(tokens), "length"
+            length, reason = first_stop(tokens, self.stop_ids)
             completions.append(
                 Completion(
                     prompt_index=i,

@@ -15,7 +15,8 @@ Same guarantees as the in-process :class:`~lightning_offpolicy.rollout.VLLMEngin
 * **Token ids in, token ids out.** Prompts go to ``/v1/completions`` as token-id lists; each
   answer carries the sampled ids (``return_token_ids``) and their logprobs (``logprobs=0``,
   tokens named ``token_id:N``, so the server needs no tokenizer: ``--skip-tokenizer-init``).
-  Generation stops on ``eos_token_id`` and only on it (``ignore_eos`` + ``stop_token_ids``), the
+  Generation stops on the engine's stop ids (``eos_token_id`` and ``stop_token_ids``) and only on them
+  (``ignore_eos`` + ``stop_token_ids``), the
   penalties are sent explicitly as neutral (a checkpoint's ``generation_config.json`` cannot slip
   in a ``repetition_penalty``), and the seeds follow :class:`VLLMEngine`'s scheme exactly.
 * **In-place weight sync with a self-check.** :meth:`RemoteVLLMEngine.update_weights` writes the
@@ -65,6 +66,7 @@ from lightning_offpolicy.rollout.engine import (
     SamplingConfig,
     SpecialTokens,
     checked_prompts,
+    checked_token_ids,
     per_prompt_seeds,
 )
 from lightning_offpolicy.rollout.weight_sync import (
@@ -133,6 +135,8 @@ class RemoteVLLMEngine(SpecialTokens):
             by the "server unchanged while the trainer moved" test).
         eos_token_id: Stop token id; ``None``: set by the ``RolloutCallback`` from the module's
             tokenizer (:meth:`set_special_tokens`).
+        stop_token_ids: More ids that end a completion besides ``eos_token_id``; ``None``: the eos
+            ids the model's generation config lists (set by the ``RolloutCallback``); ``[]``: none.
         pad_token_id: Not needed by the server; accepted for symmetry with :class:`HFEngine`.
         api_key: The server's ``--api-key`` (sent as ``Authorization: Bearer``); ``None``: the
             environment variable ``VLLM_API_KEY`` if set. vLLM checks it on ``/v1`` routes only:
@@ -160,6 +164,7 @@ class RemoteVLLMEngine(SpecialTokens):
         check_weight_sync: bool = True,
         weight_sync_tolerance: float | None = None,
         eos_token_id: int | None = None,
+        stop_token_ids: list[int] | None = None,
         pad_token_id: int | None = None,
         api_key: str | None = None,
     ) -> None:
@@ -203,6 +208,9 @@ class RemoteVLLMEngine(SpecialTokens):
         self.check_weight_sync = check_weight_sync
         self.weight_sync_tolerance = weight_sync_tolerance
         self.eos_token_id = eos_token_id
+        self.stop_token_ids = (
+            None if stop_token_ids is None else checked_token_ids(stop_token_ids, "RemoteVLLMEngine.stop_token_ids")
+        )
         self.pad_token_id = pad_token_id
 
         self.version = 0
@@ -484,10 +492,10 @@ class RemoteVLLMEngine(SpecialTokens):
             "presence_penalty": 0.0,
             "frequency_penalty": 0.0,
             "logprobs": 0,  # the sampled token's logprob only
-            # Stop on eos_token_id and only on it, as HFEngine / VLLMEngine: without ignore_eos vLLM
-            # also stops on the checkpoint's eos ids.
+            # Stop on the engine's stop ids and only on them, as HFEngine / VLLMEngine: without
+            # ignore_eos the server would decide the stop ids itself.
             "ignore_eos": True,
-            "stop_token_ids": [int(self.eos_token_id)],
+            "stop_token_ids": self.stop_ids,
             "return_token_ids": True,
             # Name the logprob tokens "token_id:N": no tokenizer needed (--skip-tokenizer-init).
             "return_tokens_as_token_ids": True,
@@ -520,10 +528,10 @@ class RemoteVLLMEngine(SpecialTokens):
                 )
             if not isinstance(logprobs, list) or len(logprobs) != len(tokens) or any(lp is None for lp in logprobs):
                 raise RuntimeError("RemoteVLLMEngine: the server returned no logprob for some generated tokens.")
-            if reason == "stop" and tokens[-1] != self.eos_token_id:
+            if reason == "stop" and tokens[-1] not in self.stop_ids:
                 raise RuntimeError(
                     f"RemoteVLLMEngine: a completion of prompt {index} stopped on token {tokens[-1]} "
-                    f"(stop_reason={choice.get('stop_reason')!r}), not on eos_token_id={self.eos_token_id}: the "
+                    f"(stop_reason={choice.get('stop_reason')!r}), not on a stop id {self.stop_ids}: the "
                     "server adds stop tokens of its own; start it with --generation-config vllm."
                 )
             out.append(

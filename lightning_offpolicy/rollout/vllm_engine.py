@@ -13,10 +13,10 @@ What the engine guarantees (each one checked by ``tests/test_vllm_engine.py`` an
   the engine starts vLLM with ``logprobs_mode="processed_logprobs"``, so the logprob of each
   sampled token is that of ``softmax(top_k_top_p(logits / temperature))``: ``pi_rollout``.
 * **Token ids in, token ids out.** vLLM starts with ``skip_tokenizer_init=True``: prompts are
-  token ids, generation stops on ``eos_token_id`` and only on it (``stop_token_ids`` with
-  ``ignore_eos=True``: otherwise vLLM also stops on the eos ids of the checkpoint's
-  ``generation_config.json``) and nothing is decoded. The stop token is part of
-  ``Completion.token_ids`` when it was generated, as in :class:`HFEngine`.
+  token ids, generation stops on the engine's stop ids (``eos_token_id`` and ``stop_token_ids``,
+  by default the model's generation-config eos ids) and only on them (``stop_token_ids`` with
+  ``ignore_eos=True``: otherwise vLLM would decide the stop ids itself) and nothing is decoded.
+  The stop token is part of ``Completion.token_ids`` when it was generated, as in :class:`HFEngine`.
 * **In-place weight sync with a self-check.** :meth:`VLLMEngine.update_weights` writes the
   trainer's weights as safetensors into a private directory, reloads them in every worker
   (``collective_rpc("reload_weights", kwargs={"weights_path": DIR})``) and resets the prefix
@@ -74,6 +74,7 @@ from lightning_offpolicy.rollout.engine import (
     SamplingConfig,
     SpecialTokens,
     checked_prompts,
+    checked_token_ids,
     per_prompt_seeds,
 )
 from lightning_offpolicy.rollout.vllm_errors import (
@@ -162,6 +163,8 @@ class VLLMEngine(SpecialTokens):
         pad_token_id: Not needed by vLLM; accepted for symmetry with :class:`HFEngine`.
         eos_token_id: Stop token id; ``None``: set by the ``RolloutCallback`` from the module's
             tokenizer (:meth:`set_special_tokens`).
+        stop_token_ids: More ids that end a completion besides ``eos_token_id``; ``None``: the eos
+            ids the model's generation config lists (set by the ``RolloutCallback``); ``[]``: none.
         engine_kwargs: More keyword arguments for ``vllm.LLM`` (they override the ones above;
             ``logprobs_mode`` must stay ``"processed_logprobs"``).
 
@@ -191,6 +194,7 @@ class VLLMEngine(SpecialTokens):
         lora_sync: Literal["merged", "adapter"] = "merged",
         pad_token_id: int | None = None,
         eos_token_id: int | None = None,
+        stop_token_ids: list[int] | None = None,
         engine_kwargs: dict[str, Any] | None = None,
     ) -> None:
         if not vllm_available():
@@ -248,6 +252,9 @@ class VLLMEngine(SpecialTokens):
         self.lora_sync = lora_sync
         self.pad_token_id = pad_token_id
         self.eos_token_id = eos_token_id
+        self.stop_token_ids = (
+            None if stop_token_ids is None else checked_token_ids(stop_token_ids, "VLLMEngine.stop_token_ids")
+        )
         self.engine_kwargs = engine_kwargs
 
         self.version = 0
@@ -330,10 +337,10 @@ class VLLMEngine(SpecialTokens):
                 top_p=sampling.top_p,
                 max_tokens=sampling.max_new_tokens,
                 logprobs=0,  # the sampled token's logprob only
-                # Stop on eos_token_id and only on it, as HFEngine: without ignore_eos vLLM also stops on
-                # the checkpoint's generation_config.json eos ids (even with generation_config="vllm").
+                # Stop on the engine's stop ids and only on them, as HFEngine: without ignore_eos vLLM also
+                # stops on the checkpoint's generation_config.json eos ids (even with generation_config="vllm").
                 ignore_eos=True,
-                stop_token_ids=[int(self.eos_token_id)],
+                stop_token_ids=self.stop_ids,
                 detokenize=False,
                 seed=prompt_seed,
             )
