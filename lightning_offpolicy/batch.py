@@ -77,6 +77,8 @@ class RolloutBatch:
         ref_logprobs: ``[B, T]`` reference-policy logprobs.
         is_weights: ``[B, T]`` IS weights of the correction (set by the module).
         correction_mask: ``[B, T]`` response mask times every rejection mask (set by the module).
+        reward_components: ``name -> [B]`` reward of each part of a weighted reward (for the
+            ``reward/<name>`` logs); None for a single reward function.
     """
 
     input_ids: torch.Tensor
@@ -92,6 +94,7 @@ class RolloutBatch:
     ref_logprobs: torch.Tensor | None = None
     is_weights: torch.Tensor | None = None
     correction_mask: torch.Tensor | None = None
+    reward_components: dict[str, torch.Tensor] | None = None
 
     def __post_init__(self) -> None:
         batch, width = self.input_ids.shape
@@ -105,6 +108,11 @@ class RolloutBatch:
             value = getattr(self, name)
             if value is not None and tuple(value.shape) != shape:
                 raise ValueError(f"RolloutBatch.{name} has shape {tuple(value.shape)}; expected {shape}.")
+        for name, value in (self.reward_components or {}).items():
+            if tuple(value.shape) != (batch,):
+                raise ValueError(
+                    f"RolloutBatch.reward_components[{name!r}] has shape {tuple(value.shape)}; expected {(batch,)}."
+                )
 
     # ------------------------------------------------------------------------------ properties
     @property
@@ -131,6 +139,8 @@ class RolloutBatch:
             fn = fn_token if name in TOKEN_FIELDS else fn_sequence if name in SEQUENCE_FIELDS else fn_width
             values[name] = None if value is None else fn(value)
         values["prompt_length"] = self.prompt_length
+        if self.reward_components is not None:
+            values["reward_components"] = {k: fn_sequence(v) for k, v in self.reward_components.items()}
         values.update(changes)
         return RolloutBatch(**values)
 

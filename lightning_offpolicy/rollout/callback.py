@@ -43,6 +43,7 @@ from typing_extensions import override
 
 from lightning_offpolicy.advantages import ADVANTAGE_ESTIMATORS, compute_advantages
 from lightning_offpolicy.batch import PromptBatch, RolloutBatch
+from lightning_offpolicy.rewards import RewardSpec, resolve_reward, score_completions
 from lightning_offpolicy.rollout.engine import RolloutEngine, SamplingConfig, generation_eos_ids
 from lightning_offpolicy.rollout.hf_engine import HFEngine
 from lightning_offpolicy.rollout.producer import RolloutProducer
@@ -57,8 +58,12 @@ class RolloutCallback(Callback):
         engine: The rollout engine; ``None`` builds an :class:`HFEngine` that shares the module's
             weights. ``HFEngine(dtype="bfloat16")`` samples from a bfloat16 copy (a real
             training-inference mismatch, as with vLLM).
-        reward_fn: ``(prompts, completions, metadata) -> rewards``; ``None`` takes the
-            datamodule's ``reward_fn``.
+        reward_fn: ``(prompts, completions, metadata) -> rewards`` (one float per completion): a
+            callable, an import path (``my_pkg.rewards.exact_match`` or ``my_pkg.rewards:exact_match``),
+            or a list of ``{"fn": path, "weight": w, "name": n}`` / paths whose weighted sum is the
+            reward, each part logged as ``reward/<name>`` (see
+            :func:`lightning_offpolicy.rewards.resolve_reward`). ``None`` takes the datamodule's
+            ``reward_fn``.
         max_new_tokens: Maximum tokens generated per completion.
         temperature: Sampling temperature (the module scores with its own ``temperature``: keep
             them equal).
@@ -79,7 +84,7 @@ class RolloutCallback(Callback):
     def __init__(
         self,
         engine: RolloutEngine | None = None,
-        reward_fn: Any = None,
+        reward_fn: RewardSpec = None,
         max_new_tokens: int = 16,
         temperature: float = 1.0,
         top_k: int = 0,
@@ -108,7 +113,7 @@ class RolloutCallback(Callback):
                 "versions behind, so no batch could be admitted. Raise max_staleness or lower sync_every."
             )
         self.engine = engine
-        self.reward_fn = reward_fn
+        self.reward_fn = resolve_reward(reward_fn, "RolloutCallback.reward_fn")
         self.sampling = SamplingConfig(
             max_new_tokens=max_new_tokens,
             temperature=temperature,
@@ -149,11 +154,12 @@ class RolloutCallback(Callback):
                 )
         if self.reward_fn is None:
             datamodule = trainer.datamodule
-            self.reward_fn = getattr(datamodule, "reward_fn", None)
+            self.reward_fn = resolve_reward(getattr(datamodule, "reward_fn", None), "datamodule.reward_fn")
             if self.reward_fn is None:
                 raise ValueError(
-                    "RolloutCallback has no reward_fn: pass reward_fn=... or use a datamodule with a "
-                    "`reward_fn` attribute (e.g. lightning_offpolicy.tasks.PromptDataModule)."
+                    "RolloutCallback has no reward_fn: set `rollout.reward_fn` (e.g. my_pkg.rewards.exact_match), "
+                    "or use a datamodule with a `reward_fn` attribute (lightning_offpolicy.tasks.PromptDataModule; "
+                    "lightning_offpolicy.data.DatasetDataModule with `reward_fn` set or a reasoning_gym source)."
                 )
         policy_temperature = getattr(pl_module, "temperature", None)
         if policy_temperature is not None and abs(policy_temperature - self.sampling.temperature) > 1e-9:
@@ -258,17 +264,10 @@ class RolloutCallback(Callback):
         generate_s = time.perf_counter() - started
         texts = [tokenizer.decode(c.token_ids) for c in completions]
         owners = [c.prompt_index for c in completions]
-        rewards = torch.tensor(
-            [
-                float(r)
-                for r in self.reward_fn(
-                    [prompts.prompts[i] for i in owners], texts, [prompts.metadata[i] for i in owners]
-                )
-            ],
-            dtype=torch.float32,
+        scored = score_completions(
+            self.reward_fn, [prompts.prompts[i] for i in owners], texts, [prompts.metadata[i] for i in owners]
         )
-        if rewards.numel() != len(completions):
-            raise ValueError(f"reward_fn returned {rewards.numel()} rewards for {len(completions)} completions.")
+        rewards = scored.total.float()
         group_ids = torch.tensor(owners, dtype=torch.long)
         advantages = compute_advantages(self.advantage_estimator, rewards, group_ids)
         rollout = RolloutBatch.from_sequences(
@@ -283,6 +282,8 @@ class RolloutCallback(Callback):
             else [c.logprobs for c in completions],
             pad_token_id=tokenizer.pad_token_id,
         )
+        if scored.components:
+            rollout = rollout.with_fields(reward_components={k: v.float() for k, v in scored.components.items()})
         if index == 0:
             rank_zero_info(
                 f"RolloutCallback: first rollout: {len(completions)} completions, {rollout.num_response_tokens} tokens"
@@ -305,8 +306,23 @@ class RolloutCallback(Callback):
             for name, value in timing.items():
                 pl_module.log(f"rollout/{name}", value, on_step=True, batch_size=1)
             self.last_timing = {}
+        if isinstance(batch, PromptBatch) and batch.rollout is not None and batch.rollout.reward_components:
+            self._log_reward_components(trainer, pl_module, batch.rollout.reward_components)
         if isinstance(batch, PromptBatch):
             batch.rollout = None  # free the rollout's tensors before the loader's next batch
+
+    def _log_reward_components(
+        self, trainer: Trainer, pl_module: LightningModule, components: dict[str, torch.Tensor]
+    ) -> None:
+        """``reward/<name>``: each weighted part's mean over the step's completions of every rank (exact)."""
+        sums = torch.stack([v.double().sum() for v in components.values()])
+        counts = torch.tensor([float(v.numel()) for v in components.values()], dtype=torch.float64)
+        totals = torch.cat([sums, counts]).to(pl_module.device)
+        if trainer.world_size > 1:  # every rank has the same parts, in the same order
+            totals = trainer.strategy.reduce(totals, reduce_op="sum")
+        means = totals[: len(components)] / totals[len(components) :].clamp(min=1)
+        for name, mean in zip(components, means, strict=True):
+            pl_module.log(f"reward/{name}", mean.float(), on_step=True, on_epoch=False, batch_size=1, sync_dist=False)
 
     def _after_async_step(self, pl_module: LightningModule) -> None:
         version = int(pl_module.policy_version)

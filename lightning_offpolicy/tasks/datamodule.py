@@ -5,11 +5,11 @@ from __future__ import annotations
 import random
 from typing import Any
 
-import torch
 from lightning.pytorch import LightningDataModule
 from torch.utils.data import DataLoader, Dataset
 
 from lightning_offpolicy.batch import PromptBatch
+from lightning_offpolicy.data.sampler import ResumableTrainLoader
 from lightning_offpolicy.tasks.base import Task, TaskReward
 from lightning_offpolicy.tasks.registry import TASKS, get_task
 
@@ -34,11 +34,15 @@ def collate_prompts(items: list[tuple[str, dict[str, Any]]]) -> PromptBatch:
     return PromptBatch(prompts=[p for p, _ in items], metadata=[dict(m) for _, m in items])
 
 
-class PromptDataModule(LightningDataModule):
+class PromptDataModule(ResumableTrainLoader, LightningDataModule):
     """Prompts of a built-in task for RL training; each step gets one :class:`PromptBatch`.
 
     After construction ``self.task`` is the :class:`~lightning_offpolicy.tasks.Task` and
     ``self.reward_fn`` the matching :class:`~lightning_offpolicy.tasks.TaskReward`.
+
+    The order of the prompts depends only on ``seed`` and the epoch, and a run resumed from a
+    checkpoint continues at the next batch it has not trained (the position is saved in the
+    checkpoint; see :mod:`lightning_offpolicy.data.sampler`).
 
     Args:
         task: name of a built-in task (``reverse``, ``addition``, ``copy``).
@@ -74,20 +78,11 @@ class PromptDataModule(LightningDataModule):
         self.prompts_per_step = prompts_per_step
         self.num_train_prompts = num_train_prompts
         self.seed = seed
+        self.shuffle = True
         self.task: Task = get_task(task)
         self.reward_fn = TaskReward(self.task)
         rng = random.Random(seed)
         self.train_dataset = PromptDataset([self.task.sample(rng) for _ in range(num_train_prompts)])
 
     def train_dataloader(self) -> DataLoader:
-        generator = torch.Generator()
-        generator.manual_seed(self.seed)
-        return DataLoader(
-            self.train_dataset,
-            batch_size=self.prompts_per_step,
-            shuffle=True,
-            drop_last=True,
-            num_workers=0,
-            collate_fn=collate_prompts,
-            generator=generator,
-        )
+        return self._resumable_loader(self.train_dataset, collate_prompts)

@@ -1,0 +1,103 @@
+"""Where prompts come from: data files and ``datasets`` objects, or a procedural reasoning-gym task.
+
+Files are read by the ``datasets`` library (``load_dataset("json" | "parquet" | "csv")``), a
+directory written by ``Dataset.save_to_disk`` by ``load_from_disk``; reasoning-gym tasks are
+generated locally (``reasoning_gym.create_dataset``), nothing is downloaded.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+from typing import Any
+
+__all__ = ["REASONING_GYM_PREFIX", "load_source", "reasoning_gym_rows", "file_builder"]
+
+#: ``source: reasoning_gym:<task>`` generates the task's prompts with reasoning-gym.
+REASONING_GYM_PREFIX = "reasoning_gym:"
+
+_BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
+_COMPRESSION = (".gz", ".bz2", ".xz", ".zst", ".zip")
+
+
+def file_builder(path: str) -> str:
+    """The ``datasets`` builder that reads ``path`` (``json``, ``parquet`` or ``csv``), from its extension."""
+    name = path.lower()
+    for suffix in _COMPRESSION:
+        if name.endswith(suffix):
+            name = name[: -len(suffix)]
+    ext = os.path.splitext(name)[1]
+    if ext not in _BUILDERS:
+        raise ValueError(
+            f"DatasetDataModule: cannot read {path!r}: unknown extension {ext or '(none)'!r}. Supported: "
+            f"{', '.join(sorted(_BUILDERS))} (optionally compressed: {', '.join(_COMPRESSION)}), a directory "
+            "written by Dataset.save_to_disk, or reasoning_gym:<task>."
+        )
+    return _BUILDERS[ext]
+
+
+def load_source(source: Any, split: str = "train", setting: str = "source") -> Any:
+    """A ``datasets.Dataset`` from a file path or glob, a ``save_to_disk`` directory, or a Dataset / DatasetDict.
+
+    Args:
+        source: the path / glob, or a ``datasets.Dataset`` / ``DatasetDict``.
+        split: the split taken from a ``DatasetDict`` (files load as the single split ``train``).
+        setting: the name of the setting in error messages.
+    """
+    import datasets
+
+    if isinstance(source, datasets.DatasetDict):
+        return _pick_split(source, split, setting)
+    if isinstance(source, datasets.Dataset):
+        return source
+    if not isinstance(source, (str, os.PathLike)):
+        raise TypeError(
+            f"DatasetDataModule: `{setting}` must be a file path / glob, reasoning_gym:<task>, or a datasets.Dataset "
+            f"/ DatasetDict; got {type(source).__name__}."
+        )
+    path = os.path.expanduser(os.fspath(source))
+    if os.path.isdir(path):
+        return load_source(datasets.load_from_disk(path), split, setting)
+    files = sorted(glob.glob(path)) if glob.has_magic(path) else ([path] if os.path.isfile(path) else [])
+    if not files:
+        raise FileNotFoundError(
+            f"DatasetDataModule: `{setting}`={source!r}: no such file"
+            + (" (the glob matches nothing)" if glob.has_magic(path) else "")
+            + f" (working directory: {os.getcwd()}). Give a JSONL / Parquet / CSV file, a glob, or "
+            "reasoning_gym:<task>."
+        )
+    builders = {file_builder(f) for f in files}
+    if len(builders) > 1:
+        raise ValueError(f"DatasetDataModule: `{setting}`={source!r} matches files of several formats: {files[:5]}.")
+    loaded = datasets.load_dataset(builders.pop(), data_files=files, split="train")
+    return loaded
+
+
+def _pick_split(dataset_dict: Any, split: str, setting: str) -> Any:
+    if split not in dataset_dict:
+        raise ValueError(
+            f"DatasetDataModule: `{setting}` is a DatasetDict without the split {split!r}; it has "
+            f"{', '.join(dataset_dict)}. Set `split`."
+        )
+    return dataset_dict[split]
+
+
+def reasoning_gym_rows(task: str, size: int, seed: int, config: dict[str, Any] | None = None) -> tuple[Any, list]:
+    """``(procedural dataset, entries)`` of reasoning-gym task ``task``, generated locally.
+
+    Each entry is a dict with ``question``, ``answer`` and ``metadata`` (what the task's
+    ``score_answer`` reads).
+    """
+    import reasoning_gym
+    from reasoning_gym.factory import DATASETS
+
+    if task not in DATASETS:
+        close = [name for name in sorted(DATASETS) if task.lower() in name or name in task.lower()][:8]
+        examples = close or sorted(DATASETS)[:12]
+        raise ValueError(
+            f"DatasetDataModule: unknown reasoning-gym task {task!r} (source: {REASONING_GYM_PREFIX}{task}). "
+            f"{'Similar' if close else 'Some'} tasks: {', '.join(examples)} ({len(DATASETS)} in all; "
+            "list them with `python -c 'from reasoning_gym.factory import DATASETS; print(sorted(DATASETS))'`)."
+        )
+    procedural = reasoning_gym.create_dataset(task, size=size, seed=seed, **(config or {}))
+    return procedural, [procedural[i] for i in range(len(procedural))]
