@@ -143,8 +143,8 @@ def sft_on_pairs(
     tokenizer: Any,
     pairs: Sequence[tuple[str, str]],
     steps: int,
-    batch_size: int = 32,
-    lr: float = 3e-3,
+    batch_size: int = 16,
+    lr: float = 1e-3,
     seed: int = 0,
 ) -> list[float]:
     """Supervised warm-up on ``(prompt, answer)`` pairs, chat-formatted: teacher-forced cross-entropy on
@@ -195,7 +195,8 @@ def build_bpe_checkpoint(
     seed: int = 0,
     sft_pairs: Sequence[tuple[str, str]] = (),
     sft_steps: int = 0,
-    sft_lr: float = 3e-3,
+    sft_lr: float = 1e-3,
+    sft_batch_size: int = 16,
     chat_template: str | None = CHATML_TEMPLATE,
     **config_overrides: Any,
 ) -> Path:
@@ -214,6 +215,7 @@ def build_bpe_checkpoint(
         sft_pairs: ``(prompt, answer)`` pairs of the supervised warm-up (:func:`sft_on_pairs`).
         sft_steps: warm-up steps (0: the model stays at its random initialisation).
         sft_lr: warm-up learning rate.
+        sft_batch_size: warm-up sequences per step.
         chat_template: the tokenizer's chat template (default ChatML).
         **config_overrides: passed to the model config (e.g. ``num_hidden_layers=4``).
 
@@ -232,7 +234,8 @@ def build_bpe_checkpoint(
         torch.manual_seed(seed)
         model = AutoModelForCausalLM.from_config(config).to(torch.float32)
     if sft_steps:
-        sft_on_pairs(model, tokenizer, list(sft_pairs), steps=sft_steps, lr=sft_lr, seed=seed)
+        pairs = list(sft_pairs)
+        sft_on_pairs(model, tokenizer, pairs, steps=sft_steps, batch_size=sft_batch_size, lr=sft_lr, seed=seed)
     model.eval()
     model.generation_config.eos_token_id = [eos, end_of_text]
     model.generation_config.pad_token_id = end_of_text
