@@ -6,8 +6,9 @@
     lightning-offpolicy selfcheck          # every correction preset on a real tiny model, no training
 
 Config groups: ``model`` (:class:`~lightning_offpolicy.module.OffPolicyRLModule`), ``data``
-(a LightningDataModule yielding ``PromptBatch``, default
-:class:`~lightning_offpolicy.tasks.PromptDataModule`), ``rollout``
+(any LightningDataModule yielding ``PromptBatch``, given by ``class_path``:
+:class:`~lightning_offpolicy.tasks.PromptDataModule`,
+:class:`~lightning_offpolicy.data.DatasetDataModule`, or your own), ``rollout``
 (:class:`~lightning_offpolicy.rollout.RolloutCallback`, always added), ``trainer``.
 ``model.temperature`` is linked to ``rollout.temperature``: the trainer scores tokens with the
 temperature the engine samples with.
@@ -17,11 +18,13 @@ from __future__ import annotations
 
 import sys
 
+from lightning.pytorch import LightningDataModule
 from lightning.pytorch.cli import LightningCLI
 
+from lightning_offpolicy.data import DatasetDataModule  # noqa: F401  (a known data class for --data.help)
 from lightning_offpolicy.module import OffPolicyRLModule
 from lightning_offpolicy.rollout.callback import RolloutCallback
-from lightning_offpolicy.tasks import PromptDataModule
+from lightning_offpolicy.tasks import PromptDataModule  # noqa: F401
 
 
 class OffPolicyCLI(LightningCLI):
@@ -40,7 +43,7 @@ def main(argv: list[str] | None = None) -> int:
         return selfcheck.main(words[1:])
     OffPolicyCLI(
         OffPolicyRLModule,
-        PromptDataModule,
+        LightningDataModule,  # any data module: the kit's, or the user's own (class_path: mydata.MyPrompts)
         subclass_mode_data=True,
         args=argv,  # None: read sys.argv
         save_config_kwargs={"overwrite": True},

@@ -69,8 +69,17 @@ def load_source(source: Any, split: str = "train", setting: str = "source") -> A
     builders = {file_builder(f) for f in files}
     if len(builders) > 1:
         raise ValueError(f"DatasetDataModule: `{setting}`={source!r} matches files of several formats: {files[:5]}.")
-    loaded = datasets.load_dataset(builders.pop(), data_files=files, split="train")
-    return loaded
+    if all(os.path.getsize(f) == 0 for f in files):
+        raise ValueError(f"DatasetDataModule: `{setting}`={source!r} has no rows (empty file).")
+    try:
+        return datasets.load_dataset(builders.pop(), data_files=files, split="train")
+    except Exception as error:
+        if "corresponds to no data" in str(error):
+            raise ValueError(f"DatasetDataModule: `{setting}`={source!r} has no rows.") from error
+        raise ValueError(
+            f"DatasetDataModule: reading `{setting}`={source!r} ({len(files)} file(s)) failed: "
+            f"{type(error).__name__}: {error}"
+        ) from error
 
 
 def _pick_split(dataset_dict: Any, split: str, setting: str) -> Any:
