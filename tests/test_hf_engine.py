@@ -128,3 +128,31 @@ def test_bfloat16_engine_is_a_real_precision_mismatch():
         expected = teacher_forced(model, PROMPTS[c.prompt_index], c.token_ids, sampling)
         gaps.append((torch.tensor(c.logprobs, dtype=torch.float64) - expected).abs().max().item())
     assert 1e-4 < max(gaps) < 0.5  # bf16 rounding: visible, small
+
+
+def test_stops_on_every_stop_id_and_truncates_at_the_first():
+    """Two eos ids (a generation config's list): each completion ends at the first of either.
+
+    Reference: the same seeded draws with eos alone, cut by hand at the first of the two ids.
+    """
+    model = tiny_model()
+    sampling = SamplingConfig(max_new_tokens=12, temperature=1.5, samples_per_prompt=8)
+    eos_only = HFEngine(pad_token_id=0, eos_token_id=2, stop_token_ids=[])
+    eos_only.update_weights(model, version=0)
+    reference = eos_only.generate(PROMPTS, sampling, seed=3)
+    # The second stop id: the token the model samples most often before the end (so it matters).
+    counts = torch.bincount(torch.tensor([t for c in reference for t in c.token_ids[:-1] if t != 2]), minlength=64)
+    second = int(counts.argmax())
+    engine = HFEngine(pad_token_id=0, eos_token_id=2, stop_token_ids=[second, 2])
+    assert engine.stop_ids == [2, second]
+    engine.update_weights(model, version=0)
+    both = engine.generate(PROMPTS, sampling, seed=3)
+    reasons = []
+    for got, ref in zip(both, reference, strict=True):
+        cut = next((i + 1 for i, t in enumerate(ref.token_ids) if t in (2, second)), None)
+        expected = ref.token_ids[:cut] if cut is not None else ref.token_ids
+        assert got.token_ids == expected
+        torch.testing.assert_close(torch.tensor(got.logprobs), torch.tensor(ref.logprobs[: len(expected)]))
+        assert got.finish_reason == ("stop" if cut is not None else "length")
+        reasons.append(got.token_ids[-1] if got.finish_reason == "stop" else None)
+    assert {2, second} <= set(reasons)  # both ids actually ended completions
