@@ -57,7 +57,7 @@ bench: $(VENV)/.dev
 	$(PY) benchmarks/async_overlap.py --output docs/performance_async.md; \
 	$(PY) benchmarks/end_to_end.py --output docs/performance_end_to_end.md; \
 	$(PY) benchmarks/trainer_memory.py --output docs/performance_trainer_memory.md; \
-	$(PY) benchmarks/vs_trl.py --output docs/performance_vs_trl.md; \
+	$(PY) benchmarks/vs_trl.py --seeds 0,1,2 --output docs/performance_vs_trl.md; \
 	$(PY) benchmarks/summarize.py --docs docs --output docs/performance.md --started $$start --load-start $$load
 
 # 57 short RL fits, 2 at a time (one thread each), niced: the report is docs/results.md, the

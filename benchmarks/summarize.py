@@ -210,8 +210,8 @@ def vs_trl(data: dict[str, Any]) -> list[str]:
         f">= {head['threshold']} | s/step (median) |",
         "|---|---|---:|---:|---:|",
     ]
-    for r in data["runs"]:
-        steps = "never" if r["steps_to_threshold"] is None else str(r["steps_to_threshold"])
+    for r in data["summary"]:
+        steps = "never" if r["steps_to_threshold"] is None else f"{r['steps_to_threshold']:.0f}"
         lines.append(
             f"| {r['label']} | {r['engine']} | **{r['final_reward']:.3f}** | {steps} | {r['median_step_s']:.3f} |"
         )
@@ -221,7 +221,8 @@ def vs_trl(data: dict[str, Any]) -> list[str]:
         lines.append(
             f"{engine}: final reward kit - TRL {ratio['final_reward_kit_minus_trl']:+.3f}; steps to "
             f"{head['threshold']} kit / TRL {'n/a' if steps_ratio is None else f'{steps_ratio:.2f}'}; "
-            f"s/step kit / TRL {_x(ratio['median_step_s_kit_over_trl'])}. {head['steps']} steps per side."
+            f"s/step kit / TRL {_x(ratio['median_step_s_kit_over_trl'])}. Means over seeds "
+            f"{', '.join(map(str, head['seeds']))}, {head['steps']} steps per side and seed."
         )
     return lines
 

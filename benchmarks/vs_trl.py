@@ -22,11 +22,12 @@ and tokenizer, trained with the kit as it ships, side by side with TRL on the sa
 Per step it records the mean reward of the 64 completions and the wall time from one step's start to
 the next (generation, scoring, the optimizer step, logging). The report gives the final reward (mean of
 the last 10 steps), the first step where the 10-step running mean reaches 0.5, the median s/step and
-the kit / TRL ratios. One seed per side per run: the curves are single samples (see the notes).
+the kit / TRL ratios, per seed and as the mean over ``--seeds`` (each seed: its own model init,
+prompts and sampler seeds, the same for both sides).
 
 Usage::
 
-    python benchmarks/vs_trl.py --output docs/performance_vs_trl.md          # 600 steps, ~5-10 min
+    python benchmarks/vs_trl.py --seeds 0,1,2 --output docs/performance_vs_trl.md   # 600 steps, ~15-30 min
     python benchmarks/vs_trl.py --quick --output /tmp/vs_trl.md              # smoke test, 3 steps
 
 It writes ``<output>.md``, ``<output>.json`` and ``<output>.png`` (the reward curves).
@@ -317,11 +318,35 @@ def _ratio(a: float | None, b: float | None) -> float | None:
     return None if a is None or b is None or b == 0 else a / b
 
 
-def compare(runs: list[dict[str, Any]]) -> dict[str, Any]:
-    """kit / TRL ratios per engine (final reward, steps to the threshold, median s/step)."""
+def aggregate(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One row per (engine, side) over its seeds: mean final reward, mean steps to the threshold (None
+    when a seed never reached it), median s/step over every step of every seed."""
+    rows = []
+    for engine, side in dict.fromkeys((r["engine"], r["side"]) for r in runs):
+        mine = [r for r in runs if (r["engine"], r["side"]) == (engine, side)]
+        steps = [r["steps_to_threshold"] for r in mine]
+        rows.append(
+            {
+                "engine": engine,
+                "side": side,
+                "label": mine[0]["label"],
+                "seeds": [r["seed"] for r in mine],
+                "first_reward": statistics.fmean(r["first_reward"] for r in mine),
+                "final_reward": statistics.fmean(r["final_reward"] for r in mine),
+                "final_reward_per_seed": [r["final_reward"] for r in mine],
+                "steps_to_threshold": None if None in steps else statistics.fmean(steps),
+                "steps_to_threshold_per_seed": steps,
+                "median_step_s": statistics.median(x for r in mine for x in r["step_s"]),
+            }
+        )
+    return rows
+
+
+def compare(summary: list[dict[str, Any]]) -> dict[str, Any]:
+    """kit / TRL per engine, on the seed means (final reward, steps to the threshold, median s/step)."""
     out: dict[str, Any] = {}
-    for engine in sorted({r["engine"] for r in runs}):
-        pair = {r["side"]: r for r in runs if r["engine"] == engine}
+    for engine in dict.fromkeys(r["engine"] for r in summary):
+        pair = {r["side"]: r for r in summary if r["engine"] == engine}
         if set(pair) != set(SIDES):
             continue
         kit, trl = pair["kit"], pair["trl"]
@@ -337,25 +362,33 @@ def _fmt(value: float | None, spec: str) -> str:
     return "never" if value is None else format(value, spec)
 
 
-def render(header: dict[str, Any], runs: list[dict[str, Any]], ratios: dict[str, Any]) -> str:
+def render(
+    header: dict[str, Any], runs: list[dict[str, Any]], summary: list[dict[str, Any]], ratios: dict[str, Any]
+) -> str:
     lines = [
         "# The kit vs TRL's GRPOTrainer on the same task",
         "",
         f"- **Machine**: {header['machine']}",
         f"- **Date**: {header['date']}; {header['code']}; TRL {header['trl']}, transformers {header['transformers']}",
         f"- **Command**: `{header['command']}`",
-        f"- **Steps**: {header['steps']} per side" + (" (quick smoke run)" if header["quick"] else ""),
+        f"- **Steps**: {header['steps']} per side and seed; seeds {', '.join(map(str, header['seeds']))}"
+        + (" (quick smoke run)" if header["quick"] else ""),
         f"- **Wall time of the whole run**: {header['elapsed_s'] / 60:.1f} min; load average "
         f"{header['load_start']:.1f} -> {header['load_end']:.1f}",
         "",
-        f"| side | engine | reward, first {WINDOW} -> last {WINDOW} steps | first step where the {WINDOW}-step "
-        f"mean >= {THRESHOLD} | s/step (median) | run wall s |",
-        "|---|---|---|---:|---:|---:|",
+        f"Mean over the seeds (final reward: mean of the last {WINDOW} steps; steps to {THRESHOLD}: first step "
+        f"whose {WINDOW}-step mean reward is >= {THRESHOLD}):",
+        "",
+        "| side | engine | reward, first 10 -> last 10 steps | per seed | steps to 0.5 | per seed "
+        "| s/step (median) |",
+        "|---|---|---|---|---:|---|---:|",
     ]
-    for r in runs:
+    for r in summary:
         lines.append(
             f"| {r['label']} | {r['engine']} | {r['first_reward']:.3f} -> **{r['final_reward']:.3f}** "
-            f"| {_fmt(r['steps_to_threshold'], 'd')} | {r['median_step_s']:.3f} | {r['wall_s']:.0f} |"
+            f"| {', '.join(f'{x:.3f}' for x in r['final_reward_per_seed'])} "
+            f"| **{_fmt(r['steps_to_threshold'], '.0f')}** "
+            f"| {', '.join(_fmt(x, 'd') for x in r['steps_to_threshold_per_seed'])} | {r['median_step_s']:.3f} |"
         )
     lines.append("")
     for engine, ratio in ratios.items():
@@ -370,10 +403,10 @@ def render(header: dict[str, Any], runs: list[dict[str, Any]], ratios: dict[str,
         "",
         "## Method",
         "",
-        "One invocation builds the model and tokenizer once (random init, seed "
-        f"{header['model_seed']}), writes {header['num_prompts']} prompts (seed {header['prompt_seed']}) and runs "
-        "each side in its own Python process, one after the other, with one torch thread. Both consume the "
-        "prompts in the same order, 8 per step, 8 samples each. Shared settings: "
+        "Per seed, one invocation builds the model and tokenizer (random init with that seed), writes "
+        f"{header['num_prompts']} prompts (same seed) and runs each side on them in its own Python process, one "
+        "after the other (TRL first), with one torch thread. Both consume the prompts in the same order, 8 per "
+        "step, 8 samples each, and seed their samplers with the same seed. Shared settings: "
         + ", ".join(f"{k}={v}" for k, v in header["settings"].items())
         + ".",
         "",
@@ -389,8 +422,10 @@ def render(header: dict[str, Any], runs: list[dict[str, Any]], ratios: dict[str,
         "reward is the mean of the batch's rollout rewards.",
         "- **s/step**: wall time from the start of one optimizer step to the next (generation, scoring, "
         "the update, logging); median over the run.",
-        "- Different random streams: the two sides do not draw the same samples, so the curves are one "
-        "seed each and differ by sampling noise as well as by method.",
+        "- Different random streams: the two sides do not draw the same samples from the same seed, so "
+        "per-seed curves differ by sampling noise as well as by method; compare the seed means.",
+        "- s/step is wall time on a shared machine: the load average above moved during the run, and "
+        "one side's steps may have met more load than the other's.",
     ]
     lines += [f"- {n}" for n in header.get("notes", [])]
     return "\n".join(lines) + "\n"
@@ -403,13 +438,18 @@ def plot(runs: list[dict[str, Any]], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4))
+    colours = {"trl": "tab:orange", "kit": "tab:blue"}
+    labelled: set[tuple[str, str]] = set()
     for r in runs:
         steps = range(1, len(r["rewards"]) + 1)
-        line = ax.plot(steps, r["rewards"], alpha=0.25, linewidth=0.8)[0]
-        ax.plot(steps, running_mean(r["rewards"]), color=line.get_color(), label=f"{r['label']} ({r['engine']})")
+        key = (r["side"], r["engine"])
+        style = "-" if r["engine"] == "hf" else "--"
+        label = None if key in labelled else f"{r['label']} ({r['engine']})"
+        labelled.add(key)
+        ax.plot(steps, running_mean(r["rewards"]), style, color=colours[r["side"]], linewidth=1.0, label=label)
     ax.axhline(THRESHOLD, color="grey", linestyle=":", linewidth=0.8)
     ax.set_xlabel("optimizer step")
-    ax.set_ylabel(f"mean reward (faint: per step; bold: {WINDOW}-step mean)")
+    ax.set_ylabel(f"{WINDOW}-step mean reward (one line per seed)")
     ax.set_ylim(0, 1)
     ax.set_title("First-letter task: kit vs TRL GRPOTrainer (same model, prompts, settings)")
     ax.legend(loc="upper left")
@@ -438,7 +478,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=600, help="optimizer steps per side (default 600)")
     parser.add_argument("--quick", action="store_true", help="smoke test: 3 steps per side")
-    parser.add_argument("--seed", type=int, default=0, help="seed of the model, the prompts and both trainers")
+    parser.add_argument("--seeds", default="0", help="comma-separated seeds (model, prompts, samplers; default 0)")
+    parser.add_argument("--seed", type=int, default=0, help=argparse.SUPPRESS)  # internal: the child's seed
     parser.add_argument("--sides", default="trl,kit", help="comma-separated subset of trl,kit (default both)")
     parser.add_argument("--output", type=Path, default=None, help="markdown report (.json and .png next to it)")
     parser.add_argument("--workdir", type=Path, default=None, help="where the model and prompts go (default: temp)")
@@ -460,24 +501,31 @@ def main(argv: list[str] | None = None) -> int:
         args.side_output.write_text(json.dumps(record) + "\n")
         return 0
 
+    try:
+        seeds = [int(x) for x in args.seeds.split(",") if x.strip()]
+    except ValueError:
+        parser.error(f"--seeds={args.seeds!r} must be comma-separated integers, e.g. 0,1,2")
+    if not seeds or len(set(seeds)) != len(seeds):
+        parser.error(f"--seeds={args.seeds!r} must name at least one seed, each once")
     load_start = os.getloadavg()[0]
     began = time.perf_counter()
+    runs = []
     with tempfile.TemporaryDirectory(prefix="vs_trl-") as tmp:
-        workdir = args.workdir or Path(tmp)
-        build_checkpoint(workdir / "model", seed=args.seed)
-        num_prompts = args.steps * SETTINGS["prompts_per_step"]
-        (workdir / "prompts.json").write_text(json.dumps(make_prompts(num_prompts, seed=args.seed)))
-        runs = []
-        for side in sides:
-            record = _run_subprocess(side, workdir, args.steps, args.seed)
-            run = {"side": side, "engine": "hf", "label": LABELS[side], "seed": args.seed, **record}
-            run.update(summarize_run(record))
-            runs.append(run)
-            print(
-                f"{side}: final reward {run['final_reward']:.3f}, steps to {THRESHOLD}: {run['steps_to_threshold']}, "
-                f"median s/step {run['median_step_s']:.3f}",
-                flush=True,
-            )
+        for seed in seeds:
+            workdir = (args.workdir or Path(tmp)) / f"seed{seed}"
+            build_checkpoint(workdir / "model", seed=seed)
+            num_prompts = args.steps * SETTINGS["prompts_per_step"]
+            (workdir / "prompts.json").write_text(json.dumps(make_prompts(num_prompts, seed=seed)))
+            for side in sides:
+                record = _run_subprocess(side, workdir, args.steps, seed)
+                run = {"side": side, "engine": "hf", "label": LABELS[side], "seed": seed, **record}
+                run.update(summarize_run(record))
+                runs.append(run)
+                print(
+                    f"seed {seed} {side}: final reward {run['final_reward']:.3f}, steps to {THRESHOLD}: "
+                    f"{run['steps_to_threshold']}, median s/step {run['median_step_s']:.3f}",
+                    flush=True,
+                )
     import torch
     import transformers
 
@@ -497,8 +545,7 @@ def main(argv: list[str] | None = None) -> int:
         "transformers": transformers.__version__,
         "steps": args.steps,
         "quick": args.quick,
-        "model_seed": args.seed,
-        "prompt_seed": args.seed,
+        "seeds": seeds,
         "num_prompts": args.steps * SETTINGS["prompts_per_step"],
         "settings": SETTINGS,
         "threshold": THRESHOLD,
@@ -509,13 +556,14 @@ def main(argv: list[str] | None = None) -> int:
         "notes": [],
         "plot": args.output.with_suffix(".png").name if args.output is not None else "performance_vs_trl.png",
     }
-    ratios = compare(runs)
-    report = render(header, runs, ratios)
+    summary = aggregate(runs)
+    ratios = compare(summary)
+    report = render(header, runs, summary, ratios)
     print(report)
     if args.output is not None:
         args.output.parent.mkdir(parents=True, exist_ok=True)
         args.output.write_text(report)
-        data = {"header": header, "runs": runs, "ratios": ratios}
+        data = {"header": header, "summary": summary, "ratios": ratios, "runs": runs}
         args.output.with_suffix(".json").write_text(json.dumps(data, indent=2) + "\n")
         plot(runs, args.output.with_suffix(".png"))
     return 0

@@ -62,18 +62,25 @@ def test_vs_trl_quick(tmp_path):
     pytest.importorskip("trl")
     out = tmp_path / "performance_vs_trl.md"
     proc = subprocess.run(
-        [sys.executable, str(BENCH_DIR / "vs_trl.py"), "--quick", "--output", str(out)],
+        [sys.executable, str(BENCH_DIR / "vs_trl.py"), "--quick", "--seeds", "0,1", "--output", str(out)],
         capture_output=True,
         text=True,
         timeout=600,
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
     data = json.loads(out.with_suffix(".json").read_text())
-    header, runs = data["header"], data["runs"]
+    header, runs, summary = data["header"], data["runs"], data["summary"]
     assert header["quick"] is True and header["steps"] == 3 and header["num_prompts"] == 24
+    assert header["seeds"] == [0, 1]
     for key in ("machine", "date", "code", "command", "trl", "transformers", "settings", "elapsed_s"):
         assert key in header, key
-    assert [(r["side"], r["engine"]) for r in runs] == [("trl", "hf"), ("kit", "hf")]
+    # Per seed, TRL then the kit, each in its own process on that seed's checkpoint and prompts.
+    assert [(r["seed"], r["side"], r["engine"]) for r in runs] == [
+        (0, "trl", "hf"),
+        (0, "kit", "hf"),
+        (1, "trl", "hf"),
+        (1, "kit", "hf"),
+    ]
     for r in runs:
         assert len(r["rewards"]) == len(r["step_s"]) == 3, r
         assert all(0.0 <= x <= 1.0 for x in r["rewards"])
@@ -82,8 +89,16 @@ def test_vs_trl_quick(tmp_path):
         assert math.isclose(r["final_reward"], sum(r["rewards"]) / 3, rel_tol=1e-12)
         assert r["median_step_s"] == sorted(r["step_s"])[1]
         assert r["steps_to_threshold"] is None  # 3 steps never make a full 10-step window
+    # The seed means, recomputed here.
+    assert [(s["side"], s["seeds"]) for s in summary] == [("trl", [0, 1]), ("kit", [0, 1])]
+    for s in summary:
+        mine = [r for r in runs if r["side"] == s["side"]]
+        assert math.isclose(s["final_reward"], (mine[0]["final_reward"] + mine[1]["final_reward"]) / 2)
+        assert s["steps_to_threshold"] is None and s["steps_to_threshold_per_seed"] == [None, None]
+        pooled = sorted(mine[0]["step_s"] + mine[1]["step_s"])
+        assert math.isclose(s["median_step_s"], (pooled[2] + pooled[3]) / 2)
     ratio = data["ratios"]["hf"]
-    trl, kit = runs
+    trl, kit = summary
     assert math.isclose(ratio["final_reward_kit_minus_trl"], kit["final_reward"] - trl["final_reward"], abs_tol=1e-12)
     assert math.isclose(ratio["median_step_s_kit_over_trl"], kit["median_step_s"] / trl["median_step_s"])
     assert out.with_suffix(".png").stat().st_size > 0
