@@ -38,6 +38,29 @@ def test_steps_to_threshold_needs_a_full_window():
     assert vs_trl.running_mean([1.0, 2.0, 3.0, 4.0], window=2) == [1.0, 1.5, 2.5, 3.5]
 
 
+def test_seed_means_and_ratios_by_hand():
+    def run(side, seed, final, steps, step_s):
+        return {"side": side, "engine": "hf", "label": side, "seed": seed, "first_reward": 0.0,
+                "final_reward": final, "steps_to_threshold": steps, "step_s": step_s}  # fmt: skip
+
+    runs = [
+        run("trl", 0, 0.9, 200, [0.1, 0.3]),
+        run("kit", 0, 0.8, 220, [0.2, 0.2]),
+        run("trl", 1, 1.0, 300, [0.2, 0.5]),
+        run("kit", 1, 1.0, None, [0.4, 0.6]),
+    ]
+    trl, kit = vs_trl.aggregate(runs)
+    assert (trl["side"], trl["seeds"], kit["seeds"]) == ("trl", [0, 1], [0, 1])
+    assert trl["final_reward"] == pytest.approx(0.95) and kit["final_reward"] == pytest.approx(0.9)
+    assert trl["steps_to_threshold"] == 250 and trl["steps_to_threshold_per_seed"] == [200, 300]
+    assert kit["steps_to_threshold"] is None  # one seed never got there: no mean
+    assert trl["median_step_s"] == pytest.approx(0.25) and kit["median_step_s"] == pytest.approx(0.3)
+    ratio = vs_trl.compare([trl, kit])["hf"]
+    assert ratio["final_reward_kit_minus_trl"] == pytest.approx(-0.05)
+    assert ratio["steps_to_threshold_kit_over_trl"] is None
+    assert ratio["median_step_s_kit_over_trl"] == pytest.approx(1.2)
+
+
 def test_prompts_are_letters_and_a_colon():
     prompts = vs_trl.make_prompts(200, seed=3)
     assert prompts == vs_trl.make_prompts(200, seed=3)
