@@ -231,7 +231,7 @@ class HFTokenizer:
         self.add_bos = add_bos
         self.chat_template = chat_template
         self.system_prompt = system_prompt
-        self.kwargs = kwargs
+        self.load_kwargs = kwargs
         self.path: str | None = None
         self._tokenizer: Any = None
         if path is not None:
@@ -257,7 +257,7 @@ class HFTokenizer:
                 "not a Hugging Face tokenizer: leave `tokenizer` unset (it is loaded from the model's directory) or "
                 "use lightning_offpolicy.tokenizers.CharTokenizer."
             )
-        tokenizer = AutoTokenizer.from_pretrained(str(path), **self.kwargs)
+        tokenizer = AutoTokenizer.from_pretrained(str(path), **self.load_kwargs)
         if tokenizer.pad_token_id is None and tokenizer.eos_token_id is not None:
             tokenizer.pad_token = tokenizer.eos_token
         if self.add_bos is True and tokenizer.bos_token_id is None:

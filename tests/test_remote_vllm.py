@@ -277,6 +277,35 @@ def test_http_errors_carry_the_servers_message_and_the_api_key_is_sent(stand_in)
         RemoteVLLMEngine(server.base_url).connect()
 
 
+def test_every_stop_id_is_sent_and_accepted(stand_in):
+    """eos + the generation config's other eos ids go out as stop_token_ids; a stop on any of them is
+    accepted, a stop on another id raises."""
+
+    def answer(tokens):
+        return 200, {
+            "choices": [
+                {"finish_reason": "stop", "token_ids": tokens, "logprobs": {"token_logprobs": [-1.0] * len(tokens)}}
+            ]
+        }
+
+    server = stand_in(
+        {
+            ("GET", "/v1/models"): _models("m"),
+            ("GET", "/server_info"): _server_info(),
+            ("POST", "/v1/completions"): answer([5, 7]),
+        }
+    )
+    engine = RemoteVLLMEngine(server.base_url, eos_token_id=2)
+    engine.set_special_tokens(0, 2, stop_token_ids=[2, 7])
+    sampling = SamplingConfig(max_new_tokens=4, samples_per_prompt=1)
+    (completion,) = engine.generate([[1, 2]], sampling)
+    assert server.requests[-1][3]["stop_token_ids"] == [2, 7]
+    assert (completion.token_ids, completion.finish_reason) == ([5, 7], "stop")
+    server.routes[("POST", "/v1/completions")] = answer([5, 9])
+    with pytest.raises(RuntimeError, match=r"stopped on token 9 .*not on a stop id \[2, 7\]"):
+        engine.generate([[1, 2]], sampling)
+
+
 # ---------------------------------------------------------------------- launcher
 
 

@@ -90,9 +90,9 @@ def test_hf_adapter_same_api(tmp_path):
     assert tok.pad_token_id == tok.eos_token_id == 1  # pad falls back to eos
     assert tok.bos_token_id == 0
     ids = tok.encode("hello world")
-    assert ids == [0, 2, 3]
-    assert tok.encode("hello world", add_bos=False) == [2, 3]
+    assert ids == [2, 3]  # the tokenizer's own rule adds no bos (tests/test_tokenization.py has every case)
+    assert tok.encode("hello world", add_bos=True) == [0, 2, 3]
     assert tok.decode(ids + [1]).split() == ["hello", "world"]
     assert tok.vocab_size == 5
     tok.save_pretrained(tmp_path / "copy")
-    assert HFTokenizer.from_pretrained(tmp_path / "copy").encode("world") == [0, 3]
+    assert HFTokenizer.from_pretrained(tmp_path / "copy", add_bos=True).encode_prompt("world") == [0, 3]

@@ -217,6 +217,29 @@ def test_stops_on_eos_token_id_only(vllm_engine, monkeypatch):
 
 
 @requires_vllm
+def test_stops_on_every_stop_id_and_truncates_at_the_first(vllm_engine, monkeypatch):
+    """Two stop ids (eos + a second id, as a generation config's eos list): each completion ends at the
+    first of either. Reference: the same seeded samples with eos alone, cut by hand."""
+    prompts = reverse_prompts(16, seed=7)
+    cfg = SamplingConfig(max_new_tokens=12, temperature=1.5)
+    monkeypatch.setattr(vllm_engine, "stop_token_ids", [])
+    reference = vllm_engine.generate(prompts, cfg, seed=3)
+    counts = torch.bincount(torch.tensor([t for c in reference for t in c.token_ids[:-1] if t != 2]))
+    second = int(counts.argmax())  # the id the model samples most often before the end
+    monkeypatch.setattr(vllm_engine, "stop_token_ids", [second])
+    both = vllm_engine.generate(prompts, cfg, seed=3)
+    ends = set()
+    for got, ref in zip(both, reference, strict=True):
+        cut = next((i + 1 for i, t in enumerate(ref.token_ids) if t in (2, second)), None)
+        expected = ref.token_ids[:cut] if cut is not None else ref.token_ids
+        assert got.token_ids == expected
+        assert got.finish_reason == ("stop" if cut is not None else "length")
+        if cut is not None:
+            ends.add(got.token_ids[-1])
+    assert ends == {2, second}
+
+
+@requires_vllm
 def test_throughput(vllm_engine):
     prompts = reverse_prompts(64, seed=2)
     cfg = SamplingConfig(max_new_tokens=16, samples_per_prompt=1)

@@ -16,7 +16,8 @@ BOS_ID, EOS_ID = CHAR_VOCAB["<s>"], CHAR_VOCAB["</s>"]
 
 #: A small chat template over the char alphabet: ``"u: hi.a:"`` for one user message + generation prompt.
 CHAT_TEMPLATE = (
-    "{% for m in messages %}{{ m['role'][0] }}: {{ m['content'] }}.{% endfor %}{% if add_generation_prompt %}a:{% endif %}"
+    "{% for m in messages %}{{ m['role'][0] }}: {{ m['content'] }}.{% endfor %}"
+    "{% if add_generation_prompt %}a:{% endif %}"
 )
 #: The same with the bos token written by the template itself (as Llama 3's does).
 CHAT_TEMPLATE_WITH_BOS = "{{ bos_token }}" + CHAT_TEMPLATE
