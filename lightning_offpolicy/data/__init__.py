@@ -8,13 +8,19 @@
 """
 
 from lightning_offpolicy.data.datamodule import DatasetDataModule, PromptRows, collate_rows
-from lightning_offpolicy.data.sampler import ResumableSampler, ResumableTrainLoader, trained_position
+from lightning_offpolicy.data.sampler import (
+    ResumableDataLoader,
+    ResumableSampler,
+    ResumableTrainLoader,
+    trained_position,
+)
 from lightning_offpolicy.data.sources import REASONING_GYM_PREFIX, load_source, reasoning_gym_rows
 
 __all__ = [
     "REASONING_GYM_PREFIX",
     "DatasetDataModule",
     "PromptRows",
+    "ResumableDataLoader",
     "ResumableSampler",
     "ResumableTrainLoader",
     "collate_rows",

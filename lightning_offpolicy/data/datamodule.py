@@ -12,6 +12,7 @@ from torch.utils.data import DataLoader, Dataset
 from lightning_offpolicy.batch import PromptBatch
 from lightning_offpolicy.data.sampler import ResumableTrainLoader
 from lightning_offpolicy.data.sources import REASONING_GYM_PREFIX, load_source, reasoning_gym_rows
+from lightning_offpolicy.rewards.resolve import RewardSpec
 
 __all__ = ["DatasetDataModule", "PromptRows"]
 
@@ -116,7 +117,7 @@ class DatasetDataModule(ResumableTrainLoader, LightningDataModule):
         seed: int = 0,
         shuffle: bool = True,
         split: str = "train",
-        reward_fn: Any = None,
+        reward_fn: RewardSpec = None,
         reasoning_gym_size: int = 1000,
         reasoning_gym_config: dict[str, Any] | None = None,
     ) -> None:

@@ -4,8 +4,8 @@ Lightning restarts the train loader from the top of the epoch when a run resumes
 run resumed at step 8 would train the epoch's first batches again. :class:`ResumableSampler`
 fixes the order of every epoch by ``(seed, epoch)`` alone, shards it across ranks, and can start
 one epoch part-way (:meth:`ResumableSampler.resume_at`). :func:`trained_position` reads, at
-checkpoint time, how far the fit loop has trained; the data modules save it in their
-``state_dict`` and hand it to the sampler of the resumed run.
+checkpoint time, how far the fit loop has trained; :class:`ResumableDataLoader` saves it as its
+``state_dict``, which Lightning stores in the checkpoint and hands back to the resumed run's loader.
 
 It subclasses ``DistributedSampler`` so that Lightning keeps it under DDP instead of replacing it
 with its own (Lightning only replaces samplers that are not ``DistributedSampler``), and so that
@@ -22,7 +22,7 @@ import torch
 from lightning.pytorch.trainer.states import TrainerFn
 from torch.utils.data import DataLoader, DistributedSampler
 
-__all__ = ["ResumableSampler", "ResumableTrainLoader", "trained_position"]
+__all__ = ["ResumableDataLoader", "ResumableSampler", "ResumableTrainLoader", "trained_position"]
 
 
 class ResumableSampler(DistributedSampler):
@@ -57,14 +57,26 @@ class ResumableSampler(DistributedSampler):
         self.total_size = self.num_samples * num_replicas
         self.epoch = 0
         self._resume: tuple[int, int] | None = None  # (epoch, batches already trained in it)
+        self._epoch_offset: int | None = None
 
     def set_epoch(self, epoch: int) -> None:
-        self.epoch = int(epoch)
+        if self._resume is not None and self._epoch_offset is None:
+            # The first epoch the resumed loop announces is the one the checkpoint stopped in. Lightning
+            # may number it differently (a checkpoint saved after fit() counts the unfinished epoch as
+            # done), so keep the data's own numbering from here on.
+            self._epoch_offset = self._resume[0] - int(epoch)
+        self.epoch = int(epoch) + (self._epoch_offset or 0)
+
+    @property
+    def epoch_offset(self) -> int:
+        """The data's epoch minus the epoch number the fit loop announces (0 unless resumed)."""
+        return self._epoch_offset or 0
 
     def resume_at(self, epoch: int, batches_done: int) -> None:
-        """Make the next pass over ``epoch`` start after its first ``batches_done`` batches (once)."""
+        """Make the next pass start at batch ``batches_done`` of ``epoch`` (once); later epochs follow on."""
         self.epoch = int(epoch)
         self._resume = (int(epoch), int(batches_done))
+        self._epoch_offset = None
 
     def order(self, epoch: int) -> list[int]:
         """This rank's row indices of ``epoch``, from its first batch."""
@@ -89,14 +101,17 @@ class ResumableSampler(DistributedSampler):
         return self.num_samples
 
 
-def trained_position(trainer: Any, batches_per_epoch: int) -> dict[str, int] | None:
+def trained_position(trainer: Any, batches_per_epoch: int, epoch_offset: int = 0) -> dict[str, int] | None:
     """``{"epoch", "batches_done"}``: where the fit loop stands, in batches trained, at checkpoint time.
 
-    ``None`` outside a fit. A finished epoch is reported as the next epoch's start.
+    ``None`` outside a fit. A finished epoch is reported as the next epoch's start. ``epoch_offset``
+    turns the fit loop's epoch number into the data's (see :meth:`ResumableSampler.set_epoch`).
     """
     if trainer is None or trainer.state.fn != TrainerFn.FITTING:
         return None
-    epoch = int(trainer.current_epoch)
+    # The epoch the last batches ran in: `started` - 1. Not `current_epoch`, which fit() advances
+    # when it stops mid-epoch at max_steps, so a checkpoint saved after fit() would skip a whole epoch.
+    epoch = max(int(trainer.fit_loop.epoch_progress.current.started) - 1, 0) + epoch_offset
     # `processed` counts the batches whose training_step ran in this epoch: at a checkpoint saved
     # in on_train_batch_end it already includes the batch just trained (`completed` does not yet).
     done = int(trainer.fit_loop.epoch_loop.batch_progress.current.processed)
@@ -105,19 +120,59 @@ def trained_position(trainer: Any, batches_per_epoch: int) -> dict[str, int] | N
     return {"epoch": epoch, "batches_done": done}
 
 
-class ResumableTrainLoader:
-    """Data-module mixin: a train loader in :class:`ResumableSampler` order, and its position in checkpoints.
+class ResumableDataLoader(DataLoader):
+    """A train ``DataLoader`` in :class:`ResumableSampler` order whose checkpoint state is the trained position.
 
-    The host sets ``self.prompts_per_step``, ``self.seed`` and ``self.shuffle`` and calls
-    :meth:`_resumable_loader` from ``train_dataloader``. Lightning saves the data module's
-    ``state_dict`` in every checkpoint and calls ``load_state_dict`` before ``train_dataloader``
-    on resume.
+    Lightning saves the ``state_dict`` of a train loader that has one in every checkpoint, and on
+    resume calls ``load_state_dict`` on the new run's loader before iterating it: the sampler then
+    starts at the next batch the saved run had not trained.
+
+    Args:
+        dataset: The map-style dataset.
+        batch_size: Rows per batch (the sampler's ``batch_size``).
+        sampler: The order.
+        collate_fn: Rows to batch.
+        trainer: The trainer whose fit loop says how far training got (None: no position is saved).
     """
 
-    _resume_position: dict[str, int] | None = None
-    _train_rows: int = 0
+    def __init__(
+        self, dataset: Any, batch_size: int, sampler: ResumableSampler, collate_fn: Any, trainer: Any = None
+    ) -> None:
+        super().__init__(
+            dataset, batch_size=batch_size, sampler=sampler, drop_last=True, num_workers=0, collate_fn=collate_fn
+        )
+        self._trainer = trainer
 
-    def _resumable_loader(self, dataset: Any, collate_fn: Any) -> DataLoader:
+    def _layout(self) -> dict[str, int]:
+        sampler = self.sampler
+        return {"num_rows": sampler.num_rows, "batch_size": sampler.batch_size, "world_size": sampler.num_replicas}
+
+    def state_dict(self) -> dict[str, Any]:
+        position = trained_position(self._trainer, len(self), self.sampler.epoch_offset)
+        return {} if position is None else {"train_position": {**position, **self._layout()}}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        position = state_dict.get("train_position")
+        if not position:
+            return
+        saved = tuple(position.get(k) for k in ("num_rows", "batch_size", "world_size"))
+        now = tuple(self._layout().values())
+        if saved != now:
+            raise ValueError(
+                f"The checkpoint's data position was saved with (rows, prompts_per_step, processes) = {saved}; this "
+                f"run has {now}, so the position would point at other prompts. Resume with the same data, "
+                "prompts_per_step and number of processes (or start a new run)."
+            )
+        self.sampler.resume_at(position["epoch"], position["batches_done"])
+
+
+class ResumableTrainLoader:
+    """Data-module mixin: :meth:`_resumable_loader` builds the train loader (a :class:`ResumableDataLoader`).
+
+    The host sets ``self.prompts_per_step``, ``self.seed`` and ``self.shuffle``.
+    """
+
+    def _resumable_loader(self, dataset: Any, collate_fn: Any) -> ResumableDataLoader:
         trainer = getattr(self, "trainer", None)
         world_size = int(trainer.world_size) if trainer is not None else 1
         rank = int(trainer.global_rank) if trainer is not None else 0
@@ -129,39 +184,4 @@ class ResumableTrainLoader:
                 "`prompts_per_step` or add prompts."
             )
         sampler = ResumableSampler(num_rows, self.prompts_per_step, self.seed, self.shuffle, world_size, rank)
-        position, self._resume_position = self._resume_position, None  # once: a second loader starts fresh
-        if position is not None:
-            self._check_resume(position, num_rows, world_size)
-            sampler.resume_at(position["epoch"], position["batches_done"])
-        self._train_rows = num_rows
-        self._train_batches_per_epoch = len(sampler) // self.prompts_per_step
-        self._world_size = world_size
-        return DataLoader(
-            dataset,
-            batch_size=self.prompts_per_step,
-            sampler=sampler,
-            drop_last=True,
-            num_workers=0,
-            collate_fn=collate_fn,
-        )
-
-    def _check_resume(self, position: dict[str, int], num_rows: int, world_size: int) -> None:
-        saved = (position.get("num_rows"), position.get("prompts_per_step"), position.get("world_size"))
-        now = (num_rows, self.prompts_per_step, world_size)
-        if saved != now:
-            raise ValueError(
-                f"{type(self).__name__}: the checkpoint's data position was saved with (rows, prompts_per_step, "
-                f"processes) = {saved}, this run has {now}: the saved position would point at other prompts. "
-                "Resume with the same data, prompts_per_step and number of processes."
-            )
-
-    def state_dict(self) -> dict[str, Any]:
-        batches = getattr(self, "_train_batches_per_epoch", 0)
-        position = trained_position(getattr(self, "trainer", None), batches) if batches else None
-        if position is None:
-            return {}
-        position.update(num_rows=self._train_rows, prompts_per_step=self.prompts_per_step, world_size=self._world_size)
-        return {"train_position": position}
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self._resume_position = state_dict.get("train_position")
+        return ResumableDataLoader(dataset, self.prompts_per_step, sampler, collate_fn, trainer)
