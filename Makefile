@@ -2,7 +2,7 @@
 #   make demo   create .venv, install, run the main job on the embedded default
 #   make test   create .venv with the dev and vLLM extras, run the whole suite
 #   make selfcheck  every correction preset on a real tiny model (no training)
-#   make bench  run the benchmarks under benchmarks/
+#   make bench  run the benchmarks under benchmarks/ (including the side-by-side against TRL)
 #   make study  the mismatch study: correction vs staleness / engine mismatch (~36 min on 2 cores)
 #   make soak   every shipped config to its max_steps, quiet and beside a CPU hog (~2 h on 2 cores)
 #   make docs-check  re-run the cheap figures of README.md / docs/ and compare (~3-5 min; not in `make test`)
@@ -23,7 +23,7 @@ TORCH_SPEC ?= torch==2.13.0
 # stamp: re-creating it over itself can fail ("Unable to create directory '.venv'") and needs the
 # network. Otherwise (no .venv: a clean clone) it is built, and a failure says what to do.
 KEEP_VENV = [ -x $(PY) ] && $(PY) tools/check_venv.py
-VENV_HINT = echo "make: could not build $(VENV). Remove it and run make again (rm -rf $(VENV)), or install into it: $(PIP) install -e \".[dev,$(VLLM_EXTRA)]\"" >&2; exit 1
+VENV_HINT = echo "make: could not build $(VENV). Remove it and run make again (rm -rf $(VENV)), or install into it: $(PIP) install -e \".[dev,bench,$(VLLM_EXTRA)]\"" >&2; exit 1
 
 $(VENV)/.base: pyproject.toml
 	@if $(KEEP_VENV); then echo "$(VENV) already provides lightning_offpolicy from this checkout: kept"; else \
@@ -37,9 +37,9 @@ $(VENV)/.base: pyproject.toml
 	touch $@
 
 $(VENV)/.dev: $(VENV)/.base pyproject.toml
-	@if $(KEEP_VENV) --extras dev,$(VLLM_EXTRA); then echo "$(VENV) already has the dev and $(VLLM_EXTRA) extras: kept"; else \
+	@if $(KEEP_VENV) --extras dev,bench,$(VLLM_EXTRA); then echo "$(VENV) already has the dev, bench and $(VLLM_EXTRA) extras: kept"; else \
 		set -e; trap '$(VENV_HINT)' EXIT; \
-		$(PIP) install -e ".[dev,$(VLLM_EXTRA)]"; \
+		$(PIP) install -e ".[dev,bench,$(VLLM_EXTRA)]"; \
 		trap - EXIT; \
 	fi
 	# vLLM pulls torchvision / torchaudio / torchcodec builds that do not match CPU torch and break
@@ -64,7 +64,7 @@ test: $(VENV)/.dev
 
 # Every benchmark writes docs/performance_<name>.md and a .json next to it; summarize.py then
 # gathers the key ratios into docs/performance.md with the wall time of the whole target
-# (~15-20 min on 2 busy cores). One shell, so that the start time and load reach summarize.py.
+# (~20-30 min on 2 busy cores). One shell, so that the start time and load reach summarize.py.
 bench: $(VENV)/.dev
 	set -e; start=$$(date +%s); load=$$($(PY) -c "import os; print(os.getloadavg()[0])"); \
 	export OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1}; \
@@ -74,6 +74,7 @@ bench: $(VENV)/.dev
 	$(PY) benchmarks/async_overlap.py --output docs/performance_async.md; \
 	$(PY) benchmarks/end_to_end.py --output docs/performance_end_to_end.md; \
 	$(PY) benchmarks/trainer_memory.py --output docs/performance_trainer_memory.md; \
+	$(PY) benchmarks/vs_trl.py --seeds 0,1,2 --output docs/performance_vs_trl.md; \
 	$(PY) benchmarks/summarize.py --docs docs --output docs/performance.md --started $$start --load-start $$load
 
 # 57 short RL fits, 2 at a time (one thread each), niced: the report is docs/results.md, the

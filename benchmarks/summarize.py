@@ -9,6 +9,7 @@ Reads, from ``--docs`` (each one optional; a missing one is reported as not run)
 * ``performance_trainer_memory.json`` (``benchmarks/trainer_memory.py``)
 * ``performance_logprobs.json``       (``benchmarks/logprob_memory.py``)
 * ``performance_correction.json``     (``benchmarks/correction_bench.py``)
+* ``performance_vs_trl.json``         (``benchmarks/vs_trl.py``)
 
 Nothing is measured here. ``make bench`` runs it last with ``--started`` (the epoch second the
 target started) and ``--load-start``, so the page states the wall time of the whole target.
@@ -42,6 +43,7 @@ SECTIONS = [
     ("performance_trainer_memory", "Trainer memory: full fine-tuning vs LoRA", "benchmarks/trainer_memory.py"),
     ("performance_logprobs", "Token logprobs: lean vs naive", "benchmarks/logprob_memory.py"),
     ("performance_correction", "Off-policy correction step", "benchmarks/correction_bench.py"),
+    ("performance_vs_trl", "Side by side with TRL's GRPOTrainer on the same task", "benchmarks/vs_trl.py"),
 ]
 
 
@@ -201,12 +203,37 @@ def correction(data: dict[str, Any]) -> list[str]:
     return lines
 
 
+def vs_trl(data: dict[str, Any]) -> list[str]:
+    head = data["header"]
+    lines = [
+        f"| side | engine | final reward (last {head['window']} steps) | first step of a {head['window']}-step mean "
+        f">= {head['threshold']} | s/step (median) |",
+        "|---|---|---:|---:|---:|",
+    ]
+    for r in data["summary"]:
+        steps = "never" if r["steps_to_threshold"] is None else f"{r['steps_to_threshold']:.0f}"
+        lines.append(
+            f"| {r['label']} | {r['engine']} | **{r['final_reward']:.3f}** | {steps} | {r['median_step_s']:.3f} |"
+        )
+    lines.append("")
+    for engine, ratio in data["ratios"].items():
+        steps_ratio = ratio["steps_to_threshold_kit_over_trl"]
+        lines.append(
+            f"{engine}: final reward kit - TRL {ratio['final_reward_kit_minus_trl']:+.3f}; steps to "
+            f"{head['threshold']} kit / TRL {'n/a' if steps_ratio is None else f'{steps_ratio:.2f}'}; "
+            f"s/step kit / TRL {_x(ratio['median_step_s_kit_over_trl'])}. Means over seeds "
+            f"{', '.join(map(str, head['seeds']))}, {head['steps']} steps per side and seed."
+        )
+    return lines
+
+
 RENDER: dict[str, Callable[[Any], list[str]]] = {
     "performance_end_to_end": end_to_end,
     "performance_async": async_overlap,
     "performance_trainer_memory": trainer_memory,
     "performance_logprobs": logprobs,
     "performance_correction": correction,
+    "performance_vs_trl": vs_trl,
 }
 
 READING = {
@@ -219,6 +246,8 @@ READING = {
     "one logits tensor (the gradient alone is 1.0).",
     "performance_correction": "The correction + loss + metrics step per preset, against a memory-bandwidth "
     "probe of the same run.",
+    "performance_vs_trl": "Issue 10's task (copy the prompt's first letter) from a random-init Llama with a "
+    "char-level HF tokenizer: TRL and the kit's plain user path, each in its own process, back to back.",
 }
 
 
@@ -249,7 +278,8 @@ def render(docs: Path, started: float | None, load_start: float | None) -> str:
         f"- **Summarized**: {now}; {code_line()}",
     ]
     if started is not None:
-        lines.append(f"- **`make bench` wall time**: {(time.time() - started) / 60:.1f} min (all five benchmarks)")
+        wall = (time.time() - started) / 60
+        lines.append(f"- **`make bench` wall time**: {wall:.1f} min (all {len(SECTIONS)} benchmarks)")
     load_end = os.getloadavg()[0]
     load = f"{load_start:.1f} / {load_end:.1f}" if load_start is not None else f"{load_end:.1f} (end)"
     lines.append(f"- **Load average** (1 min) at the start / end of `make bench`: {load} on {os.cpu_count()} cores")

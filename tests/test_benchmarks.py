@@ -202,11 +202,11 @@ def test_summarize_quick_outputs(tmp_path_factory):
     wall = re.search(r"\*\*`make bench` wall time\*\*: ([0-9.]+) min", text)
     assert wall is not None and 1.5 <= float(wall.group(1)) < 3.0, text  # 90 s before the start, plus its run
     assert "0.5 / " in text  # the load average at the start, as given
-    # The two benchmarks that ran are summarized and linked; the three others say they did not run.
+    # The two benchmarks that ran are summarized and linked; the others say they did not run.
     assert "[performance_end_to_end.md](performance_end_to_end.md)" in text
     assert "| (a) | HFEngine(bfloat16), sync |" in text and "**1.00x**" in text
     assert "[performance_trainer_memory.md](performance_trainer_memory.md)" in text
     assert "| tiny |" in text
-    for stem in ("performance_async", "performance_logprobs", "performance_correction"):
+    for stem in ("performance_async", "performance_logprobs", "performance_correction", "performance_vs_trl"):
         assert f"Not run: no `{stem}.json`" in text, stem
     assert "Could not summarize" not in text

@@ -41,5 +41,24 @@ def test_sft_then_rl_example_continues_the_sft_module_with_rl(tmp_path):
 
 
 def test_every_example_has_a_test():
-    tested = {"custom_reward", "sft_then_rl"}
+    tested = {"custom_reward", "sft_then_rl", "own_model_and_data"}
     assert {p.stem for p in EXAMPLES.glob("*.py")} == tested
+
+
+def test_own_model_and_data_example_learns_the_reasoning_gym_task(tmp_path):
+    example = load("own_model_and_data")
+    checkpoint = tmp_path / "checkpoint"
+    metrics = example.main(
+        ["--checkpoint", str(checkpoint), "--sft-steps", "250", "--rl-steps", "40", "--logdir", str(tmp_path)]
+    )
+    # An ordinary Hugging Face directory: Qwen2 weights, a BPE tokenizer with a chat template.
+    config = __import__("json").loads((checkpoint / "config.json").read_text())
+    assert config["model_type"] == "qwen2"
+    assert "chat_template" in (checkpoint / "tokenizer_config.json").read_text() or (
+        checkpoint / "chat_template.jinja"
+    ).is_file()
+    assert metrics["steps"] == 40
+    # reasoning-gym's scorer, mean over the first and the last 10 batches of 64 completions (measured:
+    # 0.22 -> 0.44 at these settings); the rise is far above the batch-to-batch noise (~0.1).
+    assert metrics["reward_last"] >= metrics["reward_first"] + 0.1, metrics
+    assert (tmp_path / "own_model_and_data").is_dir()
