@@ -75,6 +75,19 @@ _FALLBACK_STEPS, _FALLBACK_LR = 150, 3e-3
 Tokenizer = CharTokenizer | HFTokenizer
 
 
+#: The sizes of every tiny decoder the kit builds (the tiny Llama here, the BPE checkpoints of
+#: :mod:`lightning_offpolicy.tiny_bpe`): head dim 64, because vLLM's CPU attention needs it.
+TINY_DECODER_SIZES: dict[str, Any] = dict(
+    hidden_size=128,
+    intermediate_size=256,
+    num_hidden_layers=2,
+    num_attention_heads=2,
+    num_key_value_heads=2,
+    head_dim=64,
+    tie_word_embeddings=False,
+)
+
+
 def tiny_llama_config(vocab_size: int = 64, **overrides: Any):
     """Config of a ~0.34M-parameter Llama (344,704 at vocab 64): hidden 128, 2 layers, 2 heads of dim 64.
 
@@ -84,17 +97,11 @@ def tiny_llama_config(vocab_size: int = 64, **overrides: Any):
 
     kwargs: dict[str, Any] = dict(
         vocab_size=vocab_size,
-        hidden_size=128,
-        intermediate_size=256,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=2,
-        head_dim=64,
+        **TINY_DECODER_SIZES,
         max_position_embeddings=256,
         pad_token_id=0,
         bos_token_id=1,
         eos_token_id=2,
-        tie_word_embeddings=False,
     )
     kwargs.update(overrides)
     return LlamaConfig(**kwargs)

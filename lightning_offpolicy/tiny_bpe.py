@@ -27,6 +27,8 @@ from typing import Any, Literal
 import torch
 import torch.nn.functional as F
 
+from lightning_offpolicy.tiny import TINY_DECODER_SIZES
+
 __all__ = [
     "CHATML_TEMPLATE",
     "SPECIAL_TOKENS",
@@ -112,17 +114,11 @@ def tiny_config(architecture: Architecture, vocab_size: int, pad_token_id: int, 
         raise ValueError(f"tiny_config: architecture={architecture!r} is not known; allowed: 'qwen2', 'llama'.")
     kwargs: dict[str, Any] = dict(
         vocab_size=vocab_size,
-        hidden_size=128,
-        intermediate_size=256,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=2,
-        head_dim=64,
+        **TINY_DECODER_SIZES,
         max_position_embeddings=512,
         pad_token_id=pad_token_id,
         bos_token_id=None,
         eos_token_id=eos_token_id,
-        tie_word_embeddings=False,
     )
     kwargs.update(overrides)
     return classes[architecture](**kwargs)
