@@ -310,7 +310,10 @@ def soak_one(
     save_dir = workdir / f"{slug}__{condition}"
     args = list(spec.args)
     if quick_steps is not None:
+        # val_check_interval=1: with a validation loop (quickstart, reasoning_gym) Lightning's default
+        # ModelCheckpoint saves after an evaluation only, so the short run must evaluate to checkpoint.
         args += [f"--trainer.max_steps={quick_steps}", "--data.init_args.prompts_per_step=4"]
+        args += ["--trainer.val_check_interval=1"]
     hogs = start_hog(hog_processes) if condition == "hog" else []
     try:
         result.exit_code, result.wall_s, result.log_tail, result.leftover_processes = run_fit(
