@@ -72,7 +72,10 @@ def test_held_out_split_is_seeded_disjoint_and_served_in_order(tmp_path):
     held_out = torch.randperm(12, generator=torch.Generator().manual_seed(7))[:3].sort().values.tolist()
     assert data.val_dataset.indices == held_out
     assert sorted(data.train_dataset.indices + held_out) == list(range(12))
+    rng_before = torch.get_rng_state()
     batches = list(data.val_dataloader())
+    # An evaluation must not move the global RNG, or it would change the training that follows.
+    assert torch.equal(torch.get_rng_state(), rng_before)
     assert [len(b) for b in batches] == [2, 1]
     assert [p for b in batches for p in b.prompts] == [ROWS[i]["prompt"] for i in held_out]
     assert DatasetDataModule(path, val_size=5, prompts_per_step=4).val_dataset.__len__() == 5

@@ -203,15 +203,7 @@ class DatasetDataModule(ResumableTrainLoader, LightningDataModule):
         return self._resumable_loader(self.train_dataset, collate_rows)
 
     def val_dataloader(self) -> DataLoader | list:
-        if self.val_dataset is None:
-            return []  # no held-out prompts: Lightning skips validation
-        return DataLoader(
-            self.val_dataset,
-            batch_size=self.val_prompts_per_step,
-            shuffle=False,
-            num_workers=0,
-            collate_fn=collate_rows,
-        )
+        return self._held_out_loader(self.val_dataset, collate_rows)
 
 
 def _is_reasoning_gym(source: Any) -> bool:

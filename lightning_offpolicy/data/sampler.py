@@ -167,10 +167,26 @@ class ResumableDataLoader(DataLoader):
 
 
 class ResumableTrainLoader:
-    """Data-module mixin: :meth:`_resumable_loader` builds the train loader (a :class:`ResumableDataLoader`).
+    """Data-module mixin: :meth:`_resumable_loader` builds the train loader (a :class:`ResumableDataLoader`),
+    :meth:`_held_out_loader` the validation loader.
 
-    The host sets ``self.prompts_per_step``, ``self.seed`` and ``self.shuffle``.
+    The host sets ``self.prompts_per_step``, ``self.val_prompts_per_step``, ``self.seed`` and ``self.shuffle``.
     """
+
+    def _held_out_loader(self, dataset: Any, collate_fn: Any) -> DataLoader | list:
+        """The held-out prompts in a fixed order; an empty list (Lightning skips validation) when there are none."""
+        if dataset is None or not len(dataset):
+            return []
+        return DataLoader(
+            dataset,
+            batch_size=self.val_prompts_per_step,
+            shuffle=False,
+            num_workers=0,
+            collate_fn=collate_fn,
+            # Its own generator: the loader's iterator draws a base seed, which must not move the global RNG
+            # (an evaluation would otherwise change the training that follows it).
+            generator=torch.Generator().manual_seed(self.seed),
+        )
 
     def _resumable_loader(self, dataset: Any, collate_fn: Any) -> ResumableDataLoader:
         trainer = getattr(self, "trainer", None)

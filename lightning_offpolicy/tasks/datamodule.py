@@ -6,7 +6,6 @@ import random
 import warnings
 from typing import Any
 
-import torch
 from lightning.pytorch import LightningDataModule
 from torch.utils.data import DataLoader, Dataset
 
@@ -137,14 +136,4 @@ class PromptDataModule(ResumableTrainLoader, LightningDataModule):
 
     def val_dataloader(self) -> DataLoader | list:
         """The held-out prompts in a fixed order (an empty list, no validation, when ``num_val_prompts=0``)."""
-        if not len(self.val_dataset):
-            return []
-        return DataLoader(
-            self.val_dataset,
-            batch_size=self.val_prompts_per_step,
-            shuffle=False,
-            num_workers=0,
-            collate_fn=collate_prompts,
-            # Its own generator: the loader's iterator draws a base seed, which must not move the global RNG.
-            generator=torch.Generator().manual_seed(self.seed),
-        )
+        return self._held_out_loader(self.val_dataset, collate_prompts)
