@@ -258,9 +258,17 @@ class RolloutBatch:
                 continue
             if not value.is_floating_point():
                 raise ValueError(f"RolloutBatch.{name} must be a floating tensor; got {value.dtype}.")
-            bad = int((~torch.isfinite(value) & real).sum())
+            if name == "advantages":
+                bad = int((~torch.isfinite(value) & real).sum())
+                what = "NaN / inf"
+            else:
+                # A logprob of -inf is a token that policy calls impossible (vLLM returns it under
+                # top-k / top-p): correction/ clamps it and its masks reject the token. NaN and +inf
+                # are never a logprob.
+                bad = int(((torch.isnan(value) | (value == float("inf"))) & real).sum())
+                what = "NaN / +inf"
             if bad:
-                raise ValueError(f"RolloutBatch.{name} has {bad} NaN / inf value(s) at response tokens.")
+                raise ValueError(f"RolloutBatch.{name} has {bad} {what} value(s) at response tokens.")
         bad_rewards = int((~torch.isfinite(self.rewards)).sum())
         if bad_rewards:
             raise ValueError(f"RolloutBatch.rewards has {bad_rewards} NaN / inf value(s); check the reward function.")

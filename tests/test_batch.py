@@ -154,6 +154,15 @@ def test_validation_errors_name_the_field():
     batch.with_fields(rollout_logprobs=garbage).validate()
     with pytest.raises(ValueError, match="rewards"):
         batch.with_fields(rewards=torch.tensor([1.0, float("nan"), 0.0])).validate()
+    # A logprob of -inf (a token the policy calls impossible) is accepted: correction/ clamps it.
+    impossible = batch.rollout_logprobs.clone()
+    impossible[0, 2] = float("-inf")
+    batch.with_fields(rollout_logprobs=impossible, prox_logprobs=impossible).validate()
+    for value in (float("nan"), float("inf")):
+        wrong = impossible.clone()
+        wrong[2, 1] = value
+        with pytest.raises(ValueError, match="rollout_logprobs has 1 NaN / \\+inf"):
+            batch.with_fields(rollout_logprobs=wrong).validate()
     with pytest.raises(ValueError, match="prox_logprobs has shape"):
         batch.with_fields(prox_logprobs=torch.zeros(3, 4))
     with pytest.raises(ValueError, match="input_ids must be torch.long"):

@@ -76,6 +76,25 @@ def test_step_changes_weights_increments_version_and_logs_finite_metrics():
     assert float(metrics["rollout_corr/abs_logprob_diff_mean"]) > 0.1
 
 
+def test_an_impossible_rollout_token_trains_finite_and_is_rejected():
+    """A rollout logprob of -inf (vLLM's answer under top-k / top-p) reaches the step: the batch accepts it,
+    the token mask rejects that token, and the weights and metrics stay finite."""
+    model = tiny_model()
+    batch = make_rollout(model)
+    row, token = 2, int(batch.response_mask[2].nonzero()[0])
+    logprobs = batch.rollout_logprobs.clone()
+    logprobs[row, token] = float("-inf")
+    batch = batch.with_fields(rollout_logprobs=logprobs)
+    module = make_module(model, correction=OffPolicyCorrectionConfig.token_mis(low=0.5, high=2.0))
+    trainer = fit_on(module, [batch], max_steps=1)
+    assert module.policy_version == 1
+    assert all(torch.isfinite(p).all() for p in module.policy.parameters())
+    metrics = trainer.callback_metrics
+    for key in ("rollout_corr/kl", "rollout_corr/chi2_token", "rollout_corr/total_token_reject_rate", "train/grad_norm"):
+        assert torch.isfinite(metrics[key]), key
+    assert float(metrics["rollout_corr/total_token_reject_rate"]) >= 1 / batch.response_mask.sum()
+
+
 def test_bypass_mode_skips_the_proximal_forward(monkeypatch):
     model = tiny_model()
     module = make_module(model, correction=OffPolicyCorrectionConfig.bypass())

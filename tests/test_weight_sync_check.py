@@ -9,7 +9,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lightning_offpolicy.rollout.weight_sync import SyncCheck, SyncTolerance, sync_tolerance
+from lightning_offpolicy.rollout.weight_sync import SyncCheck, SyncTolerance, sync_tolerance, weights_dtype
+from lightning_offpolicy.tiny import build_tiny_llama
 
 
 def _module(dtype: torch.dtype) -> torch.nn.Module:
@@ -94,3 +95,20 @@ def test_an_engine_that_moves_resets_the_reference():
     check(values + 1e-4, values + 1e-4 + 5e-6, tol)  # engine unchanged, trainer moved 5e-6 < 1e-5: accepted
     check.reset()
     check(values, values + 0.5e-3, tol)  # after a reset nothing to compare the movement with
+
+
+# ---------------------------------------------------------------------------- the engine's dtype="auto"
+def test_weights_dtype_is_the_dtype_of_most_parameter_elements():
+    model = build_tiny_llama()
+    assert weights_dtype(model) == torch.float32
+    assert weights_dtype(model.to(torch.bfloat16)) == torch.bfloat16
+    peft = pytest.importorskip("peft")
+    lora = peft.get_peft_model(model, peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
+    for name, param in lora.named_parameters():
+        if "lora_" in name:
+            param.data = param.data.float()
+    # float32 adapters around a bfloat16 base: the engine computes in the base's dtype.
+    assert {p.dtype for p in lora.parameters()} == {torch.float32, torch.bfloat16}
+    assert weights_dtype(lora) == torch.bfloat16
+    with pytest.raises(ValueError, match="no floating-point parameters"):
+        weights_dtype(torch.nn.Module())

@@ -98,6 +98,7 @@ from lightning_offpolicy.rollout.weight_sync import (
     sync_tolerance,
     trainer_probe_logprobs,
     weight_source,
+    weights_dtype,
     write_safetensors,
 )
 
@@ -108,6 +109,8 @@ log = logging.getLogger(__name__)
 _T = TypeVar("_T")
 
 _ALLOWED_DTYPES = ("auto", "half", "float16", "bfloat16", "float", "float32")
+#: The vLLM ``dtype`` of a trainer weight dtype (``dtype="auto"``); others (float64) keep vLLM's rule.
+_VLLM_DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 _LORA_SYNC_MODES = ("merged", "adapter")
 #: The caller named in export errors.
 _WHO = "VLLMEngine.update_weights"
@@ -133,8 +136,14 @@ class VLLMEngine(SpecialTokens):
             trainer's module at the first ``update_weights`` (saved with ``save_pretrained`` into a
             private temporary directory; a peft model as its base model's config with the merged
             weights, or with ``lora_sync="adapter"`` the base weights).
-        dtype: Precision of the engine's weights and activations (vLLM's ``dtype``): ``"auto"`` takes
-            the checkpoint's; ``"float32"`` / ``"bfloat16"`` / ``"float16"`` force one.
+        dtype: Precision of the engine's weights and activations (vLLM's ``dtype``). ``"auto"``: the
+            trainer's, i.e. the dtype of the module passed to the first ``update_weights`` (the one
+            that starts the engine; the callback's way), so the engine samples the policy being
+            trained; vLLM's own rule only when the engine starts without a module (``generate``
+            first, or a state dict), which downcasts a float32 checkpoint to bfloat16.
+            ``"float32"`` / ``"bfloat16"`` / ``"float16"`` force one: a bfloat16 engine against a
+            float32 trainer is faster but samples a different policy (see docs/off_policy_correction.md:
+            give it a correction).
         max_model_len: Longest prompt + completion in tokens. ``None``: the model's own context length
             as vLLM derives it from the checkpoint's config (``max_position_embeddings``), read back
             into this attribute once the engine has started. A smaller value (the longest prompt +
@@ -288,6 +297,8 @@ class VLLMEngine(SpecialTokens):
         self._lora_serial = 0
         self._lora_dir: Path | None = None
         self._base_synced = False
+        # dtype="auto" resolved from the trainer's module at the update_weights that starts the engine.
+        self._start_dtype: str | None = None
 
     # ------------------------------------------------------------------ public API
 
@@ -295,6 +306,14 @@ class VLLMEngine(SpecialTokens):
     def started(self) -> bool:
         """Whether the engine processes are running."""
         return self._llm is not None
+
+    @property
+    def compute_dtype(self) -> torch.dtype | None:
+        """The dtype the running engine computes in (``None``: not started)."""
+        if self._llm is None:
+            return None
+        dtype = getattr(self._llm.llm_engine.model_config, "dtype", None)
+        return dtype if isinstance(dtype, torch.dtype) else None
 
     @property
     def last_sync_check_max_abs_diff(self) -> float | None:
@@ -414,6 +433,8 @@ class VLLMEngine(SpecialTokens):
                 "without adapters or a state dict."
             )
         with self._lock:
+            if self._llm is None and is_module and self.dtype == "auto":
+                self._start_dtype = _VLLM_DTYPE_NAMES.get(weights_dtype(source))
             if self.lora_sync == "adapter":
                 self._update_adapter(source, version)
             else:
@@ -492,7 +513,7 @@ class VLLMEngine(SpecialTokens):
         on_cpu = current_platform.is_cpu()
         kwargs: dict[str, Any] = dict(
             model=model,
-            dtype=self.dtype,
+            dtype=self._start_dtype or self.dtype,
             gpu_memory_utilization=self.gpu_memory_utilization,
             enforce_eager=self.enforce_eager,
             seed=self.seed,
@@ -517,7 +538,9 @@ class VLLMEngine(SpecialTokens):
         env = {"VLLM_CPU_KVCACHE_SPACE": str(self.kv_cache_space_gib)} if on_cpu and self.kv_cache_space_gib else {}
         before = vllm_process.descendants()
         begin = time.perf_counter()
-        log.info("VLLMEngine: starting vLLM %s from %s", getattr(vllm, "__version__", "?"), model)
+        log.info(
+            "VLLMEngine: starting vLLM %s from %s (dtype %s)", getattr(vllm, "__version__", "?"), model, kwargs["dtype"]
+        )
         try:
             with vllm_process.environ(env), _quiet_chat_template_warmup():
                 self._llm = vllm.LLM(**kwargs)
@@ -710,9 +733,7 @@ class VLLMEngine(SpecialTokens):
         )
 
     def _tolerance(self, module: torch.nn.Module) -> SyncTolerance:
-        engine_dtype = getattr(self._llm.llm_engine.model_config, "dtype", None)
-        engine_dtype = engine_dtype if isinstance(engine_dtype, torch.dtype) else None
-        return sync_tolerance(engine_dtype, module, self.weight_sync_tolerance)
+        return sync_tolerance(self.compute_dtype, module, self.weight_sync_tolerance)
 
     def _verify_sync(self, module: torch.nn.Module) -> None:
         engine = self._engine_probe_logprobs()

@@ -144,6 +144,21 @@ class SyncTolerance:
         return f"{self.atol:g}" if self.rtol == 0 else f"{self.atol:g} + {self.rtol:g} * |trainer logprob|"
 
 
+def weights_dtype(module: torch.nn.Module) -> torch.dtype:
+    """The floating dtype holding most of ``module``'s parameter elements (a peft model: its base's).
+
+    What an engine should compute in to sample the policy the trainer trains: a LoRA model's float32
+    adapters around a bfloat16 base count as bfloat16.
+    """
+    counts: dict[torch.dtype, int] = {}
+    for param in module.parameters():
+        if param.is_floating_point():
+            counts[param.dtype] = counts.get(param.dtype, 0) + param.numel()
+    if not counts:
+        raise ValueError(f"{type(module).__name__} has no floating-point parameters.")
+    return max(counts, key=counts.__getitem__)
+
+
 #: Safety factor over the machine epsilon of a reduced-precision dtype (measured need: 1.4).
 _RTOL_EPS_FACTOR = 16.0
 
