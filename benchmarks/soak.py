@@ -34,7 +34,7 @@ import signal
 import subprocess
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -417,6 +417,24 @@ def markdown(results: list[RunResult], skipped: list[SoakConfig], meta: dict[str
     return "\n".join(lines) + "\n"
 
 
+def earlier_passed_runs(output: Path, quick: bool) -> tuple[dict[tuple[str, str], RunResult], float]:
+    """The passed runs of the report at ``output`` (its JSON) made in the same mode, and its wall time."""
+    path = output.with_suffix(".json")
+    if not path.exists():
+        return {}, 0.0
+    data = json.loads(path.read_text())
+    meta = data.get("meta", {})
+    if bool(meta.get("quick")) != quick:
+        return {}, 0.0
+    names = {f.name for f in fields(RunResult)}
+    kept = {}
+    for run in data.get("runs", []):
+        if run.get("ok"):
+            result = RunResult(**{k: v for k, v in run.items() if k in names})
+            kept[result.config, result.condition] = result
+    return kept, float(meta.get("wall_s") or 0.0)
+
+
 def machine() -> str:
     return f"{platform.system()} {platform.machine()}, {os.cpu_count()} CPUs, Python {platform.python_version()}"
 
@@ -450,6 +468,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--timeout", type=float, default=5400.0, help="seconds one fit may take")
     parser.add_argument("--workdir", type=Path, default=ROOT / "runs" / "soak", help="where runs write")
     parser.add_argument("--output", type=Path, default=ROOT / "docs" / "soak.md", help="markdown report (+ .json)")
+    parser.add_argument(
+        "--resume",
+        action="store_true",
+        help="keep the passed runs of the report at --output (its .json, same mode) and run only the rest:\n"
+        "the report is rewritten after every run, so an interrupted soak goes on where it stopped",
+    )
     args = parser.parse_args(argv)
     conditions = [c.strip() for c in args.conditions.split(",") if c.strip()]
     unknown = sorted(set(conditions) - {"quiet", "hog"})
@@ -472,11 +496,35 @@ def main(argv: list[str] | None = None) -> int:
     runnable = [s for s in specs if s.skip_reason is None]
     skipped = [s for s in specs if s.skip_reason is not None]
 
+    kept, earlier_wall_s = earlier_passed_runs(args.output, args.quick) if args.resume else ({}, 0.0)
     started = time.perf_counter()
     prepare_tiny_models(runnable)
-    results = []
+    results: list[RunResult] = []
+
+    def write_report() -> None:
+        meta = {
+            "quick": args.quick,
+            "machine": machine(),
+            "wall_s": earlier_wall_s + time.perf_counter() - started,
+            "resume_batches": args.resume_batches,
+            "hog_processes": args.hog_processes,
+            "conditions": conditions,
+        }
+        args.output.parent.mkdir(parents=True, exist_ok=True)
+        args.output.write_text(markdown(results, skipped, meta))
+        payload = {
+            "meta": meta,
+            "runs": [{**asdict(r), "ok": r.ok} for r in results],
+            "skipped": [{"config": s.name, "reason": s.skip_reason} for s in skipped],
+        }
+        args.output.with_suffix(".json").write_text(json.dumps(payload, indent=2) + "\n")
+
     for spec in runnable:
         for condition in conditions:
+            if (spec.name, condition) in kept:
+                print(f"soak: {spec.name} [{condition}] passed in the earlier report: kept", flush=True)
+                results.append(kept[spec.name, condition])
+                continue
             print(f"soak: {spec.name} [{condition}] ...", flush=True)
             result = soak_one(
                 spec,
@@ -492,22 +540,8 @@ def main(argv: list[str] | None = None) -> int:
             if result.ok:
                 result.log_tail = ""  # keep the report small: the log only of a failed run
             results.append(result)
-    meta = {
-        "quick": args.quick,
-        "machine": machine(),
-        "wall_s": time.perf_counter() - started,
-        "resume_batches": args.resume_batches,
-        "hog_processes": args.hog_processes,
-        "conditions": conditions,
-    }
-    args.output.parent.mkdir(parents=True, exist_ok=True)
-    args.output.write_text(markdown(results, skipped, meta))
-    payload = {
-        "meta": meta,
-        "runs": [{**asdict(r), "ok": r.ok} for r in results],
-        "skipped": [{"config": s.name, "reason": s.skip_reason} for s in skipped],
-    }
-    args.output.with_suffix(".json").write_text(json.dumps(payload, indent=2) + "\n")
+            write_report()
+    write_report()
     print(f"soak: {sum(r.ok for r in results)}/{len(results)} runs passed; report in {args.output}")
     return 0 if all(r.ok for r in results) else 1
 

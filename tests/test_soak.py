@@ -100,3 +100,21 @@ def test_quick_soak_of_the_async_vllm_config(tmp_path, vllm_engine_holder):
     report = run_quick(tmp_path, "--only", "vllm_async", "--conditions", "quiet")
     (run,) = report["runs"]
     assert run["staleness_bound"] == 2
+
+
+def test_resume_keeps_the_passed_runs_of_the_same_mode_and_reruns_the_rest(tmp_path):
+    output = tmp_path / "soak.md"
+    passed = soak.RunResult(config="quickstart", condition="quiet", exit_code=0, wall_s=90.0, batches=150)
+    failed = soak.RunResult(config="quickstart", condition="hog", exit_code=1, failures=["exit status 1"])
+    payload = {"meta": {"quick": False, "wall_s": 500.0}, "runs": [{**soak.asdict(r), "ok": r.ok} for r in (passed, failed)]}
+    output.with_suffix(".json").write_text(json.dumps(payload))
+    kept, wall_s = soak.earlier_passed_runs(output, quick=False)
+    assert list(kept) == [("quickstart", "quiet")] and kept["quickstart", "quiet"] == passed and wall_s == 500.0
+    assert soak.earlier_passed_runs(output, quick=True) == ({}, 0.0)  # a quick run never stands for a full one
+    assert soak.earlier_passed_runs(tmp_path / "none.md", quick=False) == ({}, 0.0)
+    # Every requested run passed before: nothing runs again, and the report carries them and their time.
+    assert soak.main(["--only", "quickstart", "--conditions", "quiet", "--resume", "--output", str(output)]) == 0
+    report = json.loads(output.with_suffix(".json").read_text())
+    assert [(r["config"], r["condition"], r["batches"]) for r in report["runs"]] == [("quickstart", "quiet", 150)]
+    assert report["meta"]["wall_s"] >= 500.0
+    assert "| quickstart | quiet | 0 | 90 | 150 |" in output.read_text()
