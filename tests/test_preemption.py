@@ -159,6 +159,7 @@ def run_cli(
     sigterm_after: str | None = None,
     timeout: float = 600,
     config: str = "quickstart.yaml",
+    whole_group: bool = False,
 ):
     """``python -m lightning_offpolicy.cli fit`` on ``config``; SIGTERM once ``sigterm_after`` is logged.
 
@@ -187,7 +188,10 @@ def run_cli(
                 assert time.monotonic() < deadline, "the fit did not start in time"
                 time.sleep(0.5)
             time.sleep(3.0)  # a few optimizer steps in
-            proc.send_signal(signal.SIGTERM)
+            if whole_group:  # as scancel / a container stop: the engine's processes get it too
+                os.killpg(proc.pid, signal.SIGTERM)
+            else:
+                proc.send_signal(signal.SIGTERM)
         status = proc.wait(timeout=max(deadline - time.monotonic(), 1))
         for _ in range(60):  # DDP ranks and engine processes exit right after the main one
             if not session_processes(proc.pid):
@@ -246,3 +250,20 @@ def test_cli_sigterm_with_async_vllm_stops_the_engine_processes(tmp_path, vllm_e
     checkpoint = torch.load(path, weights_only=False)
     assert checkpoint["policy_version"] == checkpoint["global_step"] >= STEPS_PER_BATCH
     assert logged_policy_versions(tmp_path / "vllm", "vllm_async")[-1] == checkpoint["policy_version"]
+
+
+@requires_vllm
+@pytest.mark.slow
+def test_sigterm_to_the_whole_process_group_with_a_synchronous_vllm_engine(tmp_path, vllm_engine_holder):
+    """scancel signals every process of the job: vLLM's EngineCore stops too, and the batch being generated
+    fails with the engine's error. Still a preemption: status 143 and a checkpoint of the last completed batch."""
+    vllm_engine_holder.close()  # one engine at a time on a small machine
+    status, log = run_cli(
+        tmp_path, "vllm", "--trainer.max_steps=2000", config="vllm.yaml", sigterm_after="first rollout",
+        whole_group=True,
+    )  # fmt: skip
+    assert status == SIGTERM_EXIT_CODE, log[-3000:]
+    (path,) = (tmp_path / "vllm").rglob("preempted.ckpt")
+    checkpoint = torch.load(path, weights_only=False)
+    assert checkpoint["policy_version"] == checkpoint["global_step"] >= 1
+    assert logged_policy_versions(tmp_path / "vllm", "vllm")[-1] == checkpoint["policy_version"]

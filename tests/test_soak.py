@@ -106,7 +106,8 @@ def test_resume_keeps_the_passed_runs_of_the_same_mode_and_reruns_the_rest(tmp_p
     output = tmp_path / "soak.md"
     passed = soak.RunResult(config="quickstart", condition="quiet", exit_code=0, wall_s=90.0, batches=150)
     failed = soak.RunResult(config="quickstart", condition="hog", exit_code=1, failures=["exit status 1"])
-    payload = {"meta": {"quick": False, "wall_s": 500.0}, "runs": [{**soak.asdict(r), "ok": r.ok} for r in (passed, failed)]}
+    runs = [{**soak.asdict(r), "ok": r.ok} for r in (passed, failed)]
+    payload = {"meta": {"quick": False, "wall_s": 500.0}, "runs": runs}
     output.with_suffix(".json").write_text(json.dumps(payload))
     kept, wall_s = soak.earlier_passed_runs(output, quick=False)
     assert list(kept) == [("quickstart", "quiet")] and kept["quickstart", "quiet"] == passed and wall_s == 500.0

@@ -73,10 +73,10 @@ def test_the_default_engine_dtype_is_the_trainers(tmp_path):
             seen.append((engine.compute_dtype, float(trainer.callback_metrics["rollout_corr/abs_logprob_diff_max"])))
 
     module = OffPolicyRLModule(model=build_tiny_llama(), tokenizer=CharTokenizer())
+    rollout = RolloutCallback(engine=engine, samples_per_prompt=2, max_new_tokens=8)
     trainer = L.Trainer(
-        accelerator="cpu", max_steps=2, callbacks=[RolloutCallback(engine=engine, samples_per_prompt=2, max_new_tokens=8), Record()],
-        default_root_dir=tmp_path, logger=False, enable_progress_bar=False, enable_model_summary=False,
-        enable_checkpointing=False,
+        accelerator="cpu", max_steps=2, callbacks=[rollout, Record()], default_root_dir=tmp_path, logger=False,
+        enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
     )  # fmt: skip
     trainer.fit(module, PromptDataModule(task="reverse", prompts_per_step=4, num_train_prompts=8))
     assert [dtype for dtype, _ in seen] == [torch.float32, torch.float32]
