@@ -541,6 +541,9 @@ def main(argv: list[str] | None = None) -> int:
                 result.log_tail = ""  # keep the report small: the log only of a failed run
             results.append(result)
             write_report()
+    # Earlier passed runs outside this invocation's plan (another condition, other configs) stay in the report.
+    planned = {(r.config, r.condition) for r in results}
+    results += [run for key, run in kept.items() if key not in planned]
     write_report()
     print(f"soak: {sum(r.ok for r in results)}/{len(results)} runs passed; report in {args.output}")
     return 0 if all(r.ok for r in results) else 1

@@ -114,8 +114,14 @@ def test_resume_keeps_the_passed_runs_of_the_same_mode_and_reruns_the_rest(tmp_p
     assert soak.earlier_passed_runs(output, quick=True) == ({}, 0.0)  # a quick run never stands for a full one
     assert soak.earlier_passed_runs(tmp_path / "none.md", quick=False) == ({}, 0.0)
     # Every requested run passed before: nothing runs again, and the report carries them and their time.
+    other = soak.RunResult(config="correction/cispo", condition="hog", exit_code=0, batches=150)
+    payload["runs"].append({**soak.asdict(other), "ok": other.ok})
+    output.with_suffix(".json").write_text(json.dumps(payload))
     assert soak.main(["--only", "quickstart", "--conditions", "quiet", "--resume", "--output", str(output)]) == 0
     report = json.loads(output.with_suffix(".json").read_text())
-    assert [(r["config"], r["condition"], r["batches"]) for r in report["runs"]] == [("quickstart", "quiet", 150)]
+    # The passed run outside this invocation's plan (another config and condition) stays in the report.
+    assert [(r["config"], r["condition"], r["batches"]) for r in report["runs"]] == [
+        ("quickstart", "quiet", 150), ("correction/cispo", "hog", 150)
+    ]  # fmt: skip
     assert report["meta"]["wall_s"] >= 500.0
     assert "| quickstart | quiet | 0 | 90 | 150 |" in output.read_text()
