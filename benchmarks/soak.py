@@ -411,9 +411,22 @@ def markdown(results: list[RunResult], skipped: list[SoakConfig], meta: dict[str
             f"| {r.config} | {r.condition} | {r.exit_code} | {_fmt(r.wall_s, 0)} | {r.batches} | {rise} | {stale} "
             f"| {len(r.leftover_processes)} | {resume} | {verdict} |"
         )
+    if meta.get("pending"):
+        lines += ["", "Not run yet (an interrupted soak; `--resume` runs them):", ""]
+        lines += [f"- `{config}` [{condition}]" for config, condition in meta["pending"]]
     if skipped:
         lines += ["", "Skipped:", ""]
         lines += [f"- `{s.name}`: {s.skip_reason}" for s in skipped]
+    lines += [
+        "",
+        "## Running it",
+        "",
+        "`make soak` runs every config under both conditions (about 2 h on 2 cores). `--only NAME ...` and "
+        "`--conditions quiet` narrow a run; `--quick` runs a few steps per config (tests/test_soak.py). The "
+        "report is rewritten after every run, and `--resume` keeps the passed runs of the report at "
+        "`--output` (same mode) and runs only the rest, so a soak longer than one sitting goes on where it "
+        "stopped; the wall time above is then the sum over the sittings.",
+    ]
     return "\n".join(lines) + "\n"
 
 
@@ -509,7 +522,11 @@ def main(argv: list[str] | None = None) -> int:
             "resume_batches": args.resume_batches,
             "hog_processes": args.hog_processes,
             "conditions": conditions,
-        }
+            "pending": [
+                (spec.name, c) for spec in runnable for c in conditions
+                if not any((r.config, r.condition) == (spec.name, c) for r in results)
+            ],
+        }  # fmt: skip
         args.output.parent.mkdir(parents=True, exist_ok=True)
         args.output.write_text(markdown(results, skipped, meta))
         payload = {

@@ -125,3 +125,13 @@ def test_resume_keeps_the_passed_runs_of_the_same_mode_and_reruns_the_rest(tmp_p
     ]  # fmt: skip
     assert report["meta"]["wall_s"] >= 500.0
     assert "| quickstart | quiet | 0 | 90 | 150 |" in output.read_text()
+
+
+def test_an_interrupted_report_lists_the_runs_still_to_do():
+    done = soak.RunResult(config="quickstart", condition="quiet", exit_code=0, wall_s=90.0, batches=150)
+    meta = {"quick": False, "machine": "m", "wall_s": 90.0, "resume_batches": 2, "hog_processes": 1,
+            "conditions": ["quiet", "hog"], "pending": [("quickstart", "hog"), ("vllm", "quiet")]}  # fmt: skip
+    text = soak.markdown([done], [], meta)
+    assert "1 of 1 runs passed" in text and "Not run yet" in text
+    assert "- `quickstart` [hog]" in text and "- `vllm` [quiet]" in text
+    assert "Not run yet" not in soak.markdown([done], [], {**meta, "pending": []})
