@@ -218,11 +218,13 @@ def vs_trl(data: dict[str, Any]) -> list[str]:
     lines.append("")
     for engine, ratio in data["ratios"].items():
         steps_ratio = ratio["steps_to_threshold_kit_over_trl"]
+        # An engine's rows may cover fewer seeds than the whole report (invocations merged with --from-json).
+        seeds = sorted({s for r in data["summary"] if r["engine"] == engine for s in r["seeds"]}) or head["seeds"]
         lines.append(
             f"{engine}: final reward kit - TRL {ratio['final_reward_kit_minus_trl']:+.3f}; steps to "
             f"{head['threshold']} kit / TRL {'n/a' if steps_ratio is None else f'{steps_ratio:.2f}'}; "
             f"s/step kit / TRL {_x(ratio['median_step_s_kit_over_trl'])}. Means over seeds "
-            f"{', '.join(map(str, head['seeds']))}, {head['steps']} steps per side and seed."
+            f"{', '.join(map(str, seeds))}, {head['steps']} steps per side and seed."
         )
     return lines
 
@@ -277,12 +279,14 @@ def render(docs: Path, started: float | None, load_start: float | None) -> str:
         f"- **Machine**: {cpu_model()}, nproc={os.cpu_count()}, no GPU",
         f"- **Summarized**: {now}; {code_line()}",
     ]
+    load_end = os.getloadavg()[0]
     if started is not None:
         wall = (time.time() - started) / 60
         lines.append(f"- **`make bench` wall time**: {wall:.1f} min (all {len(SECTIONS)} benchmarks)")
-    load_end = os.getloadavg()[0]
-    load = f"{load_start:.1f} / {load_end:.1f}" if load_start is not None else f"{load_end:.1f} (end)"
-    lines.append(f"- **Load average** (1 min) at the start / end of `make bench`: {load} on {os.cpu_count()} cores")
+        load = f"{load_start:.1f} / {load_end:.1f}" if load_start is not None else f"{load_end:.1f} (end)"
+        lines.append(f"- **Load average** (1 min) at the start / end of `make bench`: {load} on {os.cpu_count()} cores")
+    else:  # gathered outside `make bench`: each section's own run says when and how long
+        lines.append("- **Gathered** from separate benchmark runs: each section names its run's date and wall time")
     lines.append("- **Regenerate**: `make bench` (every benchmark writes its `.md` and `.json`, then this page)")
     for stem, title, script in SECTIONS:
         data = load_json(docs, stem)

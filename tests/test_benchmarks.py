@@ -210,3 +210,20 @@ def test_summarize_quick_outputs(tmp_path_factory):
     for stem in ("performance_async", "performance_logprobs", "performance_correction", "performance_vs_trl"):
         assert f"Not run: no `{stem}.json`" in text, stem
     assert "Could not summarize" not in text
+
+
+def test_summarize_names_each_engines_own_seeds_of_a_merged_vs_trl_report():
+    """docs/performance_vs_trl.json merges 5 hf seeds and 3 vllm seeds (vs_trl --from-json)."""
+    import importlib.util
+    import json
+
+    sys.path.insert(0, str(SUMMARIZE.parent))  # its sibling modules (machine.py), as when run as a script
+    spec = importlib.util.spec_from_file_location("summarize", SUMMARIZE)
+    summarize = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(summarize)
+    data = json.loads((BENCH.parents[1] / "docs" / "performance_vs_trl.json").read_text())
+    lines = summarize.vs_trl(data)
+    for engine in data["ratios"]:
+        seeds = sorted({s for r in data["summary"] if r["engine"] == engine for s in r["seeds"]})
+        (line,) = [x for x in lines if x.startswith(f"{engine}: ")]
+        assert f"Means over seeds {', '.join(map(str, seeds))}, " in line
