@@ -186,7 +186,9 @@ def describe(procs: list[Any]) -> list[str]:
     names = []
     for proc in procs:
         try:
-            names.append(f"{proc.pid} {proc.name()} {' '.join(proc.cmdline())[:120]}")
+            # status and parent tell a process that ignored its kill from one still being torn down
+            state = f"[{proc.status()}, ppid {proc.ppid()}]"
+            names.append(f"{proc.pid} {proc.name()} {state} {' '.join(proc.cmdline())[:120]}")
         except Exception:  # gone while being described
             names.append(str(proc.pid))
     return names

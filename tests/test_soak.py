@@ -48,6 +48,7 @@ def test_a_process_left_over_by_a_run_is_found_and_killed():
     time.sleep(0.5)
     left = soak.leftovers_after_exit(leader.pid, grace_s=1.0)
     assert len(left) == 1 and "time.sleep(120)" in left[0]
+    assert "[sleeping, ppid " in left[0] or "[running, ppid " in left[0]  # state and parent, for the report
     assert soak.leftovers_after_exit(leader.pid, grace_s=5.0) == []  # killed
 
 
