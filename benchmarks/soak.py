@@ -489,7 +489,13 @@ def main(argv: list[str] | None = None) -> int:
         help="keep the passed runs of the report at --output (its .json, same mode) and run only the rest:\n"
         "the report is rewritten after every run, so an interrupted soak goes on where it stopped",
     )
+    parser.add_argument(
+        "--report-only",
+        action="store_true",
+        help="run nothing: rewrite the report at --output from its .json (implies --resume)",
+    )
     args = parser.parse_args(argv)
+    args.resume = args.resume or args.report_only
     conditions = [c.strip() for c in args.conditions.split(",") if c.strip()]
     unknown = sorted(set(conditions) - {"quiet", "hog"})
     if unknown or not conditions:
@@ -513,7 +519,8 @@ def main(argv: list[str] | None = None) -> int:
 
     kept, earlier_wall_s = earlier_passed_runs(args.output, args.quick) if args.resume else ({}, 0.0)
     started = time.perf_counter()
-    prepare_tiny_models(runnable)
+    if not args.report_only:
+        prepare_tiny_models(runnable)
     results: list[RunResult] = []
 
     def write_report() -> None:
@@ -543,6 +550,8 @@ def main(argv: list[str] | None = None) -> int:
             if (spec.name, condition) in kept:
                 print(f"soak: {spec.name} [{condition}] passed in the earlier report: kept", flush=True)
                 results.append(kept[spec.name, condition])
+                continue
+            if args.report_only:
                 continue
             print(f"soak: {spec.name} [{condition}] ...", flush=True)
             result = soak_one(

@@ -136,3 +136,17 @@ def test_an_interrupted_report_lists_the_runs_still_to_do():
     assert "1 of 1 runs passed" in text and "Not run yet" in text
     assert "- `quickstart` [hog]" in text and "- `vllm` [quiet]" in text
     assert "Not run yet" not in soak.markdown([done], [], {**meta, "pending": []})
+
+
+def test_report_only_rewrites_the_report_and_lists_what_is_still_to_run(tmp_path):
+    output = tmp_path / "soak.md"
+    passed = soak.RunResult(config="quickstart", condition="quiet", exit_code=0, wall_s=90.0, batches=150)
+    payload = {"meta": {"quick": False, "wall_s": 90.0}, "runs": [{**soak.asdict(passed), "ok": True}]}
+    output.with_suffix(".json").write_text(json.dumps(payload))
+    started = time.monotonic()
+    assert soak.main(["--only", "quickstart", "--report-only", "--output", str(output)]) == 0
+    assert time.monotonic() - started < 30  # nothing ran
+    report = json.loads(output.with_suffix(".json").read_text())
+    assert [(r["config"], r["condition"]) for r in report["runs"]] == [("quickstart", "quiet")]
+    assert report["meta"]["pending"] == [["quickstart", "hog"]]
+    assert "- `quickstart` [hog]" in output.read_text()
