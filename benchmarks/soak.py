@@ -27,6 +27,7 @@ results as JSON next to it. Exit status 1 when any run fails a check.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
@@ -252,6 +253,11 @@ def run_fit(
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
             status = None
+        except BaseException:  # the soak itself is stopped (Ctrl-C, SIGTERM): take the run down with it
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            raise
     wall = time.perf_counter() - started
     leftovers = leftovers_after_exit(proc.pid)
     return status, wall, log_path.read_text()[-4000:], leftovers
@@ -545,30 +551,41 @@ def main(argv: list[str] | None = None) -> int:
         }
         args.output.with_suffix(".json").write_text(json.dumps(payload, indent=2) + "\n")
 
-    for spec in runnable:
-        for condition in conditions:
-            if (spec.name, condition) in kept:
-                print(f"soak: {spec.name} [{condition}] passed in the earlier report: kept", flush=True)
-                results.append(kept[spec.name, condition])
-                continue
-            if args.report_only:
-                continue
-            print(f"soak: {spec.name} [{condition}] ...", flush=True)
-            result = soak_one(
-                spec,
-                condition,
-                args.workdir,
-                args.quick_steps if args.quick else None,
-                args.resume_batches,
-                args.hog_processes,
-                args.timeout,
-            )
-            verdict = "pass" if result.ok else "FAIL: " + "; ".join(result.failures)
-            print(f"soak: {spec.name} [{condition}] {_fmt(result.wall_s, 0)} s: {verdict}", flush=True)
-            if result.ok:
-                result.log_tail = ""  # keep the report small: the log only of a failed run
-            results.append(result)
-            write_report()
+    def stop(signum: int, frame: Any) -> None:
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    signal.signal(signal.SIGTERM, stop)  # a scheduler's stop: the same clean exit as Ctrl-C
+    try:
+        for spec in runnable:
+            for condition in conditions:
+                if (spec.name, condition) in kept:
+                    print(f"soak: {spec.name} [{condition}] passed in the earlier report: kept", flush=True)
+                    results.append(kept[spec.name, condition])
+                    continue
+                if args.report_only:
+                    continue
+                print(f"soak: {spec.name} [{condition}] ...", flush=True)
+                result = soak_one(
+                    spec,
+                    condition,
+                    args.workdir,
+                    args.quick_steps if args.quick else None,
+                    args.resume_batches,
+                    args.hog_processes,
+                    args.timeout,
+                )
+                verdict = "pass" if result.ok else "FAIL: " + "; ".join(result.failures)
+                print(f"soak: {spec.name} [{condition}] {_fmt(result.wall_s, 0)} s: {verdict}", flush=True)
+                if result.ok:
+                    result.log_tail = ""  # keep the report small: the log only of a failed run
+                results.append(result)
+                write_report()
+    except KeyboardInterrupt:  # the run in progress and its hog were stopped on the way out
+        planned = {(r.config, r.condition) for r in results}
+        results += [run for key, run in kept.items() if key not in planned]
+        write_report()
+        print(f"soak: stopped; {len(results)} run(s) in {args.output}; --resume goes on from there", flush=True)
+        return 130
     # Earlier passed runs outside this invocation's plan (another condition, other configs) stay in the report.
     planned = {(r.config, r.condition) for r in results}
     results += [run for key, run in kept.items() if key not in planned]

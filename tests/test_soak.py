@@ -150,3 +150,37 @@ def test_report_only_rewrites_the_report_and_lists_what_is_still_to_run(tmp_path
     assert [(r["config"], r["condition"]) for r in report["runs"]] == [("quickstart", "quiet")]
     assert report["meta"]["pending"] == [["quickstart", "hog"]]
     assert "- `quickstart` [hog]" in output.read_text()
+
+
+@pytest.mark.slow
+def test_a_stopped_soak_takes_its_run_and_hog_down_and_keeps_its_report(tmp_path):
+    import os
+    import signal
+
+    import psutil
+
+    output = tmp_path / "soak.md"
+    command = [sys.executable, str(ROOT / "benchmarks" / "soak.py"), "--quick", "--only", "quickstart", "--conditions",
+               "hog", "--workdir", str(tmp_path / "runs"), "--output", str(output)]  # fmt: skip
+    log = tmp_path / "soak.log"
+    with open(log, "w") as out:
+        env = dict(os.environ, PYTHONPATH=str(ROOT))
+        proc = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env)
+    try:
+        deadline = time.monotonic() + 300
+        while "quickstart [hog] ..." not in log.read_text():
+            assert time.monotonic() < deadline and proc.poll() is None, log.read_text()[-2000:]
+            time.sleep(0.5)
+        time.sleep(5.0)  # the fit and the hog are running
+        started = psutil.Process(proc.pid).children(recursive=True)
+        assert len(started) >= 2  # the hog and the fit (and the fit's own children)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=120) == 130, log.read_text()[-2000:]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    time.sleep(2.0)
+    left = [p.pid for p in started if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+    assert left == [], left
+    report = json.loads(output.with_suffix(".json").read_text())
+    assert report["runs"] == [] and report["meta"]["pending"] == [["quickstart", "hog"]]
