@@ -93,7 +93,7 @@ class OffPolicyCLI(LightningCLI):
             # SIGTERM to the whole process group (scancel) also stops vLLM's engine: the batch then fails with
             # the engine's error. The job was preempted, not broken: exit as a preempted job does.
             preemption = next((c for c in self.trainer.callbacks if isinstance(c, PreemptionCheckpoint)), None)
-            if preemption is None or not preemption.preempted:
+            if preemption is None or not preemption.signalled:
                 raise
             saved = f"; saved {preemption.saved_path}" if preemption.saved_path else ""
             message = f"SIGTERM: the run stopped with {type(err).__name__}{saved}; exit {preemption.exit_code}"

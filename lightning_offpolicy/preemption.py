@@ -23,7 +23,7 @@ engine's processes (vLLM's ``EngineCore``): the batch being generated then fails
 error before Lightning's flag is seen. When that error follows a SIGTERM and no optimizer step ran
 since the last completed batch (single process: under several ranks a save from the exception path
 could wait on a rank that never comes), the checkpoint is saved all the same, and
-``lightning-offpolicy fit`` exits with ``exit_code`` instead of 1 (:attr:`PreemptionCheckpoint.preempted`).
+``lightning-offpolicy fit`` exits with ``exit_code`` instead of 1 (:attr:`PreemptionCheckpoint.signalled`).
 
 Resume with ``lightning-offpolicy fit ... --ckpt_path <dirpath>/preempted.ckpt`` (or
 ``trainer.fit(..., ckpt_path=...)``). ``lightning-offpolicy fit`` always adds it (``--preemption.*``);
@@ -85,11 +85,6 @@ class PreemptionCheckpoint(Callback):
     @property
     def signalled(self) -> bool:
         """Whether this process received SIGTERM during training."""
-        return self._signalled
-
-    @property
-    def preempted(self) -> bool:
-        """Whether the fit ended because of a SIGTERM: the exit status should be ``exit_code``."""
         return self._signalled
 
     def checkpoint_path(self, trainer: Trainer) -> str:

@@ -142,8 +142,8 @@ class VLLMEngine(SpecialTokens):
             trained; vLLM's own rule only when the engine starts without a module (``generate``
             first, or a state dict), which downcasts a float32 checkpoint to bfloat16.
             ``"float32"`` / ``"bfloat16"`` / ``"float16"`` force one: a bfloat16 engine against a
-            float32 trainer is faster but samples a different policy (see docs/off_policy_correction.md:
-            give it a correction).
+            float32 trainer is faster but samples a different policy: give it a correction
+            (docs/troubleshooting.md, "Training looks wrong").
         max_model_len: Longest prompt + completion in tokens. ``None``: the model's own context length
             as vLLM derives it from the checkpoint's config (``max_position_embeddings``), read back
             into this attribute once the engine has started. A smaller value (the longest prompt +
