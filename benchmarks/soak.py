@@ -438,8 +438,8 @@ def markdown(results: list[RunResult], skipped: list[SoakConfig], meta: dict[str
     return "\n".join(lines) + "\n"
 
 
-def earlier_passed_runs(output: Path, quick: bool) -> tuple[dict[tuple[str, str], RunResult], float]:
-    """The passed runs of the report at ``output`` (its JSON) made in the same mode, and its wall time."""
+def earlier_runs(output: Path, quick: bool) -> tuple[dict[tuple[str, str], RunResult], float]:
+    """The runs of the report at ``output`` (its JSON) made in the same mode, and its wall time."""
     path = output.with_suffix(".json")
     if not path.exists():
         return {}, 0.0
@@ -448,12 +448,11 @@ def earlier_passed_runs(output: Path, quick: bool) -> tuple[dict[tuple[str, str]
     if bool(meta.get("quick")) != quick:
         return {}, 0.0
     names = {f.name for f in fields(RunResult)}
-    kept = {}
+    runs = {}
     for run in data.get("runs", []):
-        if run.get("ok"):
-            result = RunResult(**{k: v for k, v in run.items() if k in names})
-            kept[result.config, result.condition] = result
-    return kept, float(meta.get("wall_s") or 0.0)
+        result = RunResult(**{k: v for k, v in run.items() if k in names})
+        runs[result.config, result.condition] = result
+    return runs, float(meta.get("wall_s") or 0.0)
 
 
 def machine() -> str:
@@ -523,13 +522,18 @@ def main(argv: list[str] | None = None) -> int:
     runnable = [s for s in specs if s.skip_reason is None]
     skipped = [s for s in specs if s.skip_reason is not None]
 
-    kept, earlier_wall_s = earlier_passed_runs(args.output, args.quick) if args.resume else ({}, 0.0)
+    # --resume: the earlier report's runs; its passed ones are not run again, its failed ones are (and a
+    # failure outside this invocation's plan stays in the report until a run replaces it).
+    earlier, earlier_wall_s = earlier_runs(args.output, args.quick) if args.resume else ({}, 0.0)
     started = time.perf_counter()
     if not args.report_only:
         prepare_tiny_models(runnable)
     results: list[RunResult] = []
 
     def write_report() -> None:
+        # The earlier passed runs count from the start: a soak killed mid-way (SIGKILL) still keeps them.
+        done = {(r.config, r.condition) for r in results}
+        runs = results + [run for key, run in earlier.items() if key not in done]
         meta = {
             "quick": args.quick,
             "machine": machine(),
@@ -539,14 +543,14 @@ def main(argv: list[str] | None = None) -> int:
             "conditions": conditions,
             "pending": [
                 (spec.name, c) for spec in runnable for c in conditions
-                if not any((r.config, r.condition) == (spec.name, c) for r in results)
+                if not any((r.config, r.condition) == (spec.name, c) for r in runs)
             ],
         }  # fmt: skip
         args.output.parent.mkdir(parents=True, exist_ok=True)
-        args.output.write_text(markdown(results, skipped, meta))
+        args.output.write_text(markdown(runs, skipped, meta))
         payload = {
             "meta": meta,
-            "runs": [{**asdict(r), "ok": r.ok} for r in results],
+            "runs": [{**asdict(r), "ok": r.ok} for r in runs],
             "skipped": [{"config": s.name, "reason": s.skip_reason} for s in skipped],
         }
         args.output.with_suffix(".json").write_text(json.dumps(payload, indent=2) + "\n")
@@ -558,9 +562,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         for spec in runnable:
             for condition in conditions:
-                if (spec.name, condition) in kept:
+                before = earlier.get((spec.name, condition))
+                if before is not None and before.ok:
                     print(f"soak: {spec.name} [{condition}] passed in the earlier report: kept", flush=True)
-                    results.append(kept[spec.name, condition])
+                    results.append(before)
                     continue
                 if args.report_only:
                     continue
@@ -581,15 +586,10 @@ def main(argv: list[str] | None = None) -> int:
                 results.append(result)
                 write_report()
     except KeyboardInterrupt:  # the run in progress and its hog were stopped on the way out
-        planned = {(r.config, r.condition) for r in results}
-        results += [run for key, run in kept.items() if key not in planned]
         write_report()
         print(f"soak: stopped; {len(results)} run(s) in {args.output}; --resume goes on from there", flush=True)
         return 130
-    # Earlier passed runs outside this invocation's plan (another condition, other configs) stay in the report.
-    planned = {(r.config, r.condition) for r in results}
-    results += [run for key, run in kept.items() if key not in planned]
-    write_report()
+    write_report()  # with the earlier passed runs outside this invocation's plan (another condition, configs)
     print(f"soak: {sum(r.ok for r in results)}/{len(results)} runs passed; report in {args.output}")
     return 0 if all(r.ok for r in results) else 1
 

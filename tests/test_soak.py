@@ -107,24 +107,24 @@ def test_resume_keeps_the_passed_runs_of_the_same_mode_and_reruns_the_rest(tmp_p
     output = tmp_path / "soak.md"
     passed = soak.RunResult(config="quickstart", condition="quiet", exit_code=0, wall_s=90.0, batches=150)
     failed = soak.RunResult(config="quickstart", condition="hog", exit_code=1, failures=["exit status 1"])
-    runs = [{**soak.asdict(r), "ok": r.ok} for r in (passed, failed)]
+    other = soak.RunResult(config="correction/cispo", condition="hog", exit_code=0, batches=150)
+    runs = [{**soak.asdict(r), "ok": r.ok} for r in (passed, failed, other)]
     payload = {"meta": {"quick": False, "wall_s": 500.0}, "runs": runs}
     output.with_suffix(".json").write_text(json.dumps(payload))
-    kept, wall_s = soak.earlier_passed_runs(output, quick=False)
-    assert list(kept) == [("quickstart", "quiet")] and kept["quickstart", "quiet"] == passed and wall_s == 500.0
-    assert soak.earlier_passed_runs(output, quick=True) == ({}, 0.0)  # a quick run never stands for a full one
-    assert soak.earlier_passed_runs(tmp_path / "none.md", quick=False) == ({}, 0.0)
-    # Every requested run passed before: nothing runs again, and the report carries them and their time.
-    other = soak.RunResult(config="correction/cispo", condition="hog", exit_code=0, batches=150)
-    payload["runs"].append({**soak.asdict(other), "ok": other.ok})
-    output.with_suffix(".json").write_text(json.dumps(payload))
+    earlier, wall_s = soak.earlier_runs(output, quick=False)
+    assert earlier == {
+        ("quickstart", "quiet"): passed, ("quickstart", "hog"): failed, ("correction/cispo", "hog"): other
+    }  # fmt: skip
+    assert wall_s == 500.0
+    assert soak.earlier_runs(output, quick=True) == ({}, 0.0)  # a quick run never stands for a full one
+    assert soak.earlier_runs(tmp_path / "none.md", quick=False) == ({}, 0.0)
+    # The passed run is not run again; the runs outside this plan (a failure included) stay in the report.
     assert soak.main(["--only", "quickstart", "--conditions", "quiet", "--resume", "--output", str(output)]) == 0
     report = json.loads(output.with_suffix(".json").read_text())
-    # The passed run outside this invocation's plan (another config and condition) stays in the report.
-    assert [(r["config"], r["condition"], r["batches"]) for r in report["runs"]] == [
-        ("quickstart", "quiet", 150), ("correction/cispo", "hog", 150)
+    assert [(r["config"], r["condition"], r["ok"]) for r in report["runs"]] == [
+        ("quickstart", "quiet", True), ("quickstart", "hog", False), ("correction/cispo", "hog", True)
     ]  # fmt: skip
-    assert report["meta"]["wall_s"] >= 500.0
+    assert report["meta"]["wall_s"] >= 500.0 and report["meta"]["pending"] == []
     assert "| quickstart | quiet | 0 | 90 | 150 |" in output.read_text()
 
 
