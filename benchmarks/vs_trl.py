@@ -567,13 +567,13 @@ def merge_reports(paths: list[Path], output: Path | None, notes: list[str]) -> i
     header["load_start"] = max(data["header"]["load_start"] for data in datas)
     header["load_end"] = max(data["header"]["load_end"] for data in datas)
     header["notes"] = [note for data in datas for note in data["header"].get("notes", [])] + list(notes)
+    if output is not None:
+        header["plot"] = output.with_suffix(".png").name
     summary = aggregate(runs)
     ratios = compare(summary)
     report = render(header, runs, summary, ratios)
     print(report)
     if output is not None:
-        header["plot"] = output.with_suffix(".png").name
-        report = render(header, runs, summary, ratios)
         output.parent.mkdir(parents=True, exist_ok=True)
         output.write_text(report)
         data = {"header": header, "summary": summary, "ratios": ratios, "runs": runs}

