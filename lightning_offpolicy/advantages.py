@@ -74,6 +74,8 @@ from typing import Any, Literal
 
 import torch
 
+from lightning_offpolicy.argcheck import is_number
+
 __all__ = [
     "ADVANTAGE_ESTIMATORS",
     "AdvantageEstimator",
@@ -240,7 +242,7 @@ def grpo_advantages(
     fn = "grpo_advantages"
     _check_flag(fn, "scale_by_std", scale_by_std)
     _check_flag(fn, "unbiased_std", unbiased_std)
-    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not math.isfinite(eps) or eps < 0:
+    if not is_number(eps) or eps < 0:
         raise ValueError(f"{fn}: eps must be a finite number >= 0; got {eps!r}.")
     grouped = _grouped(fn, rewards, group_ids, valid, exclude_invalid_from_baseline)
     if grouped is None:

@@ -58,12 +58,13 @@ Limitations
 from __future__ import annotations
 
 import math
-import numbers
 from typing import Any
 
 import torch
 from torch import Tensor
 from torch.autograd.function import once_differentiable
+
+from lightning_offpolicy.argcheck import is_int, is_real
 
 __all__ = ["token_logprobs", "causal_lm_token_logprobs"]
 
@@ -172,12 +173,12 @@ class _TokenLogprobs(torch.autograd.Function):
 
 
 def _check_common(temperature: Any, chunk_size: Any) -> float:
-    if isinstance(temperature, bool) or not isinstance(temperature, numbers.Real):
+    if not is_real(temperature):
         raise TypeError(f"temperature must be a real number, got {type(temperature).__name__}.")
     temperature = float(temperature)
     if not (temperature > 0.0 and math.isfinite(temperature)):
         raise ValueError(f"temperature must be a finite number > 0, got {temperature}.")
-    if isinstance(chunk_size, bool) or not isinstance(chunk_size, numbers.Integral):
+    if not is_int(chunk_size):
         raise TypeError(f"chunk_size must be an int, got {type(chunk_size).__name__}.")
     if chunk_size <= 0:
         raise ValueError(f"chunk_size must be > 0, got {chunk_size}.")
@@ -296,7 +297,7 @@ def causal_lm_token_logprobs(
             f"{tuple(attention_mask.shape) if isinstance(attention_mask, Tensor) else type(attention_mask)}."
         )
     seq_len = input_ids.shape[1]
-    if isinstance(response_start, bool) or not isinstance(response_start, numbers.Integral):
+    if not is_int(response_start):
         raise TypeError(f"response_start must be an int, got {type(response_start).__name__}.")
     if not 1 <= response_start < seq_len:
         raise ValueError(

@@ -41,6 +41,7 @@ from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
 from lightning.pytorch.strategies import DDPStrategy
 from torchmetrics import MaxMetric, MeanMetric
 
+from lightning_offpolicy.argcheck import is_int
 from lightning_offpolicy.batch import PromptBatch, RolloutBatch
 from lightning_offpolicy.correction import (
     CorrectionOutput,
@@ -141,7 +142,7 @@ class OffPolicyRLModule(LightningModule):
             raise ValueError(f"OffPolicyRLModule.gradient_clip_val={gradient_clip_val!r} must be > 0 or None.")
         if not temperature > 0:
             raise ValueError(f"OffPolicyRLModule.temperature={temperature!r} must be > 0.")
-        if isinstance(lora_rank, bool) or not isinstance(lora_rank, int) or lora_rank < 0:
+        if not is_int(lora_rank) or lora_rank < 0:
             raise ValueError(f"OffPolicyRLModule.lora_rank={lora_rank!r} must be an int >= 0 (0: no LoRA).")
         if not lora_alpha > 0:
             raise ValueError(f"OffPolicyRLModule.lora_alpha={lora_alpha!r} must be > 0.")

@@ -44,6 +44,8 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from typing_extensions import override
 
+from lightning_offpolicy.argcheck import is_int
+
 log = logging.getLogger(__name__)
 
 #: The status a shell reports for a process ended by SIGTERM (128 + 15).
@@ -66,7 +68,7 @@ class PreemptionCheckpoint(Callback):
             raise ValueError(
                 f"PreemptionCheckpoint.filename={filename!r} must be a non-empty file name (no '{os.sep}')."
             )
-        if isinstance(exit_code, bool) or not isinstance(exit_code, int) or not 1 <= exit_code <= 255:
+        if not is_int(exit_code) or not 1 <= exit_code <= 255:
             raise ValueError(
                 f"PreemptionCheckpoint.exit_code={exit_code!r} must be an int in 1..255: 0 would tell the scheduler "
                 "the job finished."

@@ -18,6 +18,8 @@ import os
 from pathlib import Path
 from typing import Any
 
+from lightning_offpolicy.argcheck import is_int
+
 #: Estimators whose baseline is the prompt's own group: with one sample per prompt every advantage is 0.
 GROUP_ESTIMATORS: tuple[str, ...] = ("grpo", "dr_grpo", "rloo")
 
@@ -79,7 +81,7 @@ def context_limit(model: Any, engine: Any) -> tuple[int, str] | None:
     if positions is not None:
         limits.append((positions, f"the model's context (max_position_embeddings={positions})"))
     engine_len = getattr(engine, "max_model_len", None)
-    if isinstance(engine_len, int) and not isinstance(engine_len, bool) and engine_len > 0:
+    if is_int(engine_len) and engine_len > 0:
         limits.append((engine_len, f"the engine's max_model_len={engine_len}"))
     return min(limits) if limits else None
 

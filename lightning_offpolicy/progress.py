@@ -21,6 +21,8 @@ from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.callbacks import TQDMProgressBar
 from typing_extensions import override
 
+from lightning_offpolicy.argcheck import is_int
+
 __all__ = ["RLProgressBar", "remaining_batches"]
 
 
@@ -65,7 +67,7 @@ class RLProgressBar(TQDMProgressBar):
         if getattr(module, "automatic_optimization", True):
             return 1
         declared = getattr(module, "optimizer_steps_per_batch", None)
-        if isinstance(declared, int) and not isinstance(declared, bool) and declared >= 1:
+        if is_int(declared) and declared >= 1:
             return declared
         return self._measured_steps_per_batch or 1
 

@@ -39,6 +39,7 @@ from urllib.parse import parse_qsl
 import torch
 import torch.nn.functional as F
 
+from lightning_offpolicy.argcheck import is_int
 from lightning_offpolicy.preflight import check_vocab
 from lightning_offpolicy.tasks import Task, get_task
 from lightning_offpolicy.tokenizers import CharTokenizer, HFTokenizer, encode_prompt
@@ -326,9 +327,9 @@ def prepare_tiny_checkpoint(
     steps = DEFAULT_SFT_STEPS.get(task, _FALLBACK_STEPS) if sft_steps is None else sft_steps
     default_lr = DEFAULT_SFT_LR.get(task, _FALLBACK_LR)
     lr = default_lr if sft_lr is None else float(sft_lr)
-    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 0:
+    if not is_int(steps) or steps < 0:
         raise ValueError(f"prepare_tiny_checkpoint: `sft_steps` must be an int >= 0, got {sft_steps!r}.")
-    if isinstance(seed, bool) or not isinstance(seed, int):
+    if not is_int(seed):
         raise ValueError(f"prepare_tiny_checkpoint: `seed` must be an int, got {seed!r}.")
     if not lr > 0:
         raise ValueError(f"prepare_tiny_checkpoint: `sft_lr` must be > 0, got {sft_lr!r}.")

@@ -27,6 +27,7 @@ from typing import Any, Literal
 import torch
 import torch.nn.functional as F
 
+from lightning_offpolicy.argcheck import is_int
 from lightning_offpolicy.tiny import TINY_DECODER_SIZES
 
 __all__ = [
@@ -79,7 +80,7 @@ def train_bpe_tokenizer(
     from transformers import PreTrainedTokenizerFast
 
     minimum = 256 + len(SPECIAL_TOKENS)
-    if isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or vocab_size < minimum:
+    if not is_int(vocab_size) or vocab_size < minimum:
         raise ValueError(
             f"train_bpe_tokenizer: vocab_size={vocab_size!r} must be an int >= {minimum} "
             f"(256 bytes + {len(SPECIAL_TOKENS)} special tokens)."
@@ -147,11 +148,11 @@ def sft_on_pairs(
     the answer and ``<|im_end|>`` after the rendered prompt (:func:`chat_prompt_ids`); the prompt carries
     no loss. Batches are drawn with replacement from ``pairs`` (seeded); AdamW, constant ``lr``. Returns
     the loss of every step; the model is left in eval mode."""
-    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 0:
+    if not is_int(steps) or steps < 0:
         raise ValueError(f"sft_on_pairs: steps={steps!r} must be an int >= 0.")
     if steps and not pairs:
         raise ValueError("sft_on_pairs: `pairs` is empty; give (prompt, answer) pairs to train on.")
-    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+    if not is_int(batch_size) or batch_size < 1:
         raise ValueError(f"sft_on_pairs: batch_size={batch_size!r} must be an int >= 1.")
     rng = random.Random(seed)
     eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id

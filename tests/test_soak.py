@@ -62,6 +62,8 @@ def test_every_shipped_config_is_run_or_skipped_with_a_reason():
     assert lora.skip_reason is None and "--model.model=tiny:reverse" in lora.args
     assert by_name["correction/cispo"].configs == [soak.BASE, "configs/correction/cispo.yaml"]
     assert by_name["vllm_async"].uses_vllm and not by_name["quickstart"].uses_vllm
+    # Its checkpoint is built by the example its header names, so it runs like every other config.
+    assert by_name["reasoning_gym"].skip_reason is None
 
 
 def test_a_gpu_recipe_without_a_cpu_form_is_skipped():
@@ -69,6 +71,8 @@ def test_a_gpu_recipe_without_a_cpu_form_is_skipped():
     assert "accelerator='gpu'" in reason
     assert "not built locally" in soak._not_cpu_runnable({"model": {"model": "Qwen/Qwen2.5-0.5B"}})
     assert soak._not_cpu_runnable({"trainer": {"accelerator": "cpu"}, "model": {"model": "tiny:copy"}}) is None
+    assert soak._not_cpu_runnable({"model": {"model": "checkpoints/tiny-qwen2-arith"}}) is None
+    assert soak.BUILT_CHECKPOINTS["checkpoints/tiny-qwen2-arith"][0] == "examples/own_model_and_data.py"
 
 
 def run_quick(tmp_path: Path, *args: str) -> dict:

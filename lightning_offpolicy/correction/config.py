@@ -19,6 +19,8 @@ import warnings
 from dataclasses import dataclass, fields, replace
 from typing import Any, Literal, get_args
 
+from lightning_offpolicy.argcheck import is_number
+
 TISLevel = Literal["token", "sequence"]
 Objective = Literal["ppo", "pure_is", "cispo"]
 Anchor = Literal["rollout", "prox"]
@@ -47,7 +49,7 @@ def _check_positive(owner: str, name: str, value: float | None, *, optional: boo
         if optional:
             return
         raise CorrectionConfigError(f"{owner}.{name} is required here; set it to a positive number.")
-    if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value) or value <= 0:
+    if not is_number(value) or value <= 0:
         raise CorrectionConfigError(f"{owner}.{name}={value!r} must be a positive finite number.")
 
 

@@ -9,6 +9,7 @@ import torch
 from lightning.pytorch import LightningDataModule
 from torch.utils.data import DataLoader, Dataset
 
+from lightning_offpolicy.argcheck import is_int, is_real
 from lightning_offpolicy.batch import PromptBatch
 from lightning_offpolicy.data.sampler import ResumableTrainLoader
 from lightning_offpolicy.data.sources import REASONING_GYM_PREFIX, load_source, reasoning_gym_rows
@@ -124,13 +125,9 @@ class DatasetDataModule(ResumableTrainLoader, LightningDataModule):
         super().__init__()
         name = type(self).__name__
         for setting, value in (("prompts_per_step", prompts_per_step), ("reasoning_gym_size", reasoning_gym_size)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            if not is_int(value) or value < 1:
                 raise ValueError(f"{name}: `{setting}` must be a positive int, got {value!r}.")
-        if val_prompts_per_step is not None and (
-            isinstance(val_prompts_per_step, bool)
-            or not isinstance(val_prompts_per_step, int)
-            or val_prompts_per_step < 1
-        ):
+        if val_prompts_per_step is not None and (not is_int(val_prompts_per_step) or val_prompts_per_step < 1):
             raise ValueError(
                 f"{name}: `val_prompts_per_step` must be a positive int or None, got {val_prompts_per_step!r}."
             )
@@ -215,7 +212,7 @@ def _describe(source: Any) -> str:
 
 
 def _held_out_count(val_size: int | float, num_rows: int, name: str) -> int:
-    if isinstance(val_size, bool) or not isinstance(val_size, (int, float)):
+    if not is_real(val_size):
         raise ValueError(f"{name}: `val_size` must be an int (rows) or a float in (0, 1), got {val_size!r}.")
     if isinstance(val_size, float):
         if not 0.0 < val_size < 1.0:

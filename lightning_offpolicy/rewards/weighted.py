@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import math
 import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from lightning_offpolicy.argcheck import is_int, is_number
 from lightning_offpolicy.rewards.resolve import resolve_one
 
 __all__ = ["RewardComponent", "WeightedReward"]
@@ -30,7 +30,7 @@ class RewardComponent:
     name: str = ""
 
     def __post_init__(self) -> None:
-        if isinstance(self.weight, bool) or not isinstance(self.weight, (int, float)) or not math.isfinite(self.weight):
+        if not is_number(self.weight):
             raise ValueError(f"RewardComponent {self.name!r}: `weight` must be a finite number, got {self.weight!r}.")
         if not self.name or not _NAME.match(self.name):
             raise ValueError(
@@ -57,7 +57,7 @@ class RewardComponent:
             built = resolve_one(fn, None, setting)
         return cls(
             fn=built,
-            weight=float(weight) if isinstance(weight, int) and not isinstance(weight, bool) else weight,
+            weight=float(weight) if is_int(weight) else weight,
             name=name or _default_name(fn, built),
         )
 

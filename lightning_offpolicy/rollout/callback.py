@@ -52,6 +52,7 @@ from lightning.pytorch.utilities import rank_zero_info
 from typing_extensions import override
 
 from lightning_offpolicy.advantages import ADVANTAGE_ESTIMATORS, compute_advantages
+from lightning_offpolicy.argcheck import is_int, is_real
 from lightning_offpolicy.batch import PromptBatch, RolloutBatch
 from lightning_offpolicy.evaluation import EvaluationBatch, prompt_seed
 from lightning_offpolicy.preflight import check_context, check_group_size, check_prompt_fits, check_vocab, context_limit
@@ -115,11 +116,11 @@ class RolloutCallback(Callback):
                 f"RolloutCallback.advantage_estimator={advantage_estimator!r} is not known; allowed: "
                 f"{', '.join(ADVANTAGE_ESTIMATORS)}."
             )
-        if isinstance(max_staleness, bool) or not isinstance(max_staleness, int) or max_staleness < 0:
+        if not is_int(max_staleness) or max_staleness < 0:
             raise ValueError(
                 f"RolloutCallback.max_staleness={max_staleness!r} must be an int >= 0 (0: synchronous rollouts)."
             )
-        if isinstance(sync_every, bool) or not isinstance(sync_every, int) or sync_every < 1:
+        if not is_int(sync_every) or sync_every < 1:
             raise ValueError(f"RolloutCallback.sync_every={sync_every!r} must be an int >= 1.")
         if max_staleness < sync_every - 1:
             raise ValueError(
@@ -127,7 +128,7 @@ class RolloutCallback(Callback):
                 f"(got max_staleness={max_staleness}): between two pushes the engine falls up to sync_every - 1 "
                 "versions behind, so no batch could be admitted. Raise max_staleness or lower sync_every."
             )
-        if isinstance(success_threshold, bool) or not isinstance(success_threshold, (int, float)):
+        if not is_real(success_threshold):
             raise ValueError(
                 f"RolloutCallback.success_threshold={success_threshold!r} must be a number (the reward a sample "
                 "needs for its prompt to count in val/pass@k)."

@@ -6,6 +6,8 @@ import random
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
+from lightning_offpolicy.argcheck import is_int
+
 
 @dataclass
 class SamplingConfig:
@@ -137,9 +139,7 @@ class SpecialTokens:
 def checked_token_ids(ids: Any, who: str) -> list[int]:
     """``ids`` (an int or a list / tuple of ints, each >= 0) as a list; ``ValueError`` naming ``who`` otherwise."""
     items = [ids] if isinstance(ids, int) else ids
-    valid = isinstance(items, (list, tuple)) and all(
-        isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in items
-    )
+    valid = isinstance(items, (list, tuple)) and all(is_int(t) and t >= 0 for t in items)
     if not valid:
         raise ValueError(f"{who}={ids!r} must be token ids (an int or a list of ints, each >= 0).")
     return [int(t) for t in items]

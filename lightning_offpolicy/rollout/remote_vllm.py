@@ -44,7 +44,6 @@ import http.client
 import ipaddress
 import json
 import logging
-import math
 import os
 import shutil
 import signal
@@ -63,6 +62,7 @@ from urllib.parse import urlsplit
 
 import torch
 
+from lightning_offpolicy.argcheck import is_int, is_number
 from lightning_offpolicy.rollout.engine import (
     Completion,
     SamplingConfig,
@@ -195,18 +195,18 @@ class RemoteVLLMEngine(SpecialTokens):
             )
         if server_weights_dir is not None and weights_dir is None:
             raise ValueError("RemoteVLLMEngine.server_weights_dir is set but weights_dir is not: set weights_dir too.")
-        if _bad_number(request_timeout_s) or not request_timeout_s > 0:
+        if not is_number(request_timeout_s) or not request_timeout_s > 0:
             raise ValueError(f"RemoteVLLMEngine.request_timeout_s={request_timeout_s!r} must be > 0 (seconds).")
-        if _bad_int(max_concurrent_requests) or max_concurrent_requests < 1:
+        if not is_int(max_concurrent_requests) or max_concurrent_requests < 1:
             raise ValueError(
                 f"RemoteVLLMEngine.max_concurrent_requests={max_concurrent_requests!r} must be an int >= 1."
             )
         if not isinstance(check_weight_sync, bool):
             raise ValueError(f"RemoteVLLMEngine.check_weight_sync={check_weight_sync!r} must be True or False.")
-        if weight_sync_tolerance is not None and (_bad_number(weight_sync_tolerance) or not weight_sync_tolerance > 0):
+        if weight_sync_tolerance is not None and not (is_number(weight_sync_tolerance) and weight_sync_tolerance > 0):
             raise ValueError(f"RemoteVLLMEngine.weight_sync_tolerance={weight_sync_tolerance!r} must be > 0 or None.")
         for name, value in (("eos_token_id", eos_token_id), ("pad_token_id", pad_token_id)):
-            if value is not None and (_bad_int(value) or value < 0):
+            if value is not None and (not is_int(value) or value < 0):
                 raise ValueError(f"RemoteVLLMEngine.{name}={value!r} must be a token id (int >= 0) or None.")
         if api_key is not None and (not isinstance(api_key, str) or not api_key):
             raise ValueError("RemoteVLLMEngine.api_key must be a non-empty str or None.")
@@ -900,14 +900,6 @@ def _vocab_size(source: torch.nn.Module | Mapping[str, torch.Tensor]) -> int | N
     return None
 
 
-def _bad_int(value: Any) -> bool:
-    return isinstance(value, bool) or not isinstance(value, int)
-
-
-def _bad_number(value: Any) -> bool:
-    return isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value)
-
-
 def _fmt(value: float | None) -> str:
     return "-" if value is None else f"{value:.3g}"
 
@@ -1122,18 +1114,18 @@ def launch_local_server(
     """
     if dtype not in _ALLOWED_DTYPES:
         raise ValueError(f"launch_local_server: dtype={dtype!r} is not known; allowed: {', '.join(_ALLOWED_DTYPES)}.")
-    if port is not None and (_bad_int(port) or not 0 < port < 65536):
+    if port is not None and (not is_int(port) or not 0 < port < 65536):
         raise ValueError(f"launch_local_server: port={port!r} must be an int in 1..65535 or None (a free port).")
-    if max_model_len is not None and (_bad_int(max_model_len) or max_model_len < 2):
+    if max_model_len is not None and (not is_int(max_model_len) or max_model_len < 2):
         raise ValueError(
             f"launch_local_server: max_model_len={max_model_len!r} must be an int >= 2 or None (the model's own "
             "context)."
         )
-    if kv_cache_space_gib is not None and (_bad_int(kv_cache_space_gib) or kv_cache_space_gib < 1):
+    if kv_cache_space_gib is not None and (not is_int(kv_cache_space_gib) or kv_cache_space_gib < 1):
         raise ValueError(f"launch_local_server: kv_cache_space_gib={kv_cache_space_gib!r} must be an int >= 1 or None.")
-    if _bad_number(gpu_memory_utilization) or not 0 < gpu_memory_utilization <= 1:
+    if not is_number(gpu_memory_utilization) or not 0 < gpu_memory_utilization <= 1:
         raise ValueError(f"launch_local_server: gpu_memory_utilization={gpu_memory_utilization!r} must be in (0, 1].")
-    if _bad_number(startup_timeout_s) or not startup_timeout_s > 0:
+    if not is_number(startup_timeout_s) or not startup_timeout_s > 0:
         raise ValueError(f"launch_local_server: startup_timeout_s={startup_timeout_s!r} must be > 0 (seconds).")
     if not isinstance(allow_non_loopback, bool):
         raise ValueError(f"launch_local_server: allow_non_loopback={allow_non_loopback!r} must be True or False.")

@@ -70,6 +70,7 @@ from typing import Any, Literal, TypeVar
 
 import torch
 
+from lightning_offpolicy.argcheck import is_int
 from lightning_offpolicy.rollout import vllm_process
 from lightning_offpolicy.rollout.engine import (
     Completion,
@@ -222,7 +223,7 @@ class VLLMEngine(SpecialTokens):
             raise ValueError(
                 f"VLLMEngine.dtype={dtype!r} is not known; allowed: {', '.join(map(repr, _ALLOWED_DTYPES))}."
             )
-        if max_model_len is not None and (_bad_int(max_model_len) or max_model_len < 2):
+        if max_model_len is not None and (not is_int(max_model_len) or max_model_len < 2):
             raise ValueError(
                 f"VLLMEngine.max_model_len={max_model_len!r} must be an int >= 2 or None (the model's own context)."
             )
@@ -231,14 +232,14 @@ class VLLMEngine(SpecialTokens):
                 f"VLLMEngine.gpu_memory_utilization={gpu_memory_utilization!r} must be in (0, 1] (on CPU: the "
                 "fraction of host memory vLLM reserves)."
             )
-        if kv_cache_space_gib is not None and (_bad_int(kv_cache_space_gib) or kv_cache_space_gib < 1):
+        if kv_cache_space_gib is not None and (not is_int(kv_cache_space_gib) or kv_cache_space_gib < 1):
             raise ValueError(
                 f"VLLMEngine.kv_cache_space_gib={kv_cache_space_gib!r} must be an int >= 1 (GiB) "
                 "or None (vLLM sizes it)."
             )
-        if _bad_int(seed):
+        if not is_int(seed):
             raise ValueError(f"VLLMEngine.seed={seed!r} must be an int.")
-        if _bad_int(tensor_parallel_size) or tensor_parallel_size < 1:
+        if not is_int(tensor_parallel_size) or tensor_parallel_size < 1:
             raise ValueError(f"VLLMEngine.tensor_parallel_size={tensor_parallel_size!r} must be an int >= 1.")
         if weight_sync_tolerance is not None and not weight_sync_tolerance > 0:
             raise ValueError(f"VLLMEngine.weight_sync_tolerance={weight_sync_tolerance!r} must be > 0 or None.")
@@ -756,10 +757,6 @@ class VLLMEngine(SpecialTokens):
 
 
 # ---------------------------------------------------------------------- helpers
-
-
-def _bad_int(value: Any) -> bool:
-    return isinstance(value, bool) or not isinstance(value, int)
 
 
 def _fmt(value: float | None) -> str:

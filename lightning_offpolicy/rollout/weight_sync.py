@@ -30,6 +30,8 @@ from typing import Any
 
 import torch
 
+from lightning_offpolicy.argcheck import is_int
+
 __all__ = [
     "SyncCheck",
     "SyncTolerance",
@@ -97,7 +99,7 @@ def weight_source(
     source: torch.nn.Module | Mapping[str, torch.Tensor], version: int, who: str
 ) -> tuple[torch.nn.Module | Mapping[str, torch.Tensor], bool]:
     """Check the arguments of an engine's ``update_weights``; returns ``(source unwrapped, is a module)``."""
-    if isinstance(version, bool) or not isinstance(version, int):
+    if not is_int(version):
         raise TypeError(f"{who}: version must be an int, got {version!r}.")
     is_module = isinstance(source, torch.nn.Module)
     if not is_module and not isinstance(source, Mapping):

@@ -9,6 +9,7 @@ from typing import Any
 from lightning.pytorch import LightningDataModule
 from torch.utils.data import DataLoader, Dataset
 
+from lightning_offpolicy.argcheck import is_int
 from lightning_offpolicy.batch import PromptBatch
 from lightning_offpolicy.data.sampler import ResumableTrainLoader
 from lightning_offpolicy.tasks.base import Task, TaskReward
@@ -85,15 +86,11 @@ class PromptDataModule(ResumableTrainLoader, LightningDataModule):
                 f"PromptDataModule: `prompts_per_step` ({prompts_per_step}) must be <= `num_train_prompts` "
                 f"({num_train_prompts}), or no full batch can be drawn."
             )
-        if isinstance(num_val_prompts, bool) or not isinstance(num_val_prompts, int) or num_val_prompts < 0:
+        if not is_int(num_val_prompts) or num_val_prompts < 0:
             raise ValueError(
                 f"PromptDataModule: `num_val_prompts` must be an int >= 0 (0: no validation), got {num_val_prompts!r}."
             )
-        if (
-            isinstance(val_prompts_per_step, bool)
-            or not isinstance(val_prompts_per_step, int)
-            or val_prompts_per_step < 1
-        ):
+        if not is_int(val_prompts_per_step) or val_prompts_per_step < 1:
             raise ValueError(
                 f"PromptDataModule: `val_prompts_per_step` must be a positive int, got {val_prompts_per_step!r}."
             )
