@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+if TYPE_CHECKING:
+    from lightning_offpolicy.evaluation import EvaluationBatch
 
 
 @dataclass
@@ -28,8 +31,8 @@ class PromptBatch:
 
     prompts: list[str | list[dict[str, Any]]]
     metadata: list[dict[str, Any]] = field(default_factory=list)
-    rollout: Any = None
-    evaluation: Any = None
+    rollout: RolloutBatch | None = None
+    evaluation: EvaluationBatch | None = None
 
     def __post_init__(self) -> None:
         if not self.metadata:

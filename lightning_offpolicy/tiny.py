@@ -8,18 +8,7 @@ far from solving it. Nothing is downloaded: the model is built from a config, th
     >>> path = resolve_model_path("tiny:reverse")          # doctest: +SKIP
     >>> path = resolve_model_path("tiny:addition?sft_steps=300&seed=1")   # doctest: +SKIP
 
-Measured warm-up (seed 0, batch 64; greedy reward = mean partial-credit reward of greedy
-completions of 128 prompts drawn with seed 1234; "exact" = fraction fully right; untrained
-model: reverse 0.021, addition 0.004, copy 0.000). One intra-op thread, 2-core CPU, torch 2.13::
-
-    task      lr    steps -> greedy reward                                   default: reward (exact, build)
-    reverse   3e-3  10: .22  20: .33  50: .36  75: .40  100: .47  150: .59   100 steps: .47 (11%, ~6 s)
-    addition  1e-3  50: .21  100: .24  200: .36  400: .46  800: .51          200 steps: .36 (5%, ~8 s)
-    copy      3e-3  10: .12  30: .34  50: .50  100: .59  150: .73            40 steps:  .46 (6%, ~2 s)
-
-Seeds 1 and 2 at the defaults: reverse .51 / .48, addition .34 / .32, copy .37 / .33.
-Addition at lr 3e-3 is unstable (50: .16, 100: .06, 600: .14), hence its own learning rate.
-The build runs with one torch thread: on a busy 2-core machine two threads were ~20x slower.
+Warm-up settings and the measured rewards they reach: docs/training.md, "The tiny checkpoints".
 """
 
 from __future__ import annotations
@@ -139,38 +128,48 @@ def warmup_sft(
         raise ValueError(f"warmup_sft: `batch_size` must be >= 1, got {batch_size}.")
     check_vocab(model, tokenizer)
     rng = random.Random(seed)
-    device = next(model.parameters()).device
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
     model.train()
     losses: list[float] = []
     for _ in range(steps):
-        sequences, starts = [], []
+        rows = []
         for _ in range(batch_size):
             prompt, metadata = task.sample(rng)
-            prompt_ids = encode_prompt(tokenizer, prompt)
             completion_ids = tokenizer.encode(task.reference_completion(metadata), add_bos=False)
-            sequences.append(prompt_ids + completion_ids + [tokenizer.eos_token_id])
-            starts.append(len(prompt_ids))
-        length = max(len(s) for s in sequences)
-        input_ids = torch.full((batch_size, length), pad, dtype=torch.long)
-        attention_mask = torch.zeros((batch_size, length), dtype=torch.long)
-        labels = torch.full((batch_size, length), -100, dtype=torch.long)
-        for i, (seq, start) in enumerate(zip(sequences, starts, strict=True)):
-            input_ids[i, : len(seq)] = torch.tensor(seq)
-            attention_mask[i, : len(seq)] = 1
-            labels[i, start : len(seq)] = torch.tensor(seq[start:])
-        input_ids, attention_mask, labels = input_ids.to(device), attention_mask.to(device), labels.to(device)
-        logits = model(input_ids=input_ids, attention_mask=attention_mask).logits
-        loss = F.cross_entropy(
-            logits[:, :-1].reshape(-1, logits.shape[-1]).float(), labels[:, 1:].reshape(-1), ignore_index=-100
-        )
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        optimizer.step()
-        losses.append(float(loss.detach()))
+            rows.append((encode_prompt(tokenizer, prompt), completion_ids + [tokenizer.eos_token_id]))
+        losses.append(sft_step(model, optimizer, rows, pad))
     model.eval()
     return losses
+
+
+def sft_step(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    rows: Sequence[tuple[list[int], list[int]]],
+    pad_token_id: int,
+) -> float:
+    """One teacher-forced cross-entropy step on ``(prompt_ids, completion_ids)`` rows, right-padded.
+
+    Only the completion tokens carry loss. Returns the step's loss.
+    """
+    device = next(model.parameters()).device
+    length = max(len(prompt) + len(completion) for prompt, completion in rows)
+    input_ids = torch.full((len(rows), length), pad_token_id, dtype=torch.long)
+    attention_mask = torch.zeros_like(input_ids)
+    labels = torch.full_like(input_ids, -100)
+    for row, (prompt, completion) in enumerate(rows):
+        sequence = torch.tensor(prompt + completion)
+        input_ids[row, : len(sequence)] = sequence
+        attention_mask[row, : len(sequence)] = 1
+        labels[row, len(prompt) : len(sequence)] = torch.tensor(completion)
+    input_ids, attention_mask, labels = input_ids.to(device), attention_mask.to(device), labels.to(device)
+    logits = model(input_ids=input_ids, attention_mask=attention_mask).logits
+    loss = F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]).float(), labels[:, 1:].reshape(-1))
+    optimizer.zero_grad(set_to_none=True)
+    loss.backward()
+    optimizer.step()
+    return float(loss.detach())
 
 
 @torch.no_grad()
@@ -284,8 +283,9 @@ def _install(tmp: Path, directory: Path, spec: dict[str, Any]) -> None:
 
 @contextlib.contextmanager
 def _torch_threads(n: int) -> Iterator[None]:
-    """Run with ``n`` intra-op threads. A ~1M-parameter model gains nothing from more, and on a busy
-    2-core machine two spinning threads made SFT ~20x slower than one (measured)."""
+    """Run with ``n`` intra-op threads."""
+    # A ~1M-parameter model gains nothing from more, and on a busy 2-core machine two spinning
+    # threads made the SFT warm-up ~20x slower than one.
     previous = torch.get_num_threads()
     torch.set_num_threads(n)
     try:

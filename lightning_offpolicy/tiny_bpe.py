@@ -25,10 +25,9 @@ from pathlib import Path
 from typing import Any, Literal
 
 import torch
-import torch.nn.functional as F
 
 from lightning_offpolicy.argcheck import is_int
-from lightning_offpolicy.tiny import TINY_DECODER_SIZES
+from lightning_offpolicy.tiny import TINY_DECODER_SIZES, sft_step
 
 __all__ = [
     "CHATML_TEMPLATE",
@@ -162,24 +161,7 @@ def sft_on_pairs(
         encoded.append((prompt_ids, tokenizer(answer, add_special_tokens=False).input_ids + [eos]))
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
     model.train()
-    losses: list[float] = []
-    for _ in range(steps):
-        batch = [rng.choice(encoded) for _ in range(batch_size)]
-        length = max(len(p) + len(a) for p, a in batch)
-        input_ids = torch.full((batch_size, length), pad, dtype=torch.long)
-        attention_mask = torch.zeros_like(input_ids)
-        labels = torch.full_like(input_ids, -100)
-        for row, (p, a) in enumerate(batch):
-            sequence = torch.tensor(p + a)
-            input_ids[row, : len(sequence)] = sequence
-            attention_mask[row, : len(sequence)] = 1
-            labels[row, len(p) : len(sequence)] = torch.tensor(a)
-        logits = model(input_ids=input_ids, attention_mask=attention_mask).logits
-        loss = F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]).float(), labels[:, 1:].reshape(-1))
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        optimizer.step()
-        losses.append(float(loss.detach()))
+    losses = [sft_step(model, optimizer, [rng.choice(encoded) for _ in range(batch_size)], pad) for _ in range(steps)]
     model.eval()
     return losses
 

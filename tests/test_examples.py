@@ -54,9 +54,10 @@ def test_own_model_and_data_example_learns_the_reasoning_gym_task(tmp_path):
     # An ordinary Hugging Face directory: Qwen2 weights, a BPE tokenizer with a chat template.
     config = __import__("json").loads((checkpoint / "config.json").read_text())
     assert config["model_type"] == "qwen2"
-    assert "chat_template" in (checkpoint / "tokenizer_config.json").read_text() or (
-        checkpoint / "chat_template.jinja"
-    ).is_file()
+    assert (
+        "chat_template" in (checkpoint / "tokenizer_config.json").read_text()
+        or (checkpoint / "chat_template.jinja").is_file()
+    )
     assert metrics["steps"] == 40
     # reasoning-gym's scorer, mean over the first and the last 10 batches of 64 completions (measured:
     # 0.22 -> 0.44 at these settings); the rise is far above the batch-to-batch noise (~0.1).

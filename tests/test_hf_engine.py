@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from lightning_offpolicy.rollout.engine import RolloutEngine, SamplingConfig
-from lightning_offpolicy.rollout.hf_engine import HFEngine
+from lightning_offpolicy.rollout.hf import HFEngine
+from tests.engine_contract import EngineContract
 from tests.module_helpers import tiny_model
 
 PROMPTS = [[1, 5, 6, 7], [1, 9], [1, 12, 13, 14, 15, 16]]
@@ -77,26 +78,6 @@ def test_same_seed_same_samples_and_rng_untouched():
     assert before.item() == after.item()  # the global RNG of the trainer is not consumed
 
 
-def test_private_copy_follows_state_dict_updates():
-    model = tiny_model()
-    engine = HFEngine(dtype="float32", pad_token_id=0, eos_token_id=2)
-    engine.update_weights(model, version=0)
-    assert engine.model is not model
-    with torch.no_grad():
-        model.lm_head.weight.zero_()
-    sampling = SamplingConfig(max_new_tokens=4, samples_per_prompt=1)
-    stale = engine.generate(PROMPTS, sampling, seed=0)
-    assert any(abs(lp - (-torch.log(torch.tensor(64.0)).item())) > 1e-3 for c in stale for lp in c.logprobs)
-    engine.update_weights(model.state_dict(), version=1)
-    fresh = engine.generate(PROMPTS, sampling, seed=0)
-    # lm_head zeroed: every token is uniform over the 64-token vocabulary.
-    for c in fresh:
-        assert c.policy_version == 1
-        torch.testing.assert_close(
-            torch.tensor(c.logprobs), torch.full((len(c.logprobs),), -torch.log(torch.tensor(64.0)).item())
-        )
-
-
 def test_errors():
     engine = HFEngine(pad_token_id=0, eos_token_id=2)
     with pytest.raises(RuntimeError, match="update_weights"):
@@ -130,29 +111,13 @@ def test_bfloat16_engine_is_a_real_precision_mismatch():
     assert 1e-4 < max(gaps) < 0.5  # bf16 rounding: visible, small
 
 
-def test_stops_on_every_stop_id_and_truncates_at_the_first():
-    """Two eos ids (a generation config's list): each completion ends at the first of either.
+class TestHFEngineContract(EngineContract):
+    """The engine contract (tests/engine_contract.py) on the embedded engine, float32 as the trainer."""
 
-    Reference: the same seeded draws with eos alone, cut by hand at the first of the two ids.
-    """
-    model = tiny_model()
-    sampling = SamplingConfig(max_new_tokens=12, temperature=1.5, samples_per_prompt=8)
-    eos_only = HFEngine(pad_token_id=0, eos_token_id=2, stop_token_ids=[])
-    eos_only.update_weights(model, version=0)
-    reference = eos_only.generate(PROMPTS, sampling, seed=3)
-    # The second stop id: the token the model samples most often before the end (so it matters).
-    counts = torch.bincount(torch.tensor([t for c in reference for t in c.token_ids[:-1] if t != 2]), minlength=64)
-    second = int(counts.argmax())
-    engine = HFEngine(pad_token_id=0, eos_token_id=2, stop_token_ids=[second, 2])
-    assert engine.stop_ids == [2, second]
-    engine.update_weights(model, version=0)
-    both = engine.generate(PROMPTS, sampling, seed=3)
-    reasons = []
-    for got, ref in zip(both, reference, strict=True):
-        cut = next((i + 1 for i, t in enumerate(ref.token_ids) if t in (2, second)), None)
-        expected = ref.token_ids[:cut] if cut is not None else ref.token_ids
-        assert got.token_ids == expected
-        torch.testing.assert_close(torch.tensor(got.logprobs), torch.tensor(ref.logprobs[: len(expected)]))
-        assert got.finish_reason == ("stop" if cut is not None else "length")
-        reasons.append(got.token_ids[-1] if got.finish_reason == "stop" else None)
-    assert {2, second} <= set(reasons)  # both ids actually ended completions
+    logprob_max_tol = 1e-4  # the same float32 model in the same process: only padding and batching differ
+
+    @pytest.fixture
+    def engine(self, trainer_model):
+        engine = HFEngine(dtype="float32", pad_token_id=0, eos_token_id=2)
+        engine.update_weights(trainer_model, version=0)
+        return engine

@@ -39,3 +39,35 @@ def test_importing_the_package_or_the_correction_core_loads_no_lightning():
 
 def test_all_lists_exactly_the_exports():
     assert lightning_offpolicy.__all__ == sorted(lightning_offpolicy._EXPORTS)
+
+
+MOVED = {
+    "lightning_offpolicy.rollout.vllm_engine": ("lightning_offpolicy.rollout.vllm.inprocess", "VLLMEngine"),
+    "lightning_offpolicy.rollout.remote_vllm": ("lightning_offpolicy.rollout.vllm", "launch_local_server"),
+    "lightning_offpolicy.rollout.vllm_errors": ("lightning_offpolicy.rollout.vllm.errors", "INSTALL_HINT"),
+    "lightning_offpolicy.rollout.vllm_process": ("lightning_offpolicy.rollout.vllm.process", "__name__"),
+    "lightning_offpolicy.rollout.weight_sync": ("lightning_offpolicy.rollout.vllm.weight_sync", "SyncCheck"),
+    "lightning_offpolicy.rollout.hf_engine": ("lightning_offpolicy.rollout.hf", "HFEngine"),
+}
+
+
+@pytest.mark.parametrize("old", sorted(MOVED))
+def test_a_moved_module_still_imports_for_one_release_with_a_deprecation_warning(old):
+    """A fresh interpreter: the warning fires at the first import, and the old path is the new module."""
+    new, name = MOVED[old]
+    code = (
+        "import warnings, importlib, sys\n"
+        "warnings.simplefilter('error')\n"
+        f"new = importlib.import_module({new!r})\n"
+        "try:\n"
+        f"    importlib.import_module({old!r})\n"
+        "except DeprecationWarning as w:\n"
+        "    print(w)\n"
+        "warnings.simplefilter('ignore')\n"
+        f"old = importlib.import_module({old!r})\n"
+        f"assert old is new and getattr(old, {name!r}) is getattr(new, {name!r})\n"
+        f"assert sys.modules[{old!r}] is new\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert f"{old} moved to {new}; the old path is removed in 0.2: import from {new} instead." in out.stdout

@@ -17,9 +17,9 @@ import warnings
 import pytest
 import torch
 
-from lightning_offpolicy.rollout import remote_vllm
-from lightning_offpolicy.rollout.remote_vllm import RemoteVLLMEngine, launch_local_server
-from lightning_offpolicy.rollout.weight_sync import write_safetensors
+from lightning_offpolicy.rollout.vllm import RemoteVLLMEngine, launch_local_server
+from lightning_offpolicy.rollout.vllm import server as vllm_server
+from lightning_offpolicy.rollout.vllm.weight_sync import write_safetensors
 from tests.vllm_fixtures import requires_vllm
 
 #: Spellings of --host / --port / --logprobs-mode that vLLM's parser accepts (abbreviations, =, underscores).
@@ -42,7 +42,7 @@ def no_launch(monkeypatch):
     def popen(cmd, **kwargs):
         raise _Launched(cmd)
 
-    monkeypatch.setattr(remote_vllm.subprocess, "Popen", popen)
+    monkeypatch.setattr(vllm_server.subprocess, "Popen", popen)
 
 
 @requires_vllm
@@ -65,7 +65,7 @@ def test_the_guard_reads_extra_args_as_vllms_parser_does():
     vllm_reads = json.loads(run.stdout.split("RESULT", 1)[1])
     for args, (host, port, mode) in zip(SPELLINGS, vllm_reads, strict=True):
         ours = {
-            flag: [value for _, value in remote_vllm._option_values(args, flag)]
+            flag: [value for _, value in vllm_server._option_values(args, flag)]
             for flag in ("--host", "--port", "--logprobs-mode")
         }
         assert ours["--host"][-1:] == ([] if host == "127.0.0.1" else [host]), args
@@ -103,7 +103,7 @@ def test_launcher_passes_loopback_and_explicitly_allowed_binds(tmp_path, no_laun
             launch_local_server(tmp_path, extra_args=extra, allow_non_loopback=allow)
         cmd = launched.value.args[0]
         assert cmd[-len(extra) :] == extra  # after the launcher's own --host 127.0.0.1: the last one wins
-        assert remote_vllm._connect_host(remote_vllm._option_values(extra, "--host")[-1][1]) == reach
+        assert vllm_server._connect_host(vllm_server._option_values(extra, "--host")[-1][1]) == reach
     with pytest.raises(ValueError, match="allow_non_loopback"):
         launch_local_server(tmp_path, allow_non_loopback="yes")
 

@@ -27,9 +27,8 @@ import pytest
 import torch
 
 from lightning_offpolicy.rollout.engine import Completion, RolloutEngine, SamplingConfig
-from lightning_offpolicy.rollout.remote_vllm import LocalVLLMServer, RemoteVLLMEngine, launch_local_server
-from lightning_offpolicy.rollout.weight_sync import trainer_probe_logprobs
-from tests.module_helpers import argmax_completion
+from lightning_offpolicy.rollout.vllm import LocalVLLMServer, RemoteVLLMEngine, launch_local_server
+from tests.engine_contract import VLLMEngineContract
 from tests.vllm_fixtures import requires_vllm, residuals, reverse_prompts, teacher_forced_logprobs
 
 #: Largest |server - trainer| per-token logprob residual accepted at equal float32 weights.
@@ -133,7 +132,7 @@ def stand_in():
 
 def test_import_does_not_import_vllm():
     code = (
-        "import sys; import lightning_offpolicy.rollout.remote_vllm as m; import lightning_offpolicy.rollout as r; "
+        "import sys; import lightning_offpolicy.rollout.vllm.remote as m; import lightning_offpolicy.rollout as r; "
         "assert 'vllm' not in sys.modules, 'vllm imported at module import'; "
         "assert r.RemoteVLLMEngine is m.RemoteVLLMEngine; print(m.RemoteVLLMEngine.__name__)"
     )
@@ -378,102 +377,47 @@ def _restore(server: LocalVLLMServer, weights_dir: Path, model) -> None:
 
 @requires_vllm
 @pytest.mark.slow
-@pytest.mark.parametrize("temperature", [1.0, 0.7])
-def test_logprobs_match_trainer(engine, trainer_model, tiny_ckpt, temperature):
-    prompts = reverse_prompts(16)
-    cfg = SamplingConfig(max_new_tokens=16, temperature=temperature, samples_per_prompt=4)
-    begin = time.perf_counter()
-    completions = engine.generate(prompts, cfg, seed=11)
-    MEASURED.setdefault("first_generate_s", time.perf_counter() - begin)
-    MEASURED.setdefault("connect_s", engine.connect_time_s)
+class TestRemoteVLLMEngineContract(VLLMEngineContract):
+    """The engine contract (tests/engine_contract.py) against the module's real server."""
+
+    logprob_max_tol = LOGPROB_MAX_TOL
+
+
+@requires_vllm
+@pytest.mark.slow
+def test_connects_at_the_first_call(engine, tiny_ckpt):
+    completions = engine.generate(reverse_prompts(2), SamplingConfig(max_new_tokens=4), seed=0)
+    MEASURED["connect_s"] = engine.connect_time_s
     # Connected at the first call: the only model served (by its path), its context length, dev mode.
     assert engine.model_name == str(tiny_ckpt) and engine.max_model_len == 256 and engine.dev_mode
-    assert [c.prompt_index for c in completions] == [i for i in range(16) for _ in range(4)]
-    assert all(c.finish_reason in ("stop", "length") and c.policy_version == 0 for c in completions)
-    for c in completions:
-        assert len(c.logprobs) == len(c.token_ids) >= 1
-        if c.finish_reason == "stop":
-            assert c.token_ids[-1] == 2 and 2 not in c.token_ids[:-1]
-        else:
-            assert len(c.token_ids) == 16 and 2 not in c.token_ids
-    res = residuals(
-        [c.logprobs for c in completions], teacher_forced_logprobs(trainer_model, prompts, completions, temperature)
-    )
-    MEASURED[f"logprob_residual_max_T{temperature}"] = float(res.max())
-    print(f"\nT={temperature}: {res.numel()} tokens, |server - trainer| max {res.max():.3g} mean {res.mean():.3g}")
-    assert res.max() <= LOGPROB_MAX_TOL
-    if temperature != 1.0:  # processed logprobs: the raw (T=1) ones are clearly different
-        raw = residuals(
-            [c.logprobs for c in completions], teacher_forced_logprobs(trainer_model, prompts, completions, 1.0)
-        )
-        assert raw.mean() > 0.05
+    assert engine.compute_dtype == torch.float32 and len(completions) == 8
 
 
 @requires_vllm
 @pytest.mark.slow
-def test_greedy_equals_a_hand_written_argmax_loop(engine, trainer_model):
-    prompts = reverse_prompts(6, seed=7)
-    completions = engine.generate(prompts, SamplingConfig(max_new_tokens=10, samples_per_prompt=1, greedy=True))
-    assert [c.prompt_index for c in completions] == list(range(6))
-    for c in completions:
-        assert c.token_ids == argmax_completion(trainer_model, prompts[c.prompt_index], 10, eos=2)
-
-
-@requires_vllm
-@pytest.mark.slow
-def test_seeded_generation_is_reproducible(engine):
-    prompts = reverse_prompts(3, seed=4)
-    prompts = prompts + [prompts[0]]  # the same prompt twice in one call
-    cfg = SamplingConfig(max_new_tokens=12, temperature=1.0, samples_per_prompt=4)
-
-    def run(seed):
-        return [(c.token_ids, c.logprobs) for c in engine.generate(prompts, cfg, seed=seed)]
-
-    first, again, other = run(123), run(123), run(124)
-    assert first == again
-    assert first != other
-    group0 = [t for t, _ in first[:4]]
-    assert len({tuple(t) for t in group0}) > 1  # the samples of a group differ
-    assert group0 != [t for t, _ in first[12:16]]  # a repeated prompt gets its own samples
-    assert len(engine.generate(prompts, cfg)) == 16  # unseeded: the server's own random state
-
-
-@requires_vllm
-@pytest.mark.slow
-def test_stops_on_eos_token_id_only(engine):
-    """The stop id is the engine's eos_token_id, not the checkpoint's (2 here): HFEngine's behaviour."""
-    engine.eos_token_id = 5
-    completions = engine.generate(reverse_prompts(16, seed=7), SamplingConfig(max_new_tokens=12), seed=3)
-    for c in completions:
-        assert (c.finish_reason, c.token_ids[-1]) == ("stop", 5) or (c.finish_reason, len(c.token_ids)) == (
-            "length",
-            12,
-        )
-        assert 5 not in c.token_ids[:-1]
-    assert any(2 in c.token_ids for c in completions)  # the checkpoint's eos no longer stops
-
-
-@requires_vllm
-@pytest.mark.slow
-def test_throughput_and_server_errors(engine):
-    prompts = reverse_prompts(64, seed=2)
-    cfg = SamplingConfig(max_new_tokens=16, samples_per_prompt=1)
-    engine.generate(prompts, cfg, seed=0)
-    times = []
-    for _ in range(3):
-        begin = time.perf_counter()
-        engine.generate(prompts, cfg, seed=0)
-        times.append(time.perf_counter() - begin)
-    MEASURED["generate_64x16_s"] = min(times)
-    MEASURED["tokens_per_s"] = engine.last_generate_tokens_per_s
-    print(f"\n64 prompts x <=16 tokens: {min(times):.3f} s ({engine.last_generate_tokens_per_s:.0f} tokens/s)")
-    assert min(times) < 60
+def test_server_errors(engine):
     with pytest.raises(ValueError, match="max_model_len=256"):
         engine.generate([[1] * 250], SamplingConfig(max_new_tokens=10))
     # A request the server rejects: its own message comes through.
+    engine.connect()
     engine.model_name = "no-such-model"
     with pytest.raises(RuntimeError, match=r"HTTP 404 /v1/completions: The model `no-such-model` does not exist"):
         engine.generate([[1, 5]], SamplingConfig(max_new_tokens=2))
+
+
+@requires_vllm
+@pytest.mark.slow
+def test_the_sync_files_are_private_and_close_removes_them(engine, trainer_model, weights_dir):
+    """Nobody else can swap the weights before the reload (docs/remote_vllm.md, "Trust model")."""
+    engine.update_weights(trainer_model, 3)
+    MEASURED["sync_s"] = engine.last_sync_time_s
+    print(f"\nsync {engine.last_sync_time_s:.3f} s (write {engine.last_write_time_s:.3f}, reload "
+          f"{engine.last_reload_time_s:.3f}), check |diff| {engine.last_sync_check_max_abs_diff:.3g}")  # fmt: skip
+    (sync_dir,) = [d for d in weights_dir.iterdir() if d.is_dir() and (d / "model.safetensors").exists()]
+    assert (sync_dir / "model.safetensors").stat().st_mode & 0o777 == 0o600
+    assert sync_dir.stat().st_mode & 0o777 == 0o700
+    engine.close()
+    assert not sync_dir.exists()
 
 
 @requires_vllm
@@ -484,50 +428,6 @@ def test_out_of_vocabulary_prompt_is_refused_before_it_reaches_the_server(engine
     with pytest.raises(ValueError, match=r"token id 64 is outside the model's vocabulary \(64 tokens\)"):
         engine.generate([[1, 64]], SamplingConfig(max_new_tokens=2))
     assert len(engine.generate([[1, 63]], SamplingConfig(max_new_tokens=2, samples_per_prompt=1))) == 1
-
-
-@requires_vllm
-@pytest.mark.slow
-def test_update_weights_changes_generation_and_restoring_restores_it(engine, trainer_model, weights_dir):
-    prompts = reverse_prompts(8, seed=3)
-    cfg = SamplingConfig(max_new_tokens=10, temperature=1.0, samples_per_prompt=2)
-    original = {k: v.clone() for k, v in trainer_model.state_dict().items()}
-    before = engine.generate(prompts, cfg, seed=5)
-    with torch.no_grad():
-        gen = torch.Generator().manual_seed(0)
-        for p in trainer_model.parameters():
-            p.add_(0.05 * torch.randn(p.shape, generator=gen))
-    try:
-        begin = time.perf_counter()
-        engine.update_weights(trainer_model, 7)
-        MEASURED["update_weights_s"] = time.perf_counter() - begin
-        MEASURED["sync_s"] = engine.last_sync_time_s
-        MEASURED["sync_check_max_abs_diff"] = engine.last_sync_check_max_abs_diff
-        print(
-            f"\nsync {engine.last_sync_time_s:.3f} s (write {engine.last_write_time_s:.3f}, reload "
-            f"{engine.last_reload_time_s:.3f}), check |diff| {engine.last_sync_check_max_abs_diff:.3g}"
-        )
-        assert engine.version == 7 and engine.last_sync_check_max_abs_diff <= 1e-3
-        assert set(engine.stats()) >= {"vllm/sync_s", "vllm/sync_check_max_abs_diff", "vllm/tokens_per_s"}
-        # The sync directory and file are the engine's alone (the server runs as the same user):
-        # nobody else can swap the weights before the reload (docs/remote_vllm.md, "Trust model").
-        (sync_dir,) = [d for d in weights_dir.iterdir() if d.is_dir() and (d / "model.safetensors").exists()]
-        assert (sync_dir / "model.safetensors").stat().st_mode & 0o777 == 0o600
-        assert sync_dir.stat().st_mode & 0o777 == 0o700
-        after = engine.generate(prompts, cfg, seed=5)
-        assert {c.policy_version for c in after} == {7}
-        assert [c.token_ids for c in after] != [c.token_ids for c in before]
-        # The new weights are the trainer's: its logprobs of what the server sampled match.
-        res = residuals([c.logprobs for c in after], teacher_forced_logprobs(trainer_model, prompts, after, 1.0))
-        assert res.max() <= LOGPROB_MAX_TOL
-    finally:  # restore: a state dict this time (no module: the check cannot run)
-        engine.update_weights(original, 8)
-    assert engine.version == 8 and engine.last_sync_check_max_abs_diff is None
-    restored = engine.generate(prompts, cfg, seed=5)
-    assert [(c.token_ids, c.logprobs) for c in restored] == [(c.token_ids, c.logprobs) for c in before]
-    assert {c.policy_version for c in restored} == {8}
-    engine.close()
-    assert not sync_dir.exists()  # close removes the engine's sync files
 
 
 @requires_vllm
@@ -554,32 +454,6 @@ def test_a_lora_policy_syncs_as_merged_weights(engine, trainer_model, tiny_ckpt)
         assert base.max() > 10 * LOGPROB_MAX_TOL
     finally:
         engine.update_weights(LlamaForCausalLM.from_pretrained(str(tiny_ckpt), dtype=torch.float32).eval(), 31)
-
-
-@requires_vllm
-@pytest.mark.slow
-def test_self_check_catches_a_sync_that_did_not_arrive(engine, trainer_model, tiny_ckpt, monkeypatch):
-    engine.update_weights(trainer_model, 20)  # a good sync: the check's reference point
-    monkeypatch.setattr(engine, "_reload_weights", lambda server_path: None)  # nothing arrives
-    with torch.no_grad():
-        trainer_model.lm_head.weight.zero_()
-    with pytest.raises(RuntimeError, match="did not arrive"):
-        engine.update_weights(trainer_model, 21)
-    assert engine.version == 20
-    # A small update (below the tolerance) that did not arrive: the server did not move, the trainer did.
-    monkeypatch.setattr(engine, "weight_sync_tolerance", 0.5)
-    fresh = type(trainer_model).from_pretrained(str(tiny_ckpt), dtype=torch.float32).eval()
-    probe = engine._probe(fresh)
-    before = trainer_probe_logprobs(fresh, probe)
-    with torch.no_grad():
-        fresh.lm_head.weight.add_(
-            0.003 * torch.randn(fresh.lm_head.weight.shape, generator=torch.Generator().manual_seed(0))
-        )
-    moved = float((trainer_probe_logprobs(fresh, probe) - before).abs().max())
-    assert 0.5 / 100 < moved < 0.5  # below the tolerance, above the "did it move" threshold
-    with pytest.raises(RuntimeError, match="did not change at all"):
-        engine.update_weights(fresh, 22)
-    assert engine.version == 20  # the server still holds the checkpoint's weights: nothing to restore
 
 
 @requires_vllm

@@ -76,9 +76,7 @@ def test_a_gpu_recipe_without_a_cpu_form_is_skipped():
 
 
 def run_quick(tmp_path: Path, *args: str) -> dict:
-    status = soak.main(
-        ["--quick", "--workdir", str(tmp_path / "runs"), "--output", str(tmp_path / "soak.md"), *args]
-    )
+    status = soak.main(["--quick", "--workdir", str(tmp_path / "runs"), "--output", str(tmp_path / "soak.md"), *args])
     report = json.loads((tmp_path / "soak.json").read_text())
     assert status == 0, [(r["config"], r["condition"], r["failures"], r["log_tail"][-1500:]) for r in report["runs"]]
     markdown = (tmp_path / "soak.md").read_text()

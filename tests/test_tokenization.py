@@ -21,7 +21,7 @@ from lightning_offpolicy.cli import OffPolicyCLI
 from lightning_offpolicy.module import OffPolicyRLModule
 from lightning_offpolicy.rollout import RolloutCallback
 from lightning_offpolicy.rollout.engine import SpecialTokens, first_stop, generation_eos_ids
-from lightning_offpolicy.rollout.hf_engine import HFEngine
+from lightning_offpolicy.rollout.hf import HFEngine
 from lightning_offpolicy.tasks import PromptDataModule
 from lightning_offpolicy.tokenizers import CharTokenizer, HFTokenizer, encode_prompt
 from tests.tokenizer_builders import (

@@ -16,7 +16,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from lightning_offpolicy.cli import main
 from lightning_offpolicy.module import OffPolicyRLModule
 from lightning_offpolicy.rollout import RolloutCallback
-from lightning_offpolicy.rollout.vllm_engine import VLLMEngine
+from lightning_offpolicy.rollout.vllm.inprocess import VLLMEngine
 from lightning_offpolicy.tasks import PromptDataModule
 from tests.test_async_rollout import VersionSpy
 from tests.test_vllm_fit import vllm_children

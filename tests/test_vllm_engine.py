@@ -7,7 +7,6 @@ in ``MEASURED``. About 100 s on a 2-core CPU machine (three engine starts of ~20
 
 from __future__ import annotations
 
-import math
 import subprocess
 import sys
 import threading
@@ -17,22 +16,16 @@ import pytest
 import torch
 
 from lightning_offpolicy.rollout.engine import RolloutEngine, SamplingConfig
-from lightning_offpolicy.rollout.vllm_engine import VLLMEngine
-from lightning_offpolicy.rollout.weight_sync import trainer_probe_logprobs
-from tests.module_helpers import argmax_completion
+from lightning_offpolicy.rollout.vllm.inprocess import VLLMEngine
+from tests.engine_contract import VLLMEngineContract
 from tests.vllm_fixtures import (
     ENGINE_KWARGS,
     requires_vllm,
-    residuals,
     reverse_prompts,
-    teacher_forced_logprobs,
 )
 
 pytestmark = pytest.mark.slow
 
-#: Largest |vLLM - trainer| per-token logprob residual accepted at equal float32 weights.
-LOGPROB_MAX_TOL = 1e-3
-LOGPROB_MEAN_TOL = 1e-4
 MEASURED: dict[str, float] = {}
 
 
@@ -60,27 +53,12 @@ def _name(proc) -> str:
         return ""
 
 
-@torch.no_grad()
-def _trainer_topk_logprobs(model, prompts, completions, temperature: float, top_k: int) -> list[list[float]]:
-    """Per-row forward: log_softmax of the top-k-filtered logits / T (the distribution sampled from)."""
-    out = []
-    for c in completions:
-        p = prompts[c.prompt_index]
-        seq = torch.tensor([p + c.token_ids])
-        logits = model(seq).logits[0, len(p) - 1 : -1].float() / temperature
-        kth = logits.topk(top_k, dim=-1).values[:, -1:]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-        lp = torch.log_softmax(logits, -1).gather(-1, torch.tensor(c.token_ids)[:, None])[:, 0]
-        out.append(lp.tolist())
-    return out
-
-
 # ---------------------------------------------------------------------- no engine needed
 
 
 def test_import_does_not_import_vllm():
     code = (
-        "import sys; import lightning_offpolicy.rollout.vllm_engine as m; "
+        "import sys; import lightning_offpolicy.rollout.vllm.inprocess as m; "
         "assert 'vllm' not in sys.modules, 'vllm imported at module import'; print(m.VLLMEngine.__name__)"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
@@ -144,8 +122,8 @@ def test_bad_calls_fail_before_starting_anything(monkeypatch):
 
 @requires_vllm
 def test_start_failure_hint_names_unsupported_head_dim(tmp_path):
-    from lightning_offpolicy.rollout.vllm_engine import supported_cpu_head_dims
-    from lightning_offpolicy.rollout.vllm_errors import head_dim_hint
+    from lightning_offpolicy.rollout.vllm.errors import head_dim_hint
+    from lightning_offpolicy.rollout.vllm.inprocess import supported_cpu_head_dims
     from lightning_offpolicy.tiny import tiny_llama_config
 
     tiny_llama_config(head_dim=16).save_pretrained(tmp_path)
@@ -183,7 +161,7 @@ def _pydantic_config_error(message: str) -> Exception:
 
 
 def test_config_error_hint_comes_first_even_without_main_guard(monkeypatch):
-    from lightning_offpolicy.rollout import vllm_errors
+    from lightning_offpolicy.rollout.vllm import errors as vllm_errors
 
     monkeypatch.setattr(vllm_errors, "main_guard_missing", lambda: True)
     monkeypatch.setattr(vllm_errors, "head_dim_hint", lambda model: None)
@@ -206,184 +184,21 @@ def test_config_error_hint_comes_first_even_without_main_guard(monkeypatch):
 
 
 @requires_vllm
-@pytest.mark.parametrize("temperature", [1.0, 0.7])
-def test_logprobs_match_trainer(vllm_engine, trainer_model, temperature):
+def test_started_from_the_trainers_module(vllm_engine):
     # The shared engine started from the trainer's module (model=None) and checked it at once.
     assert vllm_engine.model is None and vllm_engine.started and vllm_engine.version == 0
     assert vllm_engine.last_sync_check_max_abs_diff <= 1e-3
+    assert vllm_engine.compute_dtype == torch.float32
     MEASURED["engine_start_s"] = vllm_engine.start_time_s
-    prompts = reverse_prompts(16)
-    cfg = SamplingConfig(max_new_tokens=16, temperature=temperature, samples_per_prompt=4)
-    begin = time.perf_counter()
-    completions = vllm_engine.generate(prompts, cfg, seed=11)
-    MEASURED.setdefault("first_generate_s", time.perf_counter() - begin)
-    assert [c.prompt_index for c in completions] == [i for i in range(16) for _ in range(4)]
-    assert all(c.finish_reason in ("stop", "length") and c.policy_version == 0 for c in completions)
-    for c in completions:
-        assert len(c.logprobs) == len(c.token_ids) >= 1
-        if c.finish_reason == "stop":
-            assert c.token_ids[-1] == 2 and 2 not in c.token_ids[:-1]
-        else:
-            assert len(c.token_ids) == 16 and 2 not in c.token_ids
-    reference = teacher_forced_logprobs(trainer_model, prompts, completions, temperature)
-    res = residuals([c.logprobs for c in completions], reference)
-    MEASURED[f"logprob_residual_max_T{temperature}"] = float(res.max())
-    MEASURED[f"logprob_residual_mean_T{temperature}"] = float(res.mean())
-    print(f"\nT={temperature}: {res.numel()} tokens, |vLLM - trainer| max {res.max():.3g} mean {res.mean():.3g}")
-    assert res.max() <= LOGPROB_MAX_TOL and res.mean() <= LOGPROB_MEAN_TOL
-    if temperature != 1.0:  # processed logprobs: the raw (T=1) ones are clearly different
-        raw = residuals(
-            [c.logprobs for c in completions], teacher_forced_logprobs(trainer_model, prompts, completions, 1.0)
-        )
-        assert raw.mean() > 0.05
 
 
 @requires_vllm
-def test_top_k_logprobs_are_of_the_filtered_distribution(vllm_engine, trainer_model):
-    prompts = reverse_prompts(8, seed=1)
-    completions = vllm_engine.generate(prompts, SamplingConfig(max_new_tokens=12, temperature=0.8, top_k=3), seed=5)
-    res = residuals(
-        [c.logprobs for c in completions], _trainer_topk_logprobs(trainer_model, prompts, completions, 0.8, 3)
-    )
-    print(f"\ntop_k=3 T=0.8: |vLLM - trainer| max {res.max():.3g} mean {res.mean():.3g}")
-    assert res.max() <= LOGPROB_MAX_TOL
+class TestVLLMEngineContract(VLLMEngineContract):
+    """The engine contract (tests/engine_contract.py) on the session's shared in-process engine."""
 
-
-@requires_vllm
-def test_stops_on_eos_token_id_only(vllm_engine, monkeypatch):
-    """The stop id is the engine's eos_token_id, not the checkpoint's (2 here): HFEngine's behaviour."""
-    monkeypatch.setattr(vllm_engine, "eos_token_id", 5)
-    completions = vllm_engine.generate(reverse_prompts(16, seed=7), SamplingConfig(max_new_tokens=12), seed=3)
-    for c in completions:
-        assert (c.finish_reason, c.token_ids[-1]) == ("stop", 5) or (c.finish_reason, len(c.token_ids)) == (
-            "length",
-            12,
-        )
-        assert 5 not in c.token_ids[:-1]
-    assert any(2 in c.token_ids for c in completions)  # the checkpoint's eos no longer stops
-
-
-@requires_vllm
-def test_stops_on_every_stop_id_and_truncates_at_the_first(vllm_engine, monkeypatch):
-    """Two stop ids (eos + a second id, as a generation config's eos list): each completion ends at the
-    first of either. Reference: the same seeded samples with eos alone, cut by hand."""
-    prompts = reverse_prompts(16, seed=7)
-    cfg = SamplingConfig(max_new_tokens=12, temperature=1.5)
-    monkeypatch.setattr(vllm_engine, "stop_token_ids", [])
-    reference = vllm_engine.generate(prompts, cfg, seed=3)
-    counts = torch.bincount(torch.tensor([t for c in reference for t in c.token_ids[:-1] if t != 2]))
-    second = int(counts.argmax())  # the id the model samples most often before the end
-    monkeypatch.setattr(vllm_engine, "stop_token_ids", [second])
-    both = vllm_engine.generate(prompts, cfg, seed=3)
-    ends = set()
-    for got, ref in zip(both, reference, strict=True):
-        cut = next((i + 1 for i, t in enumerate(ref.token_ids) if t in (2, second)), None)
-        expected = ref.token_ids[:cut] if cut is not None else ref.token_ids
-        assert got.token_ids == expected
-        assert got.finish_reason == ("stop" if cut is not None else "length")
-        if cut is not None:
-            ends.add(got.token_ids[-1])
-    assert ends == {2, second}
-
-
-@requires_vllm
-def test_throughput(vllm_engine):
-    prompts = reverse_prompts(64, seed=2)
-    cfg = SamplingConfig(max_new_tokens=16, samples_per_prompt=1)
-    vllm_engine.generate(prompts, cfg, seed=0)
-    times = []
-    for _ in range(3):
-        begin = time.perf_counter()
-        vllm_engine.generate(prompts, cfg, seed=0)
-        times.append(time.perf_counter() - begin)
-    MEASURED["generate_64x16_s"] = min(times)
-    print(f"\n64 prompts x <=16 tokens: {min(times):.3f} s ({vllm_engine.last_generate_tokens_per_s:.0f} tokens/s)")
-    assert min(times) < 30
-
-
-@requires_vllm
-def test_update_weights_changes_generation(vllm_engine, trainer_model):
-    prompts = reverse_prompts(4, seed=3)
-    original = {k: v.clone() for k, v in trainer_model.state_dict().items()}
-    with torch.no_grad():
-        trainer_model.lm_head.weight.zero_()
-    try:
-        vllm_engine.update_weights(trainer_model, 7)
-        MEASURED["sync_s"] = vllm_engine.last_sync_time_s
-        MEASURED["sync_check_max_abs_diff"] = vllm_engine.last_sync_check_max_abs_diff
-        print(
-            f"\nsync {vllm_engine.last_sync_time_s:.3f} s, check |diff| {vllm_engine.last_sync_check_max_abs_diff:.3g}"
-        )
-        assert vllm_engine.version == 7 and vllm_engine.last_sync_check_max_abs_diff <= 1e-3
-        for temperature in (1.0, 0.7):
-            completions = vllm_engine.generate(prompts, SamplingConfig(max_new_tokens=8, temperature=temperature))
-            assert {c.policy_version for c in completions} == {7}
-            lps = torch.tensor([lp for c in completions for lp in c.logprobs])
-            assert torch.allclose(lps, torch.full_like(lps, -math.log(64)), atol=1e-4, rtol=0)
-    finally:  # restore the shared engine: a state dict this time (no module: the check cannot run)
-        vllm_engine.update_weights(original, 8)
-    assert vllm_engine.version == 8 and vllm_engine.last_sync_check_max_abs_diff is None
-    trainer_model.load_state_dict(original)
-    completions = vllm_engine.generate(prompts, SamplingConfig(max_new_tokens=8), seed=1)
-    assert {c.policy_version for c in completions} == {8}
-    res = residuals(
-        [c.logprobs for c in completions], teacher_forced_logprobs(trainer_model, prompts, completions, 1.0)
-    )
-    assert res.max() <= LOGPROB_MAX_TOL
-    vllm_engine.update_weights(trainer_model, 9)  # back to a checked module sync
-    assert vllm_engine.last_sync_check_max_abs_diff <= 1e-3
-
-
-@requires_vllm
-def test_self_check_catches_a_sync_that_did_not_arrive(vllm_engine, trainer_model, tiny_ckpt, monkeypatch):
-    vllm_engine.update_weights(trainer_model, 20)  # a good sync: the check's reference point
-    monkeypatch.setattr(vllm_engine, "_reload_weights", lambda weights_path: None)  # the peer bug: nothing arrives
-    with torch.no_grad():
-        trainer_model.lm_head.weight.zero_()
-    with pytest.raises(RuntimeError, match="did not arrive"):
-        vllm_engine.update_weights(trainer_model, 21)
-    assert vllm_engine.version == 20
-    # A small update (below the tolerance) that did not arrive: the engine did not move, the trainer did.
-    monkeypatch.setattr(vllm_engine, "weight_sync_tolerance", 0.5)
-    fresh = type(trainer_model).from_pretrained(str(tiny_ckpt), dtype=torch.float32).eval()
-    before = trainer_probe_logprobs(fresh, vllm_engine._probe())
-    with torch.no_grad():
-        fresh.lm_head.weight.add_(
-            0.003 * torch.randn(fresh.lm_head.weight.shape, generator=torch.Generator().manual_seed(0))
-        )
-    moved = float((trainer_probe_logprobs(fresh, vllm_engine._probe()) - before).abs().max())
-    assert 0.5 / 100 < moved < 0.5  # below the tolerance, above the "did it move" threshold
-    with pytest.raises(RuntimeError, match="did not change at all"):
-        vllm_engine.update_weights(fresh, 22)
-    assert vllm_engine.version == 20
-
-
-@requires_vllm
-def test_seeded_generation_is_reproducible(vllm_engine):
-    prompts = reverse_prompts(3, seed=4)
-    prompts = prompts + [prompts[0]]  # the same prompt twice in one call
-    cfg = SamplingConfig(max_new_tokens=12, temperature=1.0, samples_per_prompt=4)
-
-    def run(seed):
-        return [(c.token_ids, c.logprobs) for c in vllm_engine.generate(prompts, cfg, seed=seed)]
-
-    first, again, other = run(123), run(123), run(124)
-    assert first == again
-    assert first != other
-    group0 = [t for t, _ in first[:4]]
-    assert len({tuple(t) for t in group0}) > 1  # the samples of a group differ
-    assert group0 != [t for t, _ in first[12:16]]  # a repeated prompt gets its own samples
-
-
-@requires_vllm
-def test_greedy_equals_a_hand_written_argmax_loop(vllm_engine, trainer_model):
-    prompts = reverse_prompts(6, seed=7)
-    greedy = SamplingConfig(max_new_tokens=10, samples_per_prompt=1, greedy=True)
-    completions = vllm_engine.generate(prompts, greedy, seed=3)
-    assert [c.prompt_index for c in completions] == list(range(6))
-    for c in completions:
-        assert c.token_ids == argmax_completion(trainer_model, prompts[c.prompt_index], 10, eos=2)
-    assert [c.token_ids for c in vllm_engine.generate(prompts, greedy)] == [c.token_ids for c in completions]
+    @pytest.fixture
+    def engine(self, vllm_engine):
+        return vllm_engine
 
 
 @requires_vllm

@@ -47,7 +47,6 @@ def vllm_children() -> list[str]:
     return names
 
 
-
 @pytest.mark.slow
 def test_the_default_engine_dtype_is_the_trainers(tmp_path):
     """``VLLMEngine()`` (``dtype="auto"``) samples in the trainer's float32, not in vLLM's bfloat16 downcast.

@@ -16,8 +16,8 @@ import torch
 
 from lightning_offpolicy.logprobs import causal_lm_token_logprobs
 from lightning_offpolicy.rollout.engine import Completion, SamplingConfig
-from lightning_offpolicy.rollout.vllm_engine import VLLMEngine
-from lightning_offpolicy.rollout.weight_sync import (
+from lightning_offpolicy.rollout.vllm.inprocess import VLLMEngine
+from lightning_offpolicy.rollout.vllm.weight_sync import (
     adapter_rank,
     base_state_dict,
     merged_state_dict,
@@ -201,7 +201,7 @@ def test_save_adapter_and_rank(tmp_path):
 
 @requires_vllm
 def test_adapter_mode_needs_a_peft_model_and_a_first_sync():
-    from lightning_offpolicy.rollout.vllm_engine import _vllm_lora_rank
+    from lightning_offpolicy.rollout.vllm.lora import vllm_lora_rank
     from lightning_offpolicy.tiny import build_tiny_llama
 
     engine = VLLMEngine(model="unused", eos_token_id=2, lora_sync="adapter")
@@ -212,9 +212,9 @@ def test_adapter_mode_needs_a_peft_model_and_a_first_sync():
     with pytest.raises(RuntimeError, match="update_weights before generate"):
         engine.generate([[1, 2]], SamplingConfig(max_new_tokens=2))
     assert not engine.started
-    assert [_vllm_lora_rank(r) for r in (1, 2, 8, 9, 17, 320)] == [1, 8, 8, 16, 32, 320]
+    assert [vllm_lora_rank(r) for r in (1, 2, 8, 9, 17, 320)] == [1, 8, 8, 16, 32, 320]
     with pytest.raises(ValueError, match="lora_sync='merged'"):
-        _vllm_lora_rank(4096)
+        vllm_lora_rank(4096)
 
 
 # ---------------------------------------------------------------------- real engines, one at a time

@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from lightning_offpolicy.rollout.engine import SamplingConfig
-from lightning_offpolicy.rollout.vllm_engine import VLLMEngine
-from lightning_offpolicy.rollout.weight_sync import SyncCheck, trainer_probe_logprobs
+from lightning_offpolicy.rollout.vllm.inprocess import VLLMEngine
+from lightning_offpolicy.rollout.vllm.weight_sync import SyncCheck, trainer_probe_logprobs
 from tests.vllm_fixtures import requires_vllm, reverse_prompts
 
 pytestmark = pytest.mark.slow
@@ -64,7 +64,7 @@ def test_bfloat16_engine_on_a_peaked_policy(tiny_ckpt, vllm_engine_holder, monke
         print(f"\nbfloat16 engine, peaked policy: probe |engine - trainer| max per sync {[round(d, 3) for d in diffs]}")
         assert engine.version == 6 and max(diffs) > 1.0  # the former fixed tolerance (1 nat) would have raised
         with pytest.raises(RuntimeError, match="did not arrive"):  # that is, the old rule on the same numbers
-            SyncCheck("old rule")(engine._engine_probe_logprobs(), trainer_probe_logprobs(trainer, probe), 1.0)
+            SyncCheck("old rule")(engine._engine_probe_logprobs(probe), trainer_probe_logprobs(trainer, probe), 1.0)
 
         # A sync that did not arrive (the peer bug: the reload silently does nothing), after one small step.
         with monkeypatch.context() as patch:

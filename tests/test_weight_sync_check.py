@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lightning_offpolicy.rollout.weight_sync import SyncCheck, SyncTolerance, sync_tolerance, weights_dtype
+from lightning_offpolicy.rollout.vllm.weight_sync import SyncCheck, SyncTolerance, sync_tolerance, weights_dtype
 from lightning_offpolicy.tiny import build_tiny_llama
 
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from lightning_offpolicy.rollout.vllm_engine import VLLMEngine, vllm_available
+from lightning_offpolicy.rollout.vllm.inprocess import VLLMEngine, vllm_available
 
 requires_vllm = pytest.mark.skipif(not vllm_available(), reason="vLLM is not installed")
 

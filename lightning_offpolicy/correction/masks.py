@@ -12,7 +12,8 @@ import math
 import torch
 
 from lightning_offpolicy.correction.config import RejectEstimator, RejectLevel
-from lightning_offpolicy.correction.ratios import masked, safe_exp, sequence_count, sequence_max, sequence_sum
+from lightning_offpolicy.correction.kl import kl_of_log_ratio
+from lightning_offpolicy.correction.ratios import masked, sequence_count, sequence_max, sequence_sum
 
 
 def within(log_values: torch.Tensor, low: float | None, high: float | None) -> torch.Tensor:
@@ -52,11 +53,8 @@ def kl_statistic(log_rho: torch.Tensor, estimator: RejectEstimator) -> torch.Ten
     ``k1 = -log_rho`` (compared in absolute value), ``k2 = log_rho^2 / 2``,
     ``k3 = rho - 1 - log_rho`` (non-negative).
     """
-    if estimator == "k1":
-        return (-log_rho).abs()
-    if estimator == "k2":
-        return 0.5 * log_rho.square()
-    return safe_exp(log_rho) - 1.0 - log_rho
+    # KL(pi_rollout || pi_prox) on rollout samples: d = log pi_rollout - log pi_prox = -log_rho.
+    return kl_of_log_ratio(-log_rho, "abs" if estimator == "k1" else estimator)
 
 
 def kl_reject_token_mask(

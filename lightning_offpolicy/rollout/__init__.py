@@ -2,9 +2,9 @@
 
 from lightning_offpolicy.rollout.callback import RolloutCallback
 from lightning_offpolicy.rollout.engine import Completion, RolloutEngine, SamplingConfig
-from lightning_offpolicy.rollout.hf_engine import HFEngine
-from lightning_offpolicy.rollout.remote_vllm import RemoteVLLMEngine
-from lightning_offpolicy.rollout.vllm_engine import VLLMEngine
+from lightning_offpolicy.rollout.hf import HFEngine
+from lightning_offpolicy.rollout.vllm import RemoteVLLMEngine
+from lightning_offpolicy.rollout.vllm.inprocess import VLLMEngine
 
 __all__ = [
     "Completion",

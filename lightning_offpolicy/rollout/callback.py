@@ -51,17 +51,17 @@ from lightning.pytorch.loggers import TensorBoardLogger
 from lightning.pytorch.utilities import rank_zero_info
 from typing_extensions import override
 
-from lightning_offpolicy.advantages import ADVANTAGE_ESTIMATORS, compute_advantages
+from lightning_offpolicy.advantages import ADVANTAGE_ESTIMATORS
 from lightning_offpolicy.argcheck import is_int, is_real
 from lightning_offpolicy.batch import PromptBatch, RolloutBatch
-from lightning_offpolicy.evaluation import EvaluationBatch, prompt_seed
-from lightning_offpolicy.preflight import check_context, check_group_size, check_prompt_fits, check_vocab, context_limit
-from lightning_offpolicy.rewards import RewardSpec, resolve_reward, score_completions
+from lightning_offpolicy.evaluation import EvaluationBatch
+from lightning_offpolicy.preflight import check_context, check_group_size, check_vocab, context_limit
+from lightning_offpolicy.rewards import RewardSpec, resolve_reward
 from lightning_offpolicy.rollout.engine import RolloutEngine, SamplingConfig, generation_eos_ids
-from lightning_offpolicy.rollout.hf_engine import HFEngine
+from lightning_offpolicy.rollout.hf import HFEngine
+from lightning_offpolicy.rollout.pipeline import Rollouter
 from lightning_offpolicy.rollout.producer import RolloutProducer
 from lightning_offpolicy.rollout.prompt_source import prompt_batches
-from lightning_offpolicy.tokenizers import encode_prompt
 
 
 class RolloutCallback(Callback):
@@ -148,7 +148,6 @@ class RolloutCallback(Callback):
         self.max_staleness = max_staleness
         self.sync_every = sync_every
         self.success_threshold = float(success_threshold)
-        self._greedy_sampling = SamplingConfig(max_new_tokens=max_new_tokens, samples_per_prompt=1, greedy=True)
         # Policy version whose weights the current validation epoch pushed (None: not pushed yet).
         self._evaluated_version: int | None = None
         #: Batches handed to training so far (restored from checkpoints; numbers the seeds).
@@ -240,6 +239,9 @@ class RolloutCallback(Callback):
         engine = self._engine(pl_module)
         version = int(pl_module.policy_version)
         engine.update_weights(pl_module.policy, version)
+        # A fresh loader of the same dataset and sampler settings, for the producer thread alone:
+        # `trainer.train_dataloader` is the fit loop's own, and set_epoch on its DistributedSampler
+        # from this thread would race with the loop. Lightning has no public way to ask for another.
         source = trainer.fit_loop._data_source.dataloader()
         self.producer = RolloutProducer(
             produce=self._produce,
@@ -299,40 +301,26 @@ class RolloutCallback(Callback):
         if diff is not None:
             self.last_timing["sync_probe_diff"] = float(diff)
 
+    def _pipeline(self) -> Rollouter:
+        """The rollout pipeline with the callback's current settings (the seed is restored on resume)."""
+        return Rollouter(
+            self.engine,
+            self._tokenizer,
+            self.reward_fn,
+            self.sampling,
+            advantage_estimator=self.advantage_estimator,
+            seed=self.seed,
+            context_limit=self._context_limit,
+            success_threshold=self.success_threshold,
+        )
+
     def _produce(self, prompts: PromptBatch, index: int) -> tuple[RolloutBatch, float]:
         """Generate and score batch ``index`` with the engine's current weights (any thread)."""
-        tokenizer = self._tokenizer
-        # The tokenizer's own rule (bos only where it adds one; chat prompts through its template).
-        prompt_ids = [encode_prompt(tokenizer, prompt) for prompt in prompts.prompts]
-        started = time.perf_counter()
-        check_prompt_fits(max(map(len, prompt_ids), default=0), self.sampling.max_new_tokens, self._context_limit)
-        completions = self.engine.generate(prompt_ids, self.sampling, seed=_mix_seed(self.seed, index, self._rank))
-        generate_s = time.perf_counter() - started
-        texts = [tokenizer.decode(c.token_ids) for c in completions]
-        owners = [c.prompt_index for c in completions]
-        scored = score_completions(
-            self.reward_fn, [prompts.prompts[i] for i in owners], texts, [prompts.metadata[i] for i in owners]
-        )
-        rewards = scored.total.float()
-        group_ids = torch.tensor(owners, dtype=torch.long)
-        advantages = compute_advantages(self.advantage_estimator, rewards, group_ids)
-        rollout = RolloutBatch.from_sequences(
-            prompt_ids=[prompt_ids[i] for i in owners],
-            response_ids=[c.token_ids for c in completions],
-            rewards=rewards,
-            advantages=advantages,
-            group_ids=group_ids,
-            policy_versions=[c.policy_version for c in completions],
-            rollout_logprobs=None
-            if any(c.logprobs is None for c in completions)
-            else [c.logprobs for c in completions],
-            pad_token_id=tokenizer.pad_token_id,
-        )
-        if scored.components:
-            rollout = rollout.with_fields(reward_components={k: v.float() for k, v in scored.components.items()})
+        rollout, generate_s = self._pipeline().rollout(prompts, index, self._rank)
         if index == 0:
             rank_zero_info(
-                f"RolloutCallback: first rollout: {len(completions)} completions, {rollout.num_response_tokens} tokens"
+                f"RolloutCallback: first rollout: {rollout.num_sequences} completions, "
+                f"{rollout.num_response_tokens} tokens"
             )
         return rollout, generate_s
 
@@ -427,31 +415,7 @@ class RolloutCallback(Callback):
             if self.producer is not None:
                 self.producer.set_engine_version(version)  # the producer's next batches are fresher
             self._evaluated_version = version
-        prompt_ids = [encode_prompt(self._tokenizer, prompt) for prompt in prompts.prompts]
-        greedy = engine.generate(prompt_ids, self._greedy_sampling)
-        sampled = []
-        for text, ids in zip(prompts.prompts, prompt_ids, strict=True):
-            # One call per prompt, seeded by its text: the same samples at every evaluation, whatever
-            # the batch size or number of ranks.
-            sampled += engine.generate([ids], self.sampling, seed=prompt_seed(self.seed, text))
-        k = self.sampling.samples_per_prompt
-        owners = list(range(len(prompts))) + [i for i in range(len(prompts)) for _ in range(k)]
-        rewards = self._evaluation_rewards(prompts, owners, [*greedy, *sampled])
-        num = len(prompts)
-        return EvaluationBatch.from_scores(
-            greedy_rewards=rewards[:num],
-            sampled_rewards=[rewards[num + i * k : num + (i + 1) * k] for i in range(num)],
-            greedy_lengths=[len(c.token_ids) for c in greedy],
-            sampled_lengths=[[len(c.token_ids) for c in sampled[i * k : (i + 1) * k]] for i in range(num)],
-            success_threshold=self.success_threshold,
-        )
-
-    def _evaluation_rewards(self, prompts: PromptBatch, owners: list[int], completions: list[Any]) -> list[float]:
-        texts = [self._tokenizer.decode(c.token_ids) for c in completions]
-        scored = score_completions(
-            self.reward_fn, [prompts.prompts[i] for i in owners], texts, [prompts.metadata[i] for i in owners]
-        )
-        return scored.total.tolist()
+        return self._pipeline().evaluate(prompts)
 
     # ------------------------------------------------------------------------------ state
     @override
@@ -482,7 +446,3 @@ class RolloutCallback(Callback):
             self.engine.close()  # also wakes a vLLM request in flight
         if producer is not None:
             producer.close()
-
-
-def _mix_seed(seed: int, step: int, rank: int) -> int:
-    return (seed * 1_000_003 + step * 9_973 + rank * 7_919) % (2**31 - 1)

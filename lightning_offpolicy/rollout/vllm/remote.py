@@ -1,0 +1,627 @@
+"""Rollouts from a ``vllm serve`` server over HTTP (vLLM's OpenAI-compatible API), so rollout scales past one machine.
+
+:class:`RemoteVLLMEngine` is a :class:`~lightning_offpolicy.rollout.engine.RolloutEngine` that
+talks to a vLLM server started elsewhere (``docs/remote_vllm.md`` has the command line);
+:func:`~lightning_offpolicy.rollout.vllm.server.launch_local_server` starts one on this machine
+(tests, single-host runs). This module imports neither vLLM nor an HTTP library: the client is
+the standard library's ``http.client``, so a trainer host needs no vLLM at all.
+
+Same guarantees as the in-process :class:`~lightning_offpolicy.rollout.VLLMEngine`:
+
+* **Logprobs of the distribution sampled from.** The server must run with
+  ``--logprobs-mode processed_logprobs`` (vLLM's default returns raw model logprobs, which are
+  *not* ``pi_rollout`` once temperature / top-k / top-p apply). The engine reads the server's
+  configuration at connect time (``/server_info``, a dev-mode endpoint) and refuses any other mode.
+* **Token ids in, token ids out.** Prompts go to ``/v1/completions`` as token-id lists; each
+  answer carries the sampled ids (``return_token_ids``) and their logprobs (``logprobs=0``,
+  tokens named ``token_id:N``, so the server needs no tokenizer: ``--skip-tokenizer-init``).
+  Generation stops on the engine's stop ids (``eos_token_id`` and ``stop_token_ids``) and only on them
+  (``ignore_eos`` + ``stop_token_ids``), the
+  penalties are sent explicitly as neutral (a checkpoint's ``generation_config.json`` cannot slip
+  in a ``repetition_penalty``), and the seeds follow :class:`VLLMEngine`'s scheme exactly.
+* **In-place weight sync with a self-check.** :meth:`RemoteVLLMEngine.update_weights` writes the
+  trainer's weights as safetensors (atomically) into a private subdirectory of ``weights_dir``, a
+  directory the server can read (shared storage across machines), asks the server to reload them
+  in place (``POST /collective_rpc`` with ``reload_weights``) and to drop its prefix cache
+  (``POST /reset_prefix_cache``); both endpoints exist only with ``VLLM_SERVER_DEV_MODE=1``. With
+  ``check_weight_sync`` it then compares the server's logprobs of a probe sequence
+  (``prompt_logprobs``) with the trainer's (:class:`~lightning_offpolicy.rollout.vllm.weight_sync.SyncCheck`):
+  a sync that silently never arrived raises instead of poisoning the run.
+* **No hangs.** Every request has a deadline (``request_timeout_s``); a refused connection, a
+  timeout, a dropped connection or an HTTP error raises a ``RuntimeError`` that names the server
+  and what to check. :meth:`RemoteVLLMEngine.close` wakes a request in flight in another thread.
+
+Start-up, connect and sync times measured on a CPU machine: ``docs/remote_vllm.md``.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import logging
+import os
+import shutil
+import socket
+import stat
+import tempfile
+import threading
+import time
+import warnings
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any, TypeVar
+
+import torch
+
+from lightning_offpolicy.argcheck import is_int
+from lightning_offpolicy.rollout.engine import (
+    SamplingConfig,
+)
+from lightning_offpolicy.rollout.vllm.base import RawSample, VLLMEngineBase
+from lightning_offpolicy.rollout.vllm.errors import DEV_MODE_HINT
+from lightning_offpolicy.rollout.vllm.http import (
+    HTTPClient,
+    HTTPStatusError,
+    host_for_url,
+    is_loopback,
+    parse_base_url,
+)
+from lightning_offpolicy.rollout.vllm.weight_sync import (
+    PROBE_LENGTH,
+    full_state_dict,
+    probe_ids,
+    write_safetensors,
+)
+
+__all__ = ["RemoteVLLMEngine"]
+
+log = logging.getLogger(__name__)
+
+_T = TypeVar("_T")
+_WHO = "RemoteVLLMEngine"
+
+
+class RemoteVLLMEngine(VLLMEngineBase):
+    """Sample from a vLLM server (``vllm serve``) over its OpenAI-compatible HTTP API.
+
+    The server must run with ``--logprobs-mode processed_logprobs`` and, for weight syncs, with
+    ``VLLM_SERVER_DEV_MODE=1``; both are checked at connect time (the first ``generate`` /
+    ``update_weights``, or :meth:`connect`). One trainer per server: a weight sync changes the
+    weights for every client of the server.
+
+    Args:
+        base_url: The server's address, e.g. ``"http://10.0.0.5:8000"`` (a trailing ``/v1`` is
+            accepted and dropped).
+        model: Served model name (``--served-model-name``, by default the path the server was
+            started with); ``None``: ask the server (``/v1/models``), which must serve exactly one.
+        weights_dir: Directory that BOTH this trainer and the server can read and write at the
+            same path (shared storage such as NFS when they run on different machines; see
+            ``server_weights_dir`` when the server mounts it elsewhere). Each sync writes the
+            trainer's weights as safetensors into a private subdirectory (``0700``, files
+            ``0600``; removed by :meth:`close`) and asks the server to reload from there. Whoever
+            can write there controls the policy the server samples (docs/remote_vllm.md, "Trust
+            model"). ``None``: no weight syncs (``update_weights`` raises).
+        server_weights_dir: The path under which the server sees ``weights_dir`` (``None``: the
+            same path).
+        request_timeout_s: Longest one HTTP request (a generation of one prompt's samples, a
+            weight reload) may take before a ``RuntimeError`` is raised.
+        max_concurrent_requests: Requests in flight at once from this client (one request per
+            prompt, carrying its ``samples_per_prompt`` samples); the server batches them.
+        check_weight_sync: After each ``update_weights`` from a module, check that the server's
+            logprobs of a fixed probe sequence match the module's; raise ``RuntimeError`` if not.
+        weight_sync_tolerance: Absolute part (nats) of the per-token |logprob difference| the check
+            accepts. ``None``: ``1e-3`` when the server and the trainer's module are both float32,
+            else ``1.0``. With a reduced-precision server or trainer a relative part is added,
+            ``16 * eps * |trainer logprob|`` (bfloat16: 0.125 |lp|), since the difference grows with
+            the logits (``weight_sync.SyncTolerance``); a sync that did not arrive is also caught by
+            the "server unchanged while the trainer moved" test.
+        eos_token_id: Stop token id; ``None``: set by the ``RolloutCallback`` from the module's
+            tokenizer (:meth:`set_special_tokens`).
+        stop_token_ids: More ids that end a completion besides ``eos_token_id``; ``None``: the eos
+            ids the model's generation config lists (set by the ``RolloutCallback``); ``[]``: none.
+        pad_token_id: Not needed by the server; accepted for symmetry with :class:`HFEngine`.
+        api_key: The server's ``--api-key`` (sent as ``Authorization: Bearer``); ``None``: the
+            environment variable ``VLLM_API_KEY`` if set. vLLM checks it on ``/v1`` routes only:
+            its dev-mode endpoints are unauthenticated, keep the server on a private network. A
+            key sent over ``http://`` to a host other than loopback gets a warning.
+        share_weights_with_group: Make the sync directory and files readable (never writable) by
+            the group of ``weights_dir`` (``0750`` / ``0640``) for a server running as another user
+            of that group. ``False``: owner only (``0700`` / ``0600``), whatever the umask.
+
+    Attributes:
+        version: Policy version of the weights in the server (stamped on every completion).
+        model_name: The served model name in use (known after :meth:`connect`).
+        max_model_len: The server's context length (known after :meth:`connect`).
+        connect_time_s: Seconds the connect-time checks took.
+        last_sync_time_s: Seconds of the last weight sync (write + reload + cache reset).
+        last_write_time_s: Seconds the last sync spent writing the safetensors file.
+        last_reload_time_s: Seconds the server took to reload the weights in the last sync.
+        last_generate_tokens_per_s: Generated tokens per second of the last ``generate``.
+    """
+
+    _who = _WHO
+    _backend = "the server"
+
+    def __init__(
+        self,
+        base_url: str,
+        model: str | None = None,
+        weights_dir: str | None = None,
+        server_weights_dir: str | None = None,
+        request_timeout_s: float = 600.0,
+        max_concurrent_requests: int = 32,
+        check_weight_sync: bool = True,
+        weight_sync_tolerance: float | None = None,
+        eos_token_id: int | None = None,
+        stop_token_ids: list[int] | None = None,
+        pad_token_id: int | None = None,
+        api_key: str | None = None,
+        share_weights_with_group: bool = False,
+    ) -> None:
+        scheme, host, port, prefix = parse_base_url(base_url)
+        if model is not None and (not isinstance(model, str) or not model):
+            raise ValueError(
+                f"RemoteVLLMEngine.model={model!r} must be the served model name (a non-empty str) or None "
+                "(ask the server)."
+            )
+        for name, value in (("weights_dir", weights_dir), ("server_weights_dir", server_weights_dir)):
+            if value is not None and (not isinstance(value, (str, os.PathLike)) or not str(value)):
+                raise ValueError(f"RemoteVLLMEngine.{name}={value!r} must be a directory path (str) or None.")
+        if weights_dir is not None and Path(weights_dir).exists() and not Path(weights_dir).is_dir():
+            raise ValueError(
+                f"RemoteVLLMEngine.weights_dir={str(weights_dir)!r} exists and is not a directory: give a directory "
+                "that both the trainer and the server can read (it is created if missing)."
+            )
+        if server_weights_dir is not None and weights_dir is None:
+            raise ValueError("RemoteVLLMEngine.server_weights_dir is set but weights_dir is not: set weights_dir too.")
+        if not is_int(max_concurrent_requests) or max_concurrent_requests < 1:
+            raise ValueError(
+                f"RemoteVLLMEngine.max_concurrent_requests={max_concurrent_requests!r} must be an int >= 1."
+            )
+        if api_key is not None and (not isinstance(api_key, str) or not api_key):
+            raise ValueError("RemoteVLLMEngine.api_key must be a non-empty str or None.")
+        if not isinstance(share_weights_with_group, bool):
+            raise ValueError(
+                f"RemoteVLLMEngine.share_weights_with_group={share_weights_with_group!r} must be True or False."
+            )
+        api_key = api_key or os.environ.get("VLLM_API_KEY") or None
+        if api_key and scheme == "http" and not is_loopback(host):
+            warnings.warn(
+                f"RemoteVLLMEngine: the API key goes to {host} over plain http://: anyone on the network path can read "
+                "it (and the prompts, completions and weight paths). Use https:// (a TLS proxy in front of the "
+                "server), an SSH tunnel, or a private network.",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+        self.base_url = f"{scheme}://{host_for_url(host)}:{port}{prefix}"
+        self.model = model
+        self.weights_dir = None if weights_dir is None else str(weights_dir)
+        self.server_weights_dir = None if server_weights_dir is None else str(server_weights_dir)
+        self._init_common(
+            check_weight_sync, weight_sync_tolerance, request_timeout_s, pad_token_id, eos_token_id, stop_token_ids
+        )
+        self.max_concurrent_requests = int(max_concurrent_requests)
+        self.model_name: str | None = None
+        self.max_model_len: int | None = None
+        self.dev_mode: bool | None = None
+        self.server_dtype: str | None = None
+        self.connect_time_s: float | None = None
+        self.last_write_time_s: float | None = None
+        self.last_reload_time_s: float | None = None
+
+        self.share_weights_with_group = share_weights_with_group
+        self._http = HTTPClient(scheme, host, port, prefix, api_key, self.base_url)
+        self._lock = threading.Lock()
+        self._pool: concurrent.futures.ThreadPoolExecutor | None = None
+        self._pool_lock = threading.Lock()
+        # The model's vocabulary size, learned from the first update_weights: vLLM 0.32 started
+        # without a tokenizer does not check prompt token ids, and an out-of-range id kills its engine.
+        self._vocab_size: int | None = None
+        self._sync_dir: Path | None = None
+
+    # ------------------------------------------------------------------ public API
+
+    @property
+    def connected(self) -> bool:
+        """Whether the connect-time checks have run (and passed)."""
+        return self.model_name is not None
+
+    @property
+    def compute_dtype(self) -> torch.dtype | None:
+        """The dtype the server computes in, from its ``/server_info`` (``None``: not known)."""
+        # /server_info spells it "torch.bfloat16"; anything unknown counts as reduced precision.
+        dtype = getattr(torch, (self.server_dtype or "").removeprefix("torch."), None)
+        return dtype if isinstance(dtype, torch.dtype) else None
+
+    def _backend_stats(self) -> dict[str, float | None]:
+        return {
+            "vllm/connect_s": self.connect_time_s,
+            "vllm/sync_write_s": self.last_write_time_s,
+            "vllm/sync_reload_s": self.last_reload_time_s,
+        }
+
+    def connect(self) -> None:
+        """Check the server now: reachable, the model served, dev mode and ``--logprobs-mode``.
+
+        Runs once, lazily, at the first ``generate`` / ``update_weights``; call it to fail early.
+        Raises ``RuntimeError`` when the server is unreachable or misconfigured for RL.
+        """
+        self._check_usable()
+        if self.connected:
+            return
+        begin = time.perf_counter()
+        listing = self._http.request("GET", "/v1/models", timeout=self.request_timeout_s, what="connect (/v1/models)")
+        served = [m for m in (listing or {}).get("data", []) if isinstance(m, dict) and "id" in m]
+        names = [str(m["id"]) for m in served]
+        if self.model is None:
+            if len(served) != 1:
+                raise RuntimeError(
+                    f"RemoteVLLMEngine: the server at {self.base_url} serves {len(served)} models ({names}): "
+                    "pass RemoteVLLMEngine(model=...) to choose one."
+                )
+            entry = served[0]
+        else:
+            matches = [m for m in served if m["id"] == self.model]
+            if not matches:
+                raise RuntimeError(
+                    f"RemoteVLLMEngine.model={self.model!r} is not served by {self.base_url}; it serves {names}. "
+                    "Pass one of those (or model=None to take the only one)."
+                )
+            entry = matches[0]
+        max_len = entry.get("max_model_len")
+        max_model_len = int(max_len) if isinstance(max_len, int) and max_len > 1 else None
+        config = self._server_model_config()
+        if config is None:
+            self.dev_mode = False
+            warnings.warn(
+                f"RemoteVLLMEngine: the server at {self.base_url} is not in dev mode, so its --logprobs-mode cannot "
+                "be checked. Unless it runs with --logprobs-mode processed_logprobs, its logprobs are the raw "
+                "model's, NOT those of the distribution sampled from, and every off-policy correction is wrong. "
+                f"Weight syncs need dev mode too: {DEV_MODE_HINT}.",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+        else:
+            self.dev_mode = True
+            mode = config.get("logprobs_mode")
+            if mode != "processed_logprobs":
+                raise RuntimeError(
+                    f"RemoteVLLMEngine: the server at {self.base_url} runs with --logprobs-mode {mode}: its logprobs "
+                    "are not those of the distribution it samples from (temperature / top-k / top-p applied), which "
+                    "RL needs. Restart it with --logprobs-mode processed_logprobs."
+                )
+            self.server_dtype = str(config.get("dtype")) if config.get("dtype") is not None else None
+            if max_model_len is None and isinstance(config.get("max_model_len"), int):
+                max_model_len = int(config["max_model_len"])
+            if config.get("generation_config") not in (None, "vllm"):
+                log.info(
+                    "RemoteVLLMEngine: the server reads default sampling parameters from %r; every request sets its "
+                    "own (start it with --generation-config vllm to be sure none applies).",
+                    config.get("generation_config"),
+                )
+        self.max_model_len = max_model_len
+        self.model_name = str(entry["id"])
+        self.connect_time_s = time.perf_counter() - begin
+        log.info(
+            "RemoteVLLMEngine: connected to %s (model %r, max_model_len %s, dev mode %s, dtype %s)",
+            self.base_url,
+            self.model_name,
+            self.max_model_len,
+            self.dev_mode,
+            self.server_dtype,
+        )
+
+    def _prepare_generate(self, prompts: list[list[int]], sampling: SamplingConfig) -> None:
+        top = max(max(p) for p in prompts)
+        if self._vocab_size is not None and top >= self._vocab_size:
+            raise ValueError(
+                f"RemoteVLLMEngine.generate: token id {top} is outside the model's vocabulary ({self._vocab_size} "
+                "tokens); not sent: a vLLM server without a tokenizer does not check ids, and such a prompt kills it."
+            )
+        self.connect()
+        self._check_length(
+            max(len(p) for p in prompts),
+            sampling.max_new_tokens,
+            "restart the server with a larger --max-model-len or generate fewer tokens",
+        )
+
+    def _sample(
+        self, prompts: list[list[int]], sampling: SamplingConfig, seeds: list[int | None]
+    ) -> tuple[list[list[RawSample]], int]:
+        bodies = [self._completion_body(p, sampling, s) for p, s in zip(prompts, seeds, strict=True)]
+        with self._lock:
+            self._check_usable()
+            version = self.version
+            answers = self._map(
+                lambda body: self._http.request(
+                    "POST", "/v1/completions", body, timeout=self.request_timeout_s, what="generate"
+                ),
+                bodies,
+            )
+        return [_raw_samples(answer) for answer in answers], version
+
+    def _prepare_sync(self, source: torch.nn.Module | Mapping[str, torch.Tensor], is_module: bool) -> None:
+        if self.weights_dir is None:
+            raise RuntimeError(
+                "RemoteVLLMEngine.update_weights needs weights_dir: a directory both this trainer and the server can "
+                "read (shared storage across machines). Pass RemoteVLLMEngine(weights_dir=...)."
+            )
+        self.connect()
+        if not self.dev_mode:
+            raise RuntimeError(
+                f"RemoteVLLMEngine.update_weights: the server at {self.base_url} is not in dev mode, so it cannot "
+                f"reload weights: {DEV_MODE_HINT}."
+            )
+
+    def _push(self, source: torch.nn.Module | Mapping[str, torch.Tensor], is_module: bool, version: int) -> None:
+        self._vocab_size = _vocab_size(source) or self._vocab_size
+        self._sync(source)
+
+    def close(self) -> None:
+        """Stop using the server: wake a request in flight, remove the sync files. The server keeps running.
+
+        A ``generate`` running in another thread (a background rollout) raises ``RuntimeError``.
+        Idempotent.
+        """
+        self._closed = True
+        self._http.close()
+        with self._pool_lock:
+            pool, self._pool = self._pool, None
+        if pool is not None:
+            pool.shutdown(wait=False, cancel_futures=True)
+        acquired = self._lock.acquire(timeout=self.request_timeout_s)  # a sync in flight is woken above
+        try:
+            if self._sync_dir is not None:
+                shutil.rmtree(self._sync_dir, ignore_errors=True)
+                self._sync_dir = None
+        finally:
+            if acquired:
+                self._lock.release()
+
+    def __repr__(self) -> str:
+        state = "closed" if self._closed else ("connected" if self.connected else "not connected")
+        return f"RemoteVLLMEngine(base_url={self.base_url!r}, model={self.model_name or self.model!r}, {state})"
+
+    # ------------------------------------------------------------------ requests
+
+    def _server_model_config(self) -> dict[str, Any] | None:
+        """The server's model configuration (``/server_info``); ``None`` when it is not in dev mode."""
+        try:
+            info = self._http.request(
+                "GET", "/server_info?config_format=json", timeout=self.request_timeout_s, what="connect (/server_info)"
+            )
+        except HTTPStatusError as err:
+            if err.status == 404:
+                return None
+            raise
+        config = ((info or {}).get("vllm_config") or {}).get("model_config")
+        if not isinstance(config, dict):
+            raise RuntimeError(
+                f"RemoteVLLMEngine: /server_info of {self.base_url} has no vllm_config.model_config (not a vLLM "
+                "server, or a vLLM version this engine does not know; it was written for vLLM 0.32)."
+            )
+        return config
+
+    def _completion_body(self, prompt: list[int], sampling: SamplingConfig, seed: int | None) -> dict[str, Any]:
+        body: dict[str, Any] = {
+            "model": self.model_name,
+            "prompt": prompt,
+            "n": sampling.samples_per_prompt,
+            "max_tokens": sampling.max_new_tokens,
+            **sampling.sampler_settings(),  # temperature 0 when greedy (vLLM's argmax); top_k 0: off
+            # Neutral, explicitly: otherwise the server takes them from the checkpoint's
+            # generation_config.json (unless started with --generation-config vllm), and a penalty
+            # would change the distribution sampled from without the trainer knowing.
+            "min_p": 0.0,
+            "repetition_penalty": 1.0,
+            "presence_penalty": 0.0,
+            "frequency_penalty": 0.0,
+            "logprobs": 0,  # the sampled token's logprob only
+            # Stop on the engine's stop ids and only on them, as HFEngine / VLLMEngine: without
+            # ignore_eos the server would decide the stop ids itself.
+            "ignore_eos": True,
+            "stop_token_ids": self.stop_ids,
+            "return_token_ids": True,
+            # Name the logprob tokens "token_id:N": no tokenizer needed (--skip-tokenizer-init).
+            "return_tokens_as_token_ids": True,
+            "stream": False,
+        }
+        if seed is not None:
+            body["seed"] = seed
+        return body
+
+    def _map(self, fn: Callable[[Any], _T], items: Sequence[Any]) -> list[_T]:
+        """``fn`` over ``items``, at most ``max_concurrent_requests`` in flight; the first error cancels the rest."""
+        if len(items) == 1:
+            return [fn(items[0])]
+        with self._pool_lock:  # close() may run in another thread: never use a pool it has shut down
+            if self._closed:
+                raise RuntimeError("RemoteVLLMEngine was closed during generate.")
+            if self._pool is None:
+                self._pool = concurrent.futures.ThreadPoolExecutor(
+                    max_workers=self.max_concurrent_requests, thread_name_prefix="RemoteVLLMEngine"
+                )
+            pool = self._pool
+        futures: list[concurrent.futures.Future[_T]] = []
+        try:
+            for item in items:
+                futures.append(pool.submit(fn, item))  # raises RuntimeError once close() shut the pool down
+            # Each request ends within its own deadline, so waiting for them in turn cannot hang.
+            return [f.result() for f in futures]
+        except (concurrent.futures.CancelledError, RuntimeError) as err:
+            for f in futures:
+                f.cancel()
+            if self._closed:  # close() from another thread cancelled the queue / shut the pool down
+                raise RuntimeError("RemoteVLLMEngine was closed during generate.") from err
+            raise
+        except BaseException:
+            for f in futures:
+                f.cancel()
+            raise
+
+    # ------------------------------------------------------------------ weight sync
+
+    def _sync(self, source: torch.nn.Module | Mapping[str, torch.Tensor]) -> None:
+        begin = time.perf_counter()
+        # A peft LoRA policy goes over as merged weights (W + scaling B A, computed out of place).
+        tensors = full_state_dict(source, "RemoteVLLMEngine.update_weights")
+        sync_dir = self._ensure_sync_dir()
+        write_safetensors(tensors, sync_dir, mode=0o640 if self.share_weights_with_group else 0o600)
+        del tensors
+        written = time.perf_counter()
+        self._reload_weights(self._server_path(sync_dir))
+        reloaded = time.perf_counter()
+        self._reset_prefix_cache()
+        self.last_write_time_s = written - begin
+        self.last_reload_time_s = reloaded - written
+        self.last_sync_time_s = time.perf_counter() - begin
+
+    def _ensure_sync_dir(self) -> Path:
+        if self._sync_dir is None:
+            assert self.weights_dir is not None
+            root = Path(self.weights_dir)
+            dir_mode = 0o750 if self.share_weights_with_group else 0o700
+            try:
+                root.mkdir(parents=True, exist_ok=True, mode=dir_mode)
+                # Private to this engine (mkdtemp: 0700, whatever the umask): the server loads every
+                # *.safetensors file of the directory it is given, so no other user may write there.
+                path = Path(tempfile.mkdtemp(prefix=f"lightning_offpolicy_sync_{socket.gethostname()}_", dir=root))
+                os.chmod(path, dir_mode)
+            except OSError as err:
+                raise RuntimeError(
+                    f"RemoteVLLMEngine: cannot create the sync directory in weights_dir={self.weights_dir!r} ({err}): "
+                    "it must be writable by the trainer."
+                ) from err
+            _warn_if_others_can_replace(root)
+            self._sync_dir = path
+        return self._sync_dir
+
+    def _server_path(self, local: Path) -> str:
+        """``local`` (inside ``weights_dir``) as the server sees it."""
+        if self.server_weights_dir is None:
+            return str(local)
+        assert self.weights_dir is not None
+        return str(Path(self.server_weights_dir) / local.relative_to(Path(self.weights_dir)))
+
+    def _reload_weights(self, server_path: str) -> None:
+        """Ask the server to reload its weights in place from the safetensors files in ``server_path``."""
+        try:
+            self._http.request(
+                "POST",
+                "/collective_rpc",
+                {
+                    "method": "reload_weights",
+                    "kwargs": {"weights_path": server_path},
+                    "timeout": self.request_timeout_s,
+                },
+                timeout=self.request_timeout_s,
+                what="reload_weights",
+            )
+        except HTTPStatusError as err:
+            if err.status == 404:
+                raise RuntimeError(f"RemoteVLLMEngine: the server has no /collective_rpc: {DEV_MODE_HINT}.") from err
+            # vLLM 0.32 swaps the weights for placeholders before loading: after a failed reload the
+            # server's model is half-loaded and its next generation kills the engine. Do not use it again.
+            self._failure = (
+                f"the server at {self.base_url} failed to reload the weights written to {server_path!r} and must be "
+                "restarted (a failed reload leaves vLLM's weights half-loaded). Is weights_dir on storage the server "
+                "can read at that path (set server_weights_dir if it mounts it elsewhere)?"
+            )
+            raise RuntimeError(f"{err} {self._failure}") from err
+
+    def _reset_prefix_cache(self) -> None:
+        """Drop the server's prefix cache: cached KV of the old weights must not serve new requests."""
+        for attempt in range(20):
+            answer = self._http.request(
+                "POST", "/reset_prefix_cache", timeout=self.request_timeout_s, what="reset_prefix_cache"
+            )
+            # vLLM 0.32 answers {"success": bool}; older versions answer with an empty 200.
+            if not isinstance(answer, dict) or answer.get("success", True):
+                return
+            time.sleep(0.05 * (attempt + 1))  # blocks still held by running requests (another client?)
+        raise RuntimeError(
+            f"RemoteVLLMEngine: the server at {self.base_url} refused to reset its prefix cache after the weight sync "
+            "(requests of another client still running?): cached KV of the old weights could serve new requests. "
+            "Use one server per trainer."
+        )
+
+    def _probe(self, module: torch.nn.Module | None = None) -> list[int]:
+        config = getattr(module, "config", None)
+        vocab = getattr(getattr(config, "get_text_config", lambda: config)(), "vocab_size", None)
+        if not isinstance(vocab, int):
+            vocab = int(module.get_input_embeddings().num_embeddings)
+        return probe_ids(vocab, self.max_model_len or PROBE_LENGTH + 1)
+
+    def _engine_probe_logprobs(self, probe: list[int]) -> torch.Tensor:
+        answer = self._http.request(
+            "POST",
+            "/v1/completions",
+            {
+                "model": self.model_name,
+                "prompt": probe,
+                "max_tokens": 1,
+                "temperature": 1.0,
+                "prompt_logprobs": 0,
+                "return_tokens_as_token_ids": True,
+                "seed": 0,
+            },
+            timeout=self.request_timeout_s,
+            what="weight-sync check",
+        )
+        entries = (((answer or {}).get("choices") or [{}])[0].get("prompt_logprobs") or [])[1:]  # position 0: none
+        if len(entries) != len(probe) - 1:
+            raise RuntimeError("RemoteVLLMEngine: the server returned no prompt logprobs for the weight-sync check.")
+        # JSON object keys are strings: {"17": {"logprob": ..., "rank": ...}}.
+        return torch.tensor(
+            [float(entry[str(tok)]["logprob"]) for entry, tok in zip(entries, probe[1:], strict=True)],
+            dtype=torch.float64,
+        )
+
+
+def _raw_samples(answer: Any) -> list[RawSample]:
+    """The choices of one ``/v1/completions`` answer as the shared checks read them."""
+    choices = (answer or {}).get("choices") if isinstance(answer, dict) else None
+    samples = []
+    for choice in choices if isinstance(choices, list) else []:
+        tokens = choice.get("token_ids")
+        if not isinstance(tokens, list) or not tokens:
+            raise RuntimeError(
+                "RemoteVLLMEngine: the server returned no token ids (it needs `return_token_ids`: vLLM >= 0.10)."
+            )
+        logprobs = (choice.get("logprobs") or {}).get("token_logprobs")
+        samples.append(
+            RawSample(
+                tokens,
+                logprobs if isinstance(logprobs, list) else None,
+                choice.get("finish_reason"),
+                choice.get("stop_reason"),
+            )
+        )
+    return samples
+
+
+def _vocab_size(source: torch.nn.Module | Mapping[str, torch.Tensor]) -> int | None:
+    """Rows of the input embedding of a causal LM or its state dict (``None`` when not found)."""
+    if isinstance(source, torch.nn.Module):
+        with contextlib.suppress(AttributeError, NotImplementedError):
+            return int(source.get_input_embeddings().num_embeddings)
+        return None
+    for name, tensor in source.items():
+        if name.endswith(("embed_tokens.weight", "wte.weight", "word_embeddings.weight")) and tensor.dim() == 2:
+            return int(tensor.shape[0])
+    return None
+
+
+def _warn_if_others_can_replace(root: Path) -> None:
+    """Warn when other users may rename entries of ``weights_dir``: a swapped sync directory is loaded."""
+    with contextlib.suppress(OSError):
+        st = root.stat()
+        if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH) and not st.st_mode & stat.S_ISVTX:
+            warnings.warn(
+                f"RemoteVLLMEngine: weights_dir={str(root)!r} is writable by other users (mode "
+                f"{st.st_mode & 0o7777:o}) without the sticky bit: one of them could replace the sync directory "
+                "between the write and the server's reload. Use a directory only the trainer (and the "
+                "server's user) can write, or chmod +t it.",
+                RuntimeWarning,
+                stacklevel=4,
+            )

@@ -1,0 +1,215 @@
+"""The rollout-engine contract, one suite run over every engine (as torchmetrics' ``MetricTester``).
+
+A test module subclasses :class:`EngineContract` (or :class:`VLLMEngineContract`) as ``Test...`` and
+provides two fixtures: ``engine`` (a started engine whose weights are the float32 tiny checkpoint's,
+eos id 2, version 0) and ``trainer_model`` (a fresh float32 copy of that checkpoint: the trainer's
+side). Every reference is independent of the engine: the trainer's teacher-forced logprobs and a
+hand-written argmax loop. Tests that change the engine's weights restore them before they end.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+
+import pytest
+import torch
+
+from lightning_offpolicy.rollout.engine import RolloutEngine, SamplingConfig
+from lightning_offpolicy.rollout.vllm.weight_sync import trainer_probe_logprobs
+from tests.module_helpers import argmax_completion
+from tests.vllm_fixtures import residuals, reverse_prompts, teacher_forced_logprobs
+
+
+@torch.no_grad()
+def top_k_logprobs(model, prompts, completions, temperature: float, top_k: int) -> list[list[float]]:
+    """Per-row forward: log_softmax of the top-k-filtered logits / T (the distribution sampled from)."""
+    out = []
+    for c in completions:
+        p = prompts[c.prompt_index]
+        logits = model(torch.tensor([p + c.token_ids])).logits[0, len(p) - 1 : -1].float() / temperature
+        kth = logits.topk(top_k, dim=-1).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+        out.append(torch.log_softmax(logits, -1).gather(-1, torch.tensor(c.token_ids)[:, None])[:, 0].tolist())
+    return out
+
+
+class EngineContract:
+    """What every :class:`~lightning_offpolicy.rollout.engine.RolloutEngine` guarantees."""
+
+    #: Largest |engine - trainer| per-token logprob accepted at equal float32 weights.
+    logprob_max_tol = 1e-3
+    #: Mean of the same.
+    logprob_mean_tol = 1e-4
+
+    def test_is_a_rollout_engine(self, engine):
+        assert isinstance(engine, RolloutEngine)
+
+    @pytest.mark.parametrize("temperature", [1.0, 0.7])
+    def test_logprobs_are_the_trainers(self, engine, trainer_model, temperature):
+        prompts = reverse_prompts(16)
+        cfg = SamplingConfig(max_new_tokens=16, temperature=temperature, samples_per_prompt=4)
+        completions = engine.generate(prompts, cfg, seed=11)
+        assert [c.prompt_index for c in completions] == [i for i in range(16) for _ in range(4)]
+        assert all(c.finish_reason in ("stop", "length") and c.policy_version == 0 for c in completions)
+        for c in completions:
+            assert len(c.logprobs) == len(c.token_ids) >= 1
+            if c.finish_reason == "stop":
+                assert c.token_ids[-1] == 2 and 2 not in c.token_ids[:-1]
+            else:
+                assert len(c.token_ids) == 16 and 2 not in c.token_ids
+        reference = teacher_forced_logprobs(trainer_model, prompts, completions, temperature)
+        res = residuals([c.logprobs for c in completions], reference)
+        name = type(engine).__name__
+        print(f"\n{name} T={temperature}: {res.numel()} tokens, |engine - trainer| max {res.max():.3g}")
+        assert res.max() <= self.logprob_max_tol and res.mean() <= self.logprob_mean_tol
+        if temperature != 1.0:  # processed logprobs: the raw (T=1) ones are clearly different
+            raw = residuals(
+                [c.logprobs for c in completions], teacher_forced_logprobs(trainer_model, prompts, completions, 1.0)
+            )
+            assert raw.mean() > 0.05
+
+    def test_top_k_logprobs_are_of_the_filtered_distribution(self, engine, trainer_model):
+        prompts = reverse_prompts(8, seed=1)
+        completions = engine.generate(prompts, SamplingConfig(max_new_tokens=12, temperature=0.8, top_k=3), seed=5)
+        res = residuals([c.logprobs for c in completions], top_k_logprobs(trainer_model, prompts, completions, 0.8, 3))
+        assert res.max() <= self.logprob_max_tol
+
+    def test_greedy_equals_a_hand_written_argmax_loop(self, engine, trainer_model):
+        prompts = reverse_prompts(6, seed=7)
+        greedy = SamplingConfig(max_new_tokens=10, samples_per_prompt=1, greedy=True)
+        completions = engine.generate(prompts, greedy, seed=3)
+        assert [c.prompt_index for c in completions] == list(range(6))
+        for c in completions:
+            assert c.token_ids == argmax_completion(trainer_model, prompts[c.prompt_index], 10, eos=2)
+        assert [c.token_ids for c in engine.generate(prompts, greedy)] == [c.token_ids for c in completions]
+
+    def test_seeded_generation_is_reproducible(self, engine):
+        prompts = reverse_prompts(3, seed=4)
+        prompts = prompts + [prompts[0]]  # the same prompt twice in one call
+        cfg = SamplingConfig(max_new_tokens=12, temperature=1.0, samples_per_prompt=4)
+
+        def run(seed):
+            return [(c.token_ids, c.logprobs) for c in engine.generate(prompts, cfg, seed=seed)]
+
+        first, again, other = run(123), run(123), run(124)
+        assert first == again
+        assert first != other
+        group0 = [t for t, _ in first[:4]]
+        assert len({tuple(t) for t in group0}) > 1  # the samples of a group differ
+        assert group0 != [t for t, _ in first[12:16]]  # a repeated prompt gets its own samples
+        assert len(engine.generate(prompts, cfg)) == 16  # unseeded: the engine's own random state
+
+    def test_stops_on_eos_token_id_only(self, engine, monkeypatch):
+        """The stop id is the engine's eos_token_id, not the checkpoint's (2 here)."""
+        monkeypatch.setattr(engine, "eos_token_id", 5)
+        completions = engine.generate(reverse_prompts(16, seed=7), SamplingConfig(max_new_tokens=12), seed=3)
+        for c in completions:
+            assert (c.finish_reason, c.token_ids[-1]) == ("stop", 5) or (c.finish_reason, len(c.token_ids)) == (
+                "length",
+                12,
+            )
+            assert 5 not in c.token_ids[:-1]
+        assert any(2 in c.token_ids for c in completions)  # the checkpoint's eos no longer stops
+
+    def test_stops_on_every_stop_id_and_truncates_at_the_first(self, engine, monkeypatch):
+        """Two stop ids (eos + a second id, as a generation config's eos list): each completion ends at the
+        first of either. Reference: the same seeded samples with eos alone, cut by hand."""
+        prompts = reverse_prompts(16, seed=7)
+        cfg = SamplingConfig(max_new_tokens=12, temperature=1.5)
+        monkeypatch.setattr(engine, "stop_token_ids", [])
+        reference = engine.generate(prompts, cfg, seed=3)
+        counts = torch.bincount(torch.tensor([t for c in reference for t in c.token_ids[:-1] if t != 2]))
+        second = int(counts.argmax())  # the id the model samples most often before the end
+        monkeypatch.setattr(engine, "stop_token_ids", [second])
+        both = engine.generate(prompts, cfg, seed=3)
+        ends = set()
+        for got, ref in zip(both, reference, strict=True):
+            cut = next((i + 1 for i, t in enumerate(ref.token_ids) if t in (2, second)), None)
+            expected = ref.token_ids[:cut] if cut is not None else ref.token_ids
+            assert got.token_ids == expected
+            torch.testing.assert_close(torch.tensor(got.logprobs), torch.tensor(ref.logprobs[: len(expected)]))
+            assert got.finish_reason == ("stop" if cut is not None else "length")
+            if cut is not None:
+                ends.add(got.token_ids[-1])
+        assert ends == {2, second}
+
+    def test_throughput(self, engine):
+        prompts = reverse_prompts(64, seed=2)
+        cfg = SamplingConfig(max_new_tokens=16, samples_per_prompt=1)
+        engine.generate(prompts, cfg, seed=0)
+        times = []
+        for _ in range(3):
+            begin = time.perf_counter()
+            engine.generate(prompts, cfg, seed=0)
+            times.append(time.perf_counter() - begin)
+        print(f"\n{type(engine).__name__}: 64 prompts x <=16 tokens in {min(times):.3f} s")
+        assert min(times) < 60
+
+    def test_update_weights_changes_generation_and_restoring_restores_it(self, engine, trainer_model):
+        prompts = reverse_prompts(4, seed=3)
+        cfg = SamplingConfig(max_new_tokens=8, samples_per_prompt=2)
+        original = {k: v.clone() for k, v in trainer_model.state_dict().items()}
+        before = engine.generate(prompts, cfg, seed=5)
+        uniform = -math.log(trainer_model.config.vocab_size)
+        with torch.no_grad():
+            trainer_model.lm_head.weight.zero_()  # every token uniform over the vocabulary
+        stale = engine.generate(prompts, cfg, seed=5)  # the engine holds its own weights until a sync
+        assert [(c.token_ids, c.logprobs) for c in stale] == [(c.token_ids, c.logprobs) for c in before]
+        try:
+            engine.update_weights(trainer_model, 7)
+            self.check_synced(engine, checked=True)
+            assert engine.version == 7
+            for temperature in (1.0, 0.7):
+                completions = engine.generate(prompts, SamplingConfig(max_new_tokens=8, temperature=temperature))
+                assert {c.policy_version for c in completions} == {7}
+                lps = torch.tensor([lp for c in completions for lp in c.logprobs])
+                torch.testing.assert_close(lps, torch.full_like(lps, uniform), atol=1e-4, rtol=0)
+        finally:  # restore: a state dict this time (no module: a self-check cannot run)
+            engine.update_weights(original, 8)
+        self.check_synced(engine, checked=False)
+        assert engine.version == 8
+        restored = engine.generate(prompts, cfg, seed=5)
+        assert [(c.token_ids, c.logprobs) for c in restored] == [(c.token_ids, c.logprobs) for c in before]
+        assert {c.policy_version for c in restored} == {8}
+        trainer_model.load_state_dict(original)
+        engine.update_weights(trainer_model, 0)  # back to the fixture's state, from a module
+
+    def check_synced(self, engine, checked: bool) -> None:
+        """After ``update_weights``: engine-specific evidence that the sync was checked (or not)."""
+
+
+class VLLMEngineContract(EngineContract):
+    """The contract plus the weight-sync self-check of the vLLM engines."""
+
+    def check_synced(self, engine, checked: bool) -> None:
+        if checked:
+            assert engine.last_sync_check_max_abs_diff <= 1e-3
+            assert set(engine.stats()) >= {"vllm/sync_s", "vllm/sync_check_max_abs_diff", "vllm/tokens_per_s"}
+        else:
+            assert engine.last_sync_check_max_abs_diff is None
+
+    def test_self_check_catches_a_sync_that_did_not_arrive(self, engine, trainer_model, tiny_ckpt, monkeypatch):
+        engine.update_weights(trainer_model, 20)  # a good sync: the check's reference point
+        monkeypatch.setattr(engine, "_reload_weights", lambda path: None)  # the peer bug: nothing arrives
+        with torch.no_grad():
+            trainer_model.lm_head.weight.zero_()
+        with pytest.raises(RuntimeError, match="did not arrive"):
+            engine.update_weights(trainer_model, 21)
+        assert engine.version == 20
+        # A small update (below the tolerance) that did not arrive: the engine did not move, the trainer did.
+        monkeypatch.setattr(engine, "weight_sync_tolerance", 0.5)
+        fresh = type(trainer_model).from_pretrained(str(tiny_ckpt), dtype=torch.float32).eval()
+        probe = engine._probe(fresh)
+        before = trainer_probe_logprobs(fresh, probe)
+        with torch.no_grad():
+            fresh.lm_head.weight.add_(
+                0.003 * torch.randn(fresh.lm_head.weight.shape, generator=torch.Generator().manual_seed(0))
+            )
+        moved = float((trainer_probe_logprobs(fresh, probe) - before).abs().max())
+        assert 0.5 / 100 < moved < 0.5  # below the tolerance, above the "did it move" threshold
+        with pytest.raises(RuntimeError, match="did not change at all"):
+            engine.update_weights(fresh, 22)
+        assert engine.version == 20
+        monkeypatch.undo()
+        engine.update_weights(type(trainer_model).from_pretrained(str(tiny_ckpt), dtype=torch.float32).eval(), 0)
