@@ -4,7 +4,7 @@
 #   make selfcheck  every correction preset on a real tiny model (no training)
 #   make bench  run the benchmarks under benchmarks/ (including the side-by-side against TRL)
 #   make study  the mismatch study: correction vs staleness / engine mismatch (~36 min on 2 cores)
-#   make soak   every shipped config to its max_steps, quiet and beside a CPU hog (~2 h on 2 cores)
+#   make soak   every shipped config to its max_steps, quiet and beside a CPU hog (~3 h on 2 cores)
 #   make docs-check  re-run the cheap figures of README.md / docs/ and compare (~3-5 min; not in `make test`)
 PYTHON ?= python3
 VENV   ?= .venv
@@ -86,7 +86,7 @@ study: $(VENV)/.dev
 
 # Every config under configs/ to its full max_steps, once quiet and once beside a busy-loop process:
 # exit 0, reward rises, staleness bound, no leftover process, the last checkpoint resumes.
-# Writes docs/soak.md and docs/soak.json. Not part of `make test` (about 2 h on 2 cores).
+# Writes docs/soak.md and docs/soak.json. Not part of `make test` (about 3 h on 2 cores).
 soak: $(VENV)/.dev
 	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} $(PY) benchmarks/soak.py --output docs/soak.md
 

@@ -1,6 +1,6 @@
 """``make soak``: every shipped config run to its full ``max_steps``, on a quiet machine and beside a CPU hog.
 
-    python benchmarks/soak.py                       # everything, both conditions (about 2 h on 2 cores)
+    python benchmarks/soak.py                       # everything, both conditions (about 3 h on 2 cores)
     python benchmarks/soak.py --quick               # a few steps per config (what tests/test_soak.py runs)
     python benchmarks/soak.py --only quickstart vllm_async --conditions quiet
 
@@ -434,7 +434,7 @@ def markdown(results: list[RunResult], skipped: list[SoakConfig], meta: dict[str
         "",
         "## Running it",
         "",
-        "`make soak` runs every config under both conditions (about 2 h on 2 cores). `--only NAME ...` and "
+        "`make soak` runs every config under both conditions (about 3 h on 2 cores). `--only NAME ...` and "
         "`--conditions quiet` narrow a run; `--quick` runs a few steps per config (tests/test_soak.py). The "
         "report is rewritten after every run, and `--resume` keeps the passed runs of the report at "
         "`--output` (same mode) and runs only the rest, so a soak longer than one sitting goes on where it "
