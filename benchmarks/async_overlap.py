@@ -29,22 +29,17 @@ Usage::
 from __future__ import annotations
 
 import argparse
-import datetime as _dt
 import json
 import os
-import platform
-import shlex
 import statistics
 import sys
 import time
 from functools import partial
 from pathlib import Path
 
-from machine import code_line, cpu_model  # benchmarks/machine.py (run as `python benchmarks/<script>.py`)
+from _report import header_bullets, load_bullet, run_header
 
 ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
 
 import lightning as L  # noqa: E402
 import torch  # noqa: E402
@@ -135,7 +130,7 @@ def run_fit(engine, batches: int, max_staleness: int, steps_per_batch: int, args
 def make_engine(kind: str):
     if kind == "hf":
         return HFEngine(dtype="float32"), None
-    from lightning_offpolicy.rollout.vllm_engine import VLLMEngine
+    from lightning_offpolicy.rollout.vllm.inprocess import VLLMEngine
 
     engine = VLLMEngine(model=None, dtype="float32", max_model_len=128, gpu_memory_utilization=0.3)
     return KeptOpen(engine), engine
@@ -183,22 +178,16 @@ training). vLLM: one engine serves both runs (started in an unmeasured warm-up f
 
 
 def render(results: list[dict], argv: list[str], elapsed: float, args) -> str:
-    now = _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
-    cmd = " ".join(shlex.quote(a) for a in ["python", "benchmarks/async_overlap.py", *argv])
+    header = run_header("async_overlap.py", argv, f"intra-op threads={torch.get_num_threads()}")
     lines = [
         "# Asynchronous rollouts: overlap of generation and training",
         "",
-        f"- **Machine**: {cpu_model()}, nproc={os.cpu_count()}, torch {torch.__version__} "
-        f"(intra-op threads={torch.get_num_threads()}), Python {platform.python_version()}",
-        f"- **Date**: {now}",
-        f"- **Code**: {code_line()}",
-        f"- **Command**: `{cmd}`",
+        *header_bullets(header),
         f"- **Work per batch**: {args.prompts_per_step} prompts x {args.samples_per_prompt} samples x "
         f"<= {args.max_new_tokens} new tokens, {args.steps_per_batch} optimizer steps; "
         f"{args.batches} batches per run, the first {args.warmup} not counted",
         f"- **Wall time of the whole run**: {elapsed:.1f} s",
-        f"- **Load average** (1 min) at the start / end: {args.load_start:.1f} / {os.getloadavg()[0]:.1f} "
-        f"on {os.cpu_count()} cores",
+        load_bullet(args.load_start, os.getloadavg()[0]),
         "",
         "The machine is shared and noisy: read the ratios (measured within one run), not the seconds.",
         "Overlap needs idle cores: with a load above the core count, generation and training compete",
@@ -244,7 +233,7 @@ def main(argv: list[str] | None = None) -> int:
     results = []
     for kind in [k.strip() for k in args.engines.split(",") if k.strip()]:
         if kind == "vllm":
-            from lightning_offpolicy.rollout.vllm_engine import vllm_available
+            from lightning_offpolicy.rollout.vllm.inprocess import vllm_available
 
             if not vllm_available():
                 print("vLLM is not installed: skipping the vllm engine", file=sys.stderr)

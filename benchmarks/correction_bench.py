@@ -48,7 +48,6 @@ import gc
 import json
 import math
 import os
-import platform
 import random
 import shlex
 import statistics
@@ -58,7 +57,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
-from machine import code_line, cpu_model  # benchmarks/machine.py (run as `python benchmarks/<script>.py`)
+from _report import code_line, machine_line
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
@@ -154,9 +153,7 @@ class Case:
         t0 = time.perf_counter()
         out = compute_correction(self.prox, x.rollout, x.mask, self.cfg)
         t1 = time.perf_counter()
-        loss, info = policy_loss(
-            self.leaf, self.prox, x.rollout, x.advantages, x.mask, self.loss_cfg, correction=out
-        )
+        loss, info = policy_loss(self.leaf, self.prox, x.rollout, x.advantages, x.mask, self.loss_cfg, correction=out)
         loss.backward()
         t2 = time.perf_counter()
         self.corr_metrics.update(stats=out.stats)
@@ -319,8 +316,7 @@ class BandwidthProbe:
         if stream:
             n = max(4, math.ceil(4 * _llc_bytes() / self.bytes_per_add))
             self.pool = [
-                (torch.rand(batch, seq_len), torch.rand(batch, seq_len), torch.empty(batch, seq_len))
-                for _ in range(n)
+                (torch.rand(batch, seq_len), torch.rand(batch, seq_len), torch.empty(batch, seq_len)) for _ in range(n)
             ]
 
     def measure(self, reps: int = 20) -> None:
@@ -530,8 +526,7 @@ def render_table(res: SizeResult) -> str:
         summary += (
             " Same config measured twice (noise estimate): "
             + ", ".join(
-                f"{a.preset} {a.total * 1e3:.2f} ms vs {b.preset} {b.total * 1e3:.2f} ms "
-                f"({b.total / a.total:.2f}x)"
+                f"{a.preset} {a.total * 1e3:.2f} ms vs {b.preset} {b.total * 1e3:.2f} ms ({b.total / a.total:.2f}x)"
                 for a, b in twins
             )
             + "."
@@ -540,11 +535,7 @@ def render_table(res: SizeResult) -> str:
     cpus = os.cpu_count() or 1
     if max(res.load) > cpus:
         noisy.append(f"the 1-min load average ({max(res.load):.1f}) exceeded the {cpus} CPUs")
-    off = [
-        f"{b.preset}/{a.preset} {b.total / a.total:.2f}x"
-        for a, b in twins
-        if abs(b.total / a.total - 1) > 0.1
-    ]
+    off = [f"{b.preset}/{a.preset} {b.total / a.total:.2f}x" for a, b in twins if abs(b.total / a.total - 1) > 0.1]
     if off:
         noisy.append("identical configs differ by more than 10% (" + ", ".join(off) + ")")
     if noisy:
@@ -564,22 +555,14 @@ def render_table(res: SizeResult) -> str:
     return "\n".join(lines) + "\n" + summary + "\n"
 
 
-def machine_line() -> str:
-    cpu = cpu_model()
-    return (
-        f"{cpu}, nproc={os.cpu_count()}, torch {torch.__version__} "
-        f"(intra-op threads={torch.get_num_threads()}), Python {platform.python_version()}, "
-        f"LLC {_llc_bytes() // 1024**2} MiB"
-    )
-
-
 def render_report(results: list[SizeResult], argv: list[str], elapsed: float, extra: str = "") -> str:
     now = _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     cmd = " ".join(shlex.quote(a) for a in ["python", "benchmarks/correction_bench.py", *argv])
+    llc_mib = _llc_bytes() // 2**20
     parts = [
         "# Off-policy correction: CPU benchmark",
         "",
-        f"- **Machine**: {machine_line()}",
+        f"- **Machine**: {machine_line(f'intra-op threads={torch.get_num_threads()}', f'LLC {llc_mib} MiB')}",
         f"- **Date**: {now}",
         f"- **Code**: {code_line()}",
         f"- **Command**: `{cmd}`",
@@ -662,9 +645,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         "--presets", type=str, default=None, help=f"comma list (default: all of PRESETS: {','.join(PRESETS)})"
     )
     p.add_argument("--full", action="store_true", help="full run: adds the long sequence length")
-    p.add_argument(
-        "--quick", action="store_true", help="smoke test: B=4, T=128, 1 round, no streaming probe (seconds)"
-    )
+    p.add_argument("--quick", action="store_true", help="smoke test: B=4, T=128, 1 round, no streaming probe (seconds)")
     p.add_argument("--no-stream", action="store_true", help="skip the streaming bandwidth probe")
     p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
     p.add_argument(

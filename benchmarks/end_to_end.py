@@ -24,12 +24,9 @@ Usage::
 from __future__ import annotations
 
 import argparse
-import datetime as _dt
 import json
 import math
 import os
-import platform
-import shlex
 import statistics
 import sys
 import time
@@ -37,13 +34,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from _report import header_bullets, load_bullet, run_header
+
 # benchmarks/*.py run as scripts: their directory is on sys.path.
 from async_overlap import KeptOpen, StepClock
-from machine import code_line, cpu_model
 
 ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
 
 import lightning as L  # noqa: E402
 import torch  # noqa: E402
@@ -202,7 +198,7 @@ def make_engine(spec: RunSpec, shared_vllm: Any) -> Any:
 
 def start_vllm(warmup: int) -> Any:
     """The shared engine, built with configs/vllm.yaml's init args and started in an unmeasured fit."""
-    from lightning_offpolicy.rollout.vllm_engine import VLLMEngine
+    from lightning_offpolicy.rollout.vllm.inprocess import VLLMEngine
 
     with open(VLLM_CONFIG) as f:
         init_args = yaml.safe_load(f)["rollout"]["engine"].get("init_args", {})
@@ -249,15 +245,11 @@ def render(results: list[dict[str, Any]], notes: list[str], header: dict[str, An
     lines = [
         "# End to end: RL steps and generated tokens per second (quickstart recipe)",
         "",
-        f"- **Machine**: {header['machine']}",
-        f"- **Date**: {header['date']}",
-        f"- **Code**: {header['code']}",
-        f"- **Command**: `{header['command']}`",
+        *header_bullets(header),
         f"- **Work per batch**: {header['work']}; {header['batches']} batches per run, the first "
         f"{header['warmup']} not counted",
         f"- **Wall time of the whole run**: {header['elapsed_s']:.1f} s",
-        f"- **Load average** (1 min) at the start / end: {header['load_start']:.1f} / {header['load_end']:.1f} "
-        f"on {os.cpu_count()} cores",
+        load_bullet(header["load_start"], header["load_end"]),
         "",
         "The machine is shared and noisy: read the ratios (measured within one run), not the seconds.",
         "",
@@ -306,7 +298,7 @@ def main(argv: list[str] | None = None) -> int:
     specs = [s for s in RUNS if s.key in wanted]
     shared_vllm = None
     if any(s.engine == "vllm" for s in specs):
-        from lightning_offpolicy.rollout.vllm_engine import vllm_available
+        from lightning_offpolicy.rollout.vllm.inprocess import vllm_available
 
         if not vllm_available():
             notes.append("vLLM is not installed: rows (c) and (d) were skipped.")
@@ -325,11 +317,7 @@ def main(argv: list[str] | None = None) -> int:
     if not any(r["key"] == "a" for r in results):
         notes.append("Run (a) was not part of this invocation: no ratios.")
     header = {
-        "machine": f"{cpu_model()}, nproc={os.cpu_count()}, torch {torch.__version__} "
-        f"(intra-op threads={torch.get_num_threads()}), Python {platform.python_version()}",
-        "date": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-        "code": code_line(),
-        "command": " ".join(shlex.quote(a) for a in ["python", "benchmarks/end_to_end.py", *argv]),
+        **run_header("end_to_end.py", argv, f"intra-op threads={torch.get_num_threads()}"),
         "work": work_line(),
         "batches": args.batches,
         "warmup": args.warmup,

@@ -21,7 +21,6 @@ import datetime as _dt
 import gc
 import json
 import os
-import platform
 import resource
 import shlex
 import subprocess
@@ -30,11 +29,9 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from machine import code_line, cpu_model  # benchmarks/machine.py (run as `python benchmarks/<script>.py`)
+from _report import code_line, machine_line, mb
 
 ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
 
 TEMPERATURE = 0.7
 
@@ -262,30 +259,6 @@ def run_case(
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-def machine_line() -> str:
-    import torch
-
-    cpu = cpu_model()
-    mem = ""
-    kib = None
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemTotal:"):
-                kib = int(line.split()[1])
-    except OSError:
-        pass
-    if kib:
-        mem = f", RAM {kib / 1024**2:.1f} GiB"
-    return (
-        f"{cpu}, nproc={os.cpu_count()}{mem}, {platform.system()} {platform.release()}, "
-        f"Python {platform.python_version()}, torch {torch.__version__}"
-    )
-
-
-def _mb(b: float) -> str:
-    return f"{b / 1e6:,.0f}"
-
-
 def render(results: list[dict], header: dict) -> str:
     out = ["# Token logprobs: peak memory and time, lean vs naive", ""]
     out += [f"* machine: {header['machine']}", f"* torch: {header['torch']}", f"* date: {header['date']}"]
@@ -324,7 +297,7 @@ def render(results: list[dict], header: dict) -> str:
         lb = r["logits_bytes"]
         if r["skipped"]:
             out.append(
-                f"| {r['vocab']} | {r['tokens']} | {r['dtype']} | {_mb(lb)} | {r['method']} "
+                f"| {r['vocab']} | {r['tokens']} | {r['dtype']} | {mb(lb)} | {r['method']} "
                 f"| {r['chunk_size'] or '-'} | {r['skipped']} | | | | | |"
             )
             continue
@@ -334,10 +307,10 @@ def render(results: list[dict], header: dict) -> str:
         else:
             diff = f"{abs(r['lp_sum'] - ref['lp_sum']) / max(abs(ref['lp_sum']), 1e-30):.1e}"
         out.append(
-            f"| {r['vocab']} | {r['tokens']} | {r['dtype']} | {_mb(lb)} | {r['method']} "
+            f"| {r['vocab']} | {r['tokens']} | {r['dtype']} | {mb(lb)} | {r['method']} "
             f"| {r['chunk_size'] if r['chunk_size'] else '-'} | {r['time_s']:.2f} "
-            f"| {_mb(r['held_after_fwd'])} / {r['held_after_fwd'] / lb:.2f} | {r['peak_fwd'] / lb:.2f} "
-            f"| {_mb(r['peak_fwd_bwd'])} | **{r['peak_fwd_bwd'] / lb:.2f}** | {diff} |"
+            f"| {mb(r['held_after_fwd'])} / {r['held_after_fwd'] / lb:.2f} | {r['peak_fwd'] / lb:.2f} "
+            f"| {mb(r['peak_fwd_bwd'])} | **{r['peak_fwd_bwd'] / lb:.2f}** | {diff} |"
         )
     out += ["", "## Summary", ""]
     out.append(

@@ -50,11 +50,9 @@ from typing import Any
 # thread waiting for a busy core slows every op down by an order of magnitude.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
-from machine import code_line, cpu_model  # benchmarks/machine.py (run as `python benchmarks/<script>.py`)
+from _report import code_line, cpu_model
 
 ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
 
 import lightning as L  # noqa: E402
 import torch  # noqa: E402

@@ -218,8 +218,7 @@ def leftovers_after_exit(sid: int, grace_s: float = 30.0) -> list[str]:
 def start_hog(processes: int) -> list[subprocess.Popen]:
     """Busy-loop processes (one core each) that compete with the run for the CPU."""
     return [
-        subprocess.Popen([sys.executable, "-c", "while True: pass"], start_new_session=True)
-        for _ in range(processes)
+        subprocess.Popen([sys.executable, "-c", "while True: pass"], start_new_session=True) for _ in range(processes)
     ]
 
 

@@ -34,7 +34,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from machine import code_line, cpu_model  # benchmarks/machine.py (run as `python benchmarks/<script>.py`)
+from _report import code_line, cpu_model, mb, mb_diff
 
 #: (file stem, section title, the script that writes it)
 SECTIONS = [
@@ -58,17 +58,8 @@ def _x(value: float | None, digits: int = 2) -> str:
     return "n/a" if value is None or not math.isfinite(value) else f"{value:.{digits}f}x"
 
 
-def _mb(value: float) -> str:
-    return f"{value / 1e6:,.0f}"
-
-
-def _mb_diff(value: float) -> str:
-    """A difference in MB: signed, and a plain 0 below 0.5 MB (no "-0")."""
-    return "0" if abs(value) < 0.5e6 else f"{value / 1e6:+,.0f}"
-
-
-def _mb_pair(ratios: dict[str, float], first: str, second: str) -> str:
-    return " / ".join(_mb_diff(ratios[k]) if k in ratios else "-" for k in (first, second))
+def __mb_pair(ratios: dict[str, float], first: str, second: str) -> str:
+    return " / ".join(mb_diff(ratios[k]) if k in ratios else "-" for k in (first, second))
 
 
 # --------------------------------------------------------------------------- one function per section
@@ -125,7 +116,7 @@ def trainer_memory(data: dict[str, Any]) -> list[str]:
             continue
         # The same cases under glibc's default malloc settings: what `top` shows.
         defaults = [
-            f"{r['label']} {_mb(r['peak_extra'])} MB ({_mb_diff(r['peak_extra'] - rows[r['case']]['peak_extra'])})"
+            f"{r['label']} {mb(r['peak_extra'])} MB ({mb_diff(r['peak_extra'] - rows[r['case']]['peak_extra'])})"
             for r in mine
             if r.get("malloc") == "default" and r["case"] in rows
         ]
@@ -133,12 +124,12 @@ def trainer_memory(data: dict[str, Any]) -> list[str]:
             top.append(f"- {model}: " + ", ".join(defaults) + ".")
         weights = s.get("weights_bytes", 0)
         cases = ("full", "full_ref", "lora", "lora_ref")
-        cells = " | ".join(_mb(rows[k]["peak_extra"]) if k in rows else "-" for k in cases)
+        cells = " | ".join(mb(rows[k]["peak_extra"]) if k in rows else "-" for k in cases)
         lines.append(
-            f"| {model} | {_mb(weights)} | {cells} | {_x(s.get('lora_vs_full_peak_extra'))} / "
+            f"| {model} | {mb(weights)} | {cells} | {_x(s.get('lora_vs_full_peak_extra'))} / "
             f"**{_x(s.get('lora_vs_full_peak_extra_with_reference'))}** "
-            f"| {_mb_pair(s, 'reference_cost_full_bytes', 'reference_cost_lora_bytes')} "
-            f"| {_mb_pair(s, 'naive_minus_lean_full_bytes', 'naive_minus_lean_lora_bytes')} |"
+            f"| {__mb_pair(s, 'reference_cost_full_bytes', 'reference_cost_lora_bytes')} "
+            f"| {__mb_pair(s, 'naive_minus_lean_full_bytes', 'naive_minus_lean_lora_bytes')} |"
         )
     head = [
         "Peak RSS extra over the process after the model was built, MB (fresh subprocess per case, glibc's "

@@ -36,12 +36,9 @@ from __future__ import annotations
 
 import argparse
 import ctypes
-import datetime as _dt
 import gc
 import json
 import os
-import platform
-import shlex
 import subprocess
 import sys
 import time
@@ -52,14 +49,10 @@ from typing import Any
 
 # benchmarks/*.py run as scripts: their directory is on sys.path. The RSS helpers are the ones
 # benchmarks/logprob_memory.py measures with (VmRSS, VmHWM reset through /proc/self/clear_refs).
+from _report import MB, header_bullets, load_bullet, mb, mb_diff, run_header
 from logprob_memory import _mem_available, _peak_bytes, _reset_peak, _rss_bytes
-from machine import code_line, cpu_model
 
 ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
-
-MB = 1e6
 
 
 @dataclass(frozen=True)
@@ -418,26 +411,13 @@ def summarize(results: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
     return out
 
 
-def _mb(b: float) -> str:
-    return f"{b / MB:,.0f}"
-
-
-def _mb_diff(b: float) -> str:
-    """A difference in MB: signed, and a plain 0 below 0.5 MB (no "-0")."""
-    return "0" if abs(b) < 0.5 * MB else f"{b / MB:+,.0f}"
-
-
 def render(results: list[dict[str, Any]], ratios: dict[str, dict[str, float]], header: dict[str, Any]) -> str:
     lines = [
         "# Trainer memory: full fine-tuning vs LoRA, the reference, lean vs naive logprobs",
         "",
-        f"- **Machine**: {header['machine']}",
-        f"- **Date**: {header['date']}",
-        f"- **Code**: {header['code']}",
-        f"- **Command**: `{header['command']}`",
+        *header_bullets(header),
         f"- **Wall time of the whole run**: {header['elapsed_s']:.1f} s",
-        f"- **Load average** (1 min) at the start / end: {header['load_start']:.1f} / {header['load_end']:.1f} "
-        f"on {os.cpu_count()} cores",
+        load_bullet(header["load_start"], header["load_end"]),
         "",
         "Memory figures are resident bytes of one process (not timings): the machine's load does not",
         "change them. `step s` is wall time on a shared machine: read it as a ratio between cases.",
@@ -456,10 +436,10 @@ def render(results: list[dict[str, Any]], ratios: dict[str, dict[str, float]], h
         if first is not None:
             lines.append(
                 f"{first['params'] if first['lora_rank'] == 0 else first['base_params']:,} parameters "
-                f"({_mb(first['param_bytes'])} MB of float32 weights, in the baseline); batch {first['rows']} rows x "
+                f"({mb(first['param_bytes'])} MB of float32 weights, in the baseline); batch {first['rows']} rows x "
                 f"({first['prompt_len']} prompt + {first['response_len']} response) tokens = {first['tokens']:,} "
                 f"tokens, {NUM_MINIBATCHES} optimizer steps; one optimizer step's logits: "
-                f"{_mb(first['logits_bytes'])} MB."
+                f"{mb(first['logits_bytes'])} MB."
             )
             lines.append("")
         lines.append(
@@ -472,9 +452,9 @@ def render(results: list[dict[str, Any]], ratios: dict[str, dict[str, float]], h
                 lines.append(f"| {r['label']} | {r['skipped']} | | | | | | | | |")
                 continue
             lines.append(
-                f"| {r['label']} | {r['trainable_params']:,} | {r['reference_params']:,} | {_mb(r['setup_extra'])} "
-                f"| **{_mb(r['peak_extra'])}** | {_mb(r['held_extra'])} | {_mb(r['state_bytes_analytic'])} "
-                f"| {_mb(r['peak_extra'] - r['state_bytes_analytic'])} | {r['peak_extra'] / r['param_bytes']:.2f} "
+                f"| {r['label']} | {r['trainable_params']:,} | {r['reference_params']:,} | {mb(r['setup_extra'])} "
+                f"| **{mb(r['peak_extra'])}** | {mb(r['held_extra'])} | {mb(r['state_bytes_analytic'])} "
+                f"| {mb(r['peak_extra'] - r['state_bytes_analytic'])} | {r['peak_extra'] / r['param_bytes']:.2f} "
                 f"| {r['step_s']:.1f} |"
             )
         s = ratios.get(model, {})
@@ -488,15 +468,15 @@ def render(results: list[dict[str, Any]], ratios: dict[str, dict[str, float]], h
             )
         if "reference_cost_full_bytes" in s:
             lines.append(
-                f"- The reference costs {_mb_diff(s['reference_cost_full_bytes'])} MB of peak with full fine-tuning "
+                f"- The reference costs {mb_diff(s['reference_cost_full_bytes'])} MB of peak with full fine-tuning "
                 f"(frozen_copy: {s['reference_cost_full_x_weights']:.2f} x the weights) and "
-                f"{_mb_diff(s.get('reference_cost_lora_bytes', float('nan')))} MB with LoRA "
+                f"{mb_diff(s.get('reference_cost_lora_bytes', float('nan')))} MB with LoRA "
                 f"(disable_adapter: {s.get('reference_cost_lora_x_weights', float('nan')):.2f} x the weights)."
             )
         for mode, label in (("full", "full + frozen_copy"), ("lora", "LoRA + disable_adapter")):
             if f"naive_minus_lean_{mode}_bytes" in s:
                 lines.append(
-                    f"- Naive logprobs, {label}: {_mb_diff(s[f'naive_minus_lean_{mode}_bytes'])} MB of peak "
+                    f"- Naive logprobs, {label}: {mb_diff(s[f'naive_minus_lean_{mode}_bytes'])} MB of peak "
                     f"({s[f'naive_minus_lean_{mode}_x_logits']:.2f} x one optimizer step's logits; "
                     f"naive / lean peak extra {s[f'naive_vs_lean_{mode}_peak_extra']:.2f})."
                 )
@@ -517,31 +497,11 @@ def render(results: list[dict[str, Any]], ratios: dict[str, dict[str, float]], h
                     continue
                 ref = pinned.get(r["case"])
                 lines.append(
-                    f"| {r['label']} | {_mb(r['peak_extra'])} | {_mb(ref['peak_extra']) if ref else '-'} "
-                    f"| {_mb_diff(r['peak_extra'] - ref['peak_extra']) if ref else '-'} | {_mb(r['held_extra'])} |"
+                    f"| {r['label']} | {mb(r['peak_extra'])} | {mb(ref['peak_extra']) if ref else '-'} "
+                    f"| {mb_diff(r['peak_extra'] - ref['peak_extra']) if ref else '-'} | {mb(r['held_extra'])} |"
                 )
         lines.append("")
     return "\n".join(lines).rstrip() + "\n"
-
-
-def machine_line() -> str:
-    import torch
-
-    mem = _mem_total()
-    return (
-        f"{cpu_model()}, nproc={os.cpu_count()}{f', RAM {mem / 1024**3:.1f} GiB' if mem else ''}, "
-        f"torch {torch.__version__}, Python {platform.python_version()}"
-    )
-
-
-def _mem_total() -> int | None:
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemTotal:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        return None
-    return None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -607,11 +567,8 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     header = {
-        "machine": machine_line(),
+        **run_header("trainer_memory.py", argv),
         "torch": torch.__version__,
-        "date": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-        "code": code_line(),
-        "command": " ".join(shlex.quote(a) for a in ["python", "benchmarks/trainer_memory.py", *argv]),
         "quick": args.quick,
         "elapsed_s": time.perf_counter() - began,
         "load_start": load_start,

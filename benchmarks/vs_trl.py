@@ -44,12 +44,9 @@ It writes ``<output>.md``, ``<output>.json`` and ``<output>.png`` (the reward cu
 from __future__ import annotations
 
 import argparse
-import datetime as _dt
 import json
 import os
-import platform
 import random
-import shlex
 import statistics
 import string
 import subprocess
@@ -59,11 +56,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from machine import code_line, cpu_model  # benchmarks/machine.py (run as `python benchmarks/<script>.py`)
+from _report import run_header
 
 ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
 
 #: The settings both sides share (written into the JSON header).
 SETTINGS: dict[str, Any] = {
@@ -447,8 +442,7 @@ def render(
         f"Mean over the seeds (final reward: mean of the last {WINDOW} steps; steps to {THRESHOLD}: first step "
         f"whose {WINDOW}-step mean reward is >= {THRESHOLD}):",
         "",
-        "| side | engine | reward, first 10 -> last 10 steps | per seed | steps to 0.5 | per seed "
-        "| s/step (median) |",
+        "| side | engine | reward, first 10 -> last 10 steps | per seed | steps to 0.5 | per seed | s/step (median) |",
         "|---|---|---|---|---:|---|---:|",
     ]
     for r in summary:
@@ -673,7 +667,6 @@ def main(argv: list[str] | None = None) -> int:
                     f"{run['steps_to_threshold']}, median s/step {run['median_step_s']:.3f}",
                     flush=True,
                 )
-    import torch
     import transformers
 
     try:
@@ -683,11 +676,7 @@ def main(argv: list[str] | None = None) -> int:
     except ImportError:
         trl_version = "not installed"
     header = {
-        "machine": f"{cpu_model()}, nproc={os.cpu_count()}, torch {torch.__version__}, "
-        f"Python {platform.python_version()}",
-        "date": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-        "code": code_line(),
-        "command": " ".join(shlex.quote(a) for a in ["python", "benchmarks/vs_trl.py", *argv]),
+        **run_header("vs_trl.py", argv),
         "trl": trl_version,
         "transformers": transformers.__version__,
         "steps": args.steps,

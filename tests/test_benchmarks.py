@@ -217,7 +217,7 @@ def test_summarize_names_each_engines_own_seeds_of_a_merged_vs_trl_report():
     import importlib.util
     import json
 
-    sys.path.insert(0, str(SUMMARIZE.parent))  # its sibling modules (machine.py), as when run as a script
+    sys.path.insert(0, str(SUMMARIZE.parent))  # its sibling modules (_report.py), as when run as a script
     spec = importlib.util.spec_from_file_location("summarize", SUMMARIZE)
     summarize = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(summarize)
