@@ -64,7 +64,6 @@ from lightning_offpolicy.correction import (
     PolicyLossInfo,
     check_compatible,
 )
-from lightning_offpolicy.logprobs import causal_lm_token_logprobs
 from lightning_offpolicy.metrics import CorrectionMetrics, PolicyLossMetrics
 
 __all__ = ["OffPolicyMixin"]
@@ -126,14 +125,7 @@ class OffPolicyMixin:
         rollout.validate(require_rollout_logprobs=True)
         if self.__dict__.get("_modes_before_rl") is None:
             self.__dict__["_modes_before_rl"] = _dropout_off(self)
-        logprobs, entropy = causal_lm_token_logprobs(
-            self.policy,
-            rollout.input_ids,
-            rollout.attention_mask,
-            response_start=rollout.prompt_length,
-            temperature=self.temperature,
-            return_entropy=True,
-        )
+        logprobs, entropy = step.response_logprobs(self.policy, rollout, self.temperature, return_entropy=True)
         prox = logprobs.detach()  # the step's weights: pi_prox == pi_theta before the optimizer step
         rollout, stats = step.apply_correction(rollout, prox, self.rl_correction)
         loss, info = step.corrected_loss(logprobs, rollout, self.rl_loss, self.rl_correction.policy_loss_kwargs())

@@ -47,7 +47,6 @@ from lightning_offpolicy.batch import PromptBatch, RolloutBatch
 from lightning_offpolicy.correction import OffPolicyCorrectionConfig, PolicyLossConfig, check_compatible
 from lightning_offpolicy.correction.distributed import global_sum
 from lightning_offpolicy.evaluation import EvaluationMetrics
-from lightning_offpolicy.logprobs import causal_lm_token_logprobs
 from lightning_offpolicy.metrics import CorrectionMetrics, PolicyLossMetrics
 from lightning_offpolicy.policy import REFERENCE_MODES, ReferenceMode
 from lightning_offpolicy.preflight import check_model_path, check_vocab
@@ -244,15 +243,8 @@ class OffPolicyRLModule(LightningModule):
         self, batch: RolloutBatch, model: torch.nn.Module | None = None, return_entropy: bool = False
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Teacher-forced ``[B, T]`` logprobs of ``batch``'s response tokens (one forward)."""
-        return causal_lm_token_logprobs(
-            model if model is not None else self.policy,
-            batch.input_ids,
-            batch.attention_mask,
-            response_start=batch.prompt_length,
-            temperature=self.temperature,
-            chunk_size=self.logprob_chunk_size,
-            return_entropy=return_entropy,
-        )
+        model = model if model is not None else self.policy
+        return step.response_logprobs(model, batch, self.temperature, self.logprob_chunk_size, return_entropy)
 
     @torch.no_grad()
     def _no_grad_logprobs(self, batch: RolloutBatch, reference: bool = False) -> torch.Tensor:

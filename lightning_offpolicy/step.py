@@ -5,11 +5,12 @@ A step over one :class:`~lightning_offpolicy.batch.RolloutBatch`:
 
 1. :func:`rollout_of`: the rollouts a ``RolloutCallback`` attached to the step's ``PromptBatch``;
 2. :func:`token_staleness`: how many versions behind the trainer each response token is;
-3. :func:`apply_correction`: :func:`~lightning_offpolicy.correction.compute_correction` on
+3. :func:`response_logprobs`: one teacher-forced forward (``pi_prox`` without gradient, ``pi_theta`` with);
+4. :func:`apply_correction`: :func:`~lightning_offpolicy.correction.compute_correction` on
    ``pi_prox`` vs ``pi_rollout``, its weights and mask stored on the batch, so that any slice of
    it (mini-batch, micro-batch) carries its own;
-4. :func:`corrected_loss`: :func:`~lightning_offpolicy.correction.policy_loss` on such a slice;
-5. :func:`log_step`: the step's ``rollout_corr/*``, ``ppo/*``, ``train/*`` values, logged once.
+5. :func:`corrected_loss`: :func:`~lightning_offpolicy.correction.policy_loss` on such a slice;
+6. :func:`log_step`: the step's ``rollout_corr/*``, ``ppo/*``, ``train/*`` values, logged once.
 
 How ``pi_prox`` is obtained, the optimizer steps and the metric states differ between the two and
 stay with them: the module runs a no-grad forward and several optimizer steps with global token
@@ -32,6 +33,7 @@ from lightning_offpolicy.correction import (
     compute_correction,
     policy_loss,
 )
+from lightning_offpolicy.logprobs import causal_lm_token_logprobs
 
 
 def rollout_of(batch: Any, owner: str) -> RolloutBatch:
@@ -62,6 +64,33 @@ def token_staleness(rollout: RolloutBatch, policy_version: int) -> torch.Tensor:
         policy_version: The trainer's version at this step.
     """
     return (policy_version - rollout.policy_version[rollout.response_mask.bool()]).float()
+
+
+def response_logprobs(
+    model: torch.nn.Module,
+    batch: RolloutBatch,
+    temperature: float,
+    chunk_size: int = 1024,
+    return_entropy: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Teacher-forced ``[B, T]`` logprobs (and entropies) of ``batch``'s response tokens, one forward.
+
+    Args:
+        model: A ``transformers``-style causal LM.
+        batch: The rows to score.
+        temperature: The engine's sampling temperature (the logits are divided by it).
+        chunk_size: Rows per chunk of the lean logprob computation.
+        return_entropy: Also return the ``[B, T]`` entropy of the tempered distribution.
+    """
+    return causal_lm_token_logprobs(
+        model,
+        batch.input_ids,
+        batch.attention_mask,
+        response_start=batch.prompt_length,
+        temperature=temperature,
+        chunk_size=chunk_size,
+        return_entropy=return_entropy,
+    )
 
 
 def apply_correction(
