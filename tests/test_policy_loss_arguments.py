@@ -129,6 +129,10 @@ def test_plain_arguments_are_validated():
     with pytest.raises(CorrectionConfigError, match=r"loss_type='gspo' cannot apply"):
         gspo = PolicyLossConfig(loss_type="gspo")
         policy_loss(theta, prox, rollout, advantages, mask, gspo, objective="cispo", is_clip_high=2.0)
+    with pytest.raises(CorrectionConfigError, match=r"bypass_mode=True has no pi_prox"):
+        policy_loss(
+            theta, prox, rollout, advantages, mask, bypass_mode=True, objective="cispo", anchor="prox", is_clip_high=2.0
+        )
     with pytest.raises(ValueError, match=r"policy_loss: weights has shape \(1, 6\), response_mask \(4, 6\)"):
         policy_loss(theta, prox, rollout, advantages, mask, weights=torch.ones(1, 6))
     with pytest.raises(ValueError, match=r"policy_loss: mask has shape \(4, 5\)"):

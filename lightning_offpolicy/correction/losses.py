@@ -175,7 +175,8 @@ def policy_loss(
 
     Raises:
         ValueError: ``correction`` given together with a plain argument; an unknown ``objective``,
-            ``anchor`` or ``objective_level``, or a missing ``is_clip_high``
+            ``anchor`` or ``objective_level``, a missing ``is_clip_high``, ``bypass_mode`` with ``cispo`` on ``"prox"``,
+            or a ``loss_cfg.loss_type`` the objective replaces
             (:class:`~lightning_offpolicy.correction.CorrectionConfigError`); a shape differs from
             ``response_mask``'s (``advantages``: ``[B]`` or ``[B, T]``; ``correction``: computed for
             this batch), or, at a response token, NaN in a logprob tensor the loss reads, or NaN /
@@ -296,6 +297,10 @@ class _Objective:
                     f"{own}: objective={how.objective!r} needs is_clip_high (the weight's upper clip)."
                 )
             _check_bounds(own, "is_clip_low", how.is_clip_low, "is_clip_high", how.is_clip_high)
+        if how.bypass_mode and how.objective == "cispo" and how.anchor == "prox":
+            raise CorrectionConfigError(
+                f"{own}: bypass_mode=True has no pi_prox for objective='cispo' with anchor='prox'."
+            )
         check_objective_compatible(how.objective, loss_cfg)
         return how
 
