@@ -55,15 +55,15 @@ from typing import Any
 
 import torch
 
+from lightning_offpolicy import step
 from lightning_offpolicy.batch import PromptBatch, RolloutBatch
 from lightning_offpolicy.correction import (
+    CorrectionStats,
     OffPolicyCorrectionConfig,
     PolicyLossConfig,
+    PolicyLossInfo,
     check_compatible,
-    compute_correction,
-    policy_loss,
 )
-from lightning_offpolicy.logprobs import causal_lm_token_logprobs
 from lightning_offpolicy.metrics import CorrectionMetrics, PolicyLossMetrics
 
 __all__ = ["OffPolicyMixin"]
@@ -114,12 +114,7 @@ class OffPolicyMixin:
 
     def off_policy_step(self, batch: PromptBatch | RolloutBatch, batch_idx: int) -> torch.Tensor:
         """The loss of one corrected policy-gradient step on the batch's rollouts."""
-        rollout = batch if isinstance(batch, RolloutBatch) else batch.rollout
-        if rollout is None:
-            raise RuntimeError(
-                "OffPolicyMixin got a PromptBatch without rollouts: add "
-                "lightning_offpolicy.rollout.RolloutCallback(...) to the Trainer's callbacks."
-            )
+        rollout = step.rollout_of(batch, "OffPolicyMixin.off_policy_step")
         if self.rl_correction.bypass_mode or self.rl_loss.ref_kl_coef > 0:
             raise ValueError(
                 "OffPolicyMixin supports neither bypass_mode (its pi_prox is free already) nor ref_kl_coef > 0 (no "
@@ -130,26 +125,11 @@ class OffPolicyMixin:
         rollout.validate(require_rollout_logprobs=True)
         if self.__dict__.get("_modes_before_rl") is None:
             self.__dict__["_modes_before_rl"] = _dropout_off(self)
-        logprobs, entropy = causal_lm_token_logprobs(
-            self.policy,
-            rollout.input_ids,
-            rollout.attention_mask,
-            response_start=rollout.prompt_length,
-            temperature=self.temperature,
-            return_entropy=True,
-        )
+        logprobs, entropy = step.response_logprobs(self.policy, rollout, self.temperature, return_entropy=True)
         prox = logprobs.detach()  # the step's weights: pi_prox == pi_theta before the optimizer step
-        correction = compute_correction(prox, rollout.rollout_logprobs, rollout.response_mask, self.rl_correction)
-        loss, info = policy_loss(
-            logprobs,
-            prox,
-            rollout.rollout_logprobs,
-            rollout.advantages,
-            rollout.response_mask,
-            self.rl_loss,
-            correction=correction,
-        )
-        self._log_off_policy(rollout, correction, info, entropy.detach())
+        rollout, stats = step.apply_correction(rollout, prox, self.rl_correction)
+        loss, info = step.corrected_loss(logprobs, rollout, self.rl_loss, self.rl_correction.policy_loss_kwargs())
+        self._log_off_policy(rollout, stats, info, entropy.detach())
         return loss
 
     def _count_optimizer_step(self, optimizer: Any, *args: Any, **kwargs: Any) -> tuple[bool, Any]:
@@ -172,25 +152,25 @@ class OffPolicyMixin:
         self.policy_version = int(checkpoint.get("policy_version", 0))
         return False, None
 
-    def _log_off_policy(self, rollout: RolloutBatch, correction: Any, info: Any, entropy: torch.Tensor) -> None:
+    def _log_off_policy(
+        self, rollout: RolloutBatch, stats: CorrectionStats, info: PolicyLossInfo, entropy: torch.Tensor
+    ) -> None:
         if getattr(self, "_off_policy_metrics", None) is None:
             # Created on first use: the module's own __init__ is not ours to extend.
             self._off_policy_metrics = torch.nn.ModuleList(
                 [CorrectionMetrics(self.rl_correction), PolicyLossMetrics()]
             ).to(self.device)
         correction_metrics, loss_metrics = self._off_policy_metrics
-        correction_metrics.update(stats=correction.stats)
+        correction_metrics.update(stats=stats)
         loss_metrics.update(info=info)
         values = {**correction_metrics.compute(), **loss_metrics.compute()}
         tokens = rollout.response_mask.bool()
         values["train/reward"] = rollout.rewards.mean()
         # Mean entropy (nats) of the policy over the response tokens: a fall towards 0 is collapse.
         values["train/entropy"] = entropy[tokens].float().mean() if tokens.any() else torch.zeros(())
-        values["staleness/mean"] = (self.policy_version - rollout.policy_version[tokens]).float().mean()
+        values["staleness/mean"] = step.token_staleness(rollout, self.policy_version).mean()
         values["train/policy_version"] = float(self.policy_version)
-        values = {k: torch.as_tensor(v, dtype=torch.float32) for k, v in values.items()}
-        self.log_dict(values, on_step=True, on_epoch=False, batch_size=1)
-        self.log("reward", values["train/reward"], prog_bar=True, batch_size=1, logger=False)
+        step.log_step(self, values, progress_bar={"reward": "train/reward"})
         correction_metrics.reset()
         loss_metrics.reset()
 

@@ -28,7 +28,6 @@ processes against a single one): ``configure_model`` applies FSDP2 ``fully_shard
 from __future__ import annotations
 
 import contextlib
-import copy
 import dataclasses
 import time
 import warnings
@@ -41,30 +40,21 @@ from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
 from lightning.pytorch.strategies import DDPStrategy
 from torchmetrics import MaxMetric, MeanMetric
 
+from lightning_offpolicy import policy as policy_building
+from lightning_offpolicy import step
 from lightning_offpolicy.argcheck import is_int
 from lightning_offpolicy.batch import PromptBatch, RolloutBatch
-from lightning_offpolicy.correction import (
-    CorrectionOutput,
-    OffPolicyCorrectionConfig,
-    PolicyLossConfig,
-    check_compatible,
-    compute_correction,
-    policy_loss,
-)
+from lightning_offpolicy.correction import OffPolicyCorrectionConfig, PolicyLossConfig, check_compatible
+from lightning_offpolicy.correction.distributed import global_sum
 from lightning_offpolicy.evaluation import EvaluationMetrics
-from lightning_offpolicy.logprobs import causal_lm_token_logprobs
 from lightning_offpolicy.metrics import CorrectionMetrics, PolicyLossMetrics
+from lightning_offpolicy.policy import REFERENCE_MODES, ReferenceMode
 from lightning_offpolicy.preflight import check_model_path, check_vocab
 from lightning_offpolicy.tokenizers import CharTokenizer, HFTokenizer
 
-ReferenceMode = Literal["auto", "none", "frozen_copy", "disable_adapter"]
-
-# The configs are saved in the checkpoint's hyperparameters; let `torch.load(weights_only=True)`,
-# which Lightning uses to resume, rebuild them.
-torch.serialization.add_safe_globals([OffPolicyCorrectionConfig, PolicyLossConfig])
-
-# The policy stays in eval mode on purpose (see configure_model); Lightning's notice about it is noise.
-warnings.filterwarnings("ignore", message=r"Found \d+ module\(s\) in eval mode at the start of training")
+#: Lightning's notice about modules in eval mode at the start of fit: the policy is in eval mode on
+#: purpose (see ``configure_model``).
+EVAL_MODE_NOTICE = r"Found \d+ module\(s\) in eval mode at the start of training"
 
 
 class OffPolicyRLModule(LightningModule):
@@ -146,7 +136,7 @@ class OffPolicyRLModule(LightningModule):
             raise ValueError(f"OffPolicyRLModule.lora_rank={lora_rank!r} must be an int >= 0 (0: no LoRA).")
         if not lora_alpha > 0:
             raise ValueError(f"OffPolicyRLModule.lora_alpha={lora_alpha!r} must be > 0.")
-        if reference not in ("auto", "none", "frozen_copy", "disable_adapter"):
+        if reference not in REFERENCE_MODES:
             raise ValueError(
                 f"OffPolicyRLModule.reference={reference!r} is not known; allowed: 'auto', 'none', "
                 "'frozen_copy', 'disable_adapter'."
@@ -214,92 +204,27 @@ class OffPolicyRLModule(LightningModule):
     # ------------------------------------------------------------------------------ model
     def configure_model(self) -> None:
         if self.policy is None:
-            from transformers import AutoModelForCausalLM
-
-            from lightning_offpolicy.tiny import resolve_model_path
-            from lightning_offpolicy.tokenizers import load_tokenizer
-
-            path = resolve_model_path(self.model_name)
-            self.policy = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, self.torch_dtype))
-            if self.tokenizer is None:
-                self.tokenizer = load_tokenizer(path)
-            elif isinstance(self.tokenizer, HFTokenizer) and not self.tokenizer.loaded:
-                self.tokenizer.load(path)  # options from the config, files from the model's directory
+            self.policy, self.tokenizer = policy_building.load_policy(self.model_name, self.torch_dtype, self.tokenizer)
             self._prepare_policy()
         check_vocab(self.policy, self.tokenizer)
         # Dropout off for good: pi_prox, pi_theta and the engine must be the same function of the
         # weights, or the PPO ratio is not 1 at the start of a step and the mismatch metrics lie.
         self.policy.eval()
         if self.gradient_checkpointing:
-            self._enable_gradient_checkpointing()
+            policy_building.enable_gradient_checkpointing(self.policy)
         if getattr(self, "device_mesh", None) is not None and not getattr(self, "_sharded", False):
-            self._shard_fsdp2()
+            policy_building.shard_fsdp2([self.policy, self.reference_model], self.device_mesh)
+            self._sharded = True
+
+    def on_fit_start(self) -> None:
+        # Filtered here, not at import: only fits of this module keep their policy in eval mode.
+        warnings.filterwarnings("ignore", message=EVAL_MODE_NOTICE)
 
     def _prepare_policy(self) -> None:
-        if self.lora_rank > 0 and not hasattr(self.policy, "disable_adapter"):
-            from peft import LoraConfig, get_peft_model
-
-            config = LoraConfig(
-                r=self.lora_rank,
-                lora_alpha=self.lora_alpha,
-                target_modules=self.lora_target_modules,
-                lora_dropout=0.0,  # the policy runs without dropout (see configure_model)
-                task_type="CAUSAL_LM",
-            )
-            self.policy = get_peft_model(self.policy, config)
-        self._setup_reference()
-
-    def _enable_gradient_checkpointing(self) -> None:
-        model = self.policy
-        if not hasattr(model, "gradient_checkpointing_enable"):
-            raise ValueError(
-                "OffPolicyRLModule.gradient_checkpointing=True needs a transformers model "
-                "(with gradient_checkpointing_enable)."
-            )
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        # transformers recomputes a layer only when that layer is in training mode. Flip the flag on
-        # the decoder layers alone (not recursively): their attention / MLP / dropout stay in eval mode.
-        from transformers.modeling_layers import GradientCheckpointingLayer
-
-        for module in model.modules():
-            if isinstance(module, GradientCheckpointingLayer):
-                module.training = True
-
-    def _effective_reference_mode(self) -> str:
-        if self.reference_mode != "auto":
-            return self.reference_mode
-        if self.loss_config.ref_kl_coef <= 0:
-            return "none"
-        return "disable_adapter" if hasattr(self.policy, "disable_adapter") else "frozen_copy"
-
-    def _setup_reference(self) -> None:
-        mode = self._effective_reference_mode()
-        if self.loss_config.ref_kl_coef > 0 and mode == "none":
-            raise ValueError(
-                "PolicyLossConfig.ref_kl_coef > 0 needs a reference: set reference='auto' or another mode."
-            )
-        if mode == "frozen_copy" and self.reference_model is None:
-            self.reference_model = copy.deepcopy(self.policy).requires_grad_(False).eval()
-        if mode == "disable_adapter" and not hasattr(self.policy, "disable_adapter"):
-            raise ValueError("reference='disable_adapter' needs a peft model (with LoRA adapters) as the policy.")
-
-    def _shard_fsdp2(self) -> None:
-        from torch.distributed.fsdp import fully_shard
-
-        mesh = (
-            self.device_mesh["data_parallel"]
-            if "data_parallel" in self.device_mesh.mesh_dim_names
-            else self.device_mesh
+        self.policy = policy_building.add_lora(self.policy, self.lora_rank, self.lora_alpha, self.lora_target_modules)
+        self.reference_model = policy_building.build_reference(
+            self.policy, self.reference_mode, self.loss_config.ref_kl_coef, self.reference_model
         )
-        for model in (self.policy, self.reference_model):
-            if model is None:
-                continue
-            layer_types = set(getattr(model, "_no_split_modules", None) or [])
-            for module in model.modules():
-                if type(module).__name__ in layer_types:
-                    fully_shard(module, mesh=mesh)
-            fully_shard(model, mesh=mesh)
-        self._sharded = True
 
     def configure_optimizers(self) -> Any:
         params = [p for p in self.policy.parameters() if p.requires_grad]
@@ -318,15 +243,8 @@ class OffPolicyRLModule(LightningModule):
         self, batch: RolloutBatch, model: torch.nn.Module | None = None, return_entropy: bool = False
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Teacher-forced ``[B, T]`` logprobs of ``batch``'s response tokens (one forward)."""
-        return causal_lm_token_logprobs(
-            model if model is not None else self.policy,
-            batch.input_ids,
-            batch.attention_mask,
-            response_start=batch.prompt_length,
-            temperature=self.temperature,
-            chunk_size=self.logprob_chunk_size,
-            return_entropy=return_entropy,
-        )
+        model = model if model is not None else self.policy
+        return step.response_logprobs(model, batch, self.temperature, self.logprob_chunk_size, return_entropy)
 
     @torch.no_grad()
     def _no_grad_logprobs(self, batch: RolloutBatch, reference: bool = False) -> torch.Tensor:
@@ -348,29 +266,25 @@ class OffPolicyRLModule(LightningModule):
     def _reference_context(self, reference: bool) -> Iterator[torch.nn.Module]:
         if not reference:
             yield self.policy
-        elif self._effective_reference_mode() == "disable_adapter":
-            with self.policy.disable_adapter():
-                yield self.policy
-        else:
-            yield self.reference_model
+            return
+        mode = policy_building.effective_reference_mode(self.reference_mode, self.policy, self.loss_config.ref_kl_coef)
+        with policy_building.reference_policy(self.policy, self.reference_model, mode) as model:
+            yield model
 
     # ------------------------------------------------------------------------------ the step
     def training_step(self, batch: PromptBatch | RolloutBatch, batch_idx: int) -> None:
-        rollout = self._rollout_of(batch).to(self.device)
+        rollout = step.rollout_of(batch, "OffPolicyRLModule.training_step").to(self.device)
         rollout.validate(require_rollout_logprobs=True)
         started = time.perf_counter()
-        tokens = rollout.response_mask.bool()
-        staleness = (self.policy_version - rollout.policy_version[tokens]).float()
+        staleness = step.token_staleness(rollout, self.policy_version)
         self.staleness_mean.update(staleness)
         self.staleness_max.update(staleness if staleness.numel() else torch.zeros(1, device=self.device))
-        cfg = self.correction
-        prox = self._no_grad_logprobs(rollout) if cfg.needs_prox else None
+        prox = self._no_grad_logprobs(rollout) if self.correction.needs_prox else None
         ref = self._no_grad_logprobs(rollout, reference=True) if self.loss_config.ref_kl_coef > 0 else None
-        out = compute_correction(prox, rollout.rollout_logprobs, rollout.response_mask, cfg)
-        self.correction_metrics.update(stats=out.stats)
-        rollout = rollout.with_fields(
-            prox_logprobs=prox, ref_logprobs=ref, is_weights=out.weights, correction_mask=out.mask
-        )
+        rollout, stats = step.apply_correction(rollout, prox, self.correction, ref)
+        self.correction_metrics.update(stats=stats)
+        # Read once per step; the configs were checked together (check_compatible) in __init__.
+        objective = self.correction.policy_loss_kwargs()
         trained_tokens = 0
         grad_norms = []
         for epoch in range(self.ppo_epochs):
@@ -378,29 +292,18 @@ class OffPolicyRLModule(LightningModule):
             if self.shuffle_minibatches and self.num_minibatches > 1:
                 generator = torch.Generator().manual_seed(self.seed * 1_000_003 + self.policy_version * 101 + epoch)
             for minibatch in rollout.split(self.num_minibatches, generator):
-                grad_norms.append(self._optimizer_step(minibatch, record_entropy=epoch == 0))
+                grad_norms.append(self._optimizer_step(minibatch, objective, record_entropy=epoch == 0))
                 trained_tokens += minibatch.num_response_tokens
         self._log_step(rollout, grad_norms, trained_tokens, time.perf_counter() - started)
 
-    def _rollout_of(self, batch: PromptBatch | RolloutBatch) -> RolloutBatch:
-        if isinstance(batch, RolloutBatch):
-            return batch
-        if isinstance(batch, PromptBatch) and batch.rollout is not None:
-            return batch.rollout
-        raise RuntimeError(
-            "OffPolicyRLModule.training_step got a batch without rollouts. Add "
-            "lightning_offpolicy.rollout.RolloutCallback(...) to the Trainer's callbacks (it generates "
-            "the rollouts of each PromptBatch), or feed RolloutBatch objects directly."
-        )
-
-    def _optimizer_step(self, minibatch: RolloutBatch, record_entropy: bool) -> torch.Tensor:
+    def _optimizer_step(self, minibatch: RolloutBatch, objective: dict[str, Any], record_entropy: bool) -> torch.Tensor:
         world = self.trainer.world_size
         counts = torch.tensor(
             [minibatch.response_mask.sum(), (minibatch.response_mask.sum(-1) > 0).sum()],
             dtype=torch.float64,
             device=self.device,
         )
-        counts = self._global_sum(counts)
+        counts = global_sum(counts)
         # Gradients are averaged over ranks: dividing by count / world gives the exact global mean.
         token_count, sequence_count = (counts / world).float()
         rows_per_micro = minibatch.micro_batch_rows(self.max_tokens_per_microbatch)
@@ -418,20 +321,8 @@ class OffPolicyRLModule(LightningModule):
                     self.entropy.update(entropy[micro.response_mask.bool()].float())
                 else:
                     logprobs = self.sequence_logprobs(micro)
-                correction = CorrectionOutput(
-                    weights=micro.is_weights, mask=micro.correction_mask, stats=None, config=self.correction
-                )
-                loss, info = policy_loss(
-                    logprobs,
-                    micro.prox_logprobs,
-                    micro.rollout_logprobs,
-                    micro.advantages,
-                    micro.response_mask,
-                    self.loss_config,
-                    correction=correction,
-                    ref_logprobs=micro.ref_logprobs,
-                    token_count=token_count,
-                    sequence_count=sequence_count,
+                loss, info = step.corrected_loss(
+                    logprobs, micro, self.loss_config, objective, token_count, sequence_count
                 )
                 self.manual_backward(loss)
             self.loss_metrics.update(info=info)
@@ -487,14 +378,10 @@ class OffPolicyRLModule(LightningModule):
         values["staleness/mean"] = self.staleness_mean.compute()
         values["staleness/max"] = self.staleness_max.compute()
         values["train/lr"] = self.optimizers().param_groups[0]["lr"]
-        tokens = self._global_sum(torch.tensor(float(trained_tokens), device=self.device, dtype=torch.float64))
+        tokens = global_sum(torch.tensor(float(trained_tokens), device=self.device, dtype=torch.float64))
         values["perf/train_tokens_per_s"] = tokens / max(seconds, 1e-9)
         values["perf/step_s"] = seconds
-        values = {k: (v.float() if isinstance(v, torch.Tensor) else torch.tensor(float(v))) for k, v in values.items()}
-        self.log_dict(values, on_step=True, on_epoch=False, batch_size=1, sync_dist=False)
-        # The progress bar's short names (the logger has the full keys).
-        self.log("reward", values["train/reward"], prog_bar=True, batch_size=1, logger=False)
-        self.log("stale", values["staleness/mean"], prog_bar=True, batch_size=1, logger=False)
+        step.log_step(self, values, progress_bar={"reward": "train/reward", "stale": "staleness/mean"})
         for metric in (
             self.correction_metrics,
             self.loss_metrics,
@@ -528,11 +415,6 @@ class OffPolicyRLModule(LightningModule):
         self.log("val_reward", values["val/reward_greedy"], prog_bar=True, logger=False)
 
     # ------------------------------------------------------------------------------ distributed
-    def _global_sum(self, tensor: torch.Tensor) -> torch.Tensor:
-        if self.trainer.world_size <= 1:
-            return tensor
-        return self.trainer.strategy.reduce(tensor.clone(), reduce_op="sum")
-
     def _global_max(self, value: int) -> int:
         if self.trainer.world_size <= 1:
             return value

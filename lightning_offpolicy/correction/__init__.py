@@ -15,6 +15,7 @@ from lightning_offpolicy.correction.config import (
     OffPolicyCorrectionConfig,
     PolicyLossConfig,
     check_compatible,
+    check_objective_compatible,
     preset,
 )
 from lightning_offpolicy.correction.correction import CorrectionOutput, CorrectionStats, compute_correction
@@ -33,6 +34,7 @@ __all__ = [
     "PolicyLossInfo",
     "aggregate",
     "check_compatible",
+    "check_objective_compatible",
     "compute_correction",
     "kl_estimate",
     "policy_loss",

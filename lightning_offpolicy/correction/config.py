@@ -19,6 +19,8 @@ import warnings
 from dataclasses import dataclass, fields, replace
 from typing import Any, Literal, get_args
 
+import torch
+
 from lightning_offpolicy.argcheck import is_number
 
 TISLevel = Literal["token", "sequence"]
@@ -271,6 +273,14 @@ class OffPolicyCorrectionConfig:
             names.append("kl_reject")
         return names
 
+    def policy_loss_kwargs(self) -> dict[str, Any]:
+        """The keyword arguments of :func:`~lightning_offpolicy.correction.policy_loss` this config fixes.
+
+        Its objective and bypass mode; with a :class:`CorrectionOutput`'s ``weights`` and ``mask``
+        they are what ``policy_loss(..., correction=out)`` reads from ``out.config``.
+        """
+        return {name: getattr(self, name) for name in _LOSS_FIELDS}
+
     def to_dict(self) -> dict[str, Any]:
         """Plain dict of the non-deprecated fields (for hyperparameter logging and YAML)."""
         return {f.name: getattr(self, f.name) for f in fields(self) if f.name not in _DEPRECATED}
@@ -378,6 +388,8 @@ class OffPolicyCorrectionConfig:
 
 
 _DEPRECATED = ("use_tis", "tis_imp_ratio_cap")
+#: The fields the policy loss reads (the others shape the weights and masks of compute_correction).
+_LOSS_FIELDS = ("objective", "bypass_mode", "anchor", "objective_level", "is_clip_low", "is_clip_high")
 
 PRESETS: dict[str, Any] = {
     "disabled": OffPolicyCorrectionConfig.disabled,
@@ -468,9 +480,14 @@ class PolicyLossConfig:
 
 def check_compatible(correction: OffPolicyCorrectionConfig, loss: PolicyLossConfig) -> None:
     """Refuse combinations of a correction and a loss that cannot both apply."""
-    if correction.objective != "ppo" and loss.loss_type != "ppo":
+    check_objective_compatible(correction.objective, loss)
+
+
+def check_objective_compatible(objective: Objective, loss: PolicyLossConfig) -> None:
+    """Refuse a ``loss.loss_type`` other than ``"ppo"`` with an ``objective`` that replaces the surrogate."""
+    if objective != "ppo" and loss.loss_type != "ppo":
         raise CorrectionConfigError(
-            f"OffPolicyCorrectionConfig.objective={correction.objective!r} replaces the surrogate, so "
+            f"OffPolicyCorrectionConfig.objective={objective!r} replaces the surrogate, so "
             f"PolicyLossConfig.loss_type={loss.loss_type!r} cannot apply; set loss_type='ppo'."
         )
 
@@ -480,3 +497,9 @@ def preset(name: str, **kwargs: Any) -> OffPolicyCorrectionConfig:
     if name not in PRESETS:
         raise CorrectionConfigError(f"Unknown correction preset {name!r}; known: {', '.join(sorted(PRESETS))}.")
     return PRESETS[name](**kwargs)
+
+
+# Checkpoints keep both configs in their hyperparameters. Registered here, next to the classes, so
+# that every `torch.load(weights_only=True)` that can name them rebuilds them: Lightning's resume and
+# `load_from_checkpoint` included, which load before any module hook runs.
+torch.serialization.add_safe_globals([OffPolicyCorrectionConfig, PolicyLossConfig])

@@ -25,7 +25,17 @@ from dataclasses import dataclass
 import torch
 
 from lightning_offpolicy.correction.checks import check_response_values
-from lightning_offpolicy.correction.config import PolicyLossConfig, check_compatible
+from lightning_offpolicy.correction.config import (
+    Anchor,
+    CorrectionConfigError,
+    Objective,
+    PolicyLossConfig,
+    TISLevel,
+    _check_bounds,
+    _check_choice,
+    check_compatible,
+    check_objective_compatible,
+)
 from lightning_offpolicy.correction.correction import CorrectionOutput
 from lightning_offpolicy.correction.kl import kl_estimate
 from lightning_offpolicy.correction.ratios import finite_logprobs, log_ratio, masked, safe_exp, sequence_sum
@@ -118,8 +128,23 @@ def policy_loss(
     ref_logprobs: torch.Tensor | None = None,
     token_count: float | torch.Tensor | None = None,
     sequence_count: float | torch.Tensor | None = None,
+    *,
+    weights: torch.Tensor | None = None,
+    mask: torch.Tensor | None = None,
+    objective: Objective | None = None,
+    bypass_mode: bool | None = None,
+    anchor: Anchor | None = None,
+    objective_level: TISLevel | None = None,
+    is_clip_low: float | None = None,
+    is_clip_high: float | None = None,
 ) -> tuple[torch.Tensor, PolicyLossInfo]:
     """Total loss ``policy + rollout_kl_coef * rollout_kl + ref_kl_coef * ref_kl`` and its parts.
+
+    The correction enters either as ``correction=`` (the output of :func:`compute_correction`,
+    which fills ``weights``, ``mask`` and the objective from its config, and checks that config
+    against ``loss_cfg``) or as the plain keyword arguments below, e.g. per micro-batch of a trainer
+    that sliced the weights and mask of one :func:`compute_correction` call and checked the configs
+    once (``check_compatible``). Passing both is a ``ValueError``.
 
     Args:
         logprobs: ``[B, T]`` logprobs of the sampled tokens under ``pi_theta`` (with gradient).
@@ -130,24 +155,67 @@ def policy_loss(
         response_mask: ``[B, T]`` 1 on response tokens.
         loss_cfg: the surrogate and aggregation; defaults to :class:`PolicyLossConfig`.
         correction: output of :func:`compute_correction` for this batch (weights, masks and the
-            objective); ``None`` means plain decoupled PPO without weights or masks.
+            objective); ``None`` (with no plain argument) means plain decoupled PPO without weights or masks.
         ref_logprobs: ``[B, T]`` under the reference policy, needed when ``ref_kl_coef > 0``.
         token_count: global token denominator (see :func:`aggregate`).
         sequence_count: global sequence denominator (see :func:`aggregate`).
+        weights: ``[B, T]`` detached IS weights (``CorrectionOutput.weights``); ``None``: 1 everywhere.
+        mask: ``[B, T]`` response mask times every rejection mask (``CorrectionOutput.mask``);
+            ``None``: ``response_mask`` alone. Rejected tokens leave the numerator, not the denominator.
+        objective: ``"ppo"`` (default), ``"pure_is"`` or ``"cispo"``
+            (``OffPolicyCorrectionConfig.objective``).
+        bypass_mode: ``pi_prox := pi_rollout``: PPO clips against ``rollout_logprobs`` and
+            ``prox_logprobs`` is not read (``OffPolicyCorrectionConfig.bypass_mode``; default ``False``).
+        anchor: For ``cispo``: ``"rollout"`` (default) or ``"prox"``, the denominator of the
+            current-policy ratio (``OffPolicyCorrectionConfig.anchor``).
+        objective_level: For ``pure_is``: weight per ``"token"`` (default) or per ``"sequence"``
+            (``OffPolicyCorrectionConfig.objective_level``).
+        is_clip_low: Lower clip of the ``pure_is`` / ``cispo`` weight (``None``: none).
+        is_clip_high: Upper clip of the ``pure_is`` / ``cispo`` weight; required by those objectives.
 
     Raises:
-        ValueError: A shape differs from ``response_mask``'s (``advantages``: ``[B]`` or ``[B, T]``;
-            ``correction``: computed for this batch), or, at a response token, NaN in a logprob
-            tensor the loss reads, or NaN / +-inf in ``logprobs`` or ``advantages`` (the message
-            names the tensor and the first ``(row, token)``). Padding may hold anything; +-inf in
-            ``prox`` / ``rollout`` / ``ref_logprobs`` gives the clamped loss.
+        ValueError: ``correction`` given together with a plain argument; an unknown ``objective``,
+            ``anchor`` or ``objective_level``, a missing ``is_clip_high``, ``bypass_mode`` with ``cispo`` on ``"prox"``,
+            or a ``loss_cfg.loss_type`` the objective replaces
+            (:class:`~lightning_offpolicy.correction.CorrectionConfigError`); a shape differs from
+            ``response_mask``'s (``advantages``: ``[B]`` or ``[B, T]``; ``correction``: computed for
+            this batch), or, at a response token, NaN in a logprob tensor the loss reads, or NaN /
+            +-inf in ``logprobs`` or ``advantages`` (the message names the tensor and the first
+            ``(row, token)``). Padding may hold anything; +-inf in ``prox`` / ``rollout`` /
+            ``ref_logprobs`` gives the clamped loss.
     """
     loss_cfg = loss_cfg if loss_cfg is not None else PolicyLossConfig()
-    cfg = correction.config if correction is not None else None
-    if cfg is not None:
-        check_compatible(cfg, loss_cfg)
-    objective = cfg.objective if cfg is not None else "ppo"
-    bypass = cfg is not None and cfg.bypass_mode
+    plain = {
+        "weights": weights,
+        "mask": mask,
+        "objective": objective,
+        "bypass_mode": bypass_mode,
+        "anchor": anchor,
+        "objective_level": objective_level,
+        "is_clip_low": is_clip_low,
+        "is_clip_high": is_clip_high,
+    }
+    if correction is not None:
+        given = [name for name, value in plain.items() if value is not None]
+        if given:
+            raise ValueError(
+                f"policy_loss: pass either correction= or the plain arguments ({', '.join(given)}), not both: "
+                "correction= fills them from its weights, mask and config."
+            )
+        check_compatible(correction.config, loss_cfg)
+        weights, mask = correction.weights, correction.mask
+        how = _Objective(**correction.config.policy_loss_kwargs())
+    else:
+        how = _Objective.checked(
+            objective=objective if objective is not None else "ppo",
+            bypass_mode=bool(bypass_mode),
+            anchor=anchor if anchor is not None else "rollout",
+            objective_level=objective_level if objective_level is not None else "token",
+            is_clip_low=is_clip_low,
+            is_clip_high=is_clip_high,
+            loss_cfg=loss_cfg,
+        )
+    bypass = how.bypass_mode
     _require(logprobs, "logprobs", response_mask)
     if advantages.dim() == 1 and advantages.shape[0] != response_mask.shape[0]:
         raise ValueError(
@@ -164,6 +232,9 @@ def policy_loss(
             f"response_mask is {tuple(response_mask.shape)} (it would be broadcast silently): pass the "
             "compute_correction output of this batch."
         )
+    for name, tensor in (("weights", weights), ("mask", mask)):
+        if tensor is not None:
+            _require(tensor, name, response_mask)
     # Every logprob tensor the loss or its statistics read (prox: not in bypass; ref: with its KL term).
     read = [("logprobs", logprobs, True), ("advantages", advantages, True)]
     for name, tensor, used in (
@@ -174,18 +245,17 @@ def policy_loss(
         if used:
             _require(tensor, name, response_mask)
             read.append((name, tensor, False))  # +-inf allowed: the log ratio is clamped
-    anchor = rollout_logprobs if bypass else prox_logprobs
-    needs_rollout = bypass or objective == "pure_is" or (objective == "cispo" and cfg.anchor == "rollout")
-    if needs_rollout or loss_cfg.rollout_kl_coef > 0:
+    anchor_logprobs = rollout_logprobs if bypass else prox_logprobs
+    if how.reads_rollout or loss_cfg.rollout_kl_coef > 0:
         _require(rollout_logprobs, "rollout_logprobs", response_mask, hint=_ROLLOUT_HINT)
-    if objective == "ppo" or (objective == "cispo" and cfg.anchor == "prox"):
-        _require(anchor, "rollout_logprobs" if bypass else "prox_logprobs", response_mask)
+    if how.objective == "ppo" or (how.objective == "cispo" and how.anchor == "prox"):
+        _require(anchor_logprobs, "rollout_logprobs" if bypass else "prox_logprobs", response_mask)
     if advantages.dim() == 1:
         advantages = advantages.unsqueeze(-1).expand_as(logprobs)
 
     def terms() -> tuple[torch.Tensor, PolicyLossInfo]:
         return _policy_loss_terms(
-            logprobs, prox_logprobs, rollout_logprobs, advantages, response_mask, loss_cfg, correction,
+            logprobs, prox_logprobs, rollout_logprobs, advantages, response_mask, loss_cfg, weights, mask, how,
             ref_logprobs, token_count, sequence_count,
         )  # fmt: skip
 
@@ -202,6 +272,46 @@ def policy_loss(
     return total, info
 
 
+@dataclass(frozen=True)
+class _Objective:
+    """The objective settings :func:`policy_loss` reads (``OffPolicyCorrectionConfig``'s names)."""
+
+    objective: str = "ppo"
+    bypass_mode: bool = False
+    anchor: str = "rollout"
+    objective_level: str = "token"
+    is_clip_low: float | None = None
+    is_clip_high: float | None = None
+
+    @classmethod
+    def checked(cls, loss_cfg: PolicyLossConfig, **values: object) -> _Objective:
+        """Validated plain arguments (a config was validated when it was built)."""
+        own = "policy_loss"
+        how = cls(**values)
+        _check_choice(own, "objective", how.objective, Objective)
+        _check_choice(own, "anchor", how.anchor, Anchor)
+        _check_choice(own, "objective_level", how.objective_level, TISLevel)
+        if how.objective != "ppo":
+            if how.is_clip_high is None:
+                raise CorrectionConfigError(
+                    f"{own}: objective={how.objective!r} needs is_clip_high (the weight's upper clip)."
+                )
+            _check_bounds(own, "is_clip_low", how.is_clip_low, "is_clip_high", how.is_clip_high)
+        if how.bypass_mode and how.objective == "cispo" and how.anchor == "prox":
+            raise CorrectionConfigError(
+                f"{own}: bypass_mode=True has no pi_prox for objective='cispo' with anchor='prox'."
+            )
+        check_objective_compatible(how.objective, loss_cfg)
+        return how
+
+    @property
+    def reads_rollout(self) -> bool:
+        """Whether the surrogate itself divides by ``pi_rollout``."""
+        return (
+            self.bypass_mode or self.objective == "pure_is" or (self.objective == "cispo" and self.anchor == "rollout")
+        )
+
+
 def _all_finite(total: torch.Tensor, info: PolicyLossInfo) -> bool:
     scalars = (total.detach(), info.policy_loss, info.rollout_kl, info.ref_kl, info.approx_kl_sum, info.rollout_kl_sum)
     return bool(torch.isfinite(torch.stack([s.to(torch.float64) for s in scalars])).all())
@@ -214,27 +324,29 @@ def _policy_loss_terms(
     advantages: torch.Tensor,
     response_mask: torch.Tensor,
     loss_cfg: PolicyLossConfig,
-    correction: CorrectionOutput | None,
+    weights: torch.Tensor | None,
+    mask: torch.Tensor | None,
+    how: _Objective,
     ref_logprobs: torch.Tensor | None,
     token_count: float | torch.Tensor | None,
     sequence_count: float | torch.Tensor | None,
 ) -> tuple[torch.Tensor, PolicyLossInfo]:
     """:func:`policy_loss` once its arguments are checked."""
-    cfg = correction.config if correction is not None else None
-    objective = cfg.objective if cfg is not None else "ppo"
-    bypass = cfg is not None and cfg.bypass_mode
+    objective = how.objective
     valid = response_mask.bool()
-    kept = valid if correction is None else valid & correction.mask.bool()
-    weights = torch.ones_like(logprobs, dtype=torch.float32) if correction is None else correction.weights
+    kept = valid if mask is None else valid & mask.bool()
+    weights = torch.ones_like(logprobs, dtype=torch.float32) if weights is None else weights
     adv = masked(advantages.detach().float(), valid)
-    anchor = rollout_logprobs if bypass else prox_logprobs
+    anchor = rollout_logprobs if how.bypass_mode else prox_logprobs
 
     if objective == "ppo":
         per_token, clipped, dual = _ppo_surrogate(logprobs, anchor, adv, valid, kept, loss_cfg)
     else:
-        base = rollout_logprobs if (objective == "pure_is" or cfg.anchor == "rollout") else prox_logprobs
-        level = cfg.objective_level if objective == "pure_is" else "token"
-        per_token, clipped = _current_policy_weighted(logprobs, base, adv, valid, kept, level, cfg)
+        base = rollout_logprobs if (objective == "pure_is" or how.anchor == "rollout") else prox_logprobs
+        level = how.objective_level if objective == "pure_is" else "token"
+        per_token, clipped = _current_policy_weighted(
+            logprobs, base, adv, valid, kept, level, how.is_clip_low, how.is_clip_high
+        )
         dual = torch.zeros_like(valid)
     per_token = per_token * weights
 
@@ -342,14 +454,15 @@ def _current_policy_weighted(
     valid: torch.Tensor,
     kept: torch.Tensor,
     level: str,
-    cfg,
+    clip_low: float | None,
+    clip_high: float | None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     with torch.no_grad():
         log_w = log_ratio(logprobs.detach(), base, valid)
         if level == "sequence":
             log_w = sequence_sum(log_w, kept).unsqueeze(-1).expand_as(log_w)
         raw = safe_exp(log_w)
-        weight = raw.clamp(min=cfg.is_clip_low, max=cfg.is_clip_high)
+        weight = raw.clamp(min=clip_low, max=clip_high)
         clipped = valid & (weight != raw)
     # Gradient flows only through log pi_theta: d/dtheta L = -w * A * grad log pi_theta.
     return -weight * adv * masked(logprobs, valid), clipped

@@ -1,0 +1,153 @@
+"""policy_loss's plain arguments (weights, mask, objective, ...) against its correction= convenience."""
+
+from __future__ import annotations
+
+import io
+
+import pytest
+import torch
+
+from lightning_offpolicy.correction import (
+    CorrectionConfigError,
+    OffPolicyCorrectionConfig,
+    PolicyLossConfig,
+    compute_correction,
+    policy_loss,
+)
+
+C = OffPolicyCorrectionConfig
+
+CONFIGS = {
+    "disabled": C.disabled(),
+    "token_tis": C.token_tis(clip_high=1.5),
+    "seq_tis_geo": C.geo_mis_seq_tis(low=0.5, high=2.0, clip_high=1.5),
+    "token_mis": C.token_mis(low=0.8, high=1.25),
+    "bypass": C.bypass(),
+    "pure_is_seq": C.pure_is(clip_high=1.5, clip_low=0.5, level="sequence"),
+    "cispo_rollout": C.cispo(clip_high=1.2, clip_low=0.8),
+    "cispo_prox_tis": C(objective="cispo", anchor="prox", tis_level="token", tis_clip_high=2.0, is_clip_high=1.2),
+}
+
+
+def _batch(seed: int = 0):
+    gen = torch.Generator().manual_seed(seed)
+    shape = (4, 6)
+    rollout = -torch.rand(shape, generator=gen, dtype=torch.float64) * 3
+    prox = rollout + 0.3 * torch.randn(shape, generator=gen, dtype=torch.float64)
+    theta = prox + 0.2 * torch.randn(shape, generator=gen, dtype=torch.float64)
+    mask = torch.ones(shape, dtype=torch.float64)
+    mask[1, 4:] = 0
+    mask[3, 2:] = 0
+    advantages = torch.randn(shape[0], generator=gen, dtype=torch.float64)
+    ref = prox - 0.1
+    return theta, prox, rollout, advantages, mask, ref
+
+
+def _loss_and_grad(theta: torch.Tensor, *args, **kwargs):
+    theta = theta.clone().requires_grad_(True)
+    loss, info = policy_loss(theta, *args, **kwargs)
+    loss.backward()
+    return loss.detach(), info, theta.grad
+
+
+# GSPO only with the PPO objective: the others replace the surrogate (check_compatible refuses it).
+CASES = [(name, "ppo") for name in sorted(CONFIGS)] + [
+    (name, "gspo") for name in sorted(CONFIGS) if CONFIGS[name].objective == "ppo"
+]
+
+
+@pytest.mark.parametrize(("name", "loss_type"), CASES)
+def test_plain_arguments_equal_the_correction_output_in_float64(name, loss_type):
+    cfg = CONFIGS[name]
+    theta, prox, rollout, advantages, mask, ref = _batch()
+    loss_cfg = PolicyLossConfig(loss_type=loss_type, dual_clip=3.0, rollout_kl_coef=0.1, ref_kl_coef=0.05)
+    out = compute_correction(None if cfg.bypass_mode else prox, rollout, mask, cfg)
+    common = (prox, rollout, advantages, mask, loss_cfg)
+    by_output = _loss_and_grad(theta, *common, correction=out, ref_logprobs=ref)
+    plain = _loss_and_grad(
+        theta, *common, ref_logprobs=ref, weights=out.weights, mask=out.mask, **cfg.policy_loss_kwargs()
+    )
+    assert by_output[0].dtype == torch.float64
+    assert torch.equal(by_output[0], plain[0])
+    assert torch.equal(by_output[2], plain[2])
+    assert by_output[1] == plain[1]
+
+
+def test_hand_computed_token_tis_ppo_in_float64():
+    # Two response tokens of one sequence, A = 1, eps 0.2: r = exp(theta - prox) = [1.5, 0.5],
+    # clip(r) = [1.2, 0.8], min(rA, clip(r)A) = [1.2, 0.5]; w = [1.5, 0.25]; L = -(1.8 + 0.125) / 2.
+    prox = torch.log(torch.tensor([[0.2, 0.4]], dtype=torch.float64))
+    theta = prox + torch.log(torch.tensor([[1.5, 0.5]], dtype=torch.float64))
+    weights = torch.tensor([[1.5, 0.25]], dtype=torch.float64)
+    mask = torch.ones(1, 2, dtype=torch.float64)
+    loss, info, grad = _loss_and_grad(
+        theta, prox, prox, torch.ones(1, dtype=torch.float64), mask, weights=weights, mask=mask, objective="ppo"
+    )
+    assert loss.item() == pytest.approx(-(1.5 * 1.2 + 0.25 * 0.5) / 2, rel=1e-12)
+    # Only the unclipped token carries a gradient: d/dtheta (-w r A / 2) = -w r / 2 = -0.25 * 0.5 / 2.
+    torch.testing.assert_close(grad, torch.tensor([[0.0, -0.0625]], dtype=torch.float64), rtol=1e-12, atol=0.0)
+    assert info.clipped_tokens.item() == 1
+
+
+def test_rejected_tokens_leave_the_numerator_but_not_the_denominator():
+    theta = torch.zeros(1, 2, dtype=torch.float64)
+    ones = torch.ones(1, 2, dtype=torch.float64)
+    kept_one = torch.tensor([[1.0, 0.0]], dtype=torch.float64)
+    loss, info, _ = _loss_and_grad(theta, theta, theta, torch.ones(1, dtype=torch.float64), ones, mask=kept_one)
+    assert loss.item() == pytest.approx(-0.5)
+    assert info.kept_tokens.item() == 1 and info.response_tokens.item() == 2
+
+
+def test_no_correction_and_no_plain_argument_is_plain_ppo():
+    theta, prox, rollout, advantages, mask, _ = _batch(1)
+    out = compute_correction(prox, rollout, mask, C.disabled())
+    plain = _loss_and_grad(theta, prox, rollout, advantages, mask)
+    by_output = _loss_and_grad(theta, prox, rollout, advantages, mask, correction=out)
+    assert torch.equal(plain[0], by_output[0]) and torch.equal(plain[2], by_output[2])
+
+
+@pytest.mark.parametrize(
+    "given",
+    [{"weights": "w"}, {"mask": "m"}, {"objective": "ppo"}, {"bypass_mode": False}, {"is_clip_high": 2.0}],
+)
+def test_correction_and_a_plain_argument_together_is_refused(given):
+    theta, prox, rollout, advantages, mask, _ = _batch()
+    out = compute_correction(prox, rollout, mask, C.token_tis())
+    values = {k: out.weights if v == "w" else out.mask if v == "m" else v for k, v in given.items()}
+    with pytest.raises(ValueError, match=rf"either correction= or the plain arguments \({next(iter(given))}\)"):
+        policy_loss(theta, prox, rollout, advantages, mask, correction=out, **values)
+
+
+def test_plain_arguments_are_validated():
+    theta, prox, rollout, advantages, mask, _ = _batch()
+    with pytest.raises(CorrectionConfigError, match=r"policy_loss.objective='reinforce' is not a known choice"):
+        policy_loss(theta, prox, rollout, advantages, mask, objective="reinforce")
+    with pytest.raises(CorrectionConfigError, match=r"objective='cispo' needs is_clip_high"):
+        policy_loss(theta, prox, rollout, advantages, mask, objective="cispo")
+    with pytest.raises(CorrectionConfigError, match=r"policy_loss.is_clip_low=3.0 is greater than"):
+        policy_loss(theta, prox, rollout, advantages, mask, objective="pure_is", is_clip_low=3.0, is_clip_high=2.0)
+    with pytest.raises(CorrectionConfigError, match=r"loss_type='gspo' cannot apply"):
+        gspo = PolicyLossConfig(loss_type="gspo")
+        policy_loss(theta, prox, rollout, advantages, mask, gspo, objective="cispo", is_clip_high=2.0)
+    with pytest.raises(CorrectionConfigError, match=r"bypass_mode=True has no pi_prox"):
+        policy_loss(
+            theta, prox, rollout, advantages, mask, bypass_mode=True, objective="cispo", anchor="prox", is_clip_high=2.0
+        )
+    with pytest.raises(ValueError, match=r"policy_loss: weights has shape \(1, 6\), response_mask \(4, 6\)"):
+        policy_loss(theta, prox, rollout, advantages, mask, weights=torch.ones(1, 6))
+    with pytest.raises(ValueError, match=r"policy_loss: mask has shape \(4, 5\)"):
+        policy_loss(theta, prox, rollout, advantages, mask, mask=torch.ones(4, 5))
+    # Bypass reads rollout_logprobs, never prox_logprobs.
+    loss, _ = policy_loss(theta, None, rollout, advantages, mask, bypass_mode=True)
+    assert torch.isfinite(loss)
+    with pytest.raises(ValueError, match="needs prox_logprobs"):
+        policy_loss(theta, None, rollout, advantages, mask)
+
+
+def test_configs_load_with_weights_only():
+    # Lightning resumes with torch.load(weights_only=True); the configs live in the hyperparameters.
+    buffer = io.BytesIO()
+    saved = {"correction": C.geo_mis_token_tis(), "loss": PolicyLossConfig(dual_clip=3.0)}
+    torch.save(saved, buffer)
+    buffer.seek(0)
+    assert torch.load(buffer, weights_only=True) == saved
