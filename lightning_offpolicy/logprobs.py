@@ -53,6 +53,16 @@ Limitations
 * Logits whose leading dimensions cannot be flattened into ``[N, V]`` without a copy (e.g. a
   strided slice ``logits[:, :-1]``) are copied once by ``reshape``; pass contiguous logits to
   stay lean (:func:`causal_lm_token_logprobs` does).
+
+Without the logits at all
+-------------------------
+
+:func:`causal_lm_token_logprobs` by default does not even make the logits: where the model allows
+it, ``lm_head`` is fused with the logprob (:mod:`lightning_offpolicy.fused_logprobs`), chunk by
+chunk from the last hidden states. With ``c = min(chunk_size, max(64, N // 16))`` rows per chunk
+its extra memory is ``8 * c * V`` bytes for bf16 (``6 c V`` in the backward), i.e. at most
+``N * V / 2`` bytes = 0.25x one bf16 logits tensor for ``N >= 1024``, and neither the logits nor
+their gradient exists. ``fused_head=False`` selects the logits path described above.
 """
 
 from __future__ import annotations
@@ -185,6 +195,34 @@ def _check_common(temperature: Any, chunk_size: Any) -> float:
     return temperature
 
 
+def _check_targets(targets: Any, shape: tuple[int, ...], device: torch.device, vocab: int, source: str) -> Tensor:
+    """``targets`` as a long tensor after checking its type, shape, device and range.
+
+    Args:
+        targets: the caller's token ids.
+        shape: the shape they must have (``source``'s without its last dimension).
+        device: the device they must be on.
+        vocab: ids must lie in ``[0, vocab)``.
+        source: name of the tensor they go with (``"logits"``, ``"hidden"``), for the messages.
+    """
+    if not isinstance(targets, Tensor) or targets.is_floating_point() or targets.is_complex():
+        raise TypeError("targets must be an integer torch.Tensor of token ids.")
+    if targets.dtype == torch.bool:
+        raise TypeError("targets must be an integer torch.Tensor of token ids, got bool.")
+    if tuple(targets.shape) != shape:
+        raise ValueError(
+            f"targets shape {tuple(targets.shape)} must equal {source} shape without its last dimension {shape}."
+        )
+    if targets.device != device:
+        raise ValueError(f"targets are on {targets.device} but {source} on {device}.")
+    targets = targets.long()
+    if targets.numel() > 0:
+        lo, hi = int(targets.min()), int(targets.max())
+        if lo < 0 or hi >= vocab:
+            raise ValueError(f"targets must lie in [0, {vocab}) (the vocabulary), got values in [{lo}, {hi}]")
+    return targets
+
+
 def token_logprobs(
     logits: Tensor,
     targets: Tensor,
@@ -222,23 +260,7 @@ def token_logprobs(
         raise TypeError("logits must be a floating-point torch.Tensor.")
     if logits.dim() < 1 or logits.shape[-1] == 0:
         raise ValueError(f"logits must have shape [..., V] with V > 0, got {tuple(logits.shape)}.")
-    if not isinstance(targets, Tensor) or targets.is_floating_point() or targets.is_complex():
-        raise TypeError("targets must be an integer torch.Tensor of token ids.")
-    if targets.dtype == torch.bool:
-        raise TypeError("targets must be an integer torch.Tensor of token ids, got bool.")
-    if tuple(targets.shape) != tuple(logits.shape[:-1]):
-        raise ValueError(
-            f"targets shape {tuple(targets.shape)} must equal logits shape without its last "
-            f"dimension {tuple(logits.shape[:-1])}."
-        )
-    if targets.device != logits.device:
-        raise ValueError(f"targets are on {targets.device} but logits on {logits.device}.")
-    targets = targets.long()
-    vocab = logits.shape[-1]
-    if targets.numel() > 0:
-        lo, hi = int(targets.min()), int(targets.max())
-        if lo < 0 or hi >= vocab:
-            raise ValueError(f"targets must lie in [0, {vocab}) (the vocabulary), got values in [{lo}, {hi}]")
+    targets = _check_targets(targets, tuple(logits.shape[:-1]), logits.device, logits.shape[-1], "logits")
     inv_t = 1.0 / temperature
     chunk_size = int(chunk_size)
     if logits.element_size() < 4:
@@ -258,6 +280,7 @@ def causal_lm_token_logprobs(
     temperature: float = 1.0,
     chunk_size: int = 1024,
     return_entropy: bool = False,
+    fused_head: bool | None = None,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """Log-probabilities of the response tokens under a Hugging Face causal LM.
 
@@ -266,14 +289,22 @@ def causal_lm_token_logprobs(
     ``(attention_mask.cumsum(-1) - 1).clamp(min=0)``, so a row's first real token has position 0
     whatever its padding, as in an unpadded run.
 
-    Only the logits that are needed are computed: the model is called with
-    ``logits_to_keep = L - response_start + 1`` (transformers >= 4.45; in 5.x ``LlamaForCausalLM``
-    applies ``lm_head`` to ``hidden_states[:, -logits_to_keep:]``), i.e. positions
-    ``response_start - 1 .. L - 1``. Positions ``response_start - 1 .. L - 2`` predict the response
-    tokens ``response_start .. L - 1``; the last kept position predicts nothing and is given a
-    dummy target whose result is dropped (its gradient is zero). Keeping it costs one extra row
-    of logits per sequence but keeps the logits contiguous, so :func:`token_logprobs` reads them
-    without a copy (slicing ``logits[:, :-1]`` would force one).
+    Two paths give the same values and gradients (tests/test_fused_logprobs.py):
+
+    * **fused head** (the default where possible): the decoder (``model.base_model``) returns the
+      last hidden states, and :func:`~lightning_offpolicy.fused_logprobs.fused_linear_token_logprobs`
+      applies ``lm_head`` chunk by chunk to positions ``response_start - 1 .. L - 2`` only, so no
+      ``[B, T, V]`` logits tensor is ever made (:mod:`lightning_offpolicy.fused_logprobs`: at most
+      0.25x one bf16 logits tensor of extra memory). Used when
+      :func:`~lightning_offpolicy.fused_logprobs.fused_head_parts` accepts the model: a
+      transformers class of ``FUSED_HEAD_ARCHITECTURES`` (Llama, Qwen2/3, Mistral, ...) with a
+      plain ``nn.Linear`` head (tied or not), no logit soft-capping or scaling, no hooks on the
+      model or its head, not FSDP-sharded; peft LoRA models qualify unless LoRA is on ``lm_head``.
+    * **logits**: the model is called with ``logits_to_keep = L - response_start + 1``
+      (transformers >= 4.45), i.e. positions ``response_start - 1 .. L - 1``; the last kept
+      position predicts nothing and is given a dummy target whose result is dropped (its gradient
+      is zero). Keeping it keeps the logits contiguous, so :func:`token_logprobs` reads them without
+      a copy (slicing ``logits[:, :-1]`` would force one).
 
     Args:
         model: a transformers causal LM (``model(input_ids=..., attention_mask=...,
@@ -282,6 +313,10 @@ def causal_lm_token_logprobs(
         attention_mask: ``[B, L]``, 1 for real tokens, 0 for padding.
         response_start: column where the responses start, ``1 <= response_start < L``.
         temperature, chunk_size, return_entropy: as in :func:`token_logprobs`.
+        fused_head: ``None`` (default) uses the fused head when the model qualifies and the
+            logits path otherwise; ``False`` always takes the logits path; ``True`` requires the
+            fused head (also for a class outside ``FUSED_HEAD_ARCHITECTURES`` whose structure
+            fits) and raises ``ValueError`` saying why when the model does not allow it.
 
     Returns:
         ``[B, L - response_start]`` float32 log-probabilities of the response tokens (and the
@@ -289,6 +324,8 @@ def causal_lm_token_logprobs(
         log-probability of the pad token; mask them with ``attention_mask[:, response_start:]``.
     """
     temperature = _check_common(temperature, chunk_size)
+    if fused_head is not None and not isinstance(fused_head, bool):
+        raise TypeError(f"fused_head must be None, True or False, got {fused_head!r}.")
     if not isinstance(input_ids, Tensor) or input_ids.dim() != 2:
         raise ValueError("input_ids must be a [B, L] torch.Tensor.")
     if not isinstance(attention_mask, Tensor) or tuple(attention_mask.shape) != tuple(input_ids.shape):
@@ -305,8 +342,38 @@ def causal_lm_token_logprobs(
             f"column and one response column), got {response_start}."
         )
     response_start = int(response_start)
-    keep = seq_len - response_start + 1
     position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+
+    parts: Any = "fused_head=False"
+    if fused_head is not False:
+        # Imported here: fused_logprobs imports this module's argument checks.
+        from lightning_offpolicy.fused_logprobs import fused_head_parts, fused_linear_token_logprobs
+
+        parts = fused_head_parts(model, force=fused_head is True)
+        if fused_head is True and isinstance(parts, str):
+            raise ValueError(f"fused_head=True, but the head of this model cannot be fused: {parts}.")
+    if not isinstance(parts, str):
+        decoder, head = parts
+        out = decoder(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False)
+        hidden = out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
+        if hidden.dim() != 3 or tuple(hidden.shape[:2]) != tuple(input_ids.shape):
+            raise RuntimeError(
+                f"the decoder returned hidden states of shape {tuple(hidden.shape)}; expected [B, L, H] "
+                f"with [B, L] = {tuple(input_ids.shape)}."
+            )
+        # Positions response_start - 1 .. L - 2 predict the response tokens; the slice is copied
+        # once by the reshape inside ([B, T, H]: small next to the logits it replaces).
+        return fused_linear_token_logprobs(
+            hidden[:, response_start - 1 : -1],
+            head.weight,
+            input_ids[:, response_start:],
+            bias=head.bias,
+            temperature=temperature,
+            chunk_size=chunk_size,
+            return_entropy=return_entropy,
+        )
+
+    keep = seq_len - response_start + 1
     out = model(
         input_ids=input_ids,
         attention_mask=attention_mask,

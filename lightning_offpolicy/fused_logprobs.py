@@ -1,0 +1,348 @@
+"""Token log-probabilities straight from the last hidden state: ``lm_head`` fused with the logprob.
+
+Why
+---
+
+:func:`lightning_offpolicy.logprobs.token_logprobs` never copies the logits, but the logits
+themselves still exist: the model's ``lm_head`` writes the full ``[N, V]`` tensor (``N`` tokens,
+``V`` vocabulary; 2.5 GB in bf16 at ``N = 8192, V = 151936``), it stays alive until the backward
+(``token_logprobs`` saves it), and the backward writes a gradient of the same size. Here the head
+is applied chunk by chunk inside one :class:`torch.autograd.Function`, so no tensor with ``N * V``
+elements is ever made:
+
+* forward, per chunk of ``c`` rows: ``z = (hidden_chunk @ W.T + b) / T`` in float32 (float64 for
+  float64 inputs; on CUDA the bf16/fp16 product is written as float32 directly, elsewhere it is
+  rounded to the input dtype first, as ``lm_head`` does, then upcast), ``lse = logsumexp(z)``,
+  ``logprob = z[target] - lse`` and optionally the entropy. Saved for backward: ``hidden``,
+  ``W`` and ``b`` (the caller's tensors, no copies), the targets and ``lse`` (``N`` floats).
+* backward, per chunk: ``z`` is recomputed, turned in place into
+  ``dz = (onehot(target) - softmax(z)) * grad_out / T``, and then
+  ``grad_hidden[chunk] = dz @ W`` and ``grad_W += dz.T @ hidden_chunk`` (``grad_b += dz.sum(0)``).
+  ``grad_W`` is accumulated in ``W``'s dtype (one rounding per chunk for bf16 weights; see the
+  tolerance in :func:`fused_linear_token_logprobs`).
+
+Memory
+------
+
+Extra memory besides the inputs and the gradients autograd has to return anyway (``grad_hidden``
+``[N, H]`` and ``grad_W`` ``[V, H]``, which the unfused path returns too) is, in bytes, with
+``a = 4`` (float32 accumulation; 8 for float64) and ``s`` the element size of the inputs:
+
+* forward: ``a * c * V`` (one chunk of float32 logits), ``2 * a * c * V`` with the entropy,
+  plus ``s * c * V`` on devices where the bf16 product is not written in float32 directly (CPU);
+* backward: ``a * c * V`` plus, for bf16/fp16 inputs, ``s * c * V`` (the chunk's gradient cast
+  to the weight's dtype for the two matmuls).
+
+The chunk is ``c = min(chunk_size, max(64, N // 16))``, so for bf16 (``s = 2``) the peak is
+``8 c V <= N V / 2`` bytes: at most **0.25x one bf16 logits tensor** (``2 N V`` bytes) whenever
+``N >= 1024``; for float32 inputs it is at most 0.125x of their float32 logits. At
+``N = 8192, V = 151936`` (bf16): ``c = 512``, forward 311 MB (622 MB with the entropy, 0.25x),
+backward 467 MB (0.19x), against 2.49 GB for the logits and as much again for their gradient.
+
+Limits: the entropy is returned detached (as in ``token_logprobs``), there is no double backward,
+and the head must be a plain linear map (``lm_head`` with no LoRA, soft-capping or scaling after it;
+:func:`lightning_offpolicy.logprobs.causal_lm_token_logprobs` checks and falls back otherwise).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.autograd.function import once_differentiable
+
+from lightning_offpolicy.logprobs import _acc_dtype, _check_common, _check_targets
+
+__all__ = ["FUSED_HEAD_ARCHITECTURES", "fused_head_parts", "fused_linear_token_logprobs"]
+
+#: Smallest chunk the automatic cap goes down to (tiny chunks only add Python overhead).
+MIN_CHUNK = 64
+#: ``c <= N // CHUNK_DIVISOR`` keeps the chunk temporaries <= 0.25x one bf16 logits tensor.
+CHUNK_DIVISOR = 16
+
+#: transformers causal-LM classes whose forward is ``lm_head(last_hidden_state[:, keep])`` with
+#: nothing after it other than what a config attribute in ``_LOGIT_TRANSFORMS`` announces (checked
+#: in transformers 5.x). Other classes use the fused head only when asked (``fused_head=True``).
+FUSED_HEAD_ARCHITECTURES: frozenset[str] = frozenset(
+    {
+        "LlamaForCausalLM",
+        "MistralForCausalLM",
+        "MixtralForCausalLM",
+        "Qwen2ForCausalLM",
+        "Qwen2MoeForCausalLM",
+        "Qwen3ForCausalLM",
+        "Qwen3MoeForCausalLM",
+        "Phi3ForCausalLM",
+        "GemmaForCausalLM",
+        "Gemma2ForCausalLM",
+        "Gemma3ForCausalLM",
+        "Olmo2ForCausalLM",
+    }
+)
+
+#: Config attributes of a model that changes its logits after ``lm_head`` (name -> the value
+#: that means "no change"): soft-capping (Gemma 2/3), scaling (Cohere, Granite, Falcon-H1).
+_LOGIT_TRANSFORMS: dict[str, Any] = {
+    "final_logit_softcapping": None,
+    "logit_scale": 1.0,
+    "logits_scaling": 1.0,
+    "lm_head_multiplier": 1.0,
+    "output_multiplier": 1.0,
+}
+
+# Whether ``torch.mm(a, b, out_dtype=float32)`` works on a device type (CUDA: yes, CPU: no in
+# torch 2.13). Probed once per device type.
+_MM_OUT_DTYPE: dict[str, bool] = {}
+
+
+def _chunk_logits(h: Tensor, weight: Tensor, bias: Tensor | None, acc: torch.dtype) -> Tensor:
+    """``h @ weight.T + bias`` as a new ``[c, V]`` tensor of dtype ``acc``."""
+    if h.dtype == acc:
+        z = torch.mm(h, weight.t())
+    else:
+        dev = h.device.type
+        z = None
+        if _MM_OUT_DTYPE.get(dev, True):
+            try:  # float32 output of a bf16 product: no bf16 [c, V] temporary, no rounding
+                z = torch.mm(h, weight.t(), out_dtype=acc)
+                _MM_OUT_DTYPE[dev] = True
+            except (RuntimeError, TypeError, NotImplementedError):
+                _MM_OUT_DTYPE[dev] = False
+        if z is None:
+            z = torch.mm(h, weight.t()).to(acc)
+    if bias is not None:
+        z.add_(bias)
+    return z
+
+
+class _FusedLinearLogprobs(torch.autograd.Function):
+    """Chunked ``log_softmax((hidden @ W.T + b) / T)[target]`` with a recomputing backward."""
+
+    @staticmethod
+    def forward(
+        ctx: Any,
+        hidden: Tensor,
+        weight: Tensor,
+        bias: Tensor | None,
+        targets: Tensor,
+        inv_t: float,
+        chunk_size: int,
+        want_entropy: bool,
+    ) -> tuple[Tensor, Tensor]:
+        n = hidden.shape[0]
+        acc = _acc_dtype(hidden.dtype)
+        dev = hidden.device
+        lse = torch.empty(n, dtype=acc, device=dev)
+        logprobs = torch.empty(n, dtype=acc, device=dev)
+        entropy = torch.empty(n if want_entropy else 0, dtype=acc, device=dev)
+        # The dtypes are settled by the caller; an enclosing autocast must not recast the chunks.
+        with torch.autocast(dev.type, enabled=False):
+            for start in range(0, n, chunk_size):
+                end = min(start + chunk_size, n)
+                z = _chunk_logits(hidden[start:end], weight, bias, acc)  # the one [c, V] temporary
+                if inv_t != 1.0:
+                    z.mul_(inv_t)
+                tgt_z = z.gather(1, targets[start:end, None]).reshape(-1)
+                m = z.amax(dim=-1)
+                z.sub_(m[:, None])
+                if want_entropy:
+                    e = torch.exp(z)  # second temporary, only with the entropy
+                    s = e.sum(dim=-1)
+                    # sum_v e_v * d_v as a batched dot product (no third [c, V] temporary).
+                    ed = torch.bmm(e.unsqueeze(1), z.unsqueeze(2)).reshape(-1)
+                    del e
+                    entropy[start:end] = s.log() - ed / s
+                else:
+                    s = z.exp_().sum(dim=-1)
+                del z
+                chunk_lse = m + s.log()
+                lse[start:end] = chunk_lse
+                logprobs[start:end] = tgt_z - chunk_lse
+
+        ctx.save_for_backward(hidden, weight, bias, targets, lse)
+        ctx.inv_t = inv_t
+        ctx.chunk_size = chunk_size
+        ctx.mark_non_differentiable(entropy)
+        return logprobs, entropy
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx: Any, grad_out: Tensor, _grad_entropy: Tensor | None) -> tuple[Tensor | None, ...]:
+        hidden, weight, bias, targets, lse = ctx.saved_tensors
+        need_h, need_w, need_b = ctx.needs_input_grad[:3]
+        inv_t: float = ctx.inv_t
+        chunk_size: int = ctx.chunk_size
+        n = hidden.shape[0]
+        vocab = weight.shape[0]
+        acc = lse.dtype
+        dev = hidden.device
+        g_all = grad_out.reshape(-1).to(acc) * inv_t  # [N]: grad_out / T
+        grad_h = torch.empty_like(hidden) if need_h else None
+        grad_w = torch.zeros_like(weight) if need_w else None
+        grad_b = torch.zeros(vocab, dtype=acc, device=dev) if (need_b and bias is not None) else None
+        low: Tensor | None = None  # reused bf16/fp16 buffer for the chunk's gradient
+        with torch.autocast(dev.type, enabled=False):
+            for start in range(0, n, chunk_size):
+                end = min(start + chunk_size, n)
+                h = hidden[start:end]
+                g = g_all[start:end, None]
+                z = _chunk_logits(h, weight, bias, acc)
+                if inv_t != 1.0:
+                    z.mul_(inv_t)
+                # dz = (onehot - p) * grad_out / T, in place: p = exp(z - lse).
+                z.sub_(lse[start:end, None]).exp_().mul_(g.neg())
+                z.scatter_add_(1, targets[start:end, None], g)
+                if grad_b is not None:
+                    grad_b += z.sum(dim=0)
+                if z.dtype != weight.dtype:  # bf16/fp16: the matmuls run in the weight's dtype
+                    if low is None:
+                        low = torch.empty((min(chunk_size, n), vocab), dtype=weight.dtype, device=dev)
+                    dz = low[: end - start]  # leading rows: contiguous
+                    dz.copy_(z)
+                    del z
+                else:
+                    dz = z
+                if grad_h is not None:
+                    torch.mm(dz, weight, out=grad_h[start:end])
+                if grad_w is not None:
+                    grad_w.addmm_(dz.t(), h)
+                del dz
+        if grad_b is not None:
+            grad_b = grad_b.to(bias.dtype)
+        return grad_h, grad_w, grad_b, None, None, None, None
+
+
+def fused_linear_token_logprobs(
+    hidden: Tensor,
+    weight: Tensor,
+    targets: Tensor,
+    bias: Tensor | None = None,
+    temperature: float = 1.0,
+    chunk_size: int = 1024,
+    return_entropy: bool = False,
+) -> Tensor | tuple[Tensor, Tensor]:
+    """``log_softmax((hidden @ weight.T + bias) / temperature, -1)[..., target]`` without the logits.
+
+    Args:
+        hidden: ``[..., H]`` floating-point hidden states (the input of ``lm_head``). Saved for
+            the backward (not copied, unless its leading dimensions cannot be flattened as a view).
+        weight: ``[V, H]`` head weight (``lm_head.weight``; a tied embedding works: its gradient
+            from this use is added to the one from the embedding lookup by autograd).
+        targets: ``[...]`` integer token ids in ``[0, V)``, the shape of ``hidden`` without its
+            last dimension.
+        bias: optional ``[V]`` head bias.
+        temperature: sampling temperature ``T > 0``; the logits are divided by it.
+        chunk_size: most rows (tokens) computed at once. The chunk used is
+            ``min(chunk_size, max(64, N // 16))`` so that the temporaries stay <= 0.25x one bf16
+            logits tensor (module docstring, "Memory").
+        return_entropy: also return the (detached) entropy of ``softmax(logits / T)`` per token.
+
+    Returns:
+        ``logprobs`` of shape ``[...]`` in float32 (float64 for float64 inputs), differentiable
+        w.r.t. ``hidden``, ``weight`` and ``bias``; with ``return_entropy`` a tuple
+        ``(logprobs, entropy)``, the entropy carrying no gradient.
+
+    Inside ``torch.autocast`` the inputs are cast to the autocast dtype first, as ``nn.Linear``
+    would be. With float32/float64 inputs values and gradients equal the unfused expression to
+    rounding; with bf16 inputs the logits are computed in float32 (on CUDA; elsewhere rounded to
+    bf16 as ``lm_head`` does) and ``grad_weight`` is accumulated in bf16 once per chunk, so it
+    differs from the unfused bf16 gradient by a few bf16 ulps (tests/test_fused_logprobs.py bounds
+    it at 2% of its norm against a float64 reference, the same bound the unfused path meets).
+
+    Raises:
+        TypeError / ValueError: for a bad argument; the message names it.
+    """
+    temperature = _check_common(temperature, chunk_size)
+    for name, t in (("hidden", hidden), ("weight", weight)):
+        if not isinstance(t, Tensor) or not t.is_floating_point():
+            raise TypeError(f"{name} must be a floating-point torch.Tensor.")
+    if weight.dim() != 2:
+        raise ValueError(f"weight must have shape [V, H], got {tuple(weight.shape)}.")
+    vocab, width = weight.shape
+    if hidden.dim() < 1 or hidden.shape[-1] != width:
+        raise ValueError(f"hidden must have shape [..., H] with H = {width} (weight's), got {tuple(hidden.shape)}.")
+    if bias is not None and (not isinstance(bias, Tensor) or tuple(bias.shape) != (vocab,)):
+        raise ValueError(f"bias must be None or a tensor of shape ({vocab},).")
+    targets = _check_targets(targets, tuple(hidden.shape[:-1]), hidden.device, vocab, "hidden")
+    dev_type = hidden.device.type
+    if torch.is_autocast_enabled(dev_type):
+        # What nn.Linear gets under autocast: both operands in the autocast dtype (differentiable casts).
+        dt = torch.get_autocast_dtype(dev_type)
+        hidden, weight = hidden.to(dt), weight.to(dt)
+        bias = bias.to(dt) if bias is not None else None
+    if weight.dtype != hidden.dtype or (bias is not None and bias.dtype != hidden.dtype):
+        raise ValueError(
+            f"hidden ({hidden.dtype}), weight ({weight.dtype}) and bias must share a dtype (outside autocast)."
+        )
+    out_shape = targets.shape
+    flat_h = hidden.reshape(-1, width)
+    flat_t = targets.reshape(-1)
+    n = flat_t.shape[0]
+    chunk = min(int(chunk_size), max(MIN_CHUNK, n // CHUNK_DIVISOR))
+    lp, ent = _FusedLinearLogprobs.apply(flat_h, weight, bias, flat_t, 1.0 / temperature, chunk, return_entropy)
+    lp = lp.view(out_shape)
+    if return_entropy:
+        return lp, ent.view(out_shape)
+    return lp
+
+
+def _is_sharded(module: nn.Module, head: nn.Module) -> bool:
+    """True for FSDP2 / DTensor models: their root hooks must run, i.e. the model's own forward."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # torch built without distributed
+        return False
+    return isinstance(module, FSDPModule) or isinstance(head.weight, DTensor)
+
+
+def fused_head_parts(model: nn.Module, force: bool = False) -> tuple[nn.Module, nn.Linear] | str:
+    """The ``(decoder, lm_head)`` of a transformers causal LM whose head can be fused, or why not.
+
+    The decoder (``model.base_model``, e.g. ``LlamaModel``) returns the final-normed hidden
+    states; the head must be a plain ``nn.Linear`` without hooks. A peft model with adapters
+    injected into its layers (LoRA) is unwrapped (its layers keep the adapters); prompt learning
+    is not (the peft forward adds virtual tokens).
+
+    Args:
+        model: the causal LM (or a peft model around one).
+        force: accept a class outside :data:`FUSED_HEAD_ARCHITECTURES` when the structure fits
+            (the caller vouches that its forward applies nothing after ``lm_head``).
+
+    Returns:
+        ``(decoder, head)``, or a sentence saying why the head cannot be fused.
+    """
+    base = model
+    peft_config = getattr(model, "active_peft_config", None)
+    if peft_config is not None and hasattr(model, "get_base_model"):
+        if getattr(peft_config, "is_prompt_learning", False):
+            return "a peft prompt-learning model (its forward adds virtual tokens)"
+        base = model.get_base_model()
+    for m in {id(model): model, id(base): base}.values():
+        if m._forward_hooks or m._forward_pre_hooks or "forward" in m.__dict__:
+            return f"{type(m).__name__} has forward hooks or a patched forward, which the fused path would skip"
+    get_head = getattr(base, "get_output_embeddings", None)
+    head = get_head() if callable(get_head) else None
+    if type(head) is not nn.Linear:
+        return (
+            f"the output embedding is {type(head).__name__}, not a plain torch.nn.Linear "
+            "(e.g. LoRA on lm_head, a quantized head)"
+        )
+    if head._forward_hooks or head._forward_pre_hooks or "forward" in head.__dict__:
+        return "lm_head has forward hooks or a patched forward"
+    if not head.weight.is_floating_point():
+        return "lm_head's weight is not floating point"
+    if _is_sharded(model, head) or _is_sharded(base, head):
+        return "the model is sharded (FSDP / DTensor): its own forward must run"
+    config = getattr(base, "config", None)
+    for attr, neutral in _LOGIT_TRANSFORMS.items():
+        value = getattr(config, attr, neutral)
+        if value is not None and value != neutral and not (neutral is None and value == 0):
+            return f"config.{attr} = {value!r} changes the logits after lm_head"
+    if not force and type(base).__name__ not in FUSED_HEAD_ARCHITECTURES:
+        return f"{type(base).__name__} is not in FUSED_HEAD_ARCHITECTURES (pass fused_head=True to force)"
+    decoder = getattr(base, "base_model", None)
+    if not isinstance(decoder, nn.Module) or decoder is base:
+        return f"{type(base).__name__} has no separate decoder (base_model)"
+    return decoder, head
