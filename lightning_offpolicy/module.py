@@ -276,13 +276,23 @@ class OffPolicyRLModule(LightningModule):
         rollout = step.rollout_of(batch, "OffPolicyRLModule.training_step").to(self.device)
         rollout.validate(require_rollout_logprobs=True)
         started = time.perf_counter()
+        # The metrics are updated and computed only on the batches whose values reach the logger.
+        logging = step.is_logging_step(self._trainer, batch_idx, self.optimizer_steps_per_batch)
         staleness = step.token_staleness(rollout, self.policy_version)
-        self.staleness_mean.update(staleness)
-        self.staleness_max.update(staleness if staleness.numel() else torch.zeros(1, device=self.device))
-        prox = self._no_grad_logprobs(rollout) if self.correction.needs_prox else None
+        if logging:
+            self.staleness_mean.update(staleness)
+            self.staleness_max.update(staleness if staleness.numel() else torch.zeros(1, device=self.device))
+        first_forward = None
+        prox = None
+        if self.correction.needs_prox:
+            if self._one_forward_per_step(rollout):
+                first_forward, prox = self._prox_from_first_forward(rollout, logging)
+            else:
+                prox = self._no_grad_logprobs(rollout)
         ref = self._no_grad_logprobs(rollout, reference=True) if self.loss_config.ref_kl_coef > 0 else None
         rollout, stats = step.apply_correction(rollout, prox, self.correction, ref)
-        self.correction_metrics.update(stats=stats)
+        if logging:
+            self.correction_metrics.update(stats=stats)
         # Read once per step; the configs were checked together (check_compatible) in __init__.
         objective = self.correction.policy_loss_kwargs()
         trained_tokens = 0
@@ -292,11 +302,50 @@ class OffPolicyRLModule(LightningModule):
             if self.shuffle_minibatches and self.num_minibatches > 1:
                 generator = torch.Generator().manual_seed(self.seed * 1_000_003 + self.policy_version * 101 + epoch)
             for minibatch in rollout.split(self.num_minibatches, generator):
-                grad_norms.append(self._optimizer_step(minibatch, objective, record_entropy=epoch == 0))
+                grad_norms.append(
+                    self._optimizer_step(
+                        minibatch,
+                        objective,
+                        record=logging,
+                        record_entropy=logging and epoch == 0,
+                        first_forward=first_forward if epoch == 0 else None,
+                    )
+                )
                 trained_tokens += minibatch.num_response_tokens
-        self._log_step(rollout, grad_norms, trained_tokens, time.perf_counter() - started)
+        if logging:
+            self._log_step(rollout, grad_norms, trained_tokens, time.perf_counter() - started)
+        else:
+            self._log_progress_bar(rollout, staleness)
 
-    def _optimizer_step(self, minibatch: RolloutBatch, objective: dict[str, Any], record_entropy: bool) -> torch.Tensor:
+    def _one_forward_per_step(self, rollout: RolloutBatch) -> bool:
+        """Whether the first optimizer step covers the whole batch in one micro-batch on every rank.
+
+        Then ``pi_prox`` (the weights at the start of the batch) is that forward's output, detached,
+        and the no-gradient forward is skipped: one forward less per batch, as TRL and verl do when
+        a batch makes a single optimizer step.
+        """
+        if self.num_minibatches != 1:
+            return False
+        return self._global_max(len(rollout.micro_batch_rows(self.max_tokens_per_microbatch))) == 1
+
+    def _prox_from_first_forward(
+        self, rollout: RolloutBatch, with_entropy: bool
+    ) -> tuple[torch.Tensor | tuple[torch.Tensor, torch.Tensor], torch.Tensor]:
+        """The first optimizer step's forward (with gradient) and ``pi_prox``, its detached ``[B, T]`` copy."""
+        first_forward = self.sequence_logprobs(rollout.trim(), return_entropy=with_entropy)
+        logprobs = first_forward[0] if with_entropy else first_forward
+        prox = torch.zeros(rollout.response_mask.shape, dtype=torch.float32, device=rollout.device)
+        prox[:, : logprobs.shape[1]] = logprobs.detach().float()
+        return first_forward, prox
+
+    def _optimizer_step(
+        self,
+        minibatch: RolloutBatch,
+        objective: dict[str, Any],
+        record: bool = True,
+        record_entropy: bool = True,
+        first_forward: torch.Tensor | tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> torch.Tensor:
         world = self.trainer.world_size
         counts = torch.tensor(
             [minibatch.response_mask.sum(), (minibatch.response_mask.sum(-1) > 0).sum()],
@@ -312,20 +361,28 @@ class OffPolicyRLModule(LightningModule):
             num_micro_batches=self._global_max(len(rows_per_micro)),
             rows=rows_per_micro,
         )
+        if first_forward is not None and len(micro_batches) != 1:
+            raise RuntimeError("OffPolicyRLModule: a precomputed forward needs a single micro-batch.")
         optimizer = self.optimizers()
         for index, micro in enumerate(micro_batches):
             with self._gradient_sync(index == len(micro_batches) - 1):
+                forward = (
+                    first_forward
+                    if first_forward is not None
+                    else self.sequence_logprobs(micro, return_entropy=record_entropy)
+                )
                 if record_entropy:
-                    logprobs, entropy = self.sequence_logprobs(micro, return_entropy=True)
+                    logprobs, entropy = forward
                     # Every rank updates, even with nothing: compute() is a collective.
                     self.entropy.update(entropy[micro.response_mask.bool()].float())
                 else:
-                    logprobs = self.sequence_logprobs(micro)
+                    logprobs = forward
                 loss, info = step.corrected_loss(
                     logprobs, micro, self.loss_config, objective, token_count, sequence_count
                 )
                 self.manual_backward(loss)
-            self.loss_metrics.update(info=info)
+            if record:
+                self.loss_metrics.update(info=info)
         grad_norm = self._clip_gradients()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
@@ -393,6 +450,14 @@ class OffPolicyRLModule(LightningModule):
             self.staleness_max,
         ):
             metric.reset()
+
+    def _log_progress_bar(self, rollout: RolloutBatch, staleness: torch.Tensor) -> None:
+        """Between logging steps: only the progress bar's values (this rank's, not synchronized)."""
+        if self._trainer is None or self.trainer.progress_bar_callback is None:
+            return
+        stale = staleness.mean() if staleness.numel() else torch.zeros((), device=self.device)
+        self.log("reward", rollout.rewards.float().mean(), prog_bar=True, batch_size=1, logger=False)
+        self.log("stale", stale, prog_bar=True, batch_size=1, logger=False)
 
     # ------------------------------------------------------------------------------ held-out evaluation
     def validation_step(self, batch: PromptBatch, batch_idx: int) -> None:

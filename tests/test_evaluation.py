@@ -233,6 +233,7 @@ def fit(
         val_check_interval=val_check_interval,
         check_val_every_n_epoch=None,  # val_check_interval counts training batches across epochs
         num_sanity_val_steps=2,
+        log_every_n_steps=1,  # the spy reads train/reward after every batch
     )
     data = PromptDataModule(
         task="reverse",

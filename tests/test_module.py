@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 from functools import partial
 
+import lightning as L
 import pytest
 import torch
 
@@ -105,6 +106,98 @@ def test_bypass_mode_skips_the_proximal_forward(monkeypatch):
     fit_on(module, [make_rollout(model)], max_steps=1)
     assert calls == []
     assert module.policy_version == 1
+
+
+def test_one_micro_batch_takes_pi_prox_from_the_training_forward(monkeypatch):
+    """With the whole batch in one micro-batch and one optimizer step per pass, pi_prox is the detached
+    output of the step's own forward: one policy forward per batch instead of two, and the same step
+    (weights and logged metrics) as with the separate no-gradient forward."""
+
+    def run(one_forward: bool):
+        model = tiny_model()
+        module = make_module(model, ppo_epochs=2)
+        batches = [make_rollout(model), make_rollout(model, seed=1)]
+        forwards = []
+        # The decoder: the fused lm_head path calls it, not the causal LM's own forward.
+        model.base_model.register_forward_hook(lambda *_: forwards.append(torch.is_grad_enabled()))
+        if not one_forward:
+            monkeypatch.setattr(module, "_one_forward_per_step", lambda rollout: False)
+        trainer = fit_on(module, batches, max_steps=4)
+        return module, trainer, forwards
+
+    fused, fused_trainer, fused_forwards = run(True)
+    separate, separate_trainer, separate_forwards = run(False)
+    # 2 batches x 2 epochs, each a forward with gradient; the separate path adds a no-grad forward per batch.
+    assert fused_forwards == [True] * 4
+    assert separate_forwards == [False, True, True] * 2
+    assert max_param_diff(fused.policy, separate.policy) < 1e-6
+    for key, value in separate_trainer.callback_metrics.items():
+        if key.startswith("perf/"):  # wall-clock figures
+            continue
+        assert float(fused_trainer.callback_metrics[key]) == pytest.approx(float(value), rel=1e-5, abs=1e-6), key
+
+
+def test_several_micro_batches_keep_the_no_gradient_forward():
+    model = tiny_model()
+    module = make_module(model, max_tokens_per_microbatch=12)
+    batch = make_rollout(model)
+    assert len(batch.micro_batch_rows(12)) > 1
+    calls = []
+    original = module._no_grad_logprobs
+    module._no_grad_logprobs = lambda *a, **k: calls.append(1) or original(*a, **k)
+    fit_on(module, [batch], max_steps=1)
+    assert calls == [1]
+
+
+class _ListLogger(L.pytorch.loggers.Logger):
+    """Keeps what the Trainer sends to a logger: ``{step: metrics}``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.steps: dict[int, dict[str, float]] = {}
+
+    name = "list"
+    version = 0
+
+    def log_metrics(self, metrics, step=None):
+        self.steps.setdefault(step, {}).update({k: float(v) for k, v in metrics.items()})
+
+    def log_hyperparams(self, params, *args, **kwargs):
+        pass
+
+
+def test_metrics_are_computed_only_for_the_logger_and_equal_every_step_logging():
+    """log_every_n_steps=3: the logger receives, at each of its steps, the values it receives with
+    log_every_n_steps=1; the metrics are computed on those batches only, plus the last one (so that
+    callback_metrics end with the final batch's values)."""
+
+    def run(every: int):
+        torch.manual_seed(0)
+        model = tiny_model()
+        module = make_module(model)
+        computes = []
+        original = module.correction_metrics.compute
+        module.correction_metrics.compute = lambda: computes.append(module.policy_version) or original()
+        logger = _ListLogger()
+        batches = [make_rollout(model, seed=i) for i in range(7)]
+        trainer = fit_on(module, batches, max_steps=7, logger=logger, log_every_n_steps=every)
+        return logger.steps, computes, trainer.callback_metrics
+
+    every_step, all_computes, last_metrics = run(1)
+    sparse, sparse_computes, sparse_last = run(3)
+    # Computed after each batch's optimizer step (policy_version counts the steps done).
+    assert all_computes == [1, 2, 3, 4, 5, 6, 7]
+    assert sparse_computes == [3, 6, 7]  # batches 3 and 6 (log_every_n_steps) and the last one
+    assert set(sparse) <= set(every_step) and len(sparse) >= 2
+    for logged_step, values in sparse.items():
+        for key, value in values.items():
+            if key.startswith("perf/"):  # wall-clock figures
+                continue
+            assert value == pytest.approx(every_step[logged_step][key], rel=1e-6, abs=1e-7), (logged_step, key)
+    for key, value in last_metrics.items():
+        if key.startswith("perf/"):
+            continue
+        assert float(sparse_last[key]) == pytest.approx(float(value), rel=1e-6, abs=1e-7), key
 
 
 def test_reference_kl_uses_a_frozen_copy_that_does_not_move():

@@ -76,6 +76,7 @@ def test_the_default_engine_dtype_is_the_trainers(tmp_path):
     trainer = L.Trainer(
         accelerator="cpu", max_steps=2, callbacks=[rollout, Record()], default_root_dir=tmp_path, logger=False,
         enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
+        log_every_n_steps=1,  # Record reads the metrics after every batch
     )  # fmt: skip
     trainer.fit(module, PromptDataModule(task="reverse", prompts_per_step=4, num_train_prompts=8))
     assert [dtype for dtype, _ in seen] == [torch.float32, torch.float32]
