@@ -303,6 +303,9 @@ def run_kit(
 
         # The model's context is 256 positions; the engine's default (512) exceeds it, and TRL runs 64.
         rollout_engine = VLLMEngine(seed=seed, max_model_len=64, dtype=variant.get("engine_dtype") or "auto")
+    elif variant.get("max_staleness"):
+        # Generation runs while the trainer steps: the engine keeps its own float32 copy of the weights.
+        rollout_engine = HFEngine(dtype="float32")
     else:
         rollout_engine = HFEngine()
     rollout = RolloutCallback(
@@ -312,6 +315,7 @@ def run_kit(
         temperature=SETTINGS["temperature"],
         samples_per_prompt=SETTINGS["samples_per_prompt"],
         seed=seed,
+        max_staleness=int(variant.get("max_staleness") or 0),
     )
     loader = DataLoader(
         PromptDataset([(p, {}) for p in prompts]),
@@ -533,6 +537,8 @@ def _variant_label(variant: dict[str, str | None], engine: str) -> str:
         parts.append(f"VLLMEngine(dtype={variant['engine_dtype']!r})")
     if variant.get("correction") not in (None, "disabled"):
         parts.append(f"correction {variant['correction']}")
+    if variant.get("max_staleness"):
+        parts.append(f"async, max_staleness={variant['max_staleness']}")
     return f" ({', '.join(parts)})" if parts else ""
 
 
@@ -601,6 +607,13 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         help="the kit's OffPolicyCorrectionConfig preset, e.g. token_tis, geo_mis (default disabled: metrics only)",
     )
+    parser.add_argument(
+        "--kit-max-staleness",
+        type=int,
+        default=None,
+        help="the kit's RolloutCallback(max_staleness=N): N >= 1 generates the next batch while the trainer "
+        "trains on this one (asynchronous, on the second core); default 0 (synchronous)",
+    )
     parser.add_argument("--output", type=Path, default=None, help="markdown report (.json and .png next to it)")
     parser.add_argument(
         "--from-json",
@@ -628,7 +641,11 @@ def main(argv: list[str] | None = None) -> int:
     engines = [e.strip() for e in args.engines.split(",") if e.strip()]
     if not engines or set(engines) - set(ENGINES):
         parser.error(f"--engines={args.engines!r}: allowed values are hf and vllm")
-    variant = {"engine_dtype": args.kit_engine_dtype, "correction": args.kit_correction}
+    variant = {
+        "engine_dtype": args.kit_engine_dtype,
+        "correction": args.kit_correction,
+        "max_staleness": args.kit_max_staleness,
+    }
     if args.kit_correction is not None:
         from lightning_offpolicy.correction import OffPolicyCorrectionConfig
 

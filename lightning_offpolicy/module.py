@@ -47,6 +47,7 @@ from lightning_offpolicy.batch import PromptBatch, RolloutBatch
 from lightning_offpolicy.correction import OffPolicyCorrectionConfig, PolicyLossConfig, check_compatible
 from lightning_offpolicy.correction.distributed import global_sum
 from lightning_offpolicy.evaluation import EvaluationMetrics
+from lightning_offpolicy.log_steps import is_logging_step
 from lightning_offpolicy.metrics import CorrectionMetrics, PolicyLossMetrics
 from lightning_offpolicy.policy import REFERENCE_MODES, ReferenceMode
 from lightning_offpolicy.preflight import check_model_path, check_vocab
@@ -277,7 +278,7 @@ class OffPolicyRLModule(LightningModule):
         rollout.validate(require_rollout_logprobs=True)
         started = time.perf_counter()
         # The metrics are updated and computed only on the batches whose values reach the logger.
-        logging = step.is_logging_step(self._trainer, batch_idx, self.optimizer_steps_per_batch)
+        logging = is_logging_step(self._trainer, batch_idx, self.optimizer_steps_per_batch)
         staleness = step.token_staleness(rollout, self.policy_version)
         if logging:
             self.staleness_mean.update(staleness)

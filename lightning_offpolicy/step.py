@@ -11,7 +11,7 @@ A step over one :class:`~lightning_offpolicy.batch.RolloutBatch`:
    it (mini-batch, micro-batch) carries its own;
 5. :func:`corrected_loss`: :func:`~lightning_offpolicy.correction.policy_loss` on such a slice;
 6. :func:`log_step`: the step's ``rollout_corr/*``, ``ppo/*``, ``train/*`` values, logged once,
-   on the steps :func:`is_logging_step` names.
+   on the batches :func:`~lightning_offpolicy.log_steps.is_logging_step` names.
 
 How ``pi_prox`` is obtained, the optimizer steps and the metric states differ between the two and
 stay with them: the module runs a no-grad forward and several optimizer steps with global token
@@ -151,28 +151,6 @@ def corrected_loss(
         mask=batch.correction_mask,
         **objective,
     )
-
-
-def is_logging_step(trainer: Any, batch_idx: int, optimizer_steps_per_batch: int = 1) -> bool:
-    """Whether the values of the batch about to be trained reach the logger.
-
-    Lightning's own rule (``Trainer(log_every_n_steps=n)``: every n-th batch, or when the trainer is
-    stopping), plus the fit's last batch (its ``max_steps``, or the end of its epoch), so that
-    ``trainer.callback_metrics`` end with the final values. On other batches Lightning would
-    drop the logged values anyway; computing them there costs ~20 ms per step on a small model.
-
-    Args:
-        trainer: The ``Trainer`` (``None``: outside a fit, always True).
-        batch_idx: The batch's index in its epoch.
-        optimizer_steps_per_batch: Optimizer steps (``trainer.global_step`` increments) per batch.
-    """
-    if trainer is None:
-        return True
-    if trainer._logger_connector.should_update_logs:
-        return True
-    if trainer.max_steps >= 0 and trainer.global_step + optimizer_steps_per_batch >= trainer.max_steps:
-        return True
-    return batch_idx + 1 >= trainer.num_training_batches
 
 
 def log_step(module: Any, values: Mapping[str, torch.Tensor | float], progress_bar: Mapping[str, str]) -> None:

@@ -79,10 +79,22 @@ def fit(
     return module, callback, spy, trainer
 
 
+class SlowSteps(L.Callback):
+    """Lengthens every training batch, so that generation outpaces training on a loaded machine too."""
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        time.sleep(0.25)
+
+
 @pytest.mark.parametrize(("max_staleness", "sync_every", "num_minibatches"), [(2, 1, 2), (3, 2, 1), (1, 1, 1)])
 def test_trained_tokens_are_never_staler_than_max_staleness(tmp_path, max_staleness, sync_every, num_minibatches):
     module, callback, spy, trainer = fit(
-        6, tmp_path, max_staleness=max_staleness, sync_every=sync_every, num_minibatches=num_minibatches
+        6,
+        tmp_path,
+        max_staleness=max_staleness,
+        sync_every=sync_every,
+        num_minibatches=num_minibatches,
+        extra_callbacks=[SlowSteps()],
     )
     staleness = spy.staleness()
     assert len(staleness) == 6

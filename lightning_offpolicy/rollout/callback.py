@@ -55,6 +55,7 @@ from lightning_offpolicy.advantages import ADVANTAGE_ESTIMATORS
 from lightning_offpolicy.argcheck import is_int, is_real
 from lightning_offpolicy.batch import PromptBatch, RolloutBatch
 from lightning_offpolicy.evaluation import EvaluationBatch
+from lightning_offpolicy.log_steps import is_logging_step
 from lightning_offpolicy.preflight import check_context, check_group_size, check_vocab, context_limit
 from lightning_offpolicy.rewards import RewardSpec, resolve_reward
 from lightning_offpolicy.rollout.engine import RolloutEngine, SamplingConfig, generation_eos_ids
@@ -280,7 +281,9 @@ class RolloutCallback(Callback):
             "queue_depth": float(self.producer.queue_depth),
             "dropped_samples": float(self.dropped_samples),
         }
-        self._log_staleness_histogram(trainer, version, produced.rollout)
+        steps = int(getattr(pl_module, "optimizer_steps_per_batch", 1))
+        if is_logging_step(trainer, batch_idx, steps):
+            self._log_staleness_histogram(trainer, version, produced.rollout)
 
     def generate(self, pl_module: LightningModule, prompts: PromptBatch, rank: int = 0) -> RolloutBatch:
         """Sample, score and build the rollout batch of ``prompts`` with the module's current weights."""
@@ -331,19 +334,28 @@ class RolloutCallback(Callback):
         if self._background:
             self._after_async_step(pl_module)
         if self.last_timing:
-            timing = dict(self.last_timing)
-            generate_s = max(timing.pop("generate_s"), 1e-9)
-            tokens = timing.pop("tokens")
-            pl_module.log("rollout/generate_s", generate_s, on_step=True, batch_size=1)
-            pl_module.log("rollout/tokens_per_s", tokens / generate_s, on_step=True, batch_size=1)
-            pl_module.log("gen_tok/s", tokens / generate_s, prog_bar=True, batch_size=1, logger=False)
-            for name, value in timing.items():
-                pl_module.log(f"rollout/{name}", value, on_step=True, batch_size=1)
-            self.last_timing = {}
+            self._log_timing(trainer, pl_module, batch_idx)
         if isinstance(batch, PromptBatch) and batch.rollout is not None and batch.rollout.reward_components:
             self._log_reward_components(trainer, pl_module, batch.rollout.reward_components)
         if isinstance(batch, PromptBatch):
             batch.rollout = None  # free the rollout's tensors before the loader's next batch
+
+    def _log_timing(self, trainer: Trainer, pl_module: LightningModule, batch_idx: int) -> None:
+        """``rollout/*`` timings on the batches whose values reach the logger; the progress bar's every batch."""
+        timing = dict(self.last_timing)
+        self.last_timing = {}
+        generate_s = max(timing.pop("generate_s"), 1e-9)
+        tokens_per_s = timing.pop("tokens") / generate_s
+        steps = int(getattr(pl_module, "optimizer_steps_per_batch", 1))
+        # The step already ran: global_step counts its optimizer steps.
+        logging = is_logging_step(trainer, batch_idx, steps, steps_done=True)
+        if logging or trainer.progress_bar_callback is not None:
+            pl_module.log("gen_tok/s", tokens_per_s, prog_bar=True, batch_size=1, logger=False)
+        if not logging:
+            return
+        values = {"rollout/generate_s": generate_s, "rollout/tokens_per_s": tokens_per_s}
+        values.update({f"rollout/{name}": value for name, value in timing.items()})
+        pl_module.log_dict(values, on_step=True, on_epoch=False, batch_size=1)
 
     def _log_reward_components(
         self, trainer: Trainer, pl_module: LightningModule, components: dict[str, torch.Tensor]
