@@ -207,15 +207,18 @@ def vs_trl(data: dict[str, Any]) -> list[str]:
             f"| {r['label']} | {r['engine']} | **{r['final_reward']:.3f}** | {steps} | {r['median_step_s']:.3f} |"
         )
     lines.append("")
-    for engine, ratio in data["ratios"].items():
+    for key, ratio in data["ratios"].items():
         steps_ratio = ratio["steps_to_threshold_kit_over_trl"]
+        engine = ratio.get("engine", key)
         # An engine's rows may cover fewer seeds than the whole report (invocations merged with --from-json).
         seeds = sorted({s for r in data["summary"] if r["engine"] == engine for s in r["seeds"]}) or head["seeds"]
+        speed = ratio.get("steps_per_s_kit_over_trl")
+        goal = "" if speed is None else f" (goal >= 2x: {'met' if speed >= 2.0 else 'not met'})"
         lines.append(
-            f"{engine}: final reward kit - TRL {ratio['final_reward_kit_minus_trl']:+.3f}; steps to "
+            f"{key}: final reward kit - TRL {ratio['final_reward_kit_minus_trl']:+.3f}; steps to "
             f"{head['threshold']} kit / TRL {'n/a' if steps_ratio is None else f'{steps_ratio:.2f}'}; "
-            f"s/step kit / TRL {_x(ratio['median_step_s_kit_over_trl'])}. Means over seeds "
-            f"{', '.join(map(str, seeds))}, {head['steps']} steps per side and seed."
+            f"s/step kit / TRL {_x(ratio['median_step_s_kit_over_trl'])}; steps/s kit / TRL **{_x(speed)}**{goal}. "
+            f"Means over seeds {', '.join(map(str, seeds))}, {head['steps']} steps per side and seed."
         )
     return lines
 

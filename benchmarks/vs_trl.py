@@ -385,18 +385,23 @@ def _ratio(a: float | None, b: float | None) -> float | None:
     return None if a is None or b is None or b == 0 else a / b
 
 
+#: The end-to-end speed goal of issue 12: the kit's steps/s over TRL's, same task, same machine.
+SPEED_GOAL = 2.0
+
+
 def aggregate(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """One row per (engine, side) over its seeds: mean final reward, mean steps to the threshold (None
-    when a seed never reached it), median s/step over every step of every seed."""
+    """One row per (engine, side, label) over its seeds: mean final reward, mean steps to the threshold
+    (None when a seed never reached it), median s/step over every step of every seed. The label tells
+    the kit's variants apart (engine dtype, correction, asynchronous mode)."""
     rows = []
-    for engine, side in dict.fromkeys((r["engine"], r["side"]) for r in runs):
-        mine = [r for r in runs if (r["engine"], r["side"]) == (engine, side)]
+    for engine, side, label in dict.fromkeys((r["engine"], r["side"], r["label"]) for r in runs):
+        mine = [r for r in runs if (r["engine"], r["side"], r["label"]) == (engine, side, label)]
         steps = [r["steps_to_threshold"] for r in mine]
         rows.append(
             {
                 "engine": engine,
                 "side": side,
-                "label": mine[0]["label"],
+                "label": label,
                 "seeds": [r["seed"] for r in mine],
                 "first_reward": statistics.fmean(r["first_reward"] for r in mine),
                 "final_reward": statistics.fmean(r["final_reward"] for r in mine),
@@ -409,19 +414,27 @@ def aggregate(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return rows
 
 
+def comparison_key(engine: str, kit_label: str) -> str:
+    """``"hf"`` for the kit as it ships; ``"hf (async, max_staleness=1)"`` for a variant."""
+    return engine + kit_label[len(LABELS["kit"]) :]
+
+
 def compare(summary: list[dict[str, Any]]) -> dict[str, Any]:
-    """kit / TRL per engine, on the seed means (final reward, steps to the threshold, median s/step)."""
+    """kit / TRL per engine and kit variant, on the seed means (final reward, steps to the threshold,
+    median s/step, and steps/s: TRL's median s/step over the kit's, the figure of the speed goal)."""
     out: dict[str, Any] = {}
     for engine in dict.fromkeys(r["engine"] for r in summary):
-        pair = {r["side"]: r for r in summary if r["engine"] == engine}
-        if set(pair) != set(SIDES):
+        trl = next((r for r in summary if r["engine"] == engine and r["side"] == "trl"), None)
+        if trl is None:
             continue
-        kit, trl = pair["kit"], pair["trl"]
-        out[engine] = {
-            "final_reward_kit_minus_trl": kit["final_reward"] - trl["final_reward"],
-            "steps_to_threshold_kit_over_trl": _ratio(kit["steps_to_threshold"], trl["steps_to_threshold"]),
-            "median_step_s_kit_over_trl": _ratio(kit["median_step_s"], trl["median_step_s"]),
-        }
+        for kit in (r for r in summary if r["engine"] == engine and r["side"] == "kit"):
+            out[comparison_key(engine, kit["label"])] = {
+                "engine": engine,
+                "final_reward_kit_minus_trl": kit["final_reward"] - trl["final_reward"],
+                "steps_to_threshold_kit_over_trl": _ratio(kit["steps_to_threshold"], trl["steps_to_threshold"]),
+                "median_step_s_kit_over_trl": _ratio(kit["median_step_s"], trl["median_step_s"]),
+                "steps_per_s_kit_over_trl": _ratio(trl["median_step_s"], kit["median_step_s"]),
+            }
     return out
 
 
@@ -457,11 +470,14 @@ def render(
             f"| {', '.join(_fmt(x, 'd') for x in r['steps_to_threshold_per_seed'])} | {r['median_step_s']:.3f} |"
         )
     lines.append("")
-    for engine, ratio in ratios.items():
+    for key, ratio in ratios.items():
+        speed = ratio["steps_per_s_kit_over_trl"]
+        verdict = "" if speed is None else (" (goal >= 2x: " + ("met" if speed >= SPEED_GOAL else "not met") + ")")
         lines.append(
-            f"- {engine}: final reward kit - TRL = **{ratio['final_reward_kit_minus_trl']:+.3f}**; steps to "
+            f"- {key}: final reward kit - TRL = **{ratio['final_reward_kit_minus_trl']:+.3f}**; steps to "
             f"{THRESHOLD} kit / TRL = **{_fmt(ratio['steps_to_threshold_kit_over_trl'], '.2f')}**; median s/step "
-            f"kit / TRL = **{_fmt(ratio['median_step_s_kit_over_trl'], '.2f')}x**."
+            f"kit / TRL = **{_fmt(ratio['median_step_s_kit_over_trl'], '.2f')}x**; steps/s kit / TRL = "
+            f"**{_fmt(speed, '.2f')}x**{verdict}."
         )
     lines += [
         "",

@@ -171,3 +171,21 @@ def test_reports_of_two_invocations_merge_into_one(tmp_path):
     text = output.read_text()
     assert "--engines hf` and `python benchmarks/vs_trl.py --engines vllm" in text
     assert output.with_suffix(".png").stat().st_size > 0
+
+
+def test_kit_variants_get_their_own_rows_and_ratios():
+    kit, trl = vs_trl.LABELS["kit"], vs_trl.LABELS["trl"]
+    variant = kit + vs_trl._variant_label({"max_staleness": "1"}, "hf")
+    assert variant == kit + " (async, max_staleness=1)"
+
+    def run(side, label, step_s):
+        return {"side": side, "engine": "hf", "label": label, "seed": 0, "first_reward": 0.0,
+                "final_reward": 0.5, "steps_to_threshold": 100, "step_s": step_s}  # fmt: skip
+
+    summary = vs_trl.aggregate([run("trl", trl, [0.16]), run("kit", kit, [0.12]), run("kit", variant, [0.08])])
+    assert [r["label"] for r in summary] == [trl, kit, variant]
+    ratios = vs_trl.compare(summary)
+    assert set(ratios) == {"hf", "hf (async, max_staleness=1)"}
+    assert ratios["hf"]["steps_per_s_kit_over_trl"] == pytest.approx(0.16 / 0.12)
+    assert ratios["hf (async, max_staleness=1)"]["steps_per_s_kit_over_trl"] == pytest.approx(2.0)
+    assert ratios["hf (async, max_staleness=1)"]["engine"] == "hf"
