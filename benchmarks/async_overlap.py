@@ -77,6 +77,39 @@ class _AfterRollout(L.Callback):
         self.clock.rollout_side.append(time.perf_counter() - self.clock.starts[-1])
 
 
+class PhaseTimer:
+    """Wall time and the calling thread's CPU time of each call of some methods, per phase name.
+
+    ``cpu / wall`` below 1 is time the thread was ready but did not run: waiting for the GIL or for a
+    core (with two busy threads on two idle cores, the GIL).
+    """
+
+    def __init__(self) -> None:
+        self.wall: dict[str, list[float]] = {}
+        self.cpu: dict[str, list[float]] = {}
+
+    def wrap(self, owner: object, method: str, phase: str) -> None:
+        original = getattr(owner, method)
+
+        def timed(*args, **kwargs):
+            wall, cpu = time.perf_counter(), time.thread_time()
+            try:
+                return original(*args, **kwargs)
+            finally:
+                self.wall.setdefault(phase, []).append(time.perf_counter() - wall)
+                self.cpu.setdefault(phase, []).append(time.thread_time() - cpu)
+
+        setattr(owner, method, timed)
+
+    def mean(self, phase: str, skip: int) -> float:
+        values = self.wall.get(phase, [])[skip:]
+        return statistics.mean(values) if values else 0.0
+
+    def cpu_share(self, phase: str, skip: int) -> float:
+        wall, cpu = self.wall.get(phase, [])[skip:], self.cpu.get(phase, [])[skip:]
+        return sum(cpu) / sum(wall) if wall and sum(wall) > 0 else float("nan")
+
+
 class KeptOpen:
     """Lets several fits share one engine (the callback closes its engine at the end of a fit)."""
 
@@ -106,6 +139,12 @@ def run_fit(engine, batches: int, max_staleness: int, steps_per_batch: int, args
         sync_every=max(1, max_staleness),
     )
     clock = StepClock()
+    phases = PhaseTimer()
+    phases.wrap(module, "training_step", "train")
+    phases.wrap(engine, "generate", "generate")  # the producer thread's when asynchronous
+    phases.wrap(engine, "update_weights", "push")
+    if max_staleness > 0:  # the trainer's side of a push: waiting for the request in flight + the push
+        phases.wrap(callback, "_after_async_step", "push_and_wait")
     trainer = L.Trainer(
         accelerator="cpu",
         max_steps=batches * steps_per_batch,
@@ -119,11 +158,18 @@ def run_fit(engine, batches: int, max_staleness: int, steps_per_batch: int, args
     trainer.fit(module, data)
     steps = [b - a for a, b in zip(clock.starts, clock.starts[1:], strict=False)][args.warmup :]
     generation = clock.rollout_side[args.warmup :]
+    skip = args.warmup
     return {
         "step_s": statistics.mean(steps),
         "rollout_side_s": statistics.mean(generation),
         "step_s_median": statistics.median(steps),
         "batches_counted": len(steps),
+        "train_s": phases.mean("train", skip),
+        "generate_s": phases.mean("generate", skip),
+        "push_s": phases.mean("push", skip),
+        "push_and_wait_s": phases.mean("push_and_wait", skip),
+        "train_cpu_share": phases.cpu_share("train", skip),
+        "generate_cpu_share": phases.cpu_share("generate", skip),
     }
 
 
@@ -150,20 +196,33 @@ def measure(kind: str, args) -> dict:
     generation = sync["rollout_side_s"]
     training = sync["step_s"] - generation
     ideal = max(generation, training)
+    async_step = asyn["step_s"]
     return {
         "engine": kind,
         "sync_step_s": sync["step_s"],
-        "async_step_s": asyn["step_s"],
+        "async_step_s": async_step,
         "generation_s": generation,
         "training_s": training,
         "ideal_step_s": ideal,
-        "speedup": sync["step_s"] / asyn["step_s"],
-        "overlap_efficiency": ideal / asyn["step_s"],
+        "speedup": sync["step_s"] / async_step,
+        "overlap_efficiency": ideal / async_step,
+        "async_over_ideal": async_step / ideal,
+        "goal_met": async_step <= OVERLAP_GOAL * ideal,
         "async_wait_s": asyn["rollout_side_s"],
         "hidden_fraction": (sync["step_s"] - asyn["step_s"]) / max(min(generation, training), 1e-9),
         "batches_counted": sync["batches_counted"],
         "max_staleness": u,
+        # Where the asynchronous step goes (trainer thread), and what running side by side costs.
+        "sync_phases": {k: v for k, v in sync.items() if k.endswith(("_s", "_share"))},
+        "async_phases": {k: v for k, v in asyn.items() if k.endswith(("_s", "_share"))},
+        "train_slowdown": asyn["train_s"] / max(sync["train_s"], 1e-9),
+        "generate_slowdown": asyn["generate_s"] / max(sync["generate_s"], 1e-9),
+        "async_other_s": async_step - asyn["train_s"] - asyn["rollout_side_s"] - asyn["push_and_wait_s"],
     }
+
+
+#: Issue 12's goal for the asynchronous step: at most this multiple of max(generation, training).
+OVERLAP_GOAL = 1.1
 
 
 METHOD = """\
@@ -174,7 +233,18 @@ consecutive `on_train_batch_start` calls (everything: push, generation or waitin
 decoupled PPO step, logging). In the synchronous run the rollout side of each step (weight push +
 generate + score, timed around the callback's hook) is measured too; the rest is training. In
 the asynchronous run that hook only waits for the producer (the wait column). Ideal async step = max(generation,
-training). vLLM: one engine serves both runs (started in an unmeasured warm-up fit)."""
+training); the goal is an asynchronous step <= 1.1x the ideal. vLLM: one engine serves both runs (started in an
+unmeasured warm-up fit).
+
+Where the asynchronous step goes: each run also times, per call, `training_step` (trainer thread),
+the engine's `generate` (the producer thread when asynchronous) and `update_weights` (the push),
+in wall time and in the calling thread's CPU time (`time.thread_time`). In the asynchronous run the
+trainer thread's step splits into training, waiting for a batch (`take`), the push with its wait
+for the generation request in flight (`push + wait`), and the rest (Lightning's loop, logging,
+callbacks). `slowdown` is a phase's wall time side by side over its wall time alone (sync run);
+`CPU share` is CPU time / wall time of the thread in that phase: below 1, the thread was ready
+but not running, i.e. waiting for the GIL (both threads run Python between the kernels) or for a
+core taken by other processes."""
 
 
 def render(results: list[dict], argv: list[str], elapsed: float, args) -> str:
@@ -208,6 +278,33 @@ def render(results: list[dict], argv: list[str], elapsed: float, args) -> str:
             f"| {r['engine']} | {r['sync_step_s']:.3f} | {r['async_step_s']:.3f} | {r['generation_s']:.3f} | "
             f"{r['training_s']:.3f} | {r['ideal_step_s']:.3f} | {r['async_wait_s']:.3f} | {r['speedup']:.2f}x | "
             f"{r['overlap_efficiency']:.2f} | {r['hidden_fraction']:.2f} |"
+        )
+    lines += [
+        "",
+        f"Goal: asynchronous step <= {OVERLAP_GOAL}x max(generation, training), measured in the same run.",
+        "",
+        "| engine | async / ideal | goal |",
+        "|---|---:|---|",
+    ]
+    for r in results:
+        lines.append(f"| {r['engine']} | {r['async_over_ideal']:.2f}x | {'met' if r['goal_met'] else 'not met'} |")
+    lines += [
+        "",
+        "## Where the asynchronous step goes",
+        "",
+        "| engine | async step s | training s (alone -> side by side) | generation s (alone -> side by side) "
+        "| push s | trainer waits for a batch s | push + wait for the request in flight s | other s "
+        "| CPU share training / generation (side by side) |",
+        "|---|---:|---|---|---:|---:|---:|---:|---|",
+    ]
+    for r in results:
+        a, s_ = r["async_phases"], r["sync_phases"]
+        lines.append(
+            f"| {r['engine']} | {r['async_step_s']:.3f} | {s_['train_s']:.3f} -> {a['train_s']:.3f} "
+            f"({r['train_slowdown']:.2f}x) | {s_['generate_s']:.3f} -> {a['generate_s']:.3f} "
+            f"({r['generate_slowdown']:.2f}x) | {a['push_s']:.3f} | {r['async_wait_s']:.3f} | "
+            f"{a['push_and_wait_s']:.3f} | {r['async_other_s']:.3f} | "
+            f"{a['train_cpu_share']:.2f} / {a['generate_cpu_share']:.2f} |"
         )
     return "\n".join(lines) + "\n"
 
