@@ -304,8 +304,14 @@ def run_kit(
         # The model's context is 256 positions; the engine's default (512) exceeds it, and TRL runs 64.
         rollout_engine = VLLMEngine(seed=seed, max_model_len=64, dtype=variant.get("engine_dtype") or "auto")
     elif variant.get("max_staleness"):
-        # Generation runs while the trainer steps: the engine keeps its own float32 copy of the weights.
-        rollout_engine = HFEngine(dtype="float32")
+        # Generation runs while the trainer steps: the engine keeps its own float32 copy of the weights,
+        # in its own process unless --kit-engine-process=thread.
+        if variant.get("engine_process") == "thread":
+            rollout_engine = HFEngine(dtype="float32")
+        else:
+            from lightning_offpolicy.rollout import HFProcessEngine
+
+            rollout_engine = HFProcessEngine(dtype="float32")
     else:
         rollout_engine = HFEngine()
     rollout = RolloutCallback(
@@ -554,7 +560,10 @@ def _variant_label(variant: dict[str, str | None], engine: str) -> str:
     if variant.get("correction") not in (None, "disabled"):
         parts.append(f"correction {variant['correction']}")
     if variant.get("max_staleness"):
-        parts.append(f"async, max_staleness={variant['max_staleness']}")
+        where = "HFEngine thread" if variant.get("engine_process") == "thread" else "HFProcessEngine"
+        if engine == "vllm":
+            where = ""
+        parts.append(f"async, max_staleness={variant['max_staleness']}" + (f", {where}" if where else ""))
     return f" ({', '.join(parts)})" if parts else ""
 
 
@@ -630,6 +639,13 @@ def main(argv: list[str] | None = None) -> int:
         help="the kit's RolloutCallback(max_staleness=N): N >= 1 generates the next batch while the trainer "
         "trains on this one (asynchronous, on the second core); default 0 (synchronous)",
     )
+    parser.add_argument(
+        "--kit-engine-process",
+        choices=("process", "thread"),
+        default=None,
+        help="with --kit-max-staleness: the HF engine generates in its own process (HFProcessEngine, the "
+        "default) or in the trainer's process (HFEngine(dtype='float32'), a producer thread)",
+    )
     parser.add_argument("--output", type=Path, default=None, help="markdown report (.json and .png next to it)")
     parser.add_argument(
         "--from-json",
@@ -661,6 +677,7 @@ def main(argv: list[str] | None = None) -> int:
         "engine_dtype": args.kit_engine_dtype,
         "correction": args.kit_correction,
         "max_staleness": args.kit_max_staleness,
+        "engine_process": args.kit_engine_process,
     }
     if args.kit_correction is not None:
         from lightning_offpolicy.correction import OffPolicyCorrectionConfig

@@ -176,7 +176,7 @@ def test_reports_of_two_invocations_merge_into_one(tmp_path):
 def test_kit_variants_get_their_own_rows_and_ratios():
     kit, trl = vs_trl.LABELS["kit"], vs_trl.LABELS["trl"]
     variant = kit + vs_trl._variant_label({"max_staleness": "1"}, "hf")
-    assert variant == kit + " (async, max_staleness=1)"
+    assert variant == kit + " (async, max_staleness=1, HFProcessEngine)"
 
     def run(side, label, step_s):
         return {"side": side, "engine": "hf", "label": label, "seed": 0, "first_reward": 0.0,
@@ -185,7 +185,7 @@ def test_kit_variants_get_their_own_rows_and_ratios():
     summary = vs_trl.aggregate([run("trl", trl, [0.16]), run("kit", kit, [0.12]), run("kit", variant, [0.08])])
     assert [r["label"] for r in summary] == [trl, kit, variant]
     ratios = vs_trl.compare(summary)
-    assert set(ratios) == {"hf", "hf (async, max_staleness=1)"}
+    assert set(ratios) == {"hf", "hf (async, max_staleness=1, HFProcessEngine)"}
     assert ratios["hf"]["steps_per_s_kit_over_trl"] == pytest.approx(0.16 / 0.12)
-    assert ratios["hf (async, max_staleness=1)"]["steps_per_s_kit_over_trl"] == pytest.approx(2.0)
-    assert ratios["hf (async, max_staleness=1)"]["engine"] == "hf"
+    assert ratios["hf (async, max_staleness=1, HFProcessEngine)"]["steps_per_s_kit_over_trl"] == pytest.approx(2.0)
+    assert ratios["hf (async, max_staleness=1, HFProcessEngine)"]["engine"] == "hf"

@@ -3,12 +3,14 @@
 from lightning_offpolicy.rollout.callback import RolloutCallback
 from lightning_offpolicy.rollout.engine import Completion, RolloutEngine, SamplingConfig
 from lightning_offpolicy.rollout.hf import HFEngine
+from lightning_offpolicy.rollout.hf_process import HFProcessEngine
 from lightning_offpolicy.rollout.vllm import RemoteVLLMEngine
 from lightning_offpolicy.rollout.vllm.inprocess import VLLMEngine
 
 __all__ = [
     "Completion",
     "HFEngine",
+    "HFProcessEngine",
     "RemoteVLLMEngine",
     "RolloutCallback",
     "RolloutEngine",

@@ -198,7 +198,8 @@ class RolloutCallback(Callback):
         if self._background and (self.engine is None or getattr(self.engine, "share_weights", False)):
             raise ValueError(
                 f"RolloutCallback(max_staleness={self.max_staleness}) generates in the background while the trainer "
-                "updates the weights, so the engine needs its own copy of them: use VLLMEngine, or "
+                "updates the weights, so the engine needs its own copy of them: use HFProcessEngine (generation in "
+                "its own process, the fastest on a CPU with a core to spare), VLLMEngine, or "
                 "HFEngine(dtype='float32' / 'bfloat16') instead of an HFEngine that shares the module's weights."
             )
         self._rank = trainer.global_rank
