@@ -177,7 +177,9 @@ class HFProcessEngine(HFEngine):
         if process is not None:
             process.join(timeout=5)
         code = None if process is None else process.exitcode
-        return RuntimeError(f"HFProcessEngine: the engine process exited (code {code}) during {during}. {MAIN_GUARD_HINT}")
+        return RuntimeError(
+            f"HFProcessEngine: the engine process exited (code {code}) during {during}. {MAIN_GUARD_HINT}"
+        )
 
 
 def _serve(conn: Connection, model: torch.nn.Module, max_batch_size: int, threads: int) -> None:
