@@ -1,7 +1,8 @@
 #!/usr/bin/env python
 """Wall time per RL step, synchronous vs asynchronous rollouts, at the same work, in one run.
 
-For each engine (the embedded ``HFEngine`` with its own float32 copy; ``VLLMEngine`` when vLLM is
+For each engine (the embedded ``HFEngine`` with its own float32 copy, generating in a thread of the
+trainer's process; ``HFProcessEngine``, the same in a child process; ``VLLMEngine`` when vLLM is
 installed) the same fit runs twice on the tiny ``reverse`` model: the same prompts, the same
 batch, the same number of steps:
 
@@ -45,7 +46,7 @@ import lightning as L  # noqa: E402
 import torch  # noqa: E402
 
 from lightning_offpolicy.module import OffPolicyRLModule  # noqa: E402
-from lightning_offpolicy.rollout import HFEngine, RolloutCallback  # noqa: E402
+from lightning_offpolicy.rollout import HFEngine, HFProcessEngine, RolloutCallback  # noqa: E402
 from lightning_offpolicy.tasks import PromptDataModule  # noqa: E402
 
 
@@ -176,6 +177,8 @@ def run_fit(engine, batches: int, max_staleness: int, steps_per_batch: int, args
 def make_engine(kind: str):
     if kind == "hf":
         return HFEngine(dtype="float32"), None
+    if kind == "hf_process":
+        return HFProcessEngine(dtype="float32"), None
     from lightning_offpolicy.rollout.vllm.inprocess import VLLMEngine
 
     engine = VLLMEngine(model=None, dtype="float32", max_model_len=128, gpu_memory_utilization=0.3)
@@ -312,7 +315,12 @@ def render(results: list[dict], argv: list[str], elapsed: float, args) -> str:
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--engines", default="hf,vllm", help="comma-separated: hf, vllm (skipped if not installed)")
+    parser.add_argument(
+        "--engines",
+        default="hf,hf_process,vllm",
+        help="comma-separated: hf (HFEngine, a producer thread), hf_process (HFProcessEngine, a child process), "
+        "vllm (skipped if not installed)",
+    )
     parser.add_argument("--batches", type=int, default=24)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--prompts-per-step", type=int, default=16)
