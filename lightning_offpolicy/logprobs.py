@@ -299,7 +299,9 @@ def causal_lm_token_logprobs(
       :func:`~lightning_offpolicy.fused_logprobs.fused_head_parts` accepts the model: a
       transformers class of ``FUSED_HEAD_ARCHITECTURES`` (Llama, Qwen2/3, Mistral, ...) with a
       plain ``nn.Linear`` head (tied or not), no logit soft-capping or scaling, no hooks on the
-      model or its head, not FSDP-sharded; peft LoRA models qualify unless LoRA is on ``lm_head``.
+      model or its head, not FSDP-sharded; peft LoRA models qualify, LoRA on ``lm_head`` included
+      (plain LoRA: the adapters become low-rank terms of the fused head; DoRA and other variants
+      fall back).
     * **logits**: the model is called with ``logits_to_keep = L - response_start + 1``
       (transformers >= 4.45), i.e. positions ``response_start - 1 .. L - 1``; the last kept
       position predicts nothing and is given a dummy target whose result is dropped (its gradient
@@ -347,7 +349,7 @@ def causal_lm_token_logprobs(
     parts: Any = "fused_head=False"
     if fused_head is not False:
         # Imported here: fused_logprobs imports this module's argument checks.
-        from lightning_offpolicy.fused_logprobs import fused_head_parts, fused_linear_token_logprobs
+        from lightning_offpolicy.fused_logprobs import fused_head_parts, fused_head_token_logprobs
 
         parts = fused_head_parts(model, force=fused_head is True)
         if fused_head is True and isinstance(parts, str):
@@ -363,11 +365,10 @@ def causal_lm_token_logprobs(
             )
         # Positions response_start - 1 .. L - 2 predict the response tokens; the slice is copied
         # once by the reshape inside ([B, T, H]: small next to the logits it replaces).
-        return fused_linear_token_logprobs(
+        return fused_head_token_logprobs(
+            head,
             hidden[:, response_start - 1 : -1],
-            head.weight,
             input_ids[:, response_start:],
-            bias=head.bias,
             temperature=temperature,
             chunk_size=chunk_size,
             return_entropy=return_entropy,
