@@ -33,11 +33,13 @@ Extra memory besides the inputs and the gradients autograd has to return anyway 
 * backward: ``a * c * V`` plus, for bf16/fp16 inputs, ``s * c * V`` (the chunk's gradient cast
   to the weight's dtype for the two matmuls).
 
-The chunk is ``c = min(chunk_size, max(64, N // 16))``, so for bf16 (``s = 2``) the peak is
-``8 c V <= N V / 2`` bytes: at most **0.25x one bf16 logits tensor** (``2 N V`` bytes) whenever
-``N >= 1024``; for float32 inputs it is at most 0.125x of their float32 logits. At
-``N = 8192, V = 151936`` (bf16): ``c = 512``, forward 311 MB (622 MB with the entropy, 0.25x),
-backward 467 MB (0.19x), against 2.49 GB for the logits and as much again for their gradient.
+The chunk is ``c = min(chunk_size, max(64, N // 32))``, so for bf16 (``s = 2``) the peak is
+``8 c V <= N V / 4`` bytes: at most **0.125x one bf16 logits tensor** (``2 N V`` bytes) whenever
+``N >= 2048``, which leaves room within 0.25x for the gradient of the head's weight at common
+widths; for float32 inputs it is at most 0.0625x of their float32 logits. At
+``N = 8192, V = 151936`` (bf16): ``c = 256``, forward 233 MB on CPU (311 MB with the entropy,
+0.125x), backward 233 MB (0.094x), against 2.49 GB for the logits and as much again for their
+gradient. ``benchmarks/logprob_memory.py`` measures it (``docs/performance_logprobs.md``).
 
 Limits: the entropy is returned detached (as in ``token_logprobs``), there is no double backward,
 and the head must be linear: ``lm_head`` as a plain ``nn.Linear``, or with plain peft LoRA adapters
@@ -77,8 +79,8 @@ __all__ = [
 
 #: Smallest chunk the automatic cap goes down to (tiny chunks only add Python overhead).
 MIN_CHUNK = 64
-#: ``c <= N // CHUNK_DIVISOR`` keeps the chunk temporaries <= 0.25x one bf16 logits tensor.
-CHUNK_DIVISOR = 16
+#: ``c <= N // CHUNK_DIVISOR`` keeps the chunk temporaries <= 0.125x one bf16 logits tensor.
+CHUNK_DIVISOR = 32
 
 #: transformers causal-LM classes whose forward is ``lm_head(last_hidden_state[:, keep])`` with
 #: nothing after it other than what a config attribute in ``_LOGIT_TRANSFORMS`` announces (checked
@@ -289,7 +291,7 @@ def fused_linear_token_logprobs(
         bias: optional ``[V]`` head bias.
         temperature: sampling temperature ``T > 0``; the logits are divided by it.
         chunk_size: most rows (tokens) computed at once. The chunk used is
-            ``min(chunk_size, max(64, N // 16))`` so that the temporaries stay <= 0.25x one bf16
+            ``min(chunk_size, max(64, N // 32))`` so that the temporaries stay <= 0.125x one bf16
             logits tensor (module docstring, "Memory").
         return_entropy: also return the (detached) entropy of ``softmax(logits / T)`` per token.
         low_rank: ``(u, B, scale)`` triples: ``u`` of shape ``[..., r]`` (``hidden``'s leading

@@ -59,9 +59,9 @@ Without the logits at all
 
 :func:`causal_lm_token_logprobs` by default does not even make the logits: where the model allows
 it, ``lm_head`` is fused with the logprob (:mod:`lightning_offpolicy.fused_logprobs`), chunk by
-chunk from the last hidden states. With ``c = min(chunk_size, max(64, N // 16))`` rows per chunk
+chunk from the last hidden states. With ``c = min(chunk_size, max(64, N // 32))`` rows per chunk
 its extra memory is ``8 * c * V`` bytes for bf16 (``6 c V`` in the backward), i.e. at most
-``N * V / 2`` bytes = 0.25x one bf16 logits tensor for ``N >= 1024``, and neither the logits nor
+``N * V / 4`` bytes = 0.125x one bf16 logits tensor for ``N >= 2048``, and neither the logits nor
 their gradient exists. ``fused_head=False`` selects the logits path described above.
 """
 
@@ -295,7 +295,7 @@ def causal_lm_token_logprobs(
       last hidden states, and :func:`~lightning_offpolicy.fused_logprobs.fused_linear_token_logprobs`
       applies ``lm_head`` chunk by chunk to positions ``response_start - 1 .. L - 2`` only, so no
       ``[B, T, V]`` logits tensor is ever made (:mod:`lightning_offpolicy.fused_logprobs`: at most
-      0.25x one bf16 logits tensor of extra memory). Used when
+      0.125x one bf16 logits tensor of temporaries). Used when
       :func:`~lightning_offpolicy.fused_logprobs.fused_head_parts` accepts the model: a
       transformers class of ``FUSED_HEAD_ARCHITECTURES`` (Llama, Qwen2/3, Mistral, ...) with a
       plain ``nn.Linear`` head (tied or not), no logit soft-capping or scaling, no hooks on the
