@@ -461,3 +461,39 @@ def test_bad_arguments():
     ids = torch.randint(0, 97, (2, 6))
     with pytest.raises(TypeError, match="fused_head"):
         causal_lm_token_logprobs(_build(), ids, torch.ones_like(ids), 2, fused_head="yes")
+
+
+@pytest.mark.parametrize("lora_targets", [None, ["q_proj", "v_proj"], ["q_proj", "lm_head"]])
+def test_trainer_step_takes_the_fused_head_by_default(monkeypatch, lora_targets):
+    """OffPolicyRLModule -> step.response_logprobs -> causal_lm_token_logprobs: fused, no logits."""
+    from functools import partial
+
+    from transformers import LlamaForCausalLM
+
+    import lightning_offpolicy.fused_logprobs as fl
+    from lightning_offpolicy.module import OffPolicyRLModule
+    from tests.module_helpers import TOKENIZER, fit_on, make_rollout, tiny_model
+
+    model = tiny_model()
+    rollout = make_rollout(model, seed=1, rows=4)
+    lora = dict(lora_rank=4, lora_alpha=8.0, lora_target_modules=lora_targets) if lora_targets else {}
+    module = OffPolicyRLModule(
+        model=model, tokenizer=TOKENIZER, optimizer=partial(torch.optim.SGD, lr=0.01), gradient_clip_val=None, **lora
+    )
+    fused_terms, full_forwards = [], []
+    real_fused, real_forward = fl.fused_linear_token_logprobs, LlamaForCausalLM.forward
+
+    def counting_fused(*args, **kwargs):
+        fused_terms.append(len(kwargs.get("low_rank", ())))
+        return real_fused(*args, **kwargs)
+
+    def counting_forward(self, *args, **kwargs):  # the model's own forward: lm_head over all positions
+        full_forwards.append(1)
+        return real_forward(self, *args, **kwargs)
+
+    monkeypatch.setattr(fl, "fused_linear_token_logprobs", counting_fused)
+    monkeypatch.setattr(LlamaForCausalLM, "forward", counting_forward)
+    fit_on(module, [rollout], max_steps=1)
+    assert fused_terms and not full_forwards
+    # LoRA on lm_head: one low-rank term per call; otherwise none.
+    assert set(fused_terms) == {1 if lora_targets and "lm_head" in lora_targets else 0}
