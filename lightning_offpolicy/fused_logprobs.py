@@ -431,10 +431,11 @@ def _head_adapters(head: nn.Module) -> tuple[nn.Linear, list[tuple[nn.Module, nn
     for name in head.active_adapters:
         if name not in head.lora_A.keys():
             continue
-        if name in head.lora_variant or head.use_dora.get(name, False):
-            variant = type(head.lora_variant.get(name)).__name__
+        variants = getattr(head, "lora_variant", {})
+        if name in variants or getattr(head, "use_dora", {}).get(name, False):
+            variant = type(variants.get(name)).__name__
             return f"LoRA adapter {name!r} on lm_head is a LoRA variant ({variant}, e.g. DoRA), not plain LoRA"
-        if head.lora_bias.get(name, False):
+        if getattr(head, "lora_bias", {}).get(name, False):
             return f"LoRA adapter {name!r} on lm_head has lora_bias=True"
         lora_a, lora_b, dropout = head.lora_A[name], head.lora_B[name], head.lora_dropout[name]
         if type(lora_a) is not nn.Linear or type(lora_b) is not nn.Linear or lora_a.bias is not None:
