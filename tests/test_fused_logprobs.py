@@ -497,3 +497,19 @@ def test_trainer_step_takes_the_fused_head_by_default(monkeypatch, lora_targets)
     assert fused_terms and not full_forwards
     # LoRA on lm_head: one low-rank term per call; otherwise none.
     assert set(fused_terms) == {1 if lora_targets and "lm_head" in lora_targets else 0}
+
+
+def test_lora_on_bf16_lm_head_with_float32_adapters():
+    """peft keeps the adapters of a bf16 model in float32 (autocast_adapter_dtype): mixed terms work."""
+    model = _lora(_build(dtype=torch.bfloat16), ["lm_head"])
+    head = model.get_base_model().lm_head
+    assert head.base_layer.weight.dtype == torch.bfloat16 and head.lora_B["default"].weight.dtype == torch.float32
+    fused = _run(model, True)
+    naive = _naive_model_path(model)
+    assert fused[0].dtype == torch.float32
+    # peft rounds base + adapter output to bf16, the fused head sums them in float32: bf16-level agreement.
+    torch.testing.assert_close(fused[0].double(), naive[0], rtol=0, atol=0.01)  # measured 0.0015
+    assert fused[2].keys() == naive[1].keys()
+    for name in naive[1]:
+        ref = naive[1][name].double()
+        assert ((fused[2][name].double() - ref).norm() / ref.norm()) < 0.01, name  # measured 0.16%
