@@ -11,8 +11,10 @@ is applied chunk by chunk inside one :class:`torch.autograd.Function`, so no ten
 elements is ever made:
 
 * forward, per chunk of ``c`` rows: ``z = (hidden_chunk @ W.T + b) / T`` in float32 (float64 for
-  float64 inputs; on CUDA the bf16/fp16 product is written as float32 directly, elsewhere it is
-  rounded to the input dtype first, as ``lm_head`` does, then upcast), ``lse = logsumexp(z)``,
+  float64 inputs; on CUDA the bf16/fp16 product is written as float32 directly; on CPU the
+  bf16/fp16 weight is upcast in blocks of rows and multiplied in float32, because CPU
+  half-precision matmuls are slow; elsewhere the product is rounded to the input dtype first, as
+  ``lm_head`` does, then upcast), ``lse = logsumexp(z)``,
   ``logprob = z[target] - lse`` and optionally the entropy. Saved for backward: ``hidden``,
   ``W`` and ``b`` (the caller's tensors, no copies), the targets and ``lse`` (``N`` floats).
 * backward, per chunk: ``z`` is recomputed, turned in place into
@@ -29,15 +31,17 @@ Extra memory besides the inputs and the gradients autograd has to return anyway 
 ``a = 4`` (float32 accumulation; 8 for float64) and ``s`` the element size of the inputs:
 
 * forward: ``a * c * V`` (one chunk of float32 logits), ``2 * a * c * V`` with the entropy,
-  plus ``s * c * V`` on devices where the bf16 product is not written in float32 directly (CPU);
+  plus ``s * c * V`` where the bf16 product is not written in float32 directly (on CPU: the
+  float32 weight block, at most that size, plus a ``[c, block]`` product);
 * backward: ``a * c * V`` plus, for bf16/fp16 inputs, ``s * c * V`` (the chunk's gradient cast
-  to the weight's dtype for the two matmuls).
+  to the weight's dtype for the two matmuls; on CPU the float32 weight block or the block's
+  ``grad_W`` product instead, at most that size).
 
 The chunk is ``c = min(chunk_size, max(64, N // 32))``, so for bf16 (``s = 2``) the peak is
 ``8 c V <= N V / 4`` bytes: at most **0.125x one bf16 logits tensor** (``2 N V`` bytes) whenever
 ``N >= 2048``, which leaves room within 0.25x for the gradient of the head's weight at common
 widths; for float32 inputs it is at most 0.0625x of their float32 logits. At
-``N = 8192, V = 151936`` (bf16): ``c = 256``, forward 233 MB on CPU (311 MB with the entropy,
+``N = 8192, V = 151936`` (bf16): ``c = 256``, forward 233 MB (311 MB with the entropy,
 0.125x), backward 233 MB (0.094x), against 2.49 GB for the logits and as much again for their
 gradient. ``benchmarks/logprob_memory.py`` measures it (``docs/performance_logprobs.md``).
 
@@ -117,10 +121,36 @@ _LOGIT_TRANSFORMS: dict[str, Any] = {
 _MM_OUT_DTYPE: dict[str, bool] = {}
 
 
+def _cpu_half(weight: Tensor) -> bool:
+    """bf16/fp16 weight on CPU: its matmuls run blockwise in float32 (see :func:`_weight_blocks`)."""
+    return weight.device.type == "cpu" and weight.dtype in (torch.bfloat16, torch.float16)
+
+
+def _weight_blocks(weight: Tensor, rows: int, acc: torch.dtype):
+    """``(slice, weight[slice].to(acc))`` over the vocabulary, for half-precision weights on CPU.
+
+    CPU half-precision matmuls are slow and, for some layouts, very slow (``dz @ W`` with a bf16
+    ``[V, H]`` weight ran at 0.3-0.5 GFLOP/s on the 2-core benchmark machine, float32 at ~27).
+    The weight is therefore upcast in blocks of ``b`` rows, ``b * H * a <= 2 * rows * V`` bytes:
+    no more than the half-precision ``[rows, V]`` buffer the CUDA path uses, so the memory bound
+    is unchanged.
+    """
+    vocab, width = weight.shape
+    step = max(1, min(vocab, (2 * rows * vocab) // (width * torch.finfo(acc).bits // 8)))
+    for start in range(0, vocab, step):
+        sl = slice(start, min(start + step, vocab))
+        yield sl, weight[sl].to(acc)
+
+
 def _chunk_logits(h: Tensor, weight: Tensor, bias: Tensor | None, acc: torch.dtype) -> Tensor:
     """``h @ weight.T + bias`` as a new ``[c, V]`` tensor of dtype ``acc``."""
     if h.dtype == acc:
         z = torch.mm(h, weight.t())
+    elif _cpu_half(weight):  # float32 products by weight blocks (no half-precision [c, V] temporary)
+        z = torch.empty((h.shape[0], weight.shape[0]), dtype=acc, device=h.device)
+        hf = h.to(acc)
+        for sl, wb in _weight_blocks(weight, h.shape[0], acc):
+            z[:, sl] = torch.mm(hf, wb.t())
     else:
         dev = h.device.type
         z = None
@@ -242,6 +272,19 @@ class _FusedLinearLogprobs(torch.autograd.Function):
                             gu[start:end].mul_(scale)
                     if gb_k is not None:
                         gb_k.addmm_(z.t(), u[start:end], alpha=scale)
+                if z.dtype != weight.dtype and _cpu_half(weight):  # CPU bf16/fp16: float32 blocks
+                    gh = torch.zeros((end - start, weight.shape[1]), dtype=acc, device=dev) if need_h else None
+                    hf = h.to(acc) if need_w else None
+                    for sl, wb in _weight_blocks(weight, end - start, acc):
+                        if gh is not None:
+                            gh.addmm_(z[:, sl], wb)
+                        if grad_w is not None:
+                            del wb  # the block's grad_weight product takes its place
+                            grad_w[sl] += torch.mm(z[:, sl].t(), hf)
+                    if grad_h is not None:
+                        grad_h[start:end] = gh
+                    del z, gh, hf
+                    continue
                 if z.dtype != weight.dtype:  # bf16/fp16: the matmuls run in the weight's dtype
                     if low is None:
                         low = torch.empty((min(chunk_size, n), vocab), dtype=weight.dtype, device=dev)
@@ -305,11 +348,12 @@ def fused_linear_token_logprobs(
 
     Inside ``torch.autocast`` the inputs are cast to the autocast dtype first, as ``nn.Linear``
     would be. With float32/float64 inputs values and gradients equal the unfused expression to
-    rounding; with bf16 inputs the logits are computed in float32 (on CUDA; elsewhere rounded to
-    bf16 as ``lm_head`` does) and ``grad_weight`` is accumulated in bf16 once per chunk, so it
-    differs from the unfused bf16 gradient by a few bf16 ulps (tests/test_fused_logprobs.py: every
-    output and gradient within 1% of its norm of a float64 reference, and within 1.25x the
-    unfused bf16 path's error; measured 0.54% vs 0.48% for ``grad_weight``).
+    rounding; with bf16 inputs the logits are computed in float32 (on CUDA and CPU; elsewhere
+    rounded to bf16 as ``lm_head`` does) and ``grad_weight`` is accumulated in bf16 once per
+    chunk, so it differs from the unfused bf16 gradient by a few bf16 ulps
+    (tests/test_fused_logprobs.py: every output and gradient within 1% of its norm of a float64
+    reference, and within 1.25x the unfused bf16 path's error; measured on CPU 0.29% vs 0.48% for
+    ``grad_weight``).
 
     Raises:
         TypeError / ValueError: for a bad argument; the message names it.

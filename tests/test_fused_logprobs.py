@@ -100,7 +100,8 @@ def test_bfloat16_within_stated_tolerance():
     for name, f, u, r in zip(("logprobs", "grad_hidden", "grad_weight"), fused, unfused, exact, strict=True):
         err_f = ((f - r).norm() / r.norm()).item()
         err_u = ((u - r).norm() / r.norm()).item()
-        # Measured (CPU): logprobs 0.09%, grad_hidden 0.45%, grad_weight 0.54% fused vs 0.48% unfused.
+        # Measured (CPU, float32 products by blocks): logprobs 5e-8, grad_hidden 0.17% (unfused 0.45%),
+        # grad_weight 0.29% (unfused 0.48%).
         assert err_f < 1e-2 and err_f <= 1.25 * err_u + 1e-3, (name, err_f, err_u)
 
 
