@@ -109,7 +109,8 @@ METHOD = """\
   the input dtype, which this method never makes. Its peak includes `hidden.grad` and
   `weight.grad` (`(T + V) * H` elements, which any method returns; given separately) and the
   chunk temporaries. `max |diff|`: after the timed steps, the fused logprobs of the first 64
-  tokens against `log_softmax(linear(hidden, weight).float() / T)` on those rows. Its time
+  tokens against `log_softmax(linear(hidden.float(), weight.float()) / T)` on those rows (float32
+  logits, as the fused head computes them for bf16 inputs on CPU and CUDA). Its time
   includes the head's matmuls (forward, recompute, `grad_hidden`, `grad_weight`: four
   `T x H x V` products), which the lean and naive times (logits given) do not: `fused / lean`
   compares a whole head + logprob with the logprob alone.
@@ -233,7 +234,7 @@ def fused_worker(args: argparse.Namespace) -> dict:
         del loss
     assert hidden.grad is not None and weight.grad is not None
     with torch.no_grad():  # sanity check on 64 rows: the unfused expression, in float32
-        z = torch.nn.functional.linear(hidden[0, :64], weight).float() / args.temperature
+        z = torch.nn.functional.linear(hidden[0, :64].float(), weight.float()) / args.temperature
         ref = torch.log_softmax(z, -1).gather(-1, targets[0, :64, None]).squeeze(-1).double()
     return {
         "vocab": args.vocab,

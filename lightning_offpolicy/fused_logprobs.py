@@ -126,20 +126,32 @@ def _cpu_half(weight: Tensor) -> bool:
     return weight.device.type == "cpu" and weight.dtype in (torch.bfloat16, torch.float16)
 
 
-def _weight_blocks(weight: Tensor, rows: int, acc: torch.dtype):
-    """``(slice, weight[slice].to(acc))`` over the vocabulary, for half-precision weights on CPU.
+def _block_rows(weight: Tensor, rows: int, acc: torch.dtype) -> int:
+    """Rows ``b`` of the float32 weight blocks: ``b * H * a <= 2 * rows * V`` bytes.
 
     CPU half-precision matmuls are slow and, for some layouts, very slow (``dz @ W`` with a bf16
     ``[V, H]`` weight ran at 0.3-0.5 GFLOP/s on the 2-core benchmark machine, float32 at ~27).
-    The weight is therefore upcast in blocks of ``b`` rows, ``b * H * a <= 2 * rows * V`` bytes:
-    no more than the half-precision ``[rows, V]`` buffer the CUDA path uses, so the memory bound
-    is unchanged.
+    The weight is therefore upcast in blocks no larger than the half-precision ``[rows, V]``
+    buffer the CUDA path uses, so the memory bound is unchanged.
     """
     vocab, width = weight.shape
-    step = max(1, min(vocab, (2 * rows * vocab) // (width * torch.finfo(acc).bits // 8)))
+    return max(1, min(vocab, (2 * rows * vocab) // (width * torch.finfo(acc).bits // 8)))
+
+
+def _weight_blocks(weight: Tensor, rows: int, acc: torch.dtype):
+    """``(slice, block)`` over the vocabulary: ``block`` is ``weight[slice]`` in ``acc``.
+
+    The blocks are views of one workspace, reused (allocating each block anew churns the CPU
+    allocator, which then keeps the freed memory mapped).
+    """
+    vocab, width = weight.shape
+    step = _block_rows(weight, rows, acc)
+    buf = torch.empty(step * width, dtype=acc, device=weight.device)
     for start in range(0, vocab, step):
-        sl = slice(start, min(start + step, vocab))
-        yield sl, weight[sl].to(acc)
+        end = min(start + step, vocab)
+        block = buf[: (end - start) * width].view(end - start, width)
+        block.copy_(weight[start:end])
+        yield slice(start, end), block
 
 
 def _chunk_logits(h: Tensor, weight: Tensor, bias: Tensor | None, acc: torch.dtype) -> Tensor:
@@ -149,8 +161,10 @@ def _chunk_logits(h: Tensor, weight: Tensor, bias: Tensor | None, acc: torch.dty
     elif _cpu_half(weight):  # float32 products by weight blocks (no half-precision [c, V] temporary)
         z = torch.empty((h.shape[0], weight.shape[0]), dtype=acc, device=h.device)
         hf = h.to(acc)
+        prod = torch.empty(h.shape[0] * _block_rows(weight, h.shape[0], acc), dtype=acc, device=h.device)
         for sl, wb in _weight_blocks(weight, h.shape[0], acc):
-            z[:, sl] = torch.mm(hf, wb.t())
+            p = prod[: h.shape[0] * wb.shape[0]].view(h.shape[0], wb.shape[0])
+            z[:, sl] = torch.mm(hf, wb.t(), out=p)
     else:
         dev = h.device.type
         z = None
@@ -278,9 +292,8 @@ class _FusedLinearLogprobs(torch.autograd.Function):
                     for sl, wb in _weight_blocks(weight, end - start, acc):
                         if gh is not None:
                             gh.addmm_(z[:, sl], wb)
-                        if grad_w is not None:
-                            del wb  # the block's grad_weight product takes its place
-                            grad_w[sl] += torch.mm(z[:, sl].t(), hf)
+                        if grad_w is not None:  # the block's grad_weight, in the block's workspace
+                            grad_w[sl] += torch.mm(z[:, sl].t(), hf, out=wb)
                     if grad_h is not None:
                         grad_h[start:end] = gh
                     del z, gh, hf
