@@ -504,9 +504,12 @@ def render_fused(fused: list[dict], others: list[dict]) -> list[str]:
         "",
         'What to expect (`lightning_offpolicy/fused_logprobs.py`, "Memory"): the chunk is '
         "`c = min(chunk_size, max(64, T // 32))` rows; its temporaries are a float32 `[c, V]` chunk "
-        "plus, on CPU (where a bf16 product cannot be written as float32 directly) or in the bf16 "
-        "backward, a `[c, V]` copy in the input dtype: `6 c V` bytes for bf16, at most 0.094x one bf16 "
-        "logits tensor for `T >= 2048` (0.125x with the entropy). On top of that come the gradients "
+        "plus, in the bf16 backward, a `[c, V]` bf16 copy (on CUDA) or a float32 block of the weight "
+        "of at most that size (on CPU, where bf16 weights are multiplied in float32 blocks because "
+        "CPU bf16 matmuls are slow): `6 c V` bytes for bf16, 0.094x one bf16 logits tensor for "
+        "`T >= 2048` (0.125x with the entropy). On CPU the bf16 `grad_weight` accumulation of each "
+        "float32 block adds a block-sized temporary and the allocator keeps some freed memory: the "
+        "`without the grads` column above 0.094x. On top of that come the gradients "
         "the caller asked for, `grad_hidden` and `grad_weight` (`(T + V) * H` elements, 0.11x at "
         "`V = 151936, T = 8192, H = 896`), which the logits paths return as well. Small `T` (below "
         "`64 * 32`) keeps the 64-row minimum chunk, so the ratio is larger there while the bytes are "
@@ -515,8 +518,8 @@ def render_fused(fused: list[dict], others: list[dict]) -> list[str]:
         "",
         "The fused time includes the head's four `T x H x V` matmuls (forward, recompute in the "
         "backward, `grad_hidden`, `grad_weight`) that the lean and naive rows (logits given) do not: "
-        "the unfused head costs three of them on top of the lean row. bf16 matmuls on this CPU are "
-        "much slower than float32 ones (no bf16 units), which dominates the bf16 rows.",
+        "the unfused head costs three of them on top of the lean row, so the ratio is not a slowdown "
+        "of the logprob; on this CPU the matmuls dominate every fused row.",
         "",
     ]
     return out
