@@ -1,10 +1,15 @@
 #!/usr/bin/env python
-"""Peak memory and time of ``token_logprobs`` (lean) vs ``log_softmax(...).gather(...)`` (naive), on CPU.
+"""Peak memory and time of token logprobs: lean and naive on the logits, fused from the hidden states, on CPU.
 
 One measured step, on ``[1, T, V]`` logits that are a leaf with ``requires_grad``:
 
 * lean:  ``token_logprobs(logits, targets, temperature, chunk_size).sum().backward()``
 * naive: ``log_softmax(logits.float() / temperature, -1).gather(-1, targets[..., None]).sum().backward()``
+
+and, with no logits at all, on hidden states ``[1, T, H]`` and a head weight ``[V, H]`` (both leaves
+with ``requires_grad``, ``H = --hidden``, default 896 as Qwen2-0.5B):
+
+* fused: ``fused_linear_token_logprobs(hidden, weight, targets, temperature, chunk_size).sum().backward()``
 
 See ``METHOD`` below for how memory is measured (it is written into the report too).
 
@@ -12,6 +17,8 @@ Usage::
 
     python benchmarks/logprob_memory.py --output docs/performance_logprobs.md   # ~ a few minutes
     python benchmarks/logprob_memory.py --quick --output /tmp/x.md              # smoke test, seconds
+    python benchmarks/logprob_memory.py --methods fused --merge-json docs/performance_logprobs.json \
+        --output docs/performance_logprobs.md   # re-measure the fused rows only, keep the others
 """
 
 from __future__ import annotations
@@ -52,6 +59,14 @@ QUICK_CASES = [
     (4000, 256, "bfloat16"),
 ]
 QUICK_CHUNKS = [16]
+#: The fused head runs with the module's default chunk_size only (the chunk is capped at N // 32 by
+#: fused_linear_token_logprobs itself).
+FUSED_CHUNK = 1024
+#: Width of the head: Qwen2-0.5B's (its lm_head weight is 151936 x 896, 272 MB in bf16).
+HIDDEN = 896
+QUICK_HIDDEN = 32
+#: The issue's goal for the fused head: peak extra <= this many logits tensors.
+FUSED_GOAL = 0.25
 # Rough peak (extra over the baseline, in logits tensors, plus the logits themselves) used to skip a
 # case that would not fit in the memory available when it starts, rather than OOM the machine.
 EXPECTED_PEAK = {
@@ -59,6 +74,8 @@ EXPECTED_PEAK = {
     ("naive", "bfloat16"): 6.5,
     ("lean", "float32"): 2.0,
     ("lean", "bfloat16"): 2.5,
+    ("fused", "float32"): 0.6,
+    ("fused", "bfloat16"): 0.6,
 }
 
 METHOD = """\
@@ -87,6 +104,16 @@ METHOD = """\
   methods, not the absolute seconds.
 * `lp sum rel. diff`: |sum of lean logprobs - sum of naive logprobs| / |sum of naive| on the same
   seeded logits, a sanity check that both computed the same thing.
+* fused: the same protocol, but the leaves are the hidden states `[1, T, H]` and the head weight
+  `[V, H]` (in the baseline), and `x logits` is still in units of one `[T, V]` logits tensor of
+  the input dtype, which this method never makes. Its peak includes `hidden.grad` and
+  `weight.grad` (`(T + V) * H` elements, which any method returns; given separately) and the
+  chunk temporaries. `max |diff|`: after the timed steps, the fused logprobs of the first 64
+  tokens against `log_softmax(linear(hidden.float(), weight.float()) / T)` on those rows (float32
+  logits, as the fused head computes them for bf16 inputs on CPU and CUDA). Its time
+  includes the head's matmuls (forward, recompute, `grad_hidden`, `grad_weight`: four
+  `T x H x V` products), which the lean and naive times (logits given) do not: `fused / lean`
+  compares a whole head + logprob with the logprob alone.
 """
 
 EXPECTED = """\
@@ -153,12 +180,89 @@ def _step_fn(method: str, temperature: float, chunk_size: int):
         def fwd(logits, targets):
             return torch.log_softmax(logits.float() / temperature, -1).gather(-1, targets[..., None]).squeeze(-1)
 
+    elif method == "fused":
+        from lightning_offpolicy.fused_logprobs import fused_linear_token_logprobs
+
+        def fwd(hidden, weight, targets):
+            return fused_linear_token_logprobs(hidden, weight, targets, temperature=temperature, chunk_size=chunk_size)
+
     else:
         raise ValueError(method)
     return fwd
 
 
+def fused_worker(args: argparse.Namespace) -> dict:
+    """The fused head: hidden [1, T, H] and weight [V, H] leaves -> logprobs -> backward."""
+    import torch
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    dtype = getattr(torch, args.dtype)
+    fwd = _step_fn("fused", args.temperature, args.chunk_size)
+    width = args.hidden
+
+    w_h = torch.randn(1, min(args.tokens, 64), width).to(dtype).requires_grad_(True)
+    w_w = torch.randn(args.vocab, width).to(dtype).requires_grad_(True)
+    fwd(w_h, w_w, torch.randint(0, args.vocab, w_h.shape[:-1])).sum().backward()
+    del w_h, w_w
+    gc.collect()
+
+    torch.manual_seed(args.seed)
+    hidden = torch.empty(1, args.tokens, width, dtype=dtype).normal_(0.0, 1.0).requires_grad_(True)
+    weight = torch.empty(args.vocab, width, dtype=dtype).normal_(0.0, 2.0 / width**0.5).requires_grad_(True)
+    targets = torch.randint(0, args.vocab, (1, args.tokens))
+    logits_bytes = args.tokens * args.vocab * hidden.element_size()
+    grad_bytes = (hidden.numel() + weight.numel()) * hidden.element_size()
+    gc.collect()
+    base = _rss_bytes()
+
+    times, held, peak_fwd, peak, lp_sum, reset_ok = [], 0, 0, 0, 0.0, True
+    for _ in range(args.repeats):
+        hidden.grad = weight.grad = None
+        gc.collect()
+        reset_ok = _reset_peak() and reset_ok
+        t0 = time.perf_counter()
+        lp = fwd(hidden, weight, targets)
+        held = max(held, _rss_bytes() - base)
+        peak_fwd = max(peak_fwd, _peak_bytes(reset_ok) - base)
+        loss = lp.sum()
+        loss.backward()
+        times.append(time.perf_counter() - t0)
+        peak = max(peak, _peak_bytes(reset_ok) - base)
+        lp_sum = float(lp.detach().double().sum())
+        check = lp.detach()[0, :64].double()
+        del loss
+    assert hidden.grad is not None and weight.grad is not None
+    with torch.no_grad():  # sanity check on 64 rows: the unfused expression, in float32
+        z = torch.nn.functional.linear(hidden[0, :64].float(), weight.float()) / args.temperature
+        ref = torch.log_softmax(z, -1).gather(-1, targets[0, :64, None]).squeeze(-1).double()
+    return {
+        "vocab": args.vocab,
+        "tokens": args.tokens,
+        "dtype": args.dtype,
+        "method": "fused",
+        "chunk_size": args.chunk_size,
+        "chunk_used": min(args.chunk_size, max(64, args.tokens // 32)),
+        "hidden": width,
+        "logits_bytes": logits_bytes,
+        "grad_bytes": grad_bytes,
+        "baseline_rss": base,
+        "held_after_fwd": held,
+        "peak_fwd": peak_fwd,
+        "peak_fwd_bwd": peak,
+        "time_s": min(times),
+        "times_s": times,
+        "peak_reset": reset_ok,
+        "lp_sum": lp_sum,
+        "max_abs_diff": float((check - ref).abs().max()),
+        "threads": torch.get_num_threads(),
+        "skipped": "",
+    }
+
+
 def worker(args: argparse.Namespace) -> dict:
+    if args.method == "fused":
+        return fused_worker(args)
     import torch
 
     if args.threads:
@@ -229,7 +333,15 @@ def _mem_available() -> int | None:
 
 
 def run_case(
-    vocab: int, tokens: int, dtype: str, method: str, chunk: int, repeats: int, timeout: float, threads: int
+    vocab: int,
+    tokens: int,
+    dtype: str,
+    method: str,
+    chunk: int,
+    repeats: int,
+    timeout: float,
+    threads: int,
+    hidden: int = HIDDEN,
 ) -> dict:
     logits_bytes = vocab * tokens * (2 if dtype == "bfloat16" else 4)
     need = (EXPECTED_PEAK[(method, dtype)] + 1.0) * logits_bytes + 1e9
@@ -237,7 +349,7 @@ def run_case(
     if avail is not None and need > avail:
         return {
             "vocab": vocab, "tokens": tokens, "dtype": dtype, "method": method,
-            "chunk_size": chunk if method == "lean" else None, "logits_bytes": logits_bytes,
+            "chunk_size": chunk if method != "naive" else None, "logits_bytes": logits_bytes,
             "skipped": f"skipped: needs ~{need / 1e9:.1f} GB, {avail / 1e9:.1f} GB available",
         }  # fmt: skip
     cmd = [
@@ -252,6 +364,7 @@ def run_case(
         "--repeats", str(repeats),
         "--temperature", str(TEMPERATURE),
         "--threads", str(threads),
+        "--hidden", str(hidden),
     ]  # fmt: skip
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
     if proc.returncode != 0:
@@ -260,14 +373,18 @@ def run_case(
 
 
 def render(results: list[dict], header: dict) -> str:
-    out = ["# Token logprobs: peak memory and time, lean vs naive", ""]
+    fused = [r for r in results if r["method"] == "fused"]
+    results = [r for r in results if r["method"] != "fused"]
+    out = ["# Token logprobs: peak memory and time, lean vs naive vs fused head", ""]
     out += [f"* machine: {header['machine']}", f"* torch: {header['torch']}", f"* date: {header['date']}"]
+    if header.get("merged"):
+        out.append(f"* {header['merged']}")
     out += [f"* command: `{header['command']}`", f"* temperature: {TEMPERATURE}, batch B = 1, N = T tokens"]
-    threads = sorted({r["threads"] for r in results if not r["skipped"]})
+    threads = sorted({r["threads"] for r in results + fused if not r["skipped"]})
     out.append(f"* intra-op threads in the workers: {', '.join(map(str, threads)) or '-'}")
     if header.get("load"):
         out.append(f"* load average at start / end: {header['load']}")
-    reps = sorted({len(r["times_s"]) for r in results if not r["skipped"]})
+    reps = sorted({len(r["times_s"]) for r in results + fused if not r["skipped"]})
     out.append(f"* timed steps per case (best reported): {', '.join(map(str, reps)) or '-'}")
     by_dtype: dict[str, list[str]] = {}
     for r in results:
@@ -283,7 +400,7 @@ def render(results: list[dict], header: dict) -> str:
             "float32 151936 x 8192 logits tensor would be 5.0 GB and the naive path needs three more "
             "float32 copies at its peak."
         )
-    if not all(r.get("peak_reset", True) for r in results):
+    if not all(r.get("peak_reset", True) for r in results + fused):
         out.append("* **VmHWM reset unavailable: peaks are lifetime `ru_maxrss` of each subprocess.**")
     out += ["", "## Method", "", METHOD, "## Results", ""]
     out.append(
@@ -315,10 +432,11 @@ def render(results: list[dict], header: dict) -> str:
     out += ["", "## Summary", ""]
     out.append(
         "| V | T | logits dtype | lean peak extra (x logits), per chunk size | naive peak extra (x logits) "
-        "| naive time / lean time (chunk 1st listed) |"
+        "| naive time / lean time (chunk 1st listed) | fused peak extra (x logits) | fused time / lean time |"
     )
-    out.append("|---:|---:|---|---|---:|---:|")
-    cases = list(dict.fromkeys((r["vocab"], r["tokens"], r["dtype"]) for r in results))
+    out.append("|---:|---:|---|---|---:|---:|---:|---:|")
+    cases = list(dict.fromkeys((r["vocab"], r["tokens"], r["dtype"]) for r in results + fused))
+    fused_by_case = {(r["vocab"], r["tokens"], r["dtype"]): r for r in fused}
     for case in cases:
         lean = [r for r in results if (r["vocab"], r["tokens"], r["dtype"]) == case and r["method"] == "lean"]
         ref = naive.get(case)
@@ -330,9 +448,81 @@ def render(results: list[dict], header: dict) -> str:
         else:
             naive_txt = f"{ref['peak_fwd_bwd'] / ref['logits_bytes']:.2f}"
             speed = f"{ref['time_s'] / lean[0]['time_s']:.2f}" if lean and not lean[0]["skipped"] else "-"
-        out.append(f"| {case[0]} | {case[1]} | {case[2]} | {lean_txt} | {naive_txt} | {speed} |")
+        f = fused_by_case.get(case)
+        if f is None or f["skipped"]:
+            fused_txt, fused_speed = "not run", "-"
+        else:
+            fused_txt = f"{f['peak_fwd_bwd'] / f['logits_bytes']:.2f}"
+            fused_speed = f"{f['time_s'] / lean[0]['time_s']:.2f}" if lean and not lean[0]["skipped"] else "-"
+        out.append(
+            f"| {case[0]} | {case[1]} | {case[2]} | {lean_txt or '-'} | {naive_txt} | {speed} "
+            f"| {fused_txt} | {fused_speed} |"
+        )
     out += ["", EXPECTED, ""]
+    if fused:
+        out += render_fused(fused, results)
     return "\n".join(out)
+
+
+def render_fused(fused: list[dict], others: list[dict]) -> list[str]:
+    """The fused-head section: hidden states + head weight -> logprobs, no logits."""
+    lean = {
+        (r["vocab"], r["tokens"], r["dtype"]): r
+        for r in reversed(others)  # the first lean chunk size listed wins
+        if r["method"] == "lean" and not r["skipped"]
+    }
+    out = ["## Fused head (no logits)", ""]
+    out.append(
+        f"`fused_linear_token_logprobs(hidden [1, T, H], weight [V, H], ...)`, what `causal_lm_token_logprobs` "
+        f"runs by default. Goal (issue 12): peak extra <= {FUSED_GOAL}x one `[T, V]` logits tensor of the input "
+        "dtype, gradients included."
+    )
+    out.append("")
+    out.append(
+        "| V | T | dtype | H | chunk (used) | time fwd+bwd (s, best) | fused / lean time "
+        "| held after fwd (MB) | peak fwd extra (x logits) | peak fwd+bwd extra (MB) "
+        "| of which grad_hidden + grad_weight (MB) | **peak extra (x logits)** "
+        f"| without the grads (x logits) | <= {FUSED_GOAL}x | max abs diff (64 rows) |"
+    )
+    out.append("|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|")
+    for r in fused:
+        lb = r["logits_bytes"]
+        if r["skipped"]:
+            out.append(f"| {r['vocab']} | {r['tokens']} | {r['dtype']} | | | {r['skipped']} | | | | | | | | | |")
+            continue
+        ref = lean.get((r["vocab"], r["tokens"], r["dtype"]))
+        ratio = f"{r['time_s'] / ref['time_s']:.2f}" if ref else "-"
+        x = r["peak_fwd_bwd"] / lb
+        out.append(
+            f"| {r['vocab']} | {r['tokens']} | {r['dtype']} | {r['hidden']} | {r['chunk_size']} ({r['chunk_used']}) "
+            f"| {r['time_s']:.2f} | {ratio} | {mb(r['held_after_fwd'])} | {r['peak_fwd'] / lb:.2f} "
+            f"| {mb(r['peak_fwd_bwd'])} | {mb(r['grad_bytes'])} | **{x:.2f}** "
+            f"| {(r['peak_fwd_bwd'] - r['grad_bytes']) / lb:.2f} | {'yes' if x <= FUSED_GOAL else 'no'} "
+            f"| {r['max_abs_diff']:.1e} |"
+        )
+    out += [
+        "",
+        'What to expect (`lightning_offpolicy/fused_logprobs.py`, "Memory"): the chunk is '
+        "`c = min(chunk_size, max(64, T // 32))` rows; its temporaries are a float32 `[c, V]` chunk "
+        "plus, in the bf16 backward, a `[c, V]` bf16 copy (on CUDA) or a float32 block of the weight "
+        "of at most that size (on CPU, where bf16 weights are multiplied in float32 blocks because "
+        "CPU bf16 matmuls are slow): `6 c V` bytes for bf16, 0.094x one bf16 logits tensor for "
+        "`T >= 2048` (0.125x with the entropy). On CPU the bf16 `grad_weight` accumulation of each "
+        "float32 block adds a block-sized temporary and the allocator keeps some freed memory: the "
+        "`without the grads` column above 0.094x. On top of that come the gradients "
+        "the caller asked for, `grad_hidden` and `grad_weight` (`(T + V) * H` elements, 0.11x at "
+        "`V = 151936, T = 8192, H = 896`), which the logits paths return as well. Small `T` (below "
+        "`64 * 32`) keeps the 64-row minimum chunk, so the ratio is larger there while the bytes are "
+        "small. Nothing of size `T x V` is kept between forward and backward (`held after fwd`: the "
+        "`T` log-sum-exps and logprobs).",
+        "",
+        "The fused time includes the head's four `T x H x V` matmuls (forward, recompute in the "
+        "backward, `grad_hidden`, `grad_weight`) that the lean and naive rows (logits given) do not: "
+        "the unfused head costs three of them on top of the lean row, so the ratio is not a slowdown "
+        "of the logprob; on this CPU the matmuls dominate every fused row.",
+        "",
+    ]
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -350,6 +540,15 @@ def main(argv: list[str] | None = None) -> int:
         help="timed steps per case, the best is reported (default 3; quick 1)",
     )
     p.add_argument("--chunk-sizes", type=str, default=None, help="lean chunk sizes, comma separated")
+    p.add_argument(
+        "--methods", type=str, default="lean,naive,fused", help="methods to run, comma separated (lean, naive, fused)"
+    )
+    p.add_argument("--hidden", type=int, default=None, help=f"H of the fused head (default {HIDDEN}; quick 32)")
+    p.add_argument(
+        "--merge-json",
+        type=Path,
+        help="keep the rows of the methods not run now from this earlier --json (the header says so)",
+    )
     p.add_argument("--timeout", type=float, default=600.0, help="seconds per subprocess")
     p.add_argument(
         "--jobs",
@@ -365,7 +564,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     # worker mode
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    p.add_argument("--method", choices=["lean", "naive"], help=argparse.SUPPRESS)
+    p.add_argument("--method", choices=["lean", "naive", "fused"], help=argparse.SUPPRESS)
     p.add_argument("--vocab", type=int, help=argparse.SUPPRESS)
     p.add_argument("--tokens", type=int, help=argparse.SUPPRESS)
     p.add_argument("--dtype", type=str, help=argparse.SUPPRESS)
@@ -401,16 +600,18 @@ def main(argv: list[str] | None = None) -> int:
     results = []
     load0 = os.getloadavg() if hasattr(os, "getloadavg") else None
     t_start = time.perf_counter()
-    plan = [
-        (vocab, tokens, dtype, method, chunk)
-        for vocab, tokens, dtype in cases
-        for method, chunk in [("lean", c) for c in chunks] + [("naive", 0)]
-    ]
+    methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+    if not methods or set(methods) - {"lean", "naive", "fused"}:
+        p.error(f"--methods: lean, naive and/or fused, got {args.methods!r}")
+    width = args.hidden or (QUICK_HIDDEN if args.quick else HIDDEN)
+    per_case = [("lean", c) for c in chunks if "lean" in methods] + [("naive", 0)] * ("naive" in methods)
+    per_case += [("fused", FUSED_CHUNK)] * ("fused" in methods)
+    plan = [(vocab, tokens, dtype, method, chunk) for vocab, tokens, dtype in cases for method, chunk in per_case]
     jobs = args.jobs or (len(plan) if args.quick else 1)
 
     def one(item):
         vocab, tokens, dtype, method, chunk = item
-        r = run_case(vocab, tokens, dtype, method, chunk or 1024, repeats, args.timeout, threads)
+        r = run_case(vocab, tokens, dtype, method, chunk or 1024, repeats, args.timeout, threads, width)
         if r["skipped"]:
             print(f"V={vocab:>6} T={tokens:>5} {dtype:>8} {method:>5}: {r['skipped']}", flush=True)
         else:
@@ -438,6 +639,22 @@ def main(argv: list[str] | None = None) -> int:
         "quick": args.quick,
         "load": f"{load0[0]:.1f} / {os.getloadavg()[0]:.1f} (1-min)" if load0 else "",
     }
+    if args.merge_json:
+        old = json.loads(args.merge_json.read_text())
+        kept = [r for r in old["results"] if r["method"] not in methods]
+        order = {"lean": 0, "naive": 1, "fused": 2}
+        case_order = {
+            c: i for i, c in enumerate(dict.fromkeys((r["vocab"], r["tokens"], r["dtype"]) for r in kept + results))
+        }
+        results = sorted(
+            kept + results, key=lambda r: (case_order[(r["vocab"], r["tokens"], r["dtype"])], order[r["method"]])
+        )
+        old_methods = sorted({r["method"] for r in kept}, key=order.get)
+        header["merged"] = (
+            f"rows of {', '.join(old_methods) or 'no method'} from the run of {old['header']['date']} "
+            f"(`{old['header']['command']}`, load {old['header'].get('load') or '-'}); "
+            f"{', '.join(methods)} measured now (`--merge-json`)"
+        )
     elapsed = time.perf_counter() - t_start
     report = render(results, header)
     print(f"total {elapsed:.0f} s")

@@ -41,7 +41,7 @@ SECTIONS = [
     ("performance_end_to_end", "End to end: the quickstart recipe per engine", "benchmarks/end_to_end.py"),
     ("performance_async", "Asynchronous rollouts: overlap of generation and training", "benchmarks/async_overlap.py"),
     ("performance_trainer_memory", "Trainer memory: full fine-tuning vs LoRA", "benchmarks/trainer_memory.py"),
-    ("performance_logprobs", "Token logprobs: lean vs naive", "benchmarks/logprob_memory.py"),
+    ("performance_logprobs", "Token logprobs: lean vs naive vs fused head", "benchmarks/logprob_memory.py"),
     ("performance_correction", "Off-policy correction step", "benchmarks/correction_bench.py"),
     ("performance_vs_trl", "Side by side with TRL's GRPOTrainer on the same task", "benchmarks/vs_trl.py"),
 ]
@@ -159,21 +159,33 @@ def logprobs(data: dict[str, Any]) -> list[str]:
     cases = list(dict.fromkeys((r["vocab"], r["tokens"], r["dtype"]) for r in results))
     lines = [
         "| V | T | logits dtype | lean chunk | lean peak extra (x logits) | naive peak extra (x logits) "
-        "| naive / lean time |",
-        "|---:|---:|---|---:|---:|---:|---:|",
+        "| naive / lean time | fused head peak extra (x logits; goal <= 0.25) | fused / lean time |",
+        "|---:|---:|---|---:|---:|---:|---:|---:|---:|",
     ]
     for case in cases:
         same = [r for r in results if (r["vocab"], r["tokens"], r["dtype"]) == case and not r["skipped"]]
         lean = [r for r in same if r["method"] == "lean"]
         naive = next((r for r in same if r["method"] == "naive"), None)
+        fused = next((r for r in same if r["method"] == "fused"), None)
         if not lean:
             continue
         first = lean[0]  # the first chunk size listed: 1024, the module's default
         lean_x = first["peak_fwd_bwd"] / first["logits_bytes"]
         naive_x = f"{naive['peak_fwd_bwd'] / naive['logits_bytes']:.2f}" if naive else "not run"
         speed = _x(naive["time_s"] / first["time_s"]) if naive else "-"
+        if fused:
+            fx = fused["peak_fwd_bwd"] / fused["logits_bytes"]
+            temps = (fused["peak_fwd_bwd"] - fused.get("grad_bytes", 0)) / fused["logits_bytes"]
+            fused_x = (
+                f"**{fx:.2f}** ({temps:.2f} without grad_hidden + grad_weight; H = {fused['hidden']}"
+                f"{'' if fx <= 0.25 else '; total over the goal'})"
+            )
+            fused_speed = _x(fused["time_s"] / first["time_s"])
+        else:
+            fused_x, fused_speed = "not run", "-"
         lines.append(
-            f"| {case[0]} | {case[1]} | {case[2]} | {first['chunk_size']} | **{lean_x:.2f}** | {naive_x} | {speed} |"
+            f"| {case[0]} | {case[1]} | {case[2]} | {first['chunk_size']} | **{lean_x:.2f}** | {naive_x} | {speed} "
+            f"| {fused_x} | {fused_speed} |"
         )
     return lines
 
@@ -243,8 +255,10 @@ READING = {
     "performance_async": "Sync vs async step time at the same work; overlap needs idle cores (see the load).",
     "performance_trainer_memory": "What the trainer adds to the policy's weights during one decoupled PPO step "
     "(2 AdamW steps), measured as peak RSS.",
-    "performance_logprobs": "The logprob computation alone, on [1, T, V] logits; `x logits` = multiples of "
-    "one logits tensor (the gradient alone is 1.0).",
+    "performance_logprobs": "The logprob computation alone, on [1, T, V] logits (lean, naive), or from the "
+    "hidden states and the head weight with no logits (fused head, the default; its time includes the head's "
+    "matmuls); `x logits` = multiples of one logits tensor (the gradient of the logits alone is 1.0). The "
+    "lean and naive rows may come from an earlier run (the report's header says which).",
     "performance_correction": "The correction + loss + metrics step per preset, against a memory-bandwidth "
     "probe of the same run.",
     "performance_vs_trl": "Issue 10's task (copy the prompt's first letter) from a random-init Llama with a "

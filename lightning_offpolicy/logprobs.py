@@ -59,9 +59,9 @@ Without the logits at all
 
 :func:`causal_lm_token_logprobs` by default does not even make the logits: where the model allows
 it, ``lm_head`` is fused with the logprob (:mod:`lightning_offpolicy.fused_logprobs`), chunk by
-chunk from the last hidden states. With ``c = min(chunk_size, max(64, N // 16))`` rows per chunk
+chunk from the last hidden states. With ``c = min(chunk_size, max(64, N // 32))`` rows per chunk
 its extra memory is ``8 * c * V`` bytes for bf16 (``6 c V`` in the backward), i.e. at most
-``N * V / 2`` bytes = 0.25x one bf16 logits tensor for ``N >= 1024``, and neither the logits nor
+``N * V / 4`` bytes = 0.125x one bf16 logits tensor for ``N >= 2048``, and neither the logits nor
 their gradient exists. ``fused_head=False`` selects the logits path described above.
 """
 
@@ -295,11 +295,13 @@ def causal_lm_token_logprobs(
       last hidden states, and :func:`~lightning_offpolicy.fused_logprobs.fused_linear_token_logprobs`
       applies ``lm_head`` chunk by chunk to positions ``response_start - 1 .. L - 2`` only, so no
       ``[B, T, V]`` logits tensor is ever made (:mod:`lightning_offpolicy.fused_logprobs`: at most
-      0.25x one bf16 logits tensor of extra memory). Used when
+      0.125x one bf16 logits tensor of temporaries). Used when
       :func:`~lightning_offpolicy.fused_logprobs.fused_head_parts` accepts the model: a
       transformers class of ``FUSED_HEAD_ARCHITECTURES`` (Llama, Qwen2/3, Mistral, ...) with a
       plain ``nn.Linear`` head (tied or not), no logit soft-capping or scaling, no hooks on the
-      model or its head, not FSDP-sharded; peft LoRA models qualify unless LoRA is on ``lm_head``.
+      model or its head, not FSDP-sharded; peft LoRA models qualify, LoRA on ``lm_head`` included
+      (plain LoRA: the adapters become low-rank terms of the fused head; DoRA and other variants
+      fall back).
     * **logits**: the model is called with ``logits_to_keep = L - response_start + 1``
       (transformers >= 4.45), i.e. positions ``response_start - 1 .. L - 1``; the last kept
       position predicts nothing and is given a dummy target whose result is dropped (its gradient
@@ -347,7 +349,7 @@ def causal_lm_token_logprobs(
     parts: Any = "fused_head=False"
     if fused_head is not False:
         # Imported here: fused_logprobs imports this module's argument checks.
-        from lightning_offpolicy.fused_logprobs import fused_head_parts, fused_linear_token_logprobs
+        from lightning_offpolicy.fused_logprobs import fused_head_parts, fused_head_token_logprobs
 
         parts = fused_head_parts(model, force=fused_head is True)
         if fused_head is True and isinstance(parts, str):
@@ -363,11 +365,10 @@ def causal_lm_token_logprobs(
             )
         # Positions response_start - 1 .. L - 2 predict the response tokens; the slice is copied
         # once by the reshape inside ([B, T, H]: small next to the logits it replaces).
-        return fused_linear_token_logprobs(
+        return fused_head_token_logprobs(
+            head,
             hidden[:, response_start - 1 : -1],
-            head.weight,
             input_ids[:, response_start:],
-            bias=head.bias,
             temperature=temperature,
             chunk_size=chunk_size,
             return_entropy=return_entropy,

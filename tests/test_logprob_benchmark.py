@@ -29,8 +29,10 @@ def test_logprob_benchmark_quick(tmp_path):
         assert key in text, key
     assert "--quick" in text
     results = text.split("## Results", 1)[1].split("## Summary", 1)
+    summary_text, fused_text = results[1].split("## Fused head", 1)
     rows = [line for line in results[0].splitlines() if re.match(r"^\| \d+ \|", line)]
-    summary = [line for line in results[1].splitlines() if re.match(r"^\| \d+ \|", line)]
+    summary = [line for line in summary_text.splitlines() if re.match(r"^\| \d+ \|", line)]
+    fused = [line for line in fused_text.splitlines() if re.match(r"^\| \d+ \|", line)]
     assert [tuple(c.strip() for c in row.strip("|").split("|")[:3]) for row in summary] == [
         ("2000", "256", "float32"),
         ("4000", "256", "bfloat16"),
@@ -55,3 +57,16 @@ def test_logprob_benchmark_quick(tmp_path):
             assert cells[11] != "-" and float(cells[11]) < 1e-5, row
     for dtype in ("float32", "bfloat16"):
         assert peaks[(dtype, "lean")] < peaks[(dtype, "naive")], peaks
+    # The fused head: one row per case, a peak and a time, the same logprobs as the unfused head.
+    assert [tuple(c.strip() for c in row.strip("|").split("|")[:4]) for row in fused] == [
+        ("2000", "256", "float32", "32"),
+        ("4000", "256", "bfloat16", "32"),
+    ]
+    for row in fused:
+        cells = [c.strip() for c in row.strip("|").split("|")]
+        assert len(cells) == 15 and "skipped" not in row, row
+        assert float(cells[5]) > 0 and float(cells[11].strip("*")) > 0, row
+        assert float(cells[14]) < 1e-4, row
+    for row in summary:  # the summary carries the fused peak and time ratio
+        cells = [c.strip() for c in row.strip("|").split("|")]
+        assert len(cells) == 8 and float(cells[6]) > 0 and float(cells[7]) > 0, row
