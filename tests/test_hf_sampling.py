@@ -1,0 +1,110 @@
+"""HFEngine's lean sampling loop: the same tokens and logprobs as ``generate`` for the same seed."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from lightning_offpolicy.rollout.engine import SamplingConfig
+from lightning_offpolicy.rollout.hf import HFEngine
+from lightning_offpolicy.rollout.hf_sampling import lean_unsupported
+from lightning_offpolicy.tiny import build_tiny_llama
+from tests.module_helpers import tiny_model
+
+# Varying lengths: left padding, and position ids that differ per row.
+PROMPTS = [[1, 5, 6, 7], [1, 9], [1, 12, 13, 14, 15, 16], [1, 20, 21]]
+
+
+def _run(model, sampler: str, sampling: SamplingConfig, seed: int = 0, **engine_kwargs):
+    engine = HFEngine(pad_token_id=0, sampler=sampler, **{"eos_token_id": 2, **engine_kwargs})
+    engine.update_weights(model, version=3)
+    return engine.generate(PROMPTS, sampling, seed=seed)
+
+
+def _assert_same(lean, reference) -> None:
+    assert len(lean) == len(reference)
+    for a, b in zip(lean, reference):
+        assert (a.prompt_index, a.token_ids, a.finish_reason, a.policy_version) == (
+            b.prompt_index,
+            b.token_ids,
+            b.finish_reason,
+            b.policy_version,
+        )
+        torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-6, rtol=0)  # bitwise equal on the machines measured
+
+
+SAMPLINGS = {
+    "t1": SamplingConfig(max_new_tokens=12, samples_per_prompt=3),
+    "t0.7": SamplingConfig(max_new_tokens=12, temperature=0.7, samples_per_prompt=3),
+    "t1.3-topk5": SamplingConfig(max_new_tokens=12, temperature=1.3, top_k=5, samples_per_prompt=2),
+    "topp0.8": SamplingConfig(max_new_tokens=12, top_p=0.8, samples_per_prompt=2),
+    "t0.9-topk8-topp0.9": SamplingConfig(max_new_tokens=12, temperature=0.9, top_k=8, top_p=0.9, samples_per_prompt=2),
+    "greedy": SamplingConfig(max_new_tokens=12, greedy=True, samples_per_prompt=1),
+}
+
+
+@pytest.mark.parametrize("name", list(SAMPLINGS))
+def test_lean_equals_generate(name):
+    sampling = SAMPLINGS[name]
+    model = tiny_model()
+    for seed in (0, 1):
+        _assert_same(_run(model, "lean", sampling, seed), _run(model, "generate", sampling, seed))
+
+
+def test_lean_equals_generate_with_stops_and_chunks():
+    # A flat random-init model stops at random points; eos and an extra stop id, and chunks of 3 rows:
+    # rows that stopped get pad, chunks end early when all their rows stopped, the RNG stream carries over.
+    model = build_tiny_llama(vocab_size=64, seed=0)
+    sampling = SamplingConfig(max_new_tokens=24, temperature=1.5, samples_per_prompt=4)
+    kwargs = {"eos_token_id": 2, "stop_token_ids": [3, 4, 5, 6, 7, 8], "max_batch_size": 3}
+    lean = _run(model, "lean", sampling, **kwargs)
+    _assert_same(lean, _run(model, "generate", sampling, **kwargs))
+    reasons = {c.finish_reason for c in lean}
+    assert reasons == {"stop", "length"}, reasons
+    assert any(len(c.token_ids) < 24 for c in lean)
+
+
+def test_lean_equals_generate_bfloat16_copy():
+    model = tiny_model()
+    sampling = SamplingConfig(max_new_tokens=12, temperature=0.8, top_k=10, samples_per_prompt=3)
+    lean = _run(model, "lean", sampling, dtype="bfloat16")
+    _assert_same(lean, _run(model, "generate", sampling, dtype="bfloat16"))
+
+
+def test_lean_seed_reproducible_and_rng_untouched():
+    model = tiny_model()
+    sampling = SamplingConfig(max_new_tokens=8, samples_per_prompt=4)
+    torch.manual_seed(123)
+    before = torch.get_rng_state()
+    first = _run(model, "lean", sampling, seed=5)
+    assert torch.equal(torch.get_rng_state(), before)
+    second = _run(model, "lean", sampling, seed=5)
+    other = _run(model, "lean", sampling, seed=6)
+    assert [c.token_ids for c in first] == [c.token_ids for c in second]
+    assert [c.token_ids for c in first] != [c.token_ids for c in other]
+
+
+def test_lean_leaves_the_training_mode():
+    model = tiny_model().train()
+    _run(model, "lean", SamplingConfig(max_new_tokens=4, samples_per_prompt=1))
+    assert model.training
+
+
+def test_unsupported_models_fall_back_to_generate(caplog):
+    model = tiny_model()
+    assert lean_unsupported(model) is None
+    model.generation_config.repetition_penalty = 1.2
+    assert "repetition_penalty" in lean_unsupported(model)
+    sampling = SamplingConfig(max_new_tokens=6, samples_per_prompt=2)
+    with caplog.at_level(logging.DEBUG, logger="lightning_offpolicy.rollout.hf"):
+        lean = _run(model, "lean", sampling)
+    assert "repetition_penalty" in caplog.text
+    _assert_same(lean, _run(model, "generate", sampling))
+    assert "no config" in lean_unsupported(torch.nn.Linear(2, 2))
+
+
+def test_sampler_is_checked():
+    with pytest.raises(ValueError, match="sampler"):
+        HFEngine(sampler="fast")
