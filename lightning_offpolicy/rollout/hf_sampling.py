@@ -1,4 +1,4 @@
-"""A lean sampling loop for :class:`~lightning_offpolicy.rollout.hf.HFEngine`: ``generate`` without its per-step overhead.
+"""A lean sampling loop for :class:`~lightning_offpolicy.rollout.hf.HFEngine`: ``generate`` without its overhead.
 
 ``transformers``' ``generate`` rebuilds its inputs every step (``prepare_inputs_for_generation``,
 ``_update_model_kwargs_for_generation``: a new attention mask and new position ids by
@@ -84,7 +84,8 @@ def lean_unsupported(model: torch.nn.Module) -> str | None:
         parameters = inspect.signature(model.forward).parameters
     except (TypeError, ValueError):
         return "the model's forward has no readable signature"
-    missing = [name for name in ("past_key_values", "attention_mask", "position_ids", "use_cache") if name not in parameters]
+    needed = ("past_key_values", "attention_mask", "position_ids", "use_cache")
+    missing = [name for name in needed if name not in parameters]
     if missing:
         return f"{type(model).__name__}.forward takes no {', '.join(missing)} (no KV cache to decode with)"
     supports_dynamic = getattr(type(model), "_supports_default_dynamic_cache", None)
@@ -159,20 +160,22 @@ def lean_sample(
     stops = torch.tensor(stop_ids, dtype=torch.long, device=device)
     has_stops = len(stop_ids) > 0
 
-    outputs = model(
-        input_ids=input_ids,
-        attention_mask=attention_mask,
-        position_ids=position_ids,
-        past_key_values=cache,
-        use_cache=True,
-        return_dict=True,
-        **extra,
-    )
+    def last_logits(ids: torch.Tensor, ids_mask: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        outputs = model(
+            input_ids=ids,
+            attention_mask=ids_mask,
+            position_ids=positions,
+            past_key_values=cache,
+            use_cache=True,
+            return_dict=True,
+            **extra,
+        )
+        # A float32 copy, as generate takes it (no reference kept to the prefill's logits).
+        return outputs.logits[:, -1].to(copy=True, dtype=torch.float32)
+
+    scores = last_logits(input_ids, attention_mask, position_ids)
     steps = 0
     for step in range(max_new_tokens):
-        logits = outputs.logits[:, -1].to(copy=True, dtype=torch.float32)
-        del outputs
-        scores = logits
         for warper in warpers:
             scores = warper(None, scores)
         if greedy:
@@ -191,14 +194,6 @@ def lean_sample(
                 break
         if steps == max_new_tokens:
             break
-        outputs = model(
-            input_ids=next_tokens[:, None],
-            attention_mask=mask[:, : width + steps],
-            position_ids=next_position,
-            past_key_values=cache,
-            use_cache=True,
-            return_dict=True,
-            **extra,
-        )
+        scores = last_logits(next_tokens[:, None], mask[:, : width + steps], next_position)
         next_position = next_position + 1
     return tokens[:, :steps].cpu(), logprobs[:, :steps].cpu()
