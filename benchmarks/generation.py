@@ -8,12 +8,12 @@ lean loop measured in the same run. Two shapes:
   128, 2 layers, float32, weights shared with the trainer), 8 prompts of 4-7 tokens x 8 samples,
   16 new tokens, temperature 1;
 - ``quickstart``: the shape of ``configs/quickstart.yaml``: the tiny Llama (random init, not the
-  SFT warm-up: it never samples eos, so every call decodes the full length), 16 ``reverse``
+  SFT warm-up), 16 ``reverse``
   prompts x 8 samples, 8 new tokens, temperature 1, the engine's own bfloat16 copy.
 
-Variants: ``lean`` and ``generate`` (``HFEngine(sampler=...)``); ``lean, inference_mode`` (the
-lean loop under ``torch.inference_mode`` instead of ``no_grad``); ``generate, static cache``
-(``generate(cache_implementation="static")``: what a StaticCache buys ``generate``). With
+Variants: ``lean`` and ``generate`` (``HFEngine(sampler=...)``; the lean loop runs under
+``torch.inference_mode``); ``lean, no_grad`` (the lean loop under ``no_grad`` only, as ``generate``);
+``generate, static cache`` (``generate(cache_implementation="static")``: what a StaticCache buys ``generate``). With
 ``--compile``, also ``lean, torch.compile`` (the model compiled with ``dynamic=True``; its
 compile time is reported apart).
 
@@ -94,18 +94,6 @@ def _static_generate(engine: HFEngine) -> None:
     engine._hf_generate = patched  # type: ignore[method-assign]
 
 
-def _inference_mode_lean(engine: HFEngine) -> None:
-    """Run ``engine``'s lean loop under ``torch.inference_mode``."""
-    import lightning_offpolicy.rollout.hf as hf
-
-    def call(prompt_ids: list[list[int]], sampling: SamplingConfig, seed: int | None = None) -> Any:
-        with torch.inference_mode():
-            return HFEngine.generate.__wrapped__(engine, prompt_ids, sampling, seed)  # type: ignore[attr-defined]
-
-    assert hf.HFEngine.generate.__wrapped__  # the no_grad decorator keeps the plain function
-    engine.generate = call  # type: ignore[method-assign]
-
-
 def build_variants(shape: dict[str, Any], compile_model: bool) -> tuple[dict[str, HFEngine], dict[str, float]]:
     model = build_tiny_llama(vocab_size=64, seed=0)
     variants: dict[str, HFEngine] = {}
@@ -113,13 +101,13 @@ def build_variants(shape: dict[str, Any], compile_model: bool) -> tuple[dict[str
     for name, sampler in (
         ("lean", "lean"),
         ("generate", "generate"),
-        ("lean, inference_mode", "lean"),
+        ("lean, no_grad", "lean"),
         ("generate, static cache", "generate"),
     ):
         engine = HFEngine(dtype=shape["dtype"], pad_token_id=PAD, eos_token_id=EOS, sampler=sampler)
         engine.update_weights(model, version=0)
-        if name == "lean, inference_mode":
-            _inference_mode_lean(engine)
+        if name == "lean, no_grad":
+            engine._lean_inference_mode = False
         if name == "generate, static cache":
             _static_generate(engine)
         variants[name] = engine

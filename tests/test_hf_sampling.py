@@ -93,6 +93,38 @@ def test_lean_leaves_the_training_mode():
     assert model.training
 
 
+def test_training_after_lean_sampling_with_shared_weights():
+    # The lean loop runs under inference_mode: nothing it makes may leak into the module's autograd.
+    model = tiny_model().train()
+    sampling = SamplingConfig(max_new_tokens=6, samples_per_prompt=2)
+    completions = _run(model, "lean", sampling)
+    ids = torch.tensor([PROMPTS[0] + completions[0].token_ids])
+    model(input_ids=ids).logits.float().logsumexp(-1).mean().backward()
+    assert all(p.grad is not None for p in model.parameters() if p.requires_grad)
+    with torch.no_grad():
+        next(model.parameters()).add_(0.01)  # an optimizer step, in place
+    _assert_same(_run(model, "lean", sampling), _run(model, "generate", sampling))
+
+
+def test_generation_benchmark_quick(tmp_path):
+    import json
+
+    from benchmarks.generation import main
+
+    output = tmp_path / "generation.md"
+    assert main(["--quick", "--shapes", "vs_trl", "--output", str(output)]) == 0
+    report = json.loads(output.with_suffix(".json").read_text())
+    result = report["results"]["vs_trl"]
+    assert result["rows"] == 64 and result["max_new_tokens"] == 16
+    assert result["equal_to_generate"] == {
+        "lean": True,
+        "generate": True,
+        "lean, no_grad": True,
+        "generate, static cache": result["equal_to_generate"]["generate, static cache"],
+    }
+    assert "| lean |" in output.read_text()
+
+
 def test_unsupported_models_fall_back_to_generate(caplog):
     model = tiny_model()
     assert lean_unsupported(model) is None
