@@ -8,11 +8,19 @@ those of the distribution it sampled from: ``generate`` returns the processed sc
 (temperature, top-k and top-p applied, filtered tokens at ``-inf``), and the logprob of each
 sampled token is read from their log-softmax. ``SamplingConfig(greedy=True)`` decodes by argmax
 (``do_sample=False``), for evaluation.
+
+By default (``sampler="lean"``) the engine does not call ``generate`` but the lean loop of
+:mod:`lightning_offpolicy.rollout.hf_sampling`: the same forward passes, warpers and sampling
+calls, hence the same tokens and logprobs for the same seed, without ``generate``'s per-step
+bookkeeping. Models the loop cannot drive (no KV cache, an encoder-decoder, a generation config
+that adds logits processors) fall back to ``generate``, with the reason in a debug log;
+``sampler="generate"`` always uses it.
 """
 
 from __future__ import annotations
 
 import copy
+import logging
 from collections.abc import Mapping
 from typing import Any, Literal
 
@@ -26,6 +34,11 @@ from lightning_offpolicy.rollout.engine import (
     checked_token_ids,
     first_stop,
 )
+from lightning_offpolicy.rollout.hf_sampling import lean_sample, lean_unsupported
+
+log = logging.getLogger(__name__)
+
+SAMPLERS = ("lean", "generate")
 
 
 class HFEngine(SpecialTokens):
@@ -40,6 +53,10 @@ class HFEngine(SpecialTokens):
         eos_token_id: Stop token id; ``None``: from the module's tokenizer.
         stop_token_ids: More ids that end a completion besides ``eos_token_id``; ``None``: the eos
             ids the model's generation config lists (set by the ``RolloutCallback``); ``[]``: none.
+        sampler: ``"lean"`` (default): the lean decoding loop of
+            :mod:`~lightning_offpolicy.rollout.hf_sampling` (same tokens and logprobs as
+            ``generate`` for the same seed, less overhead per step), falling back to ``generate``
+            for a model it cannot drive; ``"generate"``: ``transformers``' ``generate``.
     """
 
     def __init__(
@@ -49,11 +66,16 @@ class HFEngine(SpecialTokens):
         pad_token_id: int | None = None,
         eos_token_id: int | None = None,
         stop_token_ids: list[int] | None = None,
+        sampler: Literal["lean", "generate"] = "lean",
     ) -> None:
         if dtype not in (None, "bfloat16", "float16", "float32"):
             raise ValueError(f"HFEngine.dtype={dtype!r} is not known; allowed: None, 'bfloat16', 'float16', 'float32'.")
         if max_batch_size < 0:
             raise ValueError(f"HFEngine.max_batch_size={max_batch_size} must be >= 0 (0: no limit).")
+        if sampler not in SAMPLERS:
+            raise ValueError(f"HFEngine.sampler={sampler!r} is not known; allowed: {', '.join(map(repr, SAMPLERS))}.")
+        self.sampler = sampler
+        self._lean_inference_mode = True  # False: the lean loop under no_grad only (benchmarks/generation.py)
         self.dtype = dtype
         self.pad_token_id = pad_token_id
         self.eos_token_id = eos_token_id
@@ -95,6 +117,7 @@ class HFEngine(SpecialTokens):
         chunk = self.max_batch_size or len(rows)
         completions: list[Completion] = []
         model = self.model
+        lean = self._use_lean(model)
         was_training = model.training
         model.eval()
         try:
@@ -102,13 +125,26 @@ class HFEngine(SpecialTokens):
                 if seed is not None:
                     torch.manual_seed(seed)
                 for start in range(0, len(rows), chunk):
-                    completions += self._generate_rows(model, prompt_ids, rows[start : start + chunk], sampling)
+                    completions += self._generate_rows(model, prompt_ids, rows[start : start + chunk], sampling, lean)
         finally:
             model.train(was_training)
         return completions
 
+    def _use_lean(self, model: torch.nn.Module) -> bool:
+        if self.sampler != "lean":
+            return False
+        reason = lean_unsupported(model)
+        if reason is not None:
+            log.debug("HFEngine: sampling with generate instead of the lean loop: %s.", reason)
+        return reason is None
+
     def _generate_rows(
-        self, model: torch.nn.Module, prompt_ids: list[list[int]], rows: list[int], sampling: SamplingConfig
+        self,
+        model: torch.nn.Module,
+        prompt_ids: list[list[int]],
+        rows: list[int],
+        sampling: SamplingConfig,
+        lean: bool = False,
     ) -> list[Completion]:
         device = next(model.parameters()).device
         width = max(len(prompt_ids[i]) for i in rows)
@@ -117,6 +153,51 @@ class HFEngine(SpecialTokens):
         for r, i in enumerate(rows):
             input_ids[r, width - len(prompt_ids[i]) :] = torch.tensor(prompt_ids[i])
             attention_mask[r, width - len(prompt_ids[i]) :] = 1
+        if lean:
+            # inference_mode rather than no_grad: less dispatch per op (measured: benchmarks/generation.py).
+            # Nothing created inside outlives the call but lists of python numbers.
+            with torch.inference_mode(self._lean_inference_mode):
+                generated, logprobs = lean_sample(
+                    model,
+                    input_ids.to(device),
+                    attention_mask.to(device),
+                    max_new_tokens=sampling.max_new_tokens,
+                    pad_token_id=self.pad_token_id,
+                    stop_ids=self.stop_ids,
+                    greedy=sampling.greedy,
+                    temperature=sampling.temperature,
+                    top_k=sampling.top_k,
+                    top_p=sampling.top_p,
+                )
+        else:
+            generated, logprobs = self._hf_generate(model, input_ids, attention_mask, sampling, device)
+        token_rows = generated.tolist()
+        logprob_rows = logprobs.tolist()
+        completions = []
+        for r, i in enumerate(rows):
+            tokens = token_rows[r]
+            length, reason = first_stop(tokens, self.stop_ids)
+            completions.append(
+                Completion(
+                    prompt_index=i,
+                    token_ids=tokens[:length],
+                    logprobs=logprob_rows[r][:length],
+                    finish_reason=reason,
+                    policy_version=self.version,
+                )
+            )
+        return completions
+
+    def _hf_generate(
+        self,
+        model: torch.nn.Module,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        sampling: SamplingConfig,
+        device: torch.device,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``generate``'s tokens after the prompt and the logprobs of its processed scores, ``[rows, steps]``."""
+        width = input_ids.shape[1]
         if sampling.greedy:
             decoding: dict[str, Any] = {"do_sample": False}  # argmax; the scores are the raw logits
         else:
@@ -140,20 +221,7 @@ class HFEngine(SpecialTokens):
         # Processed scores: the distribution actually sampled from, one [rows, V] tensor per step.
         scores = torch.stack(out.scores, dim=1).float()
         logprobs = torch.log_softmax(scores, dim=-1).gather(-1, generated.unsqueeze(-1)).squeeze(-1)
-        completions = []
-        for r, i in enumerate(rows):
-            tokens = generated[r].tolist()
-            length, reason = first_stop(tokens, self.stop_ids)
-            completions.append(
-                Completion(
-                    prompt_index=i,
-                    token_ids=tokens[:length],
-                    logprobs=logprobs[r, :length].tolist(),
-                    finish_reason=reason,
-                    policy_version=self.version,
-                )
-            )
-        return completions
+        return generated.cpu(), logprobs.cpu()
 
     def close(self) -> None:
         self.model = None
