@@ -149,43 +149,24 @@ def test_vs_trl_quick_vllm(tmp_path):
 
 
 def test_reports_of_two_invocations_merge_into_one(tmp_path):
-    """--from-json: the hf and vllm rows run side by side as two invocations give one report, the same
-    numbers as one invocation over all the runs."""
+    """--from-json: rows run as two invocations (e.g. hf and vllm, or the kit's sync and async variants)
+    give one report, the same numbers as one invocation over all the runs."""
     data = json.loads((BENCH_DIR.parent / "docs" / "performance_vs_trl.json").read_text())
-    parts = []
-    for engine in ("hf", "vllm"):
-        runs = [r for r in data["runs"] if r["engine"] == engine]
-        assert runs, engine
-        header = dict(data["header"], command=f"python benchmarks/vs_trl.py --engines {engine}", notes=[engine])
-        path = tmp_path / f"{engine}.json"
+    groups = list(dict.fromkeys((r["engine"], r["label"]) for r in data["runs"]))
+    assert len(groups) >= 2, groups
+    halves = [groups[:1], groups[1:]]
+    parts, expected = [], []
+    for index, half in enumerate(halves):
+        runs = [r for r in data["runs"] if (r["engine"], r["label"]) in half]
+        expected += runs
+        header = dict(data["header"], command=f"python benchmarks/vs_trl.py  # part {index}", notes=[f"part {index}"])
+        path = tmp_path / f"part{index}.json"
         path.write_text(json.dumps({"header": header, "runs": runs}))
         parts.append(path)
     output = tmp_path / "merged.md"
     assert vs_trl.main(["--from-json", *map(str, parts), "--output", str(output), "--note", "merged"]) == 0
     merged = json.loads(output.with_suffix(".json").read_text())
-    assert merged["runs"] == [r for r in data["runs"] if r["engine"] == "hf"] + [
-        r for r in data["runs"] if r["engine"] == "vllm"
-    ]
-    assert merged["summary"] == vs_trl.aggregate(merged["runs"]) and set(merged["ratios"]) == {"hf", "vllm"}
-    assert merged["header"]["notes"] == ["hf", "vllm", "merged"]
-    text = output.read_text()
-    assert "--engines hf` and `python benchmarks/vs_trl.py --engines vllm" in text
-    assert output.with_suffix(".png").stat().st_size > 0
-
-
-def test_kit_variants_get_their_own_rows_and_ratios():
-    kit, trl = vs_trl.LABELS["kit"], vs_trl.LABELS["trl"]
-    variant = kit + vs_trl._variant_label({"max_staleness": "1"}, "hf")
-    assert variant == kit + " (async, max_staleness=1, HFProcessEngine)"
-
-    def run(side, label, step_s):
-        return {"side": side, "engine": "hf", "label": label, "seed": 0, "first_reward": 0.0,
-                "final_reward": 0.5, "steps_to_threshold": 100, "step_s": step_s}  # fmt: skip
-
-    summary = vs_trl.aggregate([run("trl", trl, [0.16]), run("kit", kit, [0.12]), run("kit", variant, [0.08])])
-    assert [r["label"] for r in summary] == [trl, kit, variant]
-    ratios = vs_trl.compare(summary)
-    assert set(ratios) == {"hf", "hf (async, max_staleness=1, HFProcessEngine)"}
-    assert ratios["hf"]["steps_per_s_kit_over_trl"] == pytest.approx(0.16 / 0.12)
-    assert ratios["hf (async, max_staleness=1, HFProcessEngine)"]["steps_per_s_kit_over_trl"] == pytest.approx(2.0)
-    assert ratios["hf (async, max_staleness=1, HFProcessEngine)"]["engine"] == "hf"
+    assert merged["runs"] == expected
+    assert merged["summary"] == vs_trl.aggregate(merged["runs"])
+    assert merged["ratios"] == vs_trl.compare(merged["summary"]) and set(merged["ratios"]) == set(data["ratios"])
+    assert merged["header"]["notes"] == ["part 0", "part 1", "merged"]
