@@ -213,7 +213,8 @@ def test_summarize_quick_outputs(tmp_path_factory):
 
 
 def test_summarize_names_each_engines_own_seeds_of_a_merged_vs_trl_report():
-    """docs/performance_vs_trl.json merges 5 hf seeds and 3 vllm seeds (vs_trl --from-json)."""
+    """docs/performance_vs_trl.json merges invocations (vs_trl --from-json): each comparison line names the
+    seeds of its own engine's rows (e.g. 5 hf seeds and 3 vllm seeds)."""
     import importlib.util
     import json
 
@@ -223,7 +224,8 @@ def test_summarize_names_each_engines_own_seeds_of_a_merged_vs_trl_report():
     spec.loader.exec_module(summarize)
     data = json.loads((BENCH.parents[1] / "docs" / "performance_vs_trl.json").read_text())
     lines = summarize.vs_trl(data)
-    for engine in data["ratios"]:
+    for key, ratio in data["ratios"].items():
+        engine = ratio.get("engine", key)
         seeds = sorted({s for r in data["summary"] if r["engine"] == engine for s in r["seeds"]})
-        (line,) = [x for x in lines if x.startswith(f"{engine}: ")]
+        (line,) = [x for x in lines if x.startswith(f"{key}: ")]
         assert f"Means over seeds {', '.join(map(str, seeds))}, " in line
