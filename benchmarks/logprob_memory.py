@@ -195,6 +195,8 @@ def fused_worker(args: argparse.Namespace) -> dict:
     """The fused head: hidden [1, T, H] and weight [V, H] leaves -> logprobs -> backward."""
     import torch
 
+    from lightning_offpolicy.fused_logprobs import chunk_rows
+
     if args.threads:
         torch.set_num_threads(args.threads)
     dtype = getattr(torch, args.dtype)
@@ -242,7 +244,7 @@ def fused_worker(args: argparse.Namespace) -> dict:
         "dtype": args.dtype,
         "method": "fused",
         "chunk_size": args.chunk_size,
-        "chunk_used": min(args.chunk_size, max(64, args.tokens // 32)),
+        "chunk_used": chunk_rows(args.tokens, args.chunk_size),
         "hidden": width,
         "logits_bytes": logits_bytes,
         "grad_bytes": grad_bytes,

@@ -560,10 +560,9 @@ def _variant_label(variant: dict[str, str | None], engine: str) -> str:
     if variant.get("correction") not in (None, "disabled"):
         parts.append(f"correction {variant['correction']}")
     if variant.get("max_staleness"):
-        where = "HFEngine thread" if variant.get("engine_process") == "thread" else "HFProcessEngine"
-        if engine == "vllm":
-            where = ""
-        parts.append(f"async, max_staleness={variant['max_staleness']}" + (f", {where}" if where else ""))
+        parts.append(f"async, max_staleness={variant['max_staleness']}")
+        if engine == "hf":  # vLLM generates in its own processes either way
+            parts.append("HFEngine thread" if variant.get("engine_process") == "thread" else "HFProcessEngine")
     return f" ({', '.join(parts)})" if parts else ""
 
 

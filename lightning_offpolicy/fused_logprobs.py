@@ -86,6 +86,12 @@ MIN_CHUNK = 64
 #: ``c <= N // CHUNK_DIVISOR`` keeps the chunk temporaries <= 0.125x one bf16 logits tensor.
 CHUNK_DIVISOR = 32
 
+
+def chunk_rows(num_tokens: int, chunk_size: int) -> int:
+    """Rows per chunk for ``num_tokens`` tokens: ``min(chunk_size, max(MIN_CHUNK, num_tokens // CHUNK_DIVISOR))``."""
+    return min(int(chunk_size), max(MIN_CHUNK, num_tokens // CHUNK_DIVISOR))
+
+
 #: transformers causal-LM classes whose forward is ``lm_head(last_hidden_state[:, keep])`` with
 #: nothing after it other than what a config attribute in ``_LOGIT_TRANSFORMS`` announces (checked
 #: in transformers 5.x). Other classes use the fused head only when asked (``fused_head=True``).
@@ -421,7 +427,7 @@ def fused_linear_token_logprobs(
     flat_h = hidden.reshape(-1, width)
     flat_t = targets.reshape(-1)
     n = flat_t.shape[0]
-    chunk = min(int(chunk_size), max(MIN_CHUNK, n // CHUNK_DIVISOR))
+    chunk = chunk_rows(n, chunk_size)
     lp, ent = _FusedLinearLogprobs.apply(
         flat_h, weight, bias, flat_t, 1.0 / temperature, chunk, return_entropy, tuple(scales), *flat_terms
     )

@@ -251,7 +251,7 @@ class RolloutCallback(Callback):
                 source, trainer.global_rank, trainer.world_size, skip=self.generated_batches, seed=self.seed
             ),
             max_staleness=self.max_staleness,
-            steps_per_batch=int(getattr(pl_module, "optimizer_steps_per_batch", 1)),
+            steps_per_batch=_steps_per_batch(pl_module),
             first_index=self.generated_batches,
             trainer_version=version,
             engine_version=version,
@@ -282,8 +282,7 @@ class RolloutCallback(Callback):
             "queue_depth": float(self.producer.queue_depth),
             "dropped_samples": float(self.dropped_samples),
         }
-        steps = int(getattr(pl_module, "optimizer_steps_per_batch", 1))
-        if is_logging_step(trainer, batch_idx, steps):
+        if is_logging_step(trainer, batch_idx, _steps_per_batch(pl_module)):
             self._log_staleness_histogram(trainer, version, produced.rollout)
 
     def generate(self, pl_module: LightningModule, prompts: PromptBatch, rank: int = 0) -> RolloutBatch:
@@ -347,9 +346,8 @@ class RolloutCallback(Callback):
         self.last_timing = {}
         generate_s = max(timing.pop("generate_s"), 1e-9)
         tokens_per_s = timing.pop("tokens") / generate_s
-        steps = int(getattr(pl_module, "optimizer_steps_per_batch", 1))
         # The step already ran: global_step counts its optimizer steps.
-        logging = is_logging_step(trainer, batch_idx, steps, steps_done=True)
+        logging = is_logging_step(trainer, batch_idx, _steps_per_batch(pl_module), steps_done=True)
         if logging or trainer.progress_bar_callback is not None:
             pl_module.log("gen_tok/s", tokens_per_s, prog_bar=True, batch_size=1, logger=False)
         if not logging:
@@ -459,3 +457,8 @@ class RolloutCallback(Callback):
             self.engine.close()  # also wakes a vLLM request in flight
         if producer is not None:
             producer.close()
+
+
+def _steps_per_batch(pl_module: LightningModule) -> int:
+    """Policy versions one training batch advances (the module's ``optimizer_steps_per_batch``, default 1)."""
+    return int(getattr(pl_module, "optimizer_steps_per_batch", 1))
