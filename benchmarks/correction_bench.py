@@ -62,6 +62,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from lightning_offpolicy.correction import PRESETS, PolicyLossConfig, compute_correction, policy_loss
+from lightning_offpolicy.correction.fused import FusedCorrectionStep
 from lightning_offpolicy.metrics import CorrectionMetrics, PolicyLossMetrics
 
 MiB = 1024.0 * 1024.0
@@ -136,6 +137,8 @@ def make_inputs(batch: int, seq_len: int, seed: int = 0) -> Inputs:
 class Case:
     """One preset: its config, its metric objects, its own logprobs leaf, and a timed step."""
 
+    path = "eager"
+
     def __init__(self, name: str, inputs: Inputs, loss_cfg: PolicyLossConfig) -> None:
         self.name = name
         self.cfg = PRESETS[name]()
@@ -147,6 +150,10 @@ class Case:
         self.loss_metrics = PolicyLossMetrics()
         self.times: list[tuple[float, float, float]] = []
         self.last_loss = float("nan")
+
+    @property
+    def key(self) -> str:
+        return f"{self.path}:{self.name}"
 
     def step(self) -> tuple[float, float, float]:
         x = self.inputs
@@ -188,7 +195,44 @@ class Case:
         return problems
 
 
+class FusedCase(Case):
+    """The same step through :class:`FusedCorrectionStep` (``torch.compile`` of correction, loss
+    and metric sums); the metrics are fed from the sums computed inside the graph."""
+
+    path = "fused"
+
+    def __init__(self, name: str, inputs: Inputs, loss_cfg: PolicyLossConfig) -> None:
+        super().__init__(name, inputs, loss_cfg)
+        self.fused = FusedCorrectionStep(self.cfg, loss_cfg, statistics=self.corr_metrics.sums)
+        self.fell_back = False
+
+    def step(self) -> tuple[float, float, float]:
+        x = self.inputs
+        t0 = time.perf_counter()
+        out = self.fused(self.leaf, self.prox, x.rollout, x.advantages, x.mask)
+        out.loss.backward()
+        t1 = time.perf_counter()
+        self.corr_metrics.update_from_sums(out.statistics)
+        self.loss_metrics.update(info=out.info)
+        t2 = time.perf_counter()
+        self.fell_back |= not out.compiled
+        self.last_loss = float(out.loss.detach())
+        return 0.0, t1 - t0, t2 - t1
+
+    def check_finite(self) -> list[str]:
+        problems = super().check_finite()
+        return problems + (["the compiled graph was not used (eager fallback)"] if self.fell_back else [])
+
+
+def one_pass_bytes(case: Case) -> int:
+    """The least a step must move: its [B, T] inputs read once and the gradient written once."""
+    x = case.inputs
+    tensors = [x.rollout, x.logprobs, x.mask, x.logprobs] + ([case.prox] if case.prox is not None else [])
+    return sum(t.numel() * t.element_size() for t in tensors) + x.advantages.numel() * x.advantages.element_size()
+
+
 # ------------------------------------------------------------------------------------ bytes
+_TRANSCENDENTAL_OPS = {"exp", "expm1", "log", "log1p", "sigmoid"}
 _NO_DATA_OPS = {"lift_fresh", "detach", "alias", "promote_types", "_local_scalar_dense"}
 
 
@@ -206,6 +250,7 @@ class ByteCounter(TorchDispatchMode):
         self.storages: dict[int, int] = {}
         self.traffic = 0
         self.ops = 0
+        self.transcendental = 0  # elements through exp / expm1 / log / sigmoid (a compute-cost count)
         self._alive: list[torch.Tensor] = []
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -218,6 +263,8 @@ class ByteCounter(TorchDispatchMode):
             self.storages.setdefault(st.data_ptr(), st.nbytes())
         self._alive.extend(ins + outs)
         name = func.overloadpacket.__name__
+        if name.rstrip("_") in _TRANSCENDENTAL_OPS:
+            self.transcendental += sum(t.numel() for t in outs)
         if not getattr(func, "is_view", False) and name not in _NO_DATA_OPS:
             self.ops += 1
             self.traffic += sum(_tensor_bytes(t) for t in ins + outs)
@@ -228,14 +275,14 @@ class ByteCounter(TorchDispatchMode):
         return sum(self.storages.values())
 
 
-def count_bytes(case: Case) -> tuple[int, int, int]:
-    """(distinct bytes, op-traffic bytes, number of data ops) of one step."""
+def count_bytes(case: Case) -> tuple[int, int, int, int]:
+    """(distinct bytes, op-traffic bytes, number of data ops, transcendental elements) of one eager step."""
     case.reset()
     counter = ByteCounter()
     with counter:
         case.step()
     case.reset()
-    result = counter.distinct, counter.traffic, counter.ops
+    result = counter.distinct, counter.traffic, counter.ops, counter.transcendental
     counter._alive.clear()
     return result
 
@@ -255,7 +302,7 @@ def peak_extra_memory(cases: list[Case]) -> dict[str, int]:
     gc.collect()
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         for case in cases:
-            with record_function(f"bench_step::{case.name}"):
+            with record_function(f"bench_step::{case.key}"):
                 case.step()
             case.reset()
     ranges: dict[str, tuple[int, int]] = {}
@@ -273,7 +320,7 @@ def peak_extra_memory(cases: list[Case]) -> dict[str, int]:
     allocations.sort(key=lambda e: e[0])
     peaks = {}
     for case in cases:
-        begin, finish = ranges[case.name]
+        begin, finish = ranges[case.key]
         live: dict[int, int] = {}
         current = peak = 0
         for when, size, ptr in allocations:
@@ -285,7 +332,7 @@ def peak_extra_memory(cases: list[Case]) -> dict[str, int]:
                 peak = max(peak, current)
             elif ptr in live:  # a free of a block allocated inside the step
                 current -= live.pop(ptr)
-        peaks[case.name] = peak
+        peaks[case.key] = peak
     return peaks
 
 
@@ -312,6 +359,7 @@ class BandwidthProbe:
         self.c = torch.empty(batch, seq_len)
         self.hot: list[float] = []
         self.stream: list[float] = []
+        self.exp: list[float] = []  # torch.exp(a, out=c): one transcendental per element, hot tensors
         self.pool = None
         if stream:
             n = max(4, math.ceil(4 * _llc_bytes() / self.bytes_per_add))
@@ -328,11 +376,21 @@ class BandwidthProbe:
             torch.add(a, b, out=c)
             samples.append(time.perf_counter() - t0)
         self.hot.append(statistics.median(samples))
+        samples = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            torch.exp(a, out=c)
+            samples.append(time.perf_counter() - t0)
+        self.exp.append(statistics.median(samples))
         if self.pool:
             t0 = time.perf_counter()
             for pa, pb, pc in self.pool:
                 torch.add(pa, pb, out=pc)
             self.stream.append((time.perf_counter() - t0) / len(self.pool))
+
+    def exp_over_add(self) -> float:
+        """How many add passes one exp pass over the same tensors costs (compute, not memory)."""
+        return statistics.median(self.exp) / statistics.median(self.hot) if self.exp and self.hot else float("nan")
 
     def bandwidth(self, kind: str) -> float:
         samples = self.hot if kind == "hot" else self.stream
@@ -357,6 +415,24 @@ class Row:
     stream_ratio: float = float("nan")
     bound_hot: float = float("nan")
     alias_of: str | None = None  # an earlier preset with an equal config (a free noise estimate)
+    transcendental: int = 0  # elements through exp / expm1 / log / sigmoid in one eager step
+
+
+@dataclass
+class FusedRow:
+    """One preset through ``FusedCorrectionStep``, against one memory-bound pass of its inputs."""
+
+    preset: str
+    total: float
+    iqr: float
+    fastest: float
+    peak: int
+    one_pass: int  # bytes: the [B, T] inputs read once and the gradient written once
+    eager_total: float
+    one_pass_hot: float = float("nan")  # seconds for one_pass bytes at the hot probe's bandwidth
+    hot_ratio: float = float("nan")
+    stream_ratio: float = float("nan")
+    eager_hot_ratio: float = float("nan")  # the eager step against the same one pass
 
 
 @dataclass
@@ -372,6 +448,8 @@ class SizeResult:
     problems: dict[str, list[str]] = field(default_factory=dict)
     load: tuple[float, float] = (float("nan"), float("nan"))  # 1-min load average before / after the rounds
     cpu_per_wall: float = float("nan")  # this process's CPU seconds per wall second during the rounds
+    fused_rows: list[FusedRow] = field(default_factory=list)
+    exp_over_add: float = float("nan")  # one torch.exp pass / one torch.add pass over [B, T], same run
 
 
 def _quartiles(values: list[float]) -> tuple[float, float]:
@@ -382,19 +460,31 @@ def _quartiles(values: list[float]) -> tuple[float, float]:
 
 
 def run_size(
-    names: list[str], batch: int, seq_len: int, repeats: int, warmup: int, stream: bool, seed: int, log
+    names: list[str],
+    batch: int,
+    seq_len: int,
+    repeats: int,
+    warmup: int,
+    stream: bool,
+    seed: int,
+    log,
+    fused_names: list[str] = (),
 ) -> SizeResult:
     start = time.perf_counter()
     inputs = make_inputs(batch, seq_len, seed)
     loss_cfg = PolicyLossConfig()
-    cases = [Case(n, inputs, loss_cfg) for n in names]
+    eager_cases = [Case(n, inputs, loss_cfg) for n in names]
+    if fused_names:
+        log(f"[B={batch} T={seq_len}] compiling the fused step of {len(fused_names)} presets ...")
+    fused_cases = [FusedCase(n, inputs, loss_cfg) for n in fused_names]
+    cases = eager_cases + fused_cases
     probe = BandwidthProbe(batch, seq_len, stream=stream)
 
     problems = {}
     for case in cases:
         bad = case.check_finite()
         if bad:
-            problems[case.name] = bad
+            problems[case.key] = bad
     log(f"[B={batch} T={seq_len}] warm-up x{warmup} ...")
     for _ in range(warmup):
         for case in cases:
@@ -403,6 +493,7 @@ def run_size(
         probe.measure(reps=5)
     probe.hot.clear()
     probe.stream.clear()
+    probe.exp.clear()
 
     rng = random.Random(seed)
     order = list(cases)
@@ -431,10 +522,10 @@ def run_size(
     log(f"[B={batch} T={seq_len}] counting bytes and peak memory ...")
     peaks = peak_extra_memory(cases)
     rows = []
-    for case in cases:
+    for case in eager_cases:
         totals = [sum(t) for t in case.times]
         q1, q3 = _quartiles(totals)
-        distinct, traffic, ops = count_bytes(case)
+        distinct, traffic, ops, transcendental = count_bytes(case)
         rows.append(
             Row(
                 preset=case.name,
@@ -447,8 +538,9 @@ def run_size(
                 distinct=distinct,
                 traffic=traffic,
                 ops=ops,
-                peak=peaks[case.name],
-                alias_of=next((c.name for c in cases[: cases.index(case)] if c.cfg == case.cfg), None),
+                peak=peaks[case.key],
+                alias_of=next((c.name for c in eager_cases[: eager_cases.index(case)] if c.cfg == case.cfg), None),
+                transcendental=transcendental,
             )
         )
     bw_hot, bw_stream = probe.bandwidth("hot"), probe.bandwidth("stream")
@@ -456,6 +548,26 @@ def run_size(
         row.bound_hot = row.distinct / bw_hot
         row.hot_ratio = row.total / row.bound_hot
         row.stream_ratio = row.total / (row.distinct / bw_stream) if stream else float("nan")
+    eager_total = {row.preset: row.total for row in rows}
+    fused_rows = []
+    for case in fused_cases:
+        totals = [sum(t) for t in case.times]
+        q1, q3 = _quartiles(totals)
+        one_pass = one_pass_bytes(case)
+        row = FusedRow(
+            preset=case.name,
+            total=statistics.median(totals),
+            iqr=q3 - q1,
+            fastest=min(totals),
+            peak=peaks[case.key],
+            one_pass=one_pass,
+            eager_total=eager_total.get(case.name, float("nan")),
+            one_pass_hot=one_pass / bw_hot,
+        )
+        row.hot_ratio = row.total / row.one_pass_hot
+        row.stream_ratio = row.total / (one_pass / bw_stream) if stream else float("nan")
+        row.eager_hot_ratio = row.eager_total / row.one_pass_hot
+        fused_rows.append(row)
     return SizeResult(
         batch,
         seq_len,
@@ -468,6 +580,8 @@ def run_size(
         problems,
         (load_before, load_after),
         cpu_per_wall,
+        fused_rows,
+        probe.exp_over_add(),
     )
 
 
@@ -555,6 +669,53 @@ def render_table(res: SizeResult) -> str:
     return "\n".join(lines) + "\n" + summary + "\n"
 
 
+ONE_PASS_GOAL = 3.0
+"""Goal (issue 12, item 3): the fused step within 3x one memory-bound pass over its inputs."""
+PEAK_GOAL = 4.0
+"""Goal: the fused step's peak extra memory at most 4 [B, T] float32 tensors."""
+
+
+def render_fused_table(res: SizeResult) -> str:
+    """The fused step per preset, against one memory-bound pass and against its eager twin."""
+    if not res.fused_rows:
+        return ""
+    unit = 4 * res.batch * res.seq_len
+    exp_pass = res.exp_over_add * 12 * res.batch * res.seq_len / res.bw_hot  # seconds of one torch.exp pass
+    transcendental = {r.preset: r.transcendental / (res.batch * res.seq_len) for r in res.rows}
+    head = (
+        "| preset | fused step ms (median) | IQR ms | min step ms | eager / fused | one pass MiB (x [B,T] f32) "
+        "| one pass ms (hot) | x one pass (hot) | x one pass (stream) | eager x one pass (hot) "
+        "| exp-type evaluations per token | compute floor, x one pass | peak extra MiB (x [B,T] f32) |"
+    )
+    lines = [head, "|" + "---|" * (head.count("|") - 1)]
+    for r in res.fused_rows:
+        per_token = transcendental.get(r.preset, float("nan"))
+        floor = per_token * exp_pass / r.one_pass_hot
+        lines.append(
+            f"| {r.preset} | {r.total * 1e3:.2f} | {r.iqr * 1e3:.2f} | {r.fastest * 1e3:.2f} "
+            f"| {_fmt(r.eager_total / r.total)} | {r.one_pass / MiB:.3g} ({r.one_pass / unit:.1f}) "
+            f"| {r.one_pass_hot * 1e3:.3g} | {_fmt(r.hot_ratio, 1)} | {_fmt(r.stream_ratio, 1)} "
+            f"| {_fmt(r.eager_hot_ratio, 1)} | {_fmt(per_token, 1)} | {_fmt(floor, 1)} "
+            f"| {r.peak / MiB:.3g} ({r.peak / unit:.1f}) |"
+        )
+    ratios = [r.hot_ratio for r in res.fused_rows]
+    peaks = [r.peak / unit for r in res.fused_rows]
+    speedups = [r.eager_total / r.total for r in res.fused_rows if math.isfinite(r.eager_total)]
+    met = lambda ok: "met" if ok else "not met"  # noqa: E731
+    summary = (
+        f"\nFused step (`FusedCorrectionStep`, `torch.compile`), B={res.batch}, T={res.seq_len}: "
+        f"{_fmt(min(ratios), 1)}-{_fmt(max(ratios), 1)}x one memory-bound pass (hot) against the goal "
+        f"<= {ONE_PASS_GOAL:g}x: **{met(max(ratios) <= ONE_PASS_GOAL)}**; peak extra "
+        f"{min(peaks):.1f}-{max(peaks):.1f} [B,T] float32 tensors against the goal <= {PEAK_GOAL:g}: "
+        f"**{met(max(peaks) <= PEAK_GOAL)}**"
+        + (f"; {statistics.median(speedups):.1f}x faster than eager (median)." if speedups else ".")
+        + f" One `torch.exp` pass over [B,T] costs {_fmt(res.exp_over_add, 1)} `torch.add` passes in this run: "
+        "the step evaluates exp / expm1 / log / sigmoid several times per token (forward, backward and metrics), "
+        "so it is bound by those evaluations, not by memory, wherever `compute floor` exceeds the goal."
+    )
+    return "\n".join(lines) + "\n" + summary + "\n"
+
+
 def render_report(results: list[SizeResult], argv: list[str], elapsed: float, extra: str = "") -> str:
     now = _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     cmd = " ".join(shlex.quote(a) for a in ["python", "benchmarks/correction_bench.py", *argv])
@@ -577,6 +738,8 @@ def render_report(results: list[SizeResult], argv: list[str], elapsed: float, ex
     ]
     for res in results:
         parts += [f"## B={res.batch}, T={res.seq_len}", "", render_table(res)]
+        if res.fused_rows:
+            parts += [f"### Fused step, B={res.batch}, T={res.seq_len}", "", render_fused_table(res)]
     if extra:
         parts += [extra]
     return "\n".join(parts).rstrip() + "\n"
@@ -644,6 +807,13 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument(
         "--presets", type=str, default=None, help=f"comma list (default: all of PRESETS: {','.join(PRESETS)})"
     )
+    p.add_argument(
+        "--fused",
+        type=str,
+        default=None,
+        help="presets also run through FusedCorrectionStep (torch.compile): 'all' (default), 'none' or a "
+        "comma list (--quick: token_tis,geo_mis_seq_tis)",
+    )
     p.add_argument("--full", action="store_true", help="full run: adds the long sequence length")
     p.add_argument("--quick", action="store_true", help="smoke test: B=4, T=128, 1 round, no streaming probe (seconds)")
     p.add_argument("--no-stream", action="store_true", help="skip the streaming bandwidth probe")
@@ -676,6 +846,16 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     if unknown:
         p.error(f"unknown preset(s) {', '.join(unknown)}; known: {', '.join(PRESETS)}")
     args.names = names
+    fused = args.fused if args.fused is not None else ("token_tis,geo_mis_seq_tis" if args.quick else "all")
+    if fused.strip() == "all":
+        args.fused_names = list(names)
+    elif fused.strip() == "none":
+        args.fused_names = []
+    else:
+        args.fused_names = [n.strip() for n in fused.split(",") if n.strip()]
+        bad = [n for n in args.fused_names if n not in PRESETS]
+        if bad:
+            p.error(f"--fused: unknown preset(s) {', '.join(bad)}; known: {', '.join(PRESETS)}")
     if args.profile and args.profile.strip() != "auto":
         bad = [n for n in args.profile.split(",") if n.strip() and n.strip() not in PRESETS]
         if bad:
@@ -707,9 +887,10 @@ def main(argv: list[str] | None = None) -> int:
             stream=not args.no_stream,
             seed=args.seed,
             log=log,
+            fused_names=args.fused_names,
         )
         results.append(res)
-        print(f"\nB={res.batch} T={res.seq_len}\n" + render_table(res), flush=True)
+        print(f"\nB={res.batch} T={res.seq_len}\n" + render_table(res) + render_fused_table(res), flush=True)
     extra = ""
     wanted: list[str] = []
     if args.profile:

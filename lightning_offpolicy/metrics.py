@@ -132,6 +132,28 @@ def rejection_sums(
     return (valid & rejected_tokens.any(dim=-1)).sum(dtype=_F64), valid.sum(dtype=_F64)
 
 
+def weight_sums(stats: CorrectionStats, clipped: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(sum of the applied IS weights, kept tokens)``, or ``(truncated kept tokens, kept tokens)``."""
+    kept_count = stats.kept.sum(dtype=_F64)
+    if clipped:
+        return (stats.weight_clipped & stats.kept).sum(dtype=_F64), kept_count
+    return _sum64(stats.weights, stats.kept), kept_count
+
+
+def abs_logprob_diff_sums(stats: CorrectionStats) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(sum |log rho_t|, count)`` over response tokens."""
+    return _sum64(stats.log_rho.abs()), _token_count(stats)
+
+
+def extreme_value(values: torch.Tensor, where: torch.Tensor, reduce: Literal["max", "min"]) -> torch.Tensor:
+    """float64 ``max`` / ``min`` of ``values`` where ``where`` is set (-inf / +inf when none is)."""
+    fill = torch.tensor(float("-inf") if reduce == "max" else float("inf"), dtype=values.dtype, device=values.device)
+    if not values.numel():
+        return fill.to(_F64)
+    chosen = torch.where(where, values, fill)
+    return (chosen.amax() if reduce == "max" else chosen.amin()).to(_F64)
+
+
 # --------------------------------------------------------------------------------------------
 # Metric classes
 # --------------------------------------------------------------------------------------------
@@ -147,6 +169,16 @@ class _RatioOfSums(Metric):
         super().__init__(**kwargs)
         self.add_state("numerator", default=torch.tensor(0.0, dtype=_F64), dist_reduce_fx="sum")
         self.add_state("denominator", default=torch.tensor(0.0, dtype=_F64), dist_reduce_fx="sum")
+
+    def update(self, stats: Any = None, sums: tuple[torch.Tensor, ...] | None = None) -> None:
+        """Add one batch: from its ``stats`` (or ``info``), or from ``sums``, this metric's
+        :meth:`sums` of a batch computed elsewhere (the fused step of
+        :mod:`~lightning_offpolicy.correction.fused` computes them inside its compiled graph)."""
+        self._accumulate(*(sums if sums is not None else self.sums(stats)))
+
+    def sums(self, stats: Any) -> tuple[torch.Tensor, ...]:
+        """The sums one update with ``stats`` adds."""
+        raise NotImplementedError
 
     def _accumulate(self, numerator: torch.Tensor, denominator: torch.Tensor) -> None:
         self.numerator += numerator.to(self.numerator.device, _F64)
@@ -182,15 +214,15 @@ class MismatchKL(_RatioOfSums):
         super().__init__(**kwargs)
         self.estimator = estimator
 
-    def update(self, stats: CorrectionStats) -> None:
-        self._accumulate(*mismatch_kl_sums(stats, self.estimator))
+    def sums(self, stats: CorrectionStats) -> tuple[torch.Tensor, ...]:
+        return mismatch_kl_sums(stats, self.estimator)
 
 
 class LogPerplexityDiff(_RatioOfSums):
     """Mean over sequences of ``log PPL(pi_prox) - log PPL(pi_rollout) = -mean_t log rho_t``."""
 
-    def update(self, stats: CorrectionStats) -> None:
-        self._accumulate(*log_ppl_sums(stats))
+    def sums(self, stats: CorrectionStats) -> tuple[torch.Tensor, ...]:
+        return log_ppl_sums(stats)
 
 
 class PerplexityRatio(_RatioOfSums):
@@ -198,8 +230,8 @@ class PerplexityRatio(_RatioOfSums):
 
     empty_value = 1.0
 
-    def update(self, stats: CorrectionStats) -> None:
-        self._accumulate(*log_ppl_sums(stats, exponentiate=True))
+    def sums(self, stats: CorrectionStats) -> tuple[torch.Tensor, ...]:
+        return log_ppl_sums(stats, exponentiate=True)
 
 
 class ChiSquared(_RatioOfSums):
@@ -214,8 +246,8 @@ class ChiSquared(_RatioOfSums):
         super().__init__(**kwargs)
         self.level = level
 
-    def update(self, stats: CorrectionStats) -> None:
-        self._accumulate(*chi2_sums(stats, self.level))
+    def sums(self, stats: CorrectionStats) -> tuple[torch.Tensor, ...]:
+        return chi2_sums(stats, self.level)
 
     def compute(self) -> torch.Tensor:
         if self.denominator <= 0:
@@ -244,11 +276,16 @@ class EffectiveSampleSize(Metric):
         for name in ("sum_w", "sum_w2", "count"):
             self.add_state(name, default=torch.tensor(0.0, dtype=_F64), dist_reduce_fx="sum")
 
-    def update(self, stats: CorrectionStats) -> None:
-        sum_w, sum_w2, count = ess_sums(stats, self.level)
+    def update(self, stats: CorrectionStats | None = None, sums: tuple[torch.Tensor, ...] | None = None) -> None:
+        """Add one batch, from its ``stats`` or from :meth:`sums` computed elsewhere."""
+        sum_w, sum_w2, count = sums if sums is not None else self.sums(stats)
         self.sum_w += sum_w.to(self.sum_w.device)
         self.sum_w2 += sum_w2.to(self.sum_w2.device)
         self.count += count.to(self.count.device)
+
+    def sums(self, stats: CorrectionStats) -> tuple[torch.Tensor, ...]:
+        """``(sum rho, sum rho^2, count)`` one update adds."""
+        return ess_sums(stats, self.level)
 
     def compute(self) -> torch.Tensor:
         if self.count <= 0 or self.sum_w2 <= 0:
@@ -261,15 +298,15 @@ class ImportanceWeightMean(_RatioOfSums):
 
     empty_value = 1.0
 
-    def update(self, stats: CorrectionStats) -> None:
-        self._accumulate(_sum64(stats.weights, stats.kept), stats.kept.sum(dtype=_F64))
+    def sums(self, stats: CorrectionStats) -> tuple[torch.Tensor, ...]:
+        return weight_sums(stats)
 
 
 class ImportanceWeightClipFraction(_RatioOfSums):
     """Fraction of the tokens that reach the loss whose IS weight was truncated."""
 
-    def update(self, stats: CorrectionStats) -> None:
-        self._accumulate((stats.weight_clipped & stats.kept).sum(dtype=_F64), stats.kept.sum(dtype=_F64))
+    def sums(self, stats: CorrectionStats) -> tuple[torch.Tensor, ...]:
+        return weight_sums(stats, clipped=True)
 
 
 class _Extreme(Metric):
@@ -290,16 +327,15 @@ class _Extreme(Metric):
         """The candidate values and where they count."""
         raise NotImplementedError
 
-    def update(self, stats: CorrectionStats) -> None:
-        values, where = self._values(stats)
-        if self.reduce == "max":
-            fill = torch.tensor(float("-inf"), dtype=values.dtype, device=values.device)
-            extreme = torch.where(where, values, fill).amax() if values.numel() else fill
-            self.value = torch.maximum(self.value, extreme.to(self.value.device, _F64))
-        else:
-            fill = torch.tensor(float("inf"), dtype=values.dtype, device=values.device)
-            extreme = torch.where(where, values, fill).amin() if values.numel() else fill
-            self.value = torch.minimum(self.value, extreme.to(self.value.device, _F64))
+    def update(self, stats: CorrectionStats | None = None, sums: tuple[torch.Tensor, ...] | None = None) -> None:
+        """Add one batch, from its ``stats`` or from :meth:`sums` computed elsewhere."""
+        (extreme,) = sums if sums is not None else self.sums(stats)
+        combine = torch.maximum if self.reduce == "max" else torch.minimum
+        self.value = combine(self.value, extreme.to(self.value.device, _F64))
+
+    def sums(self, stats: CorrectionStats) -> tuple[torch.Tensor, ...]:
+        """``(extreme,)`` of this batch."""
+        return (extreme_value(*self._values(stats), self.reduce),)
 
     def compute(self) -> torch.Tensor:
         if torch.isinf(self.value):
@@ -330,8 +366,8 @@ class ImportanceWeightMin(_Extreme):
 class AbsLogProbDiffMean(_RatioOfSums):
     """Mean of ``|log pi_prox - log pi_rollout|`` over response tokens."""
 
-    def update(self, stats: CorrectionStats) -> None:
-        self._accumulate(_sum64(stats.log_rho.abs()), _token_count(stats))
+    def sums(self, stats: CorrectionStats) -> tuple[torch.Tensor, ...]:
+        return abs_logprob_diff_sums(stats)
 
 
 class AbsLogProbDiffMax(_Extreme):
@@ -358,39 +394,46 @@ class RejectionRate(_RatioOfSums):
         self.mask = mask
         self.level = level
 
-    def update(self, stats: CorrectionStats) -> None:
-        self._accumulate(*rejection_sums(stats, self.mask, self.level))
+    def sums(self, stats: CorrectionStats) -> tuple[torch.Tensor, ...]:
+        return rejection_sums(stats, self.mask, self.level)
 
 
-class PPOClipFraction(_RatioOfSums):
+class _LossInfoRatio(_RatioOfSums):
+    """A ratio of two sums of :class:`~lightning_offpolicy.correction.PolicyLossInfo`, updated with ``update(info)``."""
+
+    def update(self, info: PolicyLossInfo) -> None:
+        self._accumulate(*self.sums(info))
+
+
+class PPOClipFraction(_LossInfoRatio):
     """Fraction of the tokens in the loss where the clip was active (PPO ratio or IS weight)."""
 
-    def update(self, info: PolicyLossInfo) -> None:
-        self._accumulate(info.clipped_tokens, info.kept_tokens)
+    def sums(self, info: PolicyLossInfo) -> tuple[torch.Tensor, ...]:
+        return info.clipped_tokens, info.kept_tokens
 
 
-class DualClipFraction(_RatioOfSums):
+class DualClipFraction(_LossInfoRatio):
     """Fraction of the tokens in the loss where the dual clip was active."""
 
-    def update(self, info: PolicyLossInfo) -> None:
-        self._accumulate(info.dual_clipped_tokens, info.kept_tokens)
+    def sums(self, info: PolicyLossInfo) -> tuple[torch.Tensor, ...]:
+        return info.dual_clipped_tokens, info.kept_tokens
 
 
-class ApproxKL(_RatioOfSums):
+class ApproxKL(_LossInfoRatio):
     """``mean_t((r - 1) - log r)``, ``r = pi_theta / pi_prox``, over the tokens in the loss."""
 
-    def update(self, info: PolicyLossInfo) -> None:
-        self._accumulate(info.approx_kl_sum, info.kept_tokens)
+    def sums(self, info: PolicyLossInfo) -> tuple[torch.Tensor, ...]:
+        return info.approx_kl_sum, info.kept_tokens
 
 
-class RolloutKL(_RatioOfSums):
+class RolloutKL(_LossInfoRatio):
     """The rollout KL estimator averaged over response tokens.
 
     Reported whenever rollout logprobs are given, even with ``rollout_kl_coef=0``.
     """
 
-    def update(self, info: PolicyLossInfo) -> None:
-        self._accumulate(info.rollout_kl_sum, info.response_tokens)
+    def sums(self, info: PolicyLossInfo) -> tuple[torch.Tensor, ...]:
+        return info.rollout_kl_sum, info.response_tokens
 
 
 # --------------------------------------------------------------------------------------------
@@ -432,6 +475,24 @@ class CorrectionMetrics(MetricCollection):
         # compute_groups would merge metrics whose states happen to be equal after the first
         # update (e.g. two rejection rates that are both 0) and then stop updating one of them.
         super().__init__(metrics, prefix=prefix, compute_groups=False)
+
+    def sums(self, stats: CorrectionStats) -> dict[str, tuple[torch.Tensor, ...]]:
+        """Per metric (unprefixed name), the sums one ``update(stats)`` adds; no state changes."""
+        return {name: metric.sums(stats) for name, metric in self.items(keep_base=True, copy_state=False)}
+
+    def update_from_sums(self, sums: dict[str, tuple[torch.Tensor, ...]]) -> None:
+        """Add one batch from :meth:`sums` computed elsewhere (e.g. inside a compiled step).
+
+        Equal to ``update(stats)`` with the ``stats`` those sums came from.
+        """
+        missing = [name for name, _ in self.items(keep_base=True, copy_state=False) if name not in sums]
+        if missing:
+            raise ValueError(
+                f"CorrectionMetrics.update_from_sums: no sums for {', '.join(missing)}; pass the sums of a "
+                "CorrectionMetrics built for the same correction config."
+            )
+        for name, metric in self.items(keep_base=True, copy_state=False):
+            metric.update(sums=sums[name])
 
 
 class PolicyLossMetrics(MetricCollection):

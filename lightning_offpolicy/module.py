@@ -46,6 +46,7 @@ from lightning_offpolicy.argcheck import is_int
 from lightning_offpolicy.batch import PromptBatch, RolloutBatch
 from lightning_offpolicy.correction import OffPolicyCorrectionConfig, PolicyLossConfig, check_compatible
 from lightning_offpolicy.correction.distributed import global_sum
+from lightning_offpolicy.correction.fused import FusedCorrectionStep
 from lightning_offpolicy.evaluation import EvaluationMetrics
 from lightning_offpolicy.log_steps import is_logging_step
 from lightning_offpolicy.metrics import CorrectionMetrics, PolicyLossMetrics
@@ -95,6 +96,12 @@ class OffPolicyRLModule(LightningModule):
         lora_target_modules: Module names (or ``"all-linear"``) the adapters wrap.
         gradient_checkpointing: Recompute each decoder layer's activations in the backward pass
             instead of storing them (less memory, ~30% more compute).
+        fused_loss: Compute the correction, the policy loss, its gradient and the metric sums of
+            each micro-batch in one ``torch.compile``'d graph
+            (:class:`~lightning_offpolicy.correction.fused.FusedCorrectionStep`) instead of eagerly:
+            the same values, ~4x faster and ~5x less memory for that step at long sequences, after a
+            compilation of a few seconds per shape class. Needs a C++ compiler (inductor); not with
+            ``normalize_weights`` (a whole-batch mean).
     """
 
     def __init__(
@@ -119,6 +126,7 @@ class OffPolicyRLModule(LightningModule):
         lora_alpha: float = 16.0,
         lora_target_modules: list[str] | str = "all-linear",
         gradient_checkpointing: bool = False,
+        fused_loss: bool = False,
     ) -> None:
         super().__init__()
         for name, value in (
@@ -146,6 +154,11 @@ class OffPolicyRLModule(LightningModule):
         self.correction = dataclasses.replace(correction if correction is not None else OffPolicyCorrectionConfig())
         self.loss_config = dataclasses.replace(loss if loss is not None else PolicyLossConfig())
         check_compatible(self.correction, self.loss_config)
+        if fused_loss and self.correction.normalize_weights:
+            raise ValueError(
+                "OffPolicyRLModule.fused_loss=True computes the correction per micro-batch, but "
+                "correction.normalize_weights needs the mean weight of the whole batch: turn one of them off."
+            )
         if isinstance(model, torch.nn.Module):
             if tokenizer is None:
                 raise ValueError("OffPolicyRLModule: with a model instance, pass its tokenizer too.")
@@ -177,6 +190,9 @@ class OffPolicyRLModule(LightningModule):
         self.lora_alpha = lora_alpha
         self.lora_target_modules = lora_target_modules
         self.gradient_checkpointing = gradient_checkpointing
+        self.fused_loss = fused_loss
+        # Built on first use (compiled graphs do not pickle): with and without the metric sums.
+        self._fused_steps: dict[bool, FusedCorrectionStep] = {}
         self.reference_model: torch.nn.Module | None = None
         self.policy_version = 0
         self.automatic_optimization = False
@@ -291,9 +307,12 @@ class OffPolicyRLModule(LightningModule):
             else:
                 prox = self._no_grad_logprobs(rollout)
         ref = self._no_grad_logprobs(rollout, reference=True) if self.loss_config.ref_kl_coef > 0 else None
-        rollout, stats = step.apply_correction(rollout, prox, self.correction, ref)
-        if logging:
-            self.correction_metrics.update(stats=stats)
+        if self.fused_loss:  # the correction runs per micro-batch, inside the fused step
+            rollout = rollout.with_fields(prox_logprobs=prox, ref_logprobs=ref)
+        else:
+            rollout, stats = step.apply_correction(rollout, prox, self.correction, ref)
+            if logging:
+                self.correction_metrics.update(stats=stats)
         # Read once per step; the configs were checked together (check_compatible) in __init__.
         objective = self.correction.policy_loss_kwargs()
         trained_tokens = 0
@@ -309,6 +328,7 @@ class OffPolicyRLModule(LightningModule):
                         objective,
                         record=logging,
                         record_entropy=logging and epoch == 0,
+                        record_correction=logging and epoch == 0,
                         first_forward=first_forward if epoch == 0 else None,
                     )
                 )
@@ -346,6 +366,7 @@ class OffPolicyRLModule(LightningModule):
         record: bool = True,
         record_entropy: bool = True,
         first_forward: torch.Tensor | tuple[torch.Tensor, torch.Tensor] | None = None,
+        record_correction: bool = False,
     ) -> torch.Tensor:
         world = self.trainer.world_size
         counts = torch.tensor(
@@ -378,9 +399,19 @@ class OffPolicyRLModule(LightningModule):
                     self.entropy.update(entropy[micro.response_mask.bool()].float())
                 else:
                     logprobs = forward
-                loss, info = step.corrected_loss(
-                    logprobs, micro, self.loss_config, objective, token_count, sequence_count
-                )
+                if self.fused_loss:
+                    fused = self._fused_step(with_metrics=record_correction)(
+                        logprobs, micro.prox_logprobs, micro.rollout_logprobs, micro.advantages, micro.response_mask,
+                        ref_logprobs=micro.ref_logprobs, token_count=token_count, sequence_count=sequence_count,
+                    )  # fmt: skip
+                    loss, info = fused.loss, fused.info
+                    if record_correction:
+                        # The micro-batches of the first pass cover the batch once: their sums add up to its.
+                        self.correction_metrics.update_from_sums(fused.statistics)
+                else:
+                    loss, info = step.corrected_loss(
+                        logprobs, micro, self.loss_config, objective, token_count, sequence_count
+                    )
                 self.manual_backward(loss)
             if record:
                 self.loss_metrics.update(info=info)
@@ -392,6 +423,13 @@ class OffPolicyRLModule(LightningModule):
             scheduler.step()
         self.policy_version += 1
         return grad_norm
+
+    def _fused_step(self, with_metrics: bool) -> FusedCorrectionStep:
+        if with_metrics not in self._fused_steps:
+            self._fused_steps[with_metrics] = FusedCorrectionStep(
+                self.correction, self.loss_config, statistics=self.correction_metrics.sums if with_metrics else None
+            )
+        return self._fused_steps[with_metrics]
 
     @contextlib.contextmanager
     def _gradient_sync(self, enabled: bool) -> Iterator[None]:

@@ -37,15 +37,24 @@ def max_param_diff(a: torch.nn.Module, b: torch.nn.Module) -> float:
 
 
 @pytest.mark.parametrize(
-    ("num_minibatches", "max_tokens"),
-    [(1, 10_000), (1, 12), (2, 10_000), (3, 9)],
-    ids=["one-step", "micro-batched", "two-minibatches", "three-minibatches-micro-batched"],
+    ("num_minibatches", "max_tokens", "fused_loss"),
+    [(1, 10_000, False), (1, 12, False), (2, 10_000, False), (3, 9, False), (1, 10_000, True), (3, 9, True)],
+    ids=[
+        "one-step",
+        "micro-batched",
+        "two-minibatches",
+        "three-minibatches-micro-batched",
+        "fused-one-step",
+        "fused-three-minibatches-micro-batched",
+    ],
 )
-def test_decoupled_step_equals_hand_computed_reference(num_minibatches, max_tokens):
+def test_decoupled_step_equals_hand_computed_reference(num_minibatches, max_tokens, fused_loss):
     model = tiny_model()
     batch = make_rollout(model)
     start = copy.deepcopy(model)
-    module = make_module(model, num_minibatches=num_minibatches, max_tokens_per_microbatch=max_tokens)
+    module = make_module(
+        model, num_minibatches=num_minibatches, max_tokens_per_microbatch=max_tokens, fused_loss=fused_loss
+    )
     fit_on(module, [batch], max_steps=num_minibatches)
 
     rows = torch.arange(batch.num_sequences)
@@ -277,3 +286,47 @@ def test_staleness_is_logged_per_token_against_the_version_of_the_step():
     trainer = fit_on(module, [batch], max_steps=1)
     assert float(trainer.callback_metrics["staleness/mean"]) == pytest.approx(expected.mean().item())
     assert float(trainer.callback_metrics["staleness/max"]) == 3.0
+
+
+def test_fused_loss_logs_what_the_eager_step_logs():
+    """fused_loss=True over several micro-batched, two-epoch steps with rejections: the same weights
+    and, at every logged step, the same metrics as the eager path (the correction per micro-batch
+    adds up to the whole batch's)."""
+
+    def run(fused: bool):
+        torch.manual_seed(0)
+        model = tiny_model()
+        module = make_module(
+            model,
+            correction=OffPolicyCorrectionConfig.geo_mis_token_tis(low=0.7, high=1.3),
+            ppo_epochs=2,
+            max_tokens_per_microbatch=12,
+            fused_loss=fused,
+        )
+        logger = _ListLogger()
+        batches = [make_rollout(model, seed=i, mismatch=0.5) for i in range(3)]
+        fit_on(module, batches, max_steps=6, logger=logger, log_every_n_steps=1)
+        return module, logger.steps
+
+    eager, eager_steps = run(False)
+    fused, fused_steps = run(True)
+    assert fused._fused_steps, "the fused step was not used"
+    assert max_param_diff(eager.policy, fused.policy) < 1e-5
+    assert eager_steps.keys() == fused_steps.keys()
+    rejected = [values["rollout_corr/total_token_reject_rate"] for values in eager_steps.values()]
+    assert max(rejected) > 0, "the test needs rejected tokens"
+    for step, values in eager_steps.items():
+        assert values.keys() == fused_steps[step].keys()
+        for key, value in values.items():
+            if key.startswith("perf/"):
+                continue
+            assert fused_steps[step][key] == pytest.approx(value, rel=1e-4, abs=1e-6), (step, key)
+
+
+def test_fused_loss_refuses_a_whole_batch_weight_mean():
+    with pytest.raises(ValueError, match=r"fused_loss=True .* correction\.normalize_weights"):
+        make_module(
+            tiny_model(),
+            correction=OffPolicyCorrectionConfig(tis_level="token", normalize_weights=True),
+            fused_loss=True,
+        )

@@ -144,56 +144,70 @@ def compute_correction(
                 prox, rollout = finite_logprobs(prox_logprobs.detach()), finite_logprobs(rollout_logprobs.detach())
                 log_rho = log_ratio(prox, rollout, valid).float()
 
-        token_rejected: dict[str, torch.Tensor] = {}
-        token_keep = valid.clone()
-        if cfg.token_mask:
-            keep = token_ratio_mask(log_rho, valid, cfg.token_mask_low, cfg.token_mask_high)
-            token_rejected["token_mask"] = valid & ~keep
-            token_keep &= keep
-        if cfg.kl_reject is not None and cfg.kl_reject_level == "token":
-            keep = kl_reject_token_mask(log_rho, valid, cfg.kl_reject, cfg.kl_reject_threshold)
-            token_rejected["kl_reject"] = valid & ~keep
-            token_keep &= keep
+        return correct_log_ratio(log_rho, valid, cfg)
 
-        kept_log_rho = sequence_sum(log_rho, token_keep)
-        kept_tokens = sequence_count(token_keep)
-        seq_decisions: dict[str, torch.Tensor] = {}
-        if cfg.geo_mask:
-            seq_decisions["geo_mask"] = geometric_mask(kept_log_rho, kept_tokens, cfg.geo_mask_low, cfg.geo_mask_high)
-        if cfg.product_mask:
-            seq_decisions["product_mask"] = product_mask(kept_log_rho, cfg.product_mask_low, cfg.product_mask_high)
-        if cfg.outlier_token_veto:
-            seq_decisions["outlier_veto"] = outlier_veto_mask(log_rho, token_keep, cfg.outlier_low, cfg.outlier_high)
-        if cfg.kl_reject is not None and cfg.kl_reject_level != "token":
-            seq_decisions["kl_reject"] = kl_reject_sequence_mask(
-                log_rho, token_keep, cfg.kl_reject, cfg.kl_reject_level, cfg.kl_reject_threshold
-            )
-        seq_keep = torch.ones(valid.shape[:-1], dtype=torch.bool, device=valid.device)
-        for name, keep in seq_decisions.items():
-            # A sequence mask only removes what is still there: rejection counts read the token-kept set.
-            token_rejected[name] = token_keep & ~keep.unsqueeze(-1)
-            seq_keep &= keep
-        kept = token_keep & seq_keep.unsqueeze(-1)
 
-        weights, clipped = _tis_weights(cfg, log_rho, kept_log_rho, valid)
-        if cfg.normalize_weights and cfg.tis_level is not None:
-            weights = _normalize(weights, kept, valid, cfg.tis_level)
+def correct_log_ratio(log_rho: torch.Tensor, valid: torch.Tensor, cfg: OffPolicyCorrectionConfig) -> CorrectionOutput:
+    """Steps 2-6 of :func:`compute_correction` from checked inputs, with no host sync.
 
-        seq_valid = valid.any(dim=-1)
-        stats = CorrectionStats(
-            response_mask=valid,
-            log_rho=log_rho,
-            seq_log_rho=sequence_sum(log_rho, valid),
-            seq_tokens=sequence_count(valid),
-            seq_valid=seq_valid,
-            kept=kept,
-            weights=weights,
-            weight_clipped=clipped,
-            weight_level=cfg.tis_level,
-            token_rejected=token_rejected,
-            seq_rejected={name: seq_valid & rejected.any(dim=-1) for name, rejected in token_rejected.items()},
+    Args:
+        log_rho: ``[B, T]`` float32 ``prox - rollout``, finite, 0 outside the response.
+        valid: ``[B, T]`` bool response mask.
+        cfg: the correction.
+
+    The fused step (:mod:`~lightning_offpolicy.correction.fused`) compiles this same function,
+    so the two paths cannot drift apart.
+    """
+    token_rejected: dict[str, torch.Tensor] = {}
+    token_keep = valid.clone()
+    if cfg.token_mask:
+        keep = token_ratio_mask(log_rho, valid, cfg.token_mask_low, cfg.token_mask_high)
+        token_rejected["token_mask"] = valid & ~keep
+        token_keep &= keep
+    if cfg.kl_reject is not None and cfg.kl_reject_level == "token":
+        keep = kl_reject_token_mask(log_rho, valid, cfg.kl_reject, cfg.kl_reject_threshold)
+        token_rejected["kl_reject"] = valid & ~keep
+        token_keep &= keep
+
+    kept_log_rho = sequence_sum(log_rho, token_keep)
+    kept_tokens = sequence_count(token_keep)
+    seq_decisions: dict[str, torch.Tensor] = {}
+    if cfg.geo_mask:
+        seq_decisions["geo_mask"] = geometric_mask(kept_log_rho, kept_tokens, cfg.geo_mask_low, cfg.geo_mask_high)
+    if cfg.product_mask:
+        seq_decisions["product_mask"] = product_mask(kept_log_rho, cfg.product_mask_low, cfg.product_mask_high)
+    if cfg.outlier_token_veto:
+        seq_decisions["outlier_veto"] = outlier_veto_mask(log_rho, token_keep, cfg.outlier_low, cfg.outlier_high)
+    if cfg.kl_reject is not None and cfg.kl_reject_level != "token":
+        seq_decisions["kl_reject"] = kl_reject_sequence_mask(
+            log_rho, token_keep, cfg.kl_reject, cfg.kl_reject_level, cfg.kl_reject_threshold
         )
-        return CorrectionOutput(weights=weights, mask=kept.float(), stats=stats, config=cfg)
+    seq_keep = torch.ones(valid.shape[:-1], dtype=torch.bool, device=valid.device)
+    for name, keep in seq_decisions.items():
+        # A sequence mask only removes what is still there: rejection counts read the token-kept set.
+        token_rejected[name] = token_keep & ~keep.unsqueeze(-1)
+        seq_keep &= keep
+    kept = token_keep & seq_keep.unsqueeze(-1)
+
+    weights, clipped = _tis_weights(cfg, log_rho, kept_log_rho, valid)
+    if cfg.normalize_weights and cfg.tis_level is not None:
+        weights = _normalize(weights, kept, valid, cfg.tis_level)
+
+    seq_valid = valid.any(dim=-1)
+    stats = CorrectionStats(
+        response_mask=valid,
+        log_rho=log_rho,
+        seq_log_rho=sequence_sum(log_rho, valid),
+        seq_tokens=sequence_count(valid),
+        seq_valid=seq_valid,
+        kept=kept,
+        weights=weights,
+        weight_clipped=clipped,
+        weight_level=cfg.tis_level,
+        token_rejected=token_rejected,
+        seq_rejected={name: seq_valid & rejected.any(dim=-1) for name, rejected in token_rejected.items()},
+    )
+    return CorrectionOutput(weights=weights, mask=kept.float(), stats=stats, config=cfg)
 
 
 def _tis_weights(

@@ -215,6 +215,54 @@ def policy_loss(
             is_clip_high=is_clip_high,
             loss_cfg=loss_cfg,
         )
+    if correction is not None and (
+        correction.mask.shape != response_mask.shape or correction.weights.shape != response_mask.shape
+    ):
+        raise ValueError(
+            f"policy_loss: correction was computed for a batch of shape {tuple(correction.mask.shape)}, "
+            f"response_mask is {tuple(response_mask.shape)} (it would be broadcast silently): pass the "
+            "compute_correction output of this batch."
+        )
+    advantages, read = _checked_loss_inputs(
+        logprobs, prox_logprobs, rollout_logprobs, advantages, response_mask, loss_cfg, how, ref_logprobs, weights, mask
+    )
+
+    def terms() -> tuple[torch.Tensor, PolicyLossInfo]:
+        return _policy_loss_terms(
+            logprobs, prox_logprobs, rollout_logprobs, advantages, response_mask, loss_cfg, weights, mask, how,
+            ref_logprobs, token_count, sequence_count,
+        )  # fmt: skip
+
+    total, info = terms()
+    # NaN at a response token of any input reaches the loss or a statistic, so checking those few
+    # scalars (one host sync) replaces a pass over every input; the inputs are searched only then.
+    if not _all_finite(total, info):
+        infinite = check_response_values("policy_loss", response_mask, read)
+        if infinite:  # rare: a logprob of -inf at a response token counts as -INFINITE_LOG_RATIO
+            rollout_logprobs = finite_logprobs(rollout_logprobs) if "rollout_logprobs" in infinite else rollout_logprobs
+            prox_logprobs = finite_logprobs(prox_logprobs) if "prox_logprobs" in infinite else prox_logprobs
+            ref_logprobs = finite_logprobs(ref_logprobs) if "ref_logprobs" in infinite else ref_logprobs
+            total, info = terms()
+    return total, info
+
+
+def _checked_loss_inputs(
+    logprobs: torch.Tensor,
+    prox_logprobs: torch.Tensor | None,
+    rollout_logprobs: torch.Tensor | None,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    loss_cfg: PolicyLossConfig,
+    how: _Objective,
+    ref_logprobs: torch.Tensor | None,
+    weights: torch.Tensor | None = None,
+    mask: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, list[tuple[str, torch.Tensor, bool]]]:
+    """Shape and presence checks of :func:`policy_loss`'s inputs (no host sync).
+
+    Returns the advantages broadcast to ``[B, T]`` and the ``(name, tensor, finite_required)`` list
+    of every tensor the loss reads, for :func:`~lightning_offpolicy.correction.checks.check_response_values`.
+    """
     bypass = how.bypass_mode
     _require(logprobs, "logprobs", response_mask)
     if advantages.dim() == 1 and advantages.shape[0] != response_mask.shape[0]:
@@ -224,14 +272,6 @@ def policy_loss(
         )
     if advantages.dim() != 1:
         _require(advantages, "advantages", response_mask)
-    if correction is not None and (
-        correction.mask.shape != response_mask.shape or correction.weights.shape != response_mask.shape
-    ):
-        raise ValueError(
-            f"policy_loss: correction was computed for a batch of shape {tuple(correction.mask.shape)}, "
-            f"response_mask is {tuple(response_mask.shape)} (it would be broadcast silently): pass the "
-            "compute_correction output of this batch."
-        )
     for name, tensor in (("weights", weights), ("mask", mask)):
         if tensor is not None:
             _require(tensor, name, response_mask)
@@ -252,24 +292,7 @@ def policy_loss(
         _require(anchor_logprobs, "rollout_logprobs" if bypass else "prox_logprobs", response_mask)
     if advantages.dim() == 1:
         advantages = advantages.unsqueeze(-1).expand_as(logprobs)
-
-    def terms() -> tuple[torch.Tensor, PolicyLossInfo]:
-        return _policy_loss_terms(
-            logprobs, prox_logprobs, rollout_logprobs, advantages, response_mask, loss_cfg, weights, mask, how,
-            ref_logprobs, token_count, sequence_count,
-        )  # fmt: skip
-
-    total, info = terms()
-    # NaN at a response token of any input reaches the loss or a statistic, so checking those few
-    # scalars (one host sync) replaces a pass over every input; the inputs are searched only then.
-    if not _all_finite(total, info):
-        infinite = check_response_values("policy_loss", response_mask, read)
-        if infinite:  # rare: a logprob of -inf at a response token counts as -INFINITE_LOG_RATIO
-            rollout_logprobs = finite_logprobs(rollout_logprobs) if "rollout_logprobs" in infinite else rollout_logprobs
-            prox_logprobs = finite_logprobs(prox_logprobs) if "prox_logprobs" in infinite else prox_logprobs
-            ref_logprobs = finite_logprobs(ref_logprobs) if "ref_logprobs" in infinite else ref_logprobs
-            total, info = terms()
-    return total, info
+    return advantages, read
 
 
 @dataclass(frozen=True)
