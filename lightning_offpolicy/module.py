@@ -307,7 +307,9 @@ class OffPolicyRLModule(LightningModule):
             else:
                 prox = self._no_grad_logprobs(rollout)
         ref = self._no_grad_logprobs(rollout, reference=True) if self.loss_config.ref_kl_coef > 0 else None
-        if self.fused_loss:  # the correction runs per micro-batch, inside the fused step
+        if self.fused_loss or self.correction.masks_read_current_policy:
+            # The correction runs per micro-batch: inside the fused step, or (bypass mode with a
+            # mask) after the forward pass, on pi_theta / pi_rollout.
             rollout = rollout.with_fields(prox_logprobs=prox, ref_logprobs=ref)
         else:
             rollout, stats = step.apply_correction(rollout, prox, self.correction, ref)
@@ -409,6 +411,12 @@ class OffPolicyRLModule(LightningModule):
                         # The micro-batches of the first pass cover the batch once: their sums add up to its.
                         self.correction_metrics.update_from_sums(fused.statistics)
                 else:
+                    if self.correction.masks_read_current_policy:
+                        micro, stats = step.apply_correction(
+                            micro, logprobs.detach(), self.correction, micro.ref_logprobs
+                        )
+                        if record_correction:
+                            self.correction_metrics.update(stats=stats)
                     loss, info = step.corrected_loss(
                         logprobs, micro, self.loss_config, objective, token_count, sequence_count
                     )

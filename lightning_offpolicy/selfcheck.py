@@ -96,10 +96,10 @@ def run(batch: int, prompt_length: int, new_tokens: int, staleness_noise: float,
         cfg = make()
         trainer_model.zero_grad(set_to_none=True)
         start = time.perf_counter()
-        out = compute_correction(
-            None if cfg.bypass_mode else prox, rollout.rollout_logprobs, rollout.response_mask, cfg
-        )
         logprobs = response_logprobs(trainer_model, rollout)
+        out = compute_correction(
+            cfg.ratio_numerator(prox, logprobs), rollout.rollout_logprobs, rollout.response_mask, cfg
+        )
         loss, info = policy_loss(
             logprobs,
             None if cfg.bypass_mode else prox,

@@ -58,6 +58,21 @@ def test_correction_bench_quick(tmp_path):
     # The table also goes to stdout.
     assert "| preset |" in proc.stdout
 
+    # The fused step (--quick: two presets), against one memory-bound pass and its eager twin.
+    fused_text = text[text.index("### Fused step") :]
+    header, rows = _first_table(fused_text)
+    assert [row[0] for row in rows] == ["token_tis", "geo_mis_seq_tis"]
+    for row in rows:
+        for name in ("fused step ms", "eager / fused", "x one pass (hot)", "peak extra MiB"):
+            value = float(row[column(name)].split()[0])
+            assert math.isfinite(value) and value > 0, (row[0], name, value)
+    assert "against the goal <= 3x" in fused_text and "the compiled graph was not used" not in text
+    import json
+
+    size = json.loads(out.with_suffix(".json").read_text())["sizes"][0]
+    assert [r["preset"] for r in size["fused_rows"]] == ["token_tis", "geo_mis_seq_tis"]
+    assert size["exp_over_add"] > 0
+
 
 ASYNC_BENCH = BENCH.parent / "async_overlap.py"
 

@@ -207,22 +207,39 @@ def test_tis_with_cispo_on_rollout_is_double_correction(tis_level):
 
 
 @pytest.mark.parametrize(
-    "kwargs, setting",
+    "kwargs, fix",
     [
-        (dict(tis_level="token"), "tis_level"),
-        (dict(tis_level="sequence"), "tis_level"),
-        (dict(token_mask=True), "token_mask"),
-        (dict(geo_mask=True), "geo_mask"),
-        (dict(product_mask=True), "product_mask"),
-        (dict(outlier_token_veto=True), "outlier_token_veto"),
-        (dict(kl_reject="k3", kl_reject_threshold=0.01), "kl_reject"),
-        (dict(kl_reject="k2", kl_reject_level="token", kl_reject_threshold=0.01), "kl_reject"),
+        (dict(tis_level="token"), "already is the importance weight"),
+        (dict(tis_level="sequence", objective="reinforce"), "objective='pure_is' with objective_level='sequence'"),
     ],
 )
-def test_bypass_with_mask_or_weight(kwargs, setting):
+def test_bypass_with_a_weight_is_double_counting(kwargs, fix):
     with raises_naming("bypass_mode") as err:
         C(bypass_mode=True, **kwargs)
-    assert re.search(rf"\b{setting}\b", str(err.value))
+    assert "tis_level" in str(err.value) and fix in str(err.value)
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        dict(token_mask=True),
+        dict(geo_mask=True),
+        dict(product_mask=True),
+        dict(outlier_token_veto=True),
+        dict(kl_reject="k3", kl_reject_threshold=0.01),
+        dict(kl_reject="k2", kl_reject_level="token", kl_reject_threshold=0.01),
+        dict(geo_mask=True, objective="pure_is", objective_level="sequence"),
+        dict(token_mask=True, objective="reinforce"),
+    ],
+)
+def test_bypass_with_a_mask_compares_the_current_policy(kwargs):
+    cfg = C(bypass_mode=True, **kwargs)
+    assert cfg.masks_read_current_policy and not cfg.needs_prox
+    prox, current = torch.zeros(1, 2), torch.ones(1, 2, requires_grad=True)
+    numerator = cfg.ratio_numerator(prox, current)
+    assert torch.equal(numerator, current.detach()) and not numerator.requires_grad
+    assert C(bypass_mode=True).ratio_numerator(prox, current) is None
+    assert C().ratio_numerator(prox, current) is prox
 
 
 def test_bypass_with_cispo_on_prox():

@@ -46,7 +46,7 @@ def _inputs(batch: int = 6, seq_len: int = 24, seed: int = 0) -> dict[str, torch
 
 
 def _eager(cfg, loss_cfg, x, leaf, **kwargs):
-    prox = x["prox"] if cfg.needs_prox else None
+    prox = cfg.ratio_numerator(x["prox"], leaf)
     out = compute_correction(prox, x["rollout"], x["mask"], cfg)
     loss, info = policy_loss(leaf, prox, x["rollout"], x["advantages"], x["mask"], loss_cfg, correction=out, **kwargs)
     loss.backward()
@@ -54,7 +54,7 @@ def _eager(cfg, loss_cfg, x, leaf, **kwargs):
 
 
 def _fused(step, cfg, x, leaf, **kwargs):
-    prox = x["prox"] if cfg.needs_prox else None
+    prox = None if cfg.bypass_mode else x["prox"]
     out = step(leaf, prox, x["rollout"], x["advantages"], x["mask"], **kwargs)
     out.loss.backward()
     return out, leaf.grad.clone()
@@ -177,7 +177,7 @@ def test_update_from_sums_equals_update_for_every_preset():
     x = _inputs(seed=7)
     for name, make in PRESETS.items():
         cfg = make()
-        stats = compute_correction(x["prox"] if cfg.needs_prox else None, x["rollout"], x["mask"], cfg).stats
+        stats = compute_correction(cfg.ratio_numerator(x["prox"], x["logprobs"]), x["rollout"], x["mask"], cfg).stats
         direct, from_sums = CorrectionMetrics(cfg), CorrectionMetrics(cfg)
         for _ in range(2):
             direct.update(stats=stats)

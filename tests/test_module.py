@@ -288,24 +288,39 @@ def test_staleness_is_logged_per_token_against_the_version_of_the_step():
     assert float(trainer.callback_metrics["staleness/max"]) == 3.0
 
 
-def test_fused_loss_logs_what_the_eager_step_logs():
+@pytest.mark.parametrize(
+    "correction",
+    [
+        OffPolicyCorrectionConfig.geo_mis_token_tis(low=0.7, high=1.3),
+        OffPolicyCorrectionConfig.bypass_ppo_clip_k3_rs(threshold=0.1),
+        OffPolicyCorrectionConfig.bypass_pg_token_icepop(low=0.7, high=1.4),
+    ],
+    ids=["geo_mis_token_tis", "bypass_ppo_clip_k3_rs", "bypass_pg_token_icepop"],
+)
+def test_fused_loss_logs_what_the_eager_step_logs(correction):
     """fused_loss=True over several micro-batched, two-epoch steps with rejections: the same weights
     and, at every logged step, the same metrics as the eager path (the correction per micro-batch
-    adds up to the whole batch's)."""
+    adds up to the whole batch's). In bypass mode both paths compute the masks per micro-batch from
+    the current policy, and no proximal forward runs."""
 
     def run(fused: bool):
         torch.manual_seed(0)
         model = tiny_model()
         module = make_module(
             model,
-            correction=OffPolicyCorrectionConfig.geo_mis_token_tis(low=0.7, high=1.3),
+            correction=correction,
+            loss=PolicyLossConfig(),
             ppo_epochs=2,
             max_tokens_per_microbatch=12,
             fused_loss=fused,
         )
+        prox_forwards = []
+        original = module._no_grad_logprobs
+        module._no_grad_logprobs = lambda *a, **k: prox_forwards.append(1) or original(*a, **k)
         logger = _ListLogger()
         batches = [make_rollout(model, seed=i, mismatch=0.5) for i in range(3)]
         fit_on(module, batches, max_steps=6, logger=logger, log_every_n_steps=1)
+        assert bool(prox_forwards) == correction.needs_prox
         return module, logger.steps
 
     eager, eager_steps = run(False)

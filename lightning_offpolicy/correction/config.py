@@ -24,7 +24,7 @@ import torch
 from lightning_offpolicy.argcheck import is_number
 
 TISLevel = Literal["token", "sequence"]
-Objective = Literal["ppo", "pure_is", "cispo"]
+Objective = Literal["ppo", "pure_is", "cispo", "reinforce"]
 Anchor = Literal["rollout", "prox"]
 KLEstimator = Literal["k1", "abs", "k2", "k3", "low_var_kl"]
 RejectEstimator = Literal["k1", "k2", "k3"]
@@ -75,7 +75,9 @@ class OffPolicyCorrectionConfig:
 
     Args:
         bypass_mode: Use ``pi_rollout`` as the proximal policy (``prox := rollout``): no proximal
-            forward pass, PPO clips against the engine's logprobs, mismatch metrics read zero.
+            forward pass, PPO clips against the engine's logprobs. Rejection masks then act on the
+            current policy's ratio ``pi_theta / pi_rollout`` (detached, per micro-batch; verl's bypass
+            mode), and the mismatch metrics report that ratio; without a mask they read zero.
         tis_level: Truncated importance sampling weight ``w = min(rho, tis_clip_high)`` per
             ``"token"`` or per ``"sequence"`` (``rho_i = prod_t rho_t``); ``None`` for no weight.
         tis_clip_high: Upper cap ``C`` of the TIS weight (required with ``tis_level``).
@@ -106,9 +108,10 @@ class OffPolicyCorrectionConfig:
         kl_reject_threshold: Reject where the statistic exceeds this value (required with
             ``kl_reject``).
         objective: ``"ppo"`` (decoupled PPO clip on ``pi_theta / pi_prox``), ``"pure_is"``
-            (off-policy REINFORCE with a truncated ``pi_theta / pi_rollout`` weight, no PPO clip)
-            or ``"cispo"`` (detached clipped current-policy weight, gradient only through
-            ``log pi_theta``).
+            (off-policy REINFORCE with a truncated ``pi_theta / pi_rollout`` weight, no PPO clip),
+            ``"cispo"`` (detached clipped current-policy weight, gradient only through
+            ``log pi_theta``) or ``"reinforce"`` (``-A log pi_theta`` with no weight: verl's bypass
+            ``loss_type="reinforce"`` without ``rollout_is``).
         objective_level: For ``pure_is``: weight per ``"token"`` or per ``"sequence"``.
         anchor: For ``cispo``: the denominator of the current-policy ratio, ``"rollout"`` (corrects
             mismatch and staleness in one weight) or ``"prox"`` (combine with a TIS weight).
@@ -226,22 +229,17 @@ class OffPolicyCorrectionConfig:
                 "or use objective='cispo' with anchor='prox'."
             )
         if self.bypass_mode:
-            uses_rho = [
-                name
-                for name, on in (
-                    ("tis_level", self.tis_level is not None),
-                    ("token_mask", self.token_mask),
-                    ("geo_mask", self.geo_mask),
-                    ("product_mask", self.product_mask),
-                    ("outlier_token_veto", self.outlier_token_veto),
-                    ("kl_reject", self.kl_reject is not None),
-                )
-                if on
-            ]
-            if uses_rho:
+            # The masks act on pi_theta / pi_rollout; a TIS weight would be that same ratio again.
+            if self.tis_level is not None:
+                fix = {
+                    "ppo": "the PPO ratio pi_theta / pi_rollout already is the importance weight (verl refuses it "
+                    "too); drop tis_level",
+                    "reinforce": f"use objective='pure_is' with objective_level={self.tis_level!r} (the same "
+                    "truncated weight pi_theta / pi_rollout)",
+                }.get(self.objective, "the objective's own weight already divides by pi_rollout; drop tis_level")
                 raise CorrectionConfigError(
-                    f"{own}.bypass_mode=True sets pi_prox := pi_rollout, so rho == 1 and {', '.join(uses_rho)} "
-                    "would do nothing. Set bypass_mode=False, or correct with objective='pure_is' / 'cispo'."
+                    f"{own}.bypass_mode=True with tis_level={self.tis_level!r} counts pi_theta / pi_rollout "
+                    f"twice: {fix}. Rejection masks are allowed in bypass mode."
                 )
             if self.objective == "cispo" and self.anchor == "prox":
                 raise CorrectionConfigError(
@@ -254,6 +252,25 @@ class OffPolicyCorrectionConfig:
     def needs_prox(self) -> bool:
         """Whether the trainer must run the no-grad proximal forward pass."""
         return not self.bypass_mode
+
+    @property
+    def masks_read_current_policy(self) -> bool:
+        """Whether the rejection masks compare ``pi_theta`` (not ``pi_prox``) with ``pi_rollout``.
+
+        True in bypass mode with a mask: the correction is then computed per micro-batch, after the
+        forward pass, from the current policy's detached logprobs (verl's bypass semantics).
+        """
+        return self.bypass_mode and bool(self.mask_names)
+
+    def ratio_numerator(self, prox_logprobs: torch.Tensor | None, logprobs: torch.Tensor | None) -> torch.Tensor | None:
+        """The logprobs :func:`~lightning_offpolicy.correction.compute_correction` compares with ``pi_rollout``.
+
+        ``logprobs`` (``pi_theta``, detached) when :attr:`masks_read_current_policy`, ``None`` in
+        bypass mode without a mask, else ``prox_logprobs``.
+        """
+        if self.masks_read_current_policy:
+            return None if logprobs is None else logprobs.detach()
+        return None if self.bypass_mode else prox_logprobs
 
     @property
     def mask_names(self) -> list[str]:
@@ -380,6 +397,68 @@ class OffPolicyCorrectionConfig:
         )
 
     @classmethod
+    def bypass_ppo_clip_geo_rs(cls, low: float = 0.999, high: float = 1.001) -> OffPolicyCorrectionConfig:
+        """verl's ``bypass_ppo_clip_geo_rs``: PPO clipped on ``pi_theta / pi_rollout``, sequences
+        whose geometric-mean ``pi_theta / pi_rollout`` leaves ``[low, high]`` rejected."""
+        return cls(bypass_mode=True, geo_mask=True, geo_mask_low=low, geo_mask_high=high)
+
+    @classmethod
+    def bypass_ppo_clip_k3_rs(cls, threshold: float = 0.01) -> OffPolicyCorrectionConfig:
+        """verl's ``bypass_ppo_clip_k3_rs``: PPO clipped on ``pi_theta / pi_rollout``, sequences whose
+        mean k3 of that ratio exceeds ``threshold`` rejected."""
+        return cls(bypass_mode=True, kl_reject="k3", kl_reject_level="seq_mean", kl_reject_threshold=threshold)
+
+    @classmethod
+    def bypass_pg_token_icepop(cls, low: float = 0.5, high: float = 5.0) -> OffPolicyCorrectionConfig:
+        """verl's ``bypass_pg_token_icepop``: REINFORCE weighted by ``pi_theta / pi_rollout`` per token,
+        tokens whose ratio leaves ``[low, high]`` rejected (IcePop)."""
+        return cls(
+            bypass_mode=True,
+            objective="pure_is",
+            is_clip_high=high,
+            token_mask=True,
+            token_mask_low=low,
+            token_mask_high=high,
+        )
+
+    @classmethod
+    def bypass_pg_geo_rs(cls, low: float = 0.999, high: float = 1.001) -> OffPolicyCorrectionConfig:
+        """verl's ``bypass_pg_geo_rs``: REINFORCE ``-A log pi_theta`` with no weight, geometric
+        sequence rejection on ``pi_theta / pi_rollout``."""
+        return cls(bypass_mode=True, objective="reinforce", geo_mask=True, geo_mask_low=low, geo_mask_high=high)
+
+    @classmethod
+    def bypass_pg_geo_rs_seq_tis(
+        cls, clip_high: float = 2.0, low: float = 0.999, high: float = 1.001
+    ) -> OffPolicyCorrectionConfig:
+        """verl's ``bypass_pg_geo_rs_seq_tis``: REINFORCE weighted by the truncated sequence ratio
+        ``min(prod_t pi_theta / pi_rollout, clip_high)``, with geometric sequence rejection."""
+        return cls(
+            bypass_mode=True,
+            objective="pure_is",
+            objective_level="sequence",
+            is_clip_high=clip_high,
+            geo_mask=True,
+            geo_mask_low=low,
+            geo_mask_high=high,
+        )
+
+    @classmethod
+    def bypass_pg_geo_rs_token_tis(
+        cls, clip_high: float = 2.0, low: float = 0.999, high: float = 1.001
+    ) -> OffPolicyCorrectionConfig:
+        """verl's ``bypass_pg_geo_rs_token_tis``: REINFORCE weighted by the truncated token ratio,
+        with geometric sequence rejection."""
+        return cls(
+            bypass_mode=True,
+            objective="pure_is",
+            is_clip_high=clip_high,
+            geo_mask=True,
+            geo_mask_low=low,
+            geo_mask_high=high,
+        )
+
+    @classmethod
     def cispo(
         cls, clip_high: float = 2.0, clip_low: float | None = None, anchor: Anchor = "rollout"
     ) -> OffPolicyCorrectionConfig:
@@ -408,6 +487,12 @@ PRESETS: dict[str, Any] = {
     "bypass": OffPolicyCorrectionConfig.bypass,
     "pure_is": OffPolicyCorrectionConfig.pure_is,
     "cispo": OffPolicyCorrectionConfig.cispo,
+    "bypass_ppo_clip_geo_rs": OffPolicyCorrectionConfig.bypass_ppo_clip_geo_rs,
+    "bypass_ppo_clip_k3_rs": OffPolicyCorrectionConfig.bypass_ppo_clip_k3_rs,
+    "bypass_pg_token_icepop": OffPolicyCorrectionConfig.bypass_pg_token_icepop,
+    "bypass_pg_geo_rs": OffPolicyCorrectionConfig.bypass_pg_geo_rs,
+    "bypass_pg_geo_rs_seq_tis": OffPolicyCorrectionConfig.bypass_pg_geo_rs_seq_tis,
+    "bypass_pg_geo_rs_token_tis": OffPolicyCorrectionConfig.bypass_pg_geo_rs_token_tis,
 }
 """Every preset by name (what :func:`preset` accepts)."""
 

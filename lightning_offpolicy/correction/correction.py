@@ -104,7 +104,10 @@ def compute_correction(
 
     Args:
         prox_logprobs: ``[B, T]`` trainer logprobs of the sampled tokens at the start of the step
-            (``pi_prox``); may be ``None`` in bypass mode (``pi_prox := pi_rollout``).
+            (``pi_prox``); ``None`` in bypass mode (``pi_prox := pi_rollout``), except with a
+            rejection mask: then the current policy's logprobs (``pi_theta``, detached), which the
+            masks compare with ``pi_rollout`` as verl's bypass mode does
+            (``cfg.ratio_numerator(prox, logprobs)`` picks the right one).
         rollout_logprobs: ``[B, T]`` engine logprobs of the same tokens (``pi_rollout``).
         response_mask: ``[B, T]`` 1 on response tokens, 0 on padding.
         cfg: the correction; ``None`` means :meth:`OffPolicyCorrectionConfig.disabled`.
@@ -127,7 +130,7 @@ def compute_correction(
     _check_inputs(prox_logprobs, rollout_logprobs, response_mask, cfg)
     with torch.no_grad():
         valid = response_mask.bool()
-        if cfg.bypass_mode or prox_logprobs is None:
+        if prox_logprobs is None or (cfg.bypass_mode and not cfg.masks_read_current_policy):
             log_rho = torch.zeros(valid.shape, dtype=torch.float32, device=valid.device)
         else:
             log_rho = log_ratio(prox_logprobs.detach(), rollout_logprobs.detach(), valid).float()
@@ -262,6 +265,12 @@ def _check_inputs(
             raise ValueError(
                 "compute_correction got prox_logprobs=None but bypass_mode=False; run the proximal "
                 "forward pass, or use OffPolicyCorrectionConfig.bypass()."
+            )
+        if cfg.masks_read_current_policy:
+            raise ValueError(
+                f"compute_correction: in bypass mode the rejection masks ({', '.join(cfg.mask_names)}) compare "
+                "the current policy with pi_rollout; pass the current policy's logprobs, detached, as "
+                "prox_logprobs (cfg.ratio_numerator(prox, logprobs) gives them), per micro-batch after its forward."
             )
     elif prox_logprobs.shape != response_mask.shape:
         raise ValueError(

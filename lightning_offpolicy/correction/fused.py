@@ -124,8 +124,9 @@ class FusedCorrectionStep:
                 tensor, or NaN at a response token, naming the tensor and the token).
         """
         cfg = self.config
-        _check_inputs(prox_logprobs, rollout_logprobs, response_mask, cfg)
-        prox = None if cfg.bypass_mode else prox_logprobs
+        # In bypass mode with a mask, the correction compares the current policy with pi_rollout.
+        prox = cfg.ratio_numerator(prox_logprobs, logprobs)
+        _check_inputs(prox, rollout_logprobs, response_mask, cfg)
         _checked_loss_inputs(
             logprobs, prox, rollout_logprobs, advantages, response_mask, self.loss_config, self._objective, ref_logprobs
         )

@@ -12,7 +12,9 @@ Per token ``t`` (``A`` the advantage, ``w`` the detached IS weight of :func:`com
 * pure IS: ``L = -sg(clip(pi_theta / pi_rollout, lo, C)) * A * log pi_theta`` per token or per
   sequence (off-policy REINFORCE, no PPO clip);
 * CISPO: ``L = -sg(clip(pi_theta / pi_anchor, lo, hi)) * A * log pi_theta``, anchor pi_rollout
-  or pi_prox (with pi_prox, times the TIS weight ``w``).
+  or pi_prox (with pi_prox, times the TIS weight ``w``);
+* REINFORCE: ``L = -A * log pi_theta`` per token, no weight (with bypass-mode rejection masks:
+  verl's ``bypass_pg_geo_rs``).
 
 Aggregation: rejected tokens leave the numerator, the denominator keeps the original response
 token count (or a global count passed in, for exactness under gradient accumulation and DDP).
@@ -162,7 +164,7 @@ def policy_loss(
         weights: ``[B, T]`` detached IS weights (``CorrectionOutput.weights``); ``None``: 1 everywhere.
         mask: ``[B, T]`` response mask times every rejection mask (``CorrectionOutput.mask``);
             ``None``: ``response_mask`` alone. Rejected tokens leave the numerator, not the denominator.
-        objective: ``"ppo"`` (default), ``"pure_is"`` or ``"cispo"``
+        objective: ``"ppo"`` (default), ``"pure_is"``, ``"cispo"`` or ``"reinforce"``
             (``OffPolicyCorrectionConfig.objective``).
         bypass_mode: ``pi_prox := pi_rollout``: PPO clips against ``rollout_logprobs`` and
             ``prox_logprobs`` is not read (``OffPolicyCorrectionConfig.bypass_mode``; default ``False``).
@@ -314,7 +316,7 @@ class _Objective:
         _check_choice(own, "objective", how.objective, Objective)
         _check_choice(own, "anchor", how.anchor, Anchor)
         _check_choice(own, "objective_level", how.objective_level, TISLevel)
-        if how.objective != "ppo":
+        if how.objective in ("pure_is", "cispo"):
             if how.is_clip_high is None:
                 raise CorrectionConfigError(
                     f"{own}: objective={how.objective!r} needs is_clip_high (the weight's upper clip)."
@@ -364,6 +366,9 @@ def _policy_loss_terms(
 
     if objective == "ppo":
         per_token, clipped, dual = _ppo_surrogate(logprobs, anchor, adv, valid, kept, loss_cfg)
+    elif objective == "reinforce":
+        per_token = -adv * masked(logprobs, valid)
+        clipped = dual = torch.zeros_like(valid)
     else:
         base = rollout_logprobs if (objective == "pure_is" or how.anchor == "rollout") else prox_logprobs
         level = how.objective_level if objective == "pure_is" else "token"
