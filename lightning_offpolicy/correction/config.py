@@ -22,6 +22,7 @@ from typing import Any, Literal, get_args
 import torch
 
 from lightning_offpolicy.argcheck import is_number
+from lightning_offpolicy.correction.peer_names import PEER_OF, PeerNameError, PeerNameWarning, translate
 
 TISLevel = Literal["token", "sequence"]
 Objective = Literal["ppo", "pure_is", "cispo", "reinforce"]
@@ -31,6 +32,12 @@ RejectEstimator = Literal["k1", "k2", "k3"]
 RejectLevel = Literal["token", "seq_sum", "seq_mean", "seq_max"]
 LossType = Literal["ppo", "gspo", "sapo"]
 Aggregation = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
+
+
+VERL_GEO_LOW = 1.0 / 1.001
+"""verl's default geometric bounds ``0.999_1.001`` bound ``pi_rollout / pi_old``; on the kit's
+``pi_prox / pi_rollout`` (or ``pi_theta / pi_rollout`` in bypass mode) they are ``[1/1.001, 1/0.999]``."""
+VERL_GEO_HIGH = 1.0 / 0.999
 
 
 class CorrectionConfigError(ValueError):
@@ -86,20 +93,20 @@ class OffPolicyCorrectionConfig:
             kept sequences (sequence level) of the whole batch, exact across ranks.
         token_mask: Reject single tokens whose ``rho_t`` is outside
             ``[token_mask_low, token_mask_high]`` (IcePop, two-sided).
-        token_mask_low: Lower bound of the token mask.
-        token_mask_high: Upper bound of the token mask.
+        token_mask_low: Lower bound of the token mask (``None``: no lower bound).
+        token_mask_high: Upper bound of the token mask (``None``: no upper bound).
         geo_mask: Reject a sequence whose geometric-mean ratio
             ``exp(mean_t log_rho_t)`` is outside ``[geo_mask_low, geo_mask_high]``.
         geo_mask_low: Lower bound of the geometric mask.
         geo_mask_high: Upper bound of the geometric mask.
         product_mask: Reject a sequence whose product ratio ``exp(sum_t log_rho_t)`` is outside
             ``[product_mask_low, product_mask_high]``.
-        product_mask_low: Lower bound of the product mask.
-        product_mask_high: Upper bound of the product mask.
+        product_mask_low: Lower bound of the product mask (``None``: no lower bound).
+        product_mask_high: Upper bound of the product mask (``None``: no upper bound).
         outlier_token_veto: Reject a whole sequence if any kept token has ``rho_t < outlier_low`` or
             ``rho_t > outlier_high``.
-        outlier_low: Lower token threshold of the veto.
-        outlier_high: Upper token threshold of the veto.
+        outlier_low: Lower token threshold of the veto (``None``: none).
+        outlier_high: Upper token threshold of the veto (``None``: none).
         kl_reject: Reject by a KL statistic of ``pi_rollout`` vs ``pi_prox``: ``"k1"``
             (``-log_rho``, compared in absolute value), ``"k2"`` (``log_rho^2 / 2``) or ``"k3"``
             (``rho - 1 - log_rho``); ``None`` disables it.
@@ -120,6 +127,32 @@ class OffPolicyCorrectionConfig:
         is_clip_high: Upper clip of the ``pure_is`` / ``cispo`` current-policy weight.
         use_tis: Deprecated spelling of ``tis_level="token"``.
         tis_imp_ratio_cap: Deprecated spelling of ``tis_clip_high``.
+        rollout_is: verl's name (``algorithm.rollout_correction``): ``tis_level``.
+        rollout_is_threshold: verl's name: ``tis_clip_high``, or ``"low_high"`` for IcePop.
+        rollout_is_batch_normalize: verl's name: ``normalize_weights``.
+        rollout_rs: verl's name: ``kl_reject`` / ``kl_reject_level`` (k2, k3 modes; k1 modes are
+            refused with the kit's equivalent mask).
+        rollout_rs_threshold: verl's name: ``kl_reject_threshold``.
+        loss_type: verl's bypass-mode loss: ``"ppo_clip"`` or ``"reinforce"`` (``objective``).
+        tis_ratio_type: SkyRL's name (``algorithm.off_policy_correction``): ``tis_level``.
+        token_tis_ratio_clip_high: SkyRL's name: ``tis_clip_high`` at token level.
+        sequence_tis_ratio_clip_high: SkyRL's name: ``tis_clip_high`` at sequence level.
+        sequence_mask_metric: SkyRL's name: ``"geometric"`` (``geo_mask``) or ``"product"``.
+        outlier_token_is_threshold_low: SkyRL's name: ``outlier_token_veto`` and ``outlier_low``.
+        outlier_token_is_threshold_high: SkyRL's name: ``outlier_token_veto`` and ``outlier_high``.
+        token_mask_is_threshold_low: SkyRL's name: ``token_mask`` and ``token_mask_low``.
+        token_mask_is_threshold_high: SkyRL's name: ``token_mask`` and ``token_mask_high``.
+        vllm_importance_sampling_correction: TRL's ``GRPOConfig`` name: turns its mode on.
+        vllm_importance_sampling_mode: TRL's name: ``token_truncate`` / ``sequence_truncate`` (TIS),
+            ``token_mask`` / ``sequence_mask`` (a mask plus TIS at the upper bound).
+        vllm_importance_sampling_clip_max: TRL's name: the upper bound.
+        vllm_importance_sampling_clip_min: TRL's name: the lower bound.
+        vllm_importance_sampling_cap: TRL's former name of ``vllm_importance_sampling_clip_max``.
+
+    Peer names are mapped to the kit's fields when the config is built (one
+    :class:`~lightning_offpolicy.correction.peer_names.PeerNameWarning` per key) and read ``None``
+    afterwards; settings whose meaning differs are refused with the kit's equivalent
+    (:mod:`~lightning_offpolicy.correction.peer_names`).
     """
 
     bypass_mode: bool = False
@@ -130,21 +163,21 @@ class OffPolicyCorrectionConfig:
     normalize_weights: bool = False
     # Group 2: rejection masks.
     token_mask: bool = False
-    token_mask_low: float = 0.5
-    token_mask_high: float = 2.0
+    token_mask_low: float | None = 0.5
+    token_mask_high: float | None = 2.0
     geo_mask: bool = False
     geo_mask_low: float = 0.99
     geo_mask_high: float = 1.01
     product_mask: bool = False
-    product_mask_low: float = 0.5
-    product_mask_high: float = 2.0
+    product_mask_low: float | None = 0.5
+    product_mask_high: float | None = 2.0
     kl_reject: RejectEstimator | None = None
     kl_reject_level: RejectLevel = "seq_mean"
     kl_reject_threshold: float | None = None
     # Group 3: outlier veto.
     outlier_token_veto: bool = False
-    outlier_low: float = 1e-4
-    outlier_high: float = 100.0
+    outlier_low: float | None = 1e-4
+    outlier_high: float | None = 100.0
     # Objective anchored on the current policy.
     objective: Objective = "ppo"
     objective_level: TISLevel = "token"
@@ -154,10 +187,53 @@ class OffPolicyCorrectionConfig:
     # Deprecated spellings (SkyRL's former flags), mapped in __post_init__.
     use_tis: bool | None = None
     tis_imp_ratio_cap: float | None = None
+    # The peers' names (verl, SkyRL, TRL), mapped in __post_init__.
+    rollout_is: str | None = None
+    rollout_is_threshold: float | str | None = None
+    rollout_is_batch_normalize: bool | None = None
+    rollout_rs: str | None = None
+    rollout_rs_threshold: float | str | None = None
+    loss_type: str | None = None
+    tis_ratio_type: str | None = None
+    token_tis_ratio_clip_high: float | None = None
+    sequence_tis_ratio_clip_high: float | None = None
+    sequence_mask_metric: str | None = None
+    outlier_token_is_threshold_low: float | None = None
+    outlier_token_is_threshold_high: float | None = None
+    token_mask_is_threshold_low: float | None = None
+    token_mask_is_threshold_high: float | None = None
+    vllm_importance_sampling_correction: bool | None = None
+    vllm_importance_sampling_mode: str | None = None
+    vllm_importance_sampling_clip_max: float | None = None
+    vllm_importance_sampling_clip_min: float | None = None
+    vllm_importance_sampling_cap: float | None = None
 
     def __post_init__(self) -> None:
         self._map_deprecated()
+        self._map_peer_names()
         self.validate()
+
+    def _map_peer_names(self) -> None:
+        values = {name: getattr(self, name) for name in PEER_OF}
+        if all(value is None for value in values.values()):
+            return
+        try:
+            translation = translate(values, bypass_mode=self.bypass_mode)
+        except PeerNameError as err:
+            raise CorrectionConfigError(str(err)) from None
+        defaults = {f.name: f.default for f in fields(self)}
+        for name, value in translation.settings.items():
+            current = getattr(self, name)
+            if current != defaults[name] and current != value:
+                raise CorrectionConfigError(
+                    f"OffPolicyCorrectionConfig.{name}={current!r} conflicts with the peer setting that maps to "
+                    f"{name}={value!r}; give one of them."
+                )
+            setattr(self, name, value)
+        for message in translation.messages:
+            warnings.warn(message, PeerNameWarning, stacklevel=4)
+        for name in PEER_OF:
+            setattr(self, name, None)
 
     def _map_deprecated(self) -> None:
         if self.use_tis is None and self.tis_imp_ratio_cap is None:
@@ -397,9 +473,12 @@ class OffPolicyCorrectionConfig:
         )
 
     @classmethod
-    def bypass_ppo_clip_geo_rs(cls, low: float = 0.999, high: float = 1.001) -> OffPolicyCorrectionConfig:
+    def bypass_ppo_clip_geo_rs(
+        cls, low: float = VERL_GEO_LOW, high: float = VERL_GEO_HIGH
+    ) -> OffPolicyCorrectionConfig:
         """verl's ``bypass_ppo_clip_geo_rs``: PPO clipped on ``pi_theta / pi_rollout``, sequences
-        whose geometric-mean ``pi_theta / pi_rollout`` leaves ``[low, high]`` rejected."""
+        whose geometric-mean ``pi_theta / pi_rollout`` leaves ``[low, high]`` rejected (the default:
+        verl's ``0.999_1.001`` on ``pi_rollout / pi_theta``, as the kit's ratio)."""
         return cls(bypass_mode=True, geo_mask=True, geo_mask_low=low, geo_mask_high=high)
 
     @classmethod
@@ -422,14 +501,14 @@ class OffPolicyCorrectionConfig:
         )
 
     @classmethod
-    def bypass_pg_geo_rs(cls, low: float = 0.999, high: float = 1.001) -> OffPolicyCorrectionConfig:
+    def bypass_pg_geo_rs(cls, low: float = VERL_GEO_LOW, high: float = VERL_GEO_HIGH) -> OffPolicyCorrectionConfig:
         """verl's ``bypass_pg_geo_rs``: REINFORCE ``-A log pi_theta`` with no weight, geometric
         sequence rejection on ``pi_theta / pi_rollout``."""
         return cls(bypass_mode=True, objective="reinforce", geo_mask=True, geo_mask_low=low, geo_mask_high=high)
 
     @classmethod
     def bypass_pg_geo_rs_seq_tis(
-        cls, clip_high: float = 2.0, low: float = 0.999, high: float = 1.001
+        cls, clip_high: float = 2.0, low: float = VERL_GEO_LOW, high: float = VERL_GEO_HIGH
     ) -> OffPolicyCorrectionConfig:
         """verl's ``bypass_pg_geo_rs_seq_tis``: REINFORCE weighted by the truncated sequence ratio
         ``min(prod_t pi_theta / pi_rollout, clip_high)``, with geometric sequence rejection."""
@@ -445,7 +524,7 @@ class OffPolicyCorrectionConfig:
 
     @classmethod
     def bypass_pg_geo_rs_token_tis(
-        cls, clip_high: float = 2.0, low: float = 0.999, high: float = 1.001
+        cls, clip_high: float = 2.0, low: float = VERL_GEO_LOW, high: float = VERL_GEO_HIGH
     ) -> OffPolicyCorrectionConfig:
         """verl's ``bypass_pg_geo_rs_token_tis``: REINFORCE weighted by the truncated token ratio,
         with geometric sequence rejection."""
@@ -466,7 +545,7 @@ class OffPolicyCorrectionConfig:
         return cls(objective="cispo", anchor=anchor, is_clip_high=clip_high, is_clip_low=clip_low)
 
 
-_DEPRECATED = ("use_tis", "tis_imp_ratio_cap")
+_DEPRECATED = ("use_tis", "tis_imp_ratio_cap", *PEER_OF)
 #: The fields the policy loss reads (the others shape the weights and masks of compute_correction).
 _LOSS_FIELDS = ("objective", "bypass_mode", "anchor", "objective_level", "is_clip_low", "is_clip_high")
 

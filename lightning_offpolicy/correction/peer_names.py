@@ -1,0 +1,338 @@
+"""The peers' names for the correction settings, mapped to the kit's.
+
+Users arrive with verl's ``algorithm.rollout_correction.*`` keys, SkyRL's
+``trainer.algorithm.off_policy_correction.*`` keys or TRL's ``GRPOConfig.vllm_importance_sampling_*``
+arguments. :class:`~lightning_offpolicy.correction.OffPolicyCorrectionConfig` accepts them as
+fields (so a YAML ``correction:`` block may use them) and :func:`translate` turns them into the
+kit's fields, with one line per key that says the kit's name (a :class:`PeerNameWarning`).
+
+Where a peer's setting means something else than the nearest kit setting, it is refused with a
+message that says the difference and the kit's equivalent:
+
+* verl's ``*_k1`` rejection modes bound ``pi_rollout / pi_old`` in ratio space; the kit's token,
+  geometric and product masks bound ``pi_prox / pi_rollout``. The message gives the kit's bounds
+  (the reciprocals, swapped).
+* verl's ``rollout_is_batch_normalize`` together with a rejection mode normalises over the batch
+  before rejection; the kit over the kept tokens / sequences.
+* SkyRL's outlier veto reads every response token, the kit's the tokens the token mask kept.
+
+Differences that do not change which setting to use are documented next to the mapping table in
+docs/off_policy_correction.md (e.g. the loss denominator keeps rejected tokens in the kit).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+VERL_FIELDS = (
+    "rollout_is",
+    "rollout_is_threshold",
+    "rollout_is_batch_normalize",
+    "rollout_rs",
+    "rollout_rs_threshold",
+    "loss_type",
+)
+SKYRL_FIELDS = (
+    "tis_ratio_type",
+    "token_tis_ratio_clip_high",
+    "sequence_tis_ratio_clip_high",
+    "sequence_mask_metric",
+    "outlier_token_is_threshold_low",
+    "outlier_token_is_threshold_high",
+    "token_mask_is_threshold_low",
+    "token_mask_is_threshold_high",
+)
+TRL_FIELDS = (
+    "vllm_importance_sampling_correction",
+    "vllm_importance_sampling_mode",
+    "vllm_importance_sampling_clip_max",
+    "vllm_importance_sampling_clip_min",
+    "vllm_importance_sampling_cap",
+)
+PEER_OF = {
+    **dict.fromkeys(VERL_FIELDS, "verl"),
+    **dict.fromkeys(SKYRL_FIELDS, "SkyRL"),
+    **dict.fromkeys(TRL_FIELDS, "TRL"),
+}
+"""Every accepted peer field and the peer it comes from."""
+
+_KL_LEVELS = {"token": "token", "seq_sum": "seq_sum", "seq_mean": "seq_mean", "seq_max": "seq_max"}
+_K1_MASKS = {"token": "token_mask", "seq_sum": "product_mask", "seq_mean": "geo_mask"}
+
+
+class PeerNameWarning(UserWarning):
+    """A peer's setting name was accepted and mapped to the kit's (the message names both)."""
+
+
+class PeerNameError(ValueError):
+    """A peer's setting whose meaning differs from the kit's; the message says how to express it."""
+
+
+@dataclass
+class Translation:
+    """The kit's fields for a set of peer fields, and one message per peer key."""
+
+    settings: dict[str, Any] = field(default_factory=dict)
+    messages: list[str] = field(default_factory=list)
+
+
+def translate(values: dict[str, Any], bypass_mode: bool = False) -> Translation:
+    """The kit's settings for the peer fields in ``values`` (``None`` entries are ignored).
+
+    Args:
+        values: peer field name -> value (the names of :data:`PEER_OF`).
+        bypass_mode: the kit's (and verl's) ``bypass_mode``, which decides what verl's
+            ``loss_type`` and ``rollout_is`` mean.
+
+    Raises:
+        PeerNameError: fields of two peers mixed, a value the peer does not know, or a setting whose
+            meaning differs from the kit's (the message gives the kit's equivalent).
+    """
+    given = {name: value for name, value in values.items() if value is not None}
+    peers = sorted({PEER_OF[name] for name in given})
+    if len(peers) > 1:
+        raise PeerNameError(
+            f"OffPolicyCorrectionConfig: settings of {' and '.join(peers)} are mixed "
+            f"({', '.join(sorted(given))}); use one peer's names, or the kit's."
+        )
+    if not peers:
+        return Translation()
+    return {"verl": _verl, "SkyRL": _skyrl, "TRL": _trl}[peers[0]](given, bypass_mode)
+
+
+# ------------------------------------------------------------------------------------------ verl
+def _verl(given: dict[str, Any], bypass_mode: bool) -> Translation:
+    out = Translation()
+    level = given.get("rollout_is")
+    if level not in (None, "token", "sequence"):
+        raise PeerNameError(f"verl's rollout_is={level!r} is not one of None, 'token', 'sequence'.")
+    loss_type = given.get("loss_type", "ppo_clip")
+    if loss_type not in ("ppo_clip", "reinforce"):
+        raise PeerNameError(f"verl's loss_type={loss_type!r} is not one of 'ppo_clip', 'reinforce'.")
+    if loss_type == "reinforce" and not bypass_mode:
+        raise PeerNameError(
+            "verl reads loss_type='reinforce' only in bypass mode (decoupled mode always uses PPO); "
+            "set bypass_mode: true, or drop loss_type."
+        )
+    rs_modes = _rs_modes(given)
+    if given.get("rollout_is_batch_normalize"):
+        if rs_modes:
+            raise PeerNameError(
+                "verl's rollout_is_batch_normalize with rollout_rs normalises the IS weights over the whole batch "
+                "before rejection; the kit's normalize_weights normalises over the kept tokens (token level) or "
+                "kept sequences (sequence level). Set normalize_weights: true if that is what you want, with the "
+                "kit's masks."
+            )
+        out.settings["normalize_weights"] = True
+        out.messages.append("verl's rollout_is_batch_normalize is the kit's normalize_weights.")
+
+    if level is not None:
+        low, high = _is_threshold(given.get("rollout_is_threshold", 2.0))
+        if bypass_mode and loss_type == "ppo_clip":
+            # verl computes these weights in bypass PPO-clip mode for its metrics only.
+            out.messages.append(
+                f"verl's rollout_is={level!r} is not applied in bypass mode with loss_type='ppo_clip' (the PPO ratio "
+                "pi_theta / pi_rollout is the weight; verl only logs it): dropped; the kit's rollout_corr/* metrics "
+                "report that ratio."
+            )
+        elif bypass_mode:  # loss_type == "reinforce": the truncated current-policy weight
+            out.settings.update(objective="pure_is", objective_level=level, is_clip_high=high)
+            out.messages.append(
+                f"verl's bypass loss_type='reinforce' with rollout_is={level!r} is the kit's objective='pure_is', "
+                f"objective_level={level!r}, is_clip_high={high!r}."
+            )
+        else:
+            out.settings.update(tis_level=level, tis_clip_high=high)
+            out.messages.append(
+                f"verl's rollout_is={level!r} is the kit's tis_level={level!r}, tis_clip_high={high!r}."
+            )
+        if low is not None:  # "lower_upper": IcePop, weights outside the bounds set to zero
+            mask = "token_mask" if level == "token" else "product_mask"
+            out.settings.update({mask: True, f"{mask}_low": low, f"{mask}_high": high})
+            out.messages.append(
+                f"verl's rollout_is_threshold='{low}_{high}' (IcePop) is the kit's {mask}: true, "
+                f"{mask}_low={low!r}, {mask}_high={high!r}."
+            )
+    elif loss_type == "reinforce":
+        out.settings["objective"] = "reinforce"
+        out.messages.append(
+            "verl's bypass loss_type='reinforce' without rollout_is is the kit's objective='reinforce'."
+        )
+
+    kl_modes = [(mode, threshold) for mode, threshold in rs_modes if not mode.endswith("_k1")]
+    for mode, threshold in rs_modes:
+        if mode.endswith("_k1"):
+            raise PeerNameError(_k1_message(mode, threshold))
+    if len(kl_modes) > 1:
+        raise PeerNameError(
+            f"verl's rollout_rs lists {len(kl_modes)} k2/k3 modes ({', '.join(m for m, _ in kl_modes)}); the kit "
+            "has one kl_reject (estimator, level, threshold): keep one, or add a geo_mask / product_mask / token_mask."
+        )
+    for mode, threshold in kl_modes:
+        where, estimator = mode.rsplit("_", 1)
+        value = _positive(threshold, f"verl's rollout_rs_threshold for {mode}")
+        out.settings.update(kl_reject=estimator, kl_reject_level=_KL_LEVELS[where], kl_reject_threshold=value)
+        out.messages.append(
+            f"verl's rollout_rs={mode!r} is the kit's kl_reject={estimator!r}, kl_reject_level={where!r}, "
+            f"kl_reject_threshold={value!r}."
+        )
+    return out
+
+
+def _rs_modes(given: dict[str, Any]) -> list[tuple[str, Any]]:
+    """verl's comma-separated rollout_rs modes with their thresholds (one broadcast, or one each)."""
+    modes = [m.strip() for m in str(given.get("rollout_rs") or "").split(",") if m.strip()]
+    modes = list(dict.fromkeys(modes))
+    known = {f"{where}_{est}" for where in _KL_LEVELS for est in ("k1", "k2", "k3")} - {"seq_max_k1"}
+    unknown = [m for m in modes if m not in known]
+    if unknown:
+        raise PeerNameError(
+            f"verl's rollout_rs mode(s) {', '.join(unknown)} unknown; verl's: {', '.join(sorted(known))}."
+        )
+    if not modes:
+        return []
+    threshold = given.get("rollout_rs_threshold")
+    if threshold is None:
+        raise PeerNameError(f"verl's rollout_rs={given['rollout_rs']!r} needs rollout_rs_threshold.")
+    parts = [p.strip() for p in str(threshold).split(",")] if isinstance(threshold, str) else [threshold]
+    if len(parts) == 1:
+        parts = parts * len(modes)
+    if len(parts) != len(modes):
+        raise PeerNameError(
+            f"verl's rollout_rs_threshold={threshold!r} gives {len(parts)} values for {len(modes)} modes; give one, "
+            "or one per mode."
+        )
+    return list(zip(modes, parts, strict=True))
+
+
+def _k1_message(mode: str, threshold: Any) -> str:
+    where = mode.rsplit("_", 1)[0]
+    low, high = _ratio_bounds(threshold, f"verl's rollout_rs_threshold for {mode}")
+    mask = _K1_MASKS[where]
+    kit_low, kit_high = 1.0 / high, 1.0 / low
+    return (
+        f"verl's rollout_rs={mode!r} is a signed k1 test that bounds pi_rollout / pi_old in ratio space "
+        f"({'per token' if where == 'token' else 'per sequence, ' + where.replace('seq_', '')}), while the kit's "
+        f"{mask} bounds pi_prox / pi_rollout, its reciprocal: the same rejection is {mask}: true, "
+        f"{mask}_low: {kit_low!r}, {mask}_high: {kit_high!r} (the reciprocals of verl's bounds, swapped)."
+    )
+
+
+def _ratio_bounds(threshold: Any, what: str) -> tuple[float, float]:
+    """verl's ``"lower_upper"`` bounds, or one upper bound whose reciprocal is the lower."""
+    if isinstance(threshold, str) and "_" in threshold:
+        low_text, high_text = threshold.split("_", 1)
+        low, high = _positive(low_text, what), _positive(high_text, what)
+    else:
+        high = _positive(threshold, what)
+        low = 1.0 / high
+    if low > high:
+        raise PeerNameError(f"{what}: lower bound {low} above upper bound {high}.")
+    return low, high
+
+
+def _is_threshold(threshold: Any) -> tuple[float | None, float]:
+    """verl's rollout_is_threshold: a cap (TIS) or ``"lower_upper"`` (IcePop)."""
+    if isinstance(threshold, str) and "_" in threshold:
+        return _ratio_bounds(threshold, "verl's rollout_is_threshold")
+    return None, _positive(threshold, "verl's rollout_is_threshold")
+
+
+def _positive(value: Any, what: str) -> float:
+    try:
+        number = float(value)
+    except (TypeError, ValueError):
+        raise PeerNameError(f"{what}={value!r} is not a number.") from None
+    if not math.isfinite(number) or number <= 0:
+        raise PeerNameError(f"{what}={value!r} must be a positive finite number.")
+    return number
+
+
+# ----------------------------------------------------------------------------------------- SkyRL
+def _skyrl(given: dict[str, Any], bypass_mode: bool) -> Translation:
+    out = Translation()
+    ratio_type = given.get("tis_ratio_type")
+    if ratio_type not in (None, "token", "sequence"):
+        raise PeerNameError(f"SkyRL's tis_ratio_type={ratio_type!r} is not one of None, 'token', 'sequence'.")
+    if ratio_type is not None:
+        # SkyRL's own defaults: 2.0 for tokens, 5.0 for sequences.
+        cap_key = f"{ratio_type}_tis_ratio_clip_high"
+        cap = _positive(given.get(cap_key, 2.0 if ratio_type == "token" else 5.0), f"SkyRL's {cap_key}")
+        out.settings.update(tis_level=ratio_type, tis_clip_high=cap)
+        out.messages.append(
+            f"SkyRL's tis_ratio_type={ratio_type!r}, {cap_key}={cap!r} is the kit's tis_level={ratio_type!r}, "
+            f"tis_clip_high={cap!r}."
+        )
+    metric = given.get("sequence_mask_metric")
+    if metric not in (None, "geometric", "product"):
+        raise PeerNameError(f"SkyRL's sequence_mask_metric={metric!r} is not one of None, 'geometric', 'product'.")
+    if metric is not None:
+        mask = "geo_mask" if metric == "geometric" else "product_mask"
+        out.settings[mask] = True
+        out.messages.append(
+            f"SkyRL's sequence_mask_metric={metric!r} is the kit's {mask}: true "
+            f"({mask}_low / {mask}_high: the same names)."
+        )
+    for prefix, kit, switch in (
+        ("outlier_token_is_threshold", "outlier", "outlier_token_veto"),
+        ("token_mask_is_threshold", "token_mask", "token_mask"),
+    ):
+        low, high = given.get(f"{prefix}_low"), given.get(f"{prefix}_high")
+        if low is None and high is None:
+            continue
+        out.settings.update({switch: True, f"{kit}_low": low, f"{kit}_high": high})
+        out.messages.append(
+            f"SkyRL's {prefix}_low / _high = {low!r} / {high!r} is the kit's {switch}: true, {kit}_low={low!r}, "
+            f"{kit}_high={high!r} (None: that side unbounded)."
+        )
+    if out.settings.get("outlier_token_veto") and out.settings.get("token_mask"):
+        raise PeerNameError(
+            "SkyRL's outlier veto reads every response token, before its token mask; the kit's reads the tokens "
+            "the token mask kept (an outlier outside the token mask's bounds is removed alone, its sequence stays). "
+            "Use one of the two, or the kit's outlier_token_veto / token_mask knowing that order."
+        )
+    return out
+
+
+# ------------------------------------------------------------------------------------------- TRL
+def _trl(given: dict[str, Any], bypass_mode: bool) -> Translation:
+    out = Translation()
+    if "vllm_importance_sampling_cap" in given:
+        if "vllm_importance_sampling_clip_max" in given:
+            raise PeerNameError(
+                "TRL's vllm_importance_sampling_cap is the old name of vllm_importance_sampling_clip_max; give one."
+            )
+        given = {**given, "vllm_importance_sampling_clip_max": given.pop("vllm_importance_sampling_cap")}
+    if not given.get("vllm_importance_sampling_correction", True):
+        out.messages.append("TRL's vllm_importance_sampling_correction=False is the kit's default: no weight, no mask.")
+        return out
+    mode = given.get("vllm_importance_sampling_mode", "sequence_mask")  # TRL's defaults
+    high = given.get("vllm_importance_sampling_clip_max", 3.0)
+    low = given.get("vllm_importance_sampling_clip_min")
+    if mode not in ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask"):
+        raise PeerNameError(
+            f"TRL's vllm_importance_sampling_mode={mode!r} is not one of 'token_truncate', 'token_mask', "
+            "'sequence_truncate', 'sequence_mask'."
+        )
+    level, how = mode.split("_")
+    # None means "not given" in the kit's config, so C_max is TRL's default 3.0 unless set.
+    high = _positive(high, "TRL's vllm_importance_sampling_clip_max")
+    low = None if low is None else _positive(low, "TRL's vllm_importance_sampling_clip_min")
+    if how == "truncate":
+        out.settings.update(tis_level=level, tis_clip_high=high, tis_clip_low=low)
+        kit = f"tis_level={level!r}, tis_clip_high={high!r}, tis_clip_low={low!r}"
+    else:
+        # Ratios outside [min, max] get weight 0, those inside keep the ratio itself as their weight.
+        mask = "token_mask" if level == "token" else "product_mask"
+        out.settings.update({mask: True, f"{mask}_low": low, f"{mask}_high": high, "tis_level": level})
+        out.settings["tis_clip_high"] = high
+        kit = (
+            f"{mask}: true, {mask}_low={low!r}, {mask}_high={high!r}, tis_level={level!r}, tis_clip_high={high!r} "
+            "(the kept ratios are the weights)"
+        )
+    out.messages.append(
+        f"TRL's vllm_importance_sampling_mode={mode!r} (C_min={low!r}, C_max={high!r}) is the kit's {kit}."
+    )
+    return out
