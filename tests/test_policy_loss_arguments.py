@@ -120,8 +120,17 @@ def test_correction_and_a_plain_argument_together_is_refused(given):
 
 def test_plain_arguments_are_validated():
     theta, prox, rollout, advantages, mask, _ = _batch()
-    with pytest.raises(CorrectionConfigError, match=r"policy_loss.objective='reinforce' is not a known choice"):
-        policy_loss(theta, prox, rollout, advantages, mask, objective="reinforce")
+    with pytest.raises(CorrectionConfigError, match=r"policy_loss.objective='vanilla' is not a known choice"):
+        policy_loss(theta, prox, rollout, advantages, mask, objective="vanilla")
+    # reinforce: -A log pi_theta over the response tokens, no weight, no clip (a hand computation).
+    leaf = theta.detach().clone().requires_grad_(True)
+    loss, info = policy_loss(leaf, None, rollout, advantages, mask, objective="reinforce", bypass_mode=True)
+    adv = advantages if advantages.dim() == 2 else advantages[:, None].expand_as(mask)
+    expected = -(adv * torch.where(mask.bool(), theta, 0.0)).sum() / mask.sum()
+    torch.testing.assert_close(loss, expected)
+    loss.backward()
+    torch.testing.assert_close(leaf.grad, torch.where(mask.bool(), -adv / mask.sum(), 0.0))
+    assert info.clipped_tokens == 0
     with pytest.raises(CorrectionConfigError, match=r"objective='cispo' needs is_clip_high"):
         policy_loss(theta, prox, rollout, advantages, mask, objective="cispo")
     with pytest.raises(CorrectionConfigError, match=r"policy_loss.is_clip_low=3.0 is greater than"):

@@ -58,6 +58,7 @@ from lightning_offpolicy.evaluation import EvaluationBatch
 from lightning_offpolicy.log_steps import is_logging_step
 from lightning_offpolicy.preflight import check_context, check_group_size, check_vocab, context_limit
 from lightning_offpolicy.rewards import RewardSpec, resolve_reward
+from lightning_offpolicy.rollout.dapo import DAPOSettings
 from lightning_offpolicy.rollout.engine import RolloutEngine, SamplingConfig, generation_eos_ids
 from lightning_offpolicy.rollout.hf import HFEngine
 from lightning_offpolicy.rollout.pipeline import Rollouter
@@ -95,6 +96,18 @@ class RolloutCallback(Callback):
             could ever be admitted.
         success_threshold: Held-out evaluation: a prompt passes (``val/pass@k``) when one of its
             ``samples_per_prompt`` sampled completions gets a reward ``>= success_threshold``.
+        dynamic_sampling: DAPO's dynamic sampling: drop the groups whose rewards all equal each other
+            (zero advantage) and refill the batch with groups of further train prompts (a second pass
+            over the train dataloader); logs ``rollout/groups_dropped``, ``rollout/refill_batches``
+            and ``rollout/groups_short``.
+        max_refill_batches: Most extra generation calls per batch for the refill (then the batch
+            trains with fewer groups).
+        overlong_filter: DAPO's overlong filtering: completions cut at ``max_new_tokens`` stay in
+            their group's baseline but leave the loss (``rollout/overlong_filtered``).
+        overlong_buffer: DAPO's soft overlong punishment: within the last ``overlong_buffer`` tokens
+            before ``max_new_tokens`` the reward is lowered linearly, by up to
+            ``overlong_penalty_factor`` (logged as ``reward/overlong_penalty``); 0: off.
+        overlong_penalty_factor: The punishment at ``max_new_tokens``.
     """
 
     def __init__(
@@ -111,6 +124,11 @@ class RolloutCallback(Callback):
         max_staleness: int = 0,
         sync_every: int = 1,
         success_threshold: float = 1.0,
+        dynamic_sampling: bool = False,
+        max_refill_batches: int = 4,
+        overlong_filter: bool = False,
+        overlong_buffer: int = 0,
+        overlong_penalty_factor: float = 1.0,
     ) -> None:
         if advantage_estimator not in ADVANTAGE_ESTIMATORS:
             raise ValueError(
@@ -135,6 +153,19 @@ class RolloutCallback(Callback):
                 "needs for its prompt to count in val/pass@k)."
             )
         check_group_size(samples_per_prompt, advantage_estimator)
+        self.dapo = DAPOSettings(
+            dynamic_sampling=bool(dynamic_sampling),
+            max_refill_batches=max_refill_batches,
+            overlong_filter=bool(overlong_filter),
+            overlong_buffer=overlong_buffer,
+            overlong_penalty_factor=overlong_penalty_factor,
+        )
+        self.dapo.check("RolloutCallback", max_new_tokens)
+        if dynamic_sampling and samples_per_prompt < 2:
+            raise ValueError(
+                "RolloutCallback.dynamic_sampling=True needs samples_per_prompt >= 2: a group of one sample "
+                "always has equal rewards, so every group would be dropped."
+            )
         self.engine = engine
         self.reward_fn = resolve_reward(reward_fn, "RolloutCallback.reward_fn")
         self.sampling = SamplingConfig(
@@ -164,6 +195,10 @@ class RolloutCallback(Callback):
         self._rank = 0
         self._version_at_batch_start = 0
         self._context_limit: tuple[int, str] | None = None
+        # Dynamic sampling: the refill prompts (a second pass over the train prompts) and, per batch
+        # index, the counts of its rollout until the batch is trained.
+        self._refill_prompts: Any = None
+        self._sampling_stats: dict[int, dict[str, float]] = {}
 
     @property
     def asynchronous(self) -> bool:
@@ -234,6 +269,11 @@ class RolloutCallback(Callback):
     # ------------------------------------------------------------------------------ the step
     @override
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if self.dapo.dynamic_sampling:
+            refill_source = trainer.fit_loop._data_source.dataloader()
+            self._refill_prompts = prompt_batches(
+                refill_source, trainer.global_rank, trainer.world_size, skip=0, seed=self.seed + 1
+            )
         if not self._background:
             return
         # Here, not in on_fit_start: a resumed run's state (policy version, batches trained) is
@@ -281,6 +321,7 @@ class RolloutCallback(Callback):
             "wait_s": wait_s,
             "queue_depth": float(self.producer.queue_depth),
             "dropped_samples": float(self.dropped_samples),
+            **self._sampling_stats.pop(produced.index, {}),
         }
         if is_logging_step(trainer, batch_idx, _steps_per_batch(pl_module)):
             self._log_staleness_histogram(trainer, version, produced.rollout)
@@ -292,9 +333,15 @@ class RolloutCallback(Callback):
         engine.update_weights(pl_module.policy, int(pl_module.policy_version))
         sync_s = time.perf_counter() - started
         self._rank = rank
-        rollout, generate_s = self._produce(prompts, self.generated_batches)
+        index = self.generated_batches
+        rollout, generate_s = self._produce(prompts, index)
         self.generated_batches += 1
-        self.last_timing = {"generate_s": generate_s, "tokens": float(rollout.num_response_tokens), "sync_s": sync_s}
+        self.last_timing = {
+            "generate_s": generate_s,
+            "tokens": float(rollout.num_response_tokens),
+            "sync_s": sync_s,
+            **self._sampling_stats.pop(index, {}),
+        }
         self._record_sync_probe_diff()
         return rollout
 
@@ -315,11 +362,16 @@ class RolloutCallback(Callback):
             seed=self.seed,
             context_limit=self._context_limit,
             success_threshold=self.success_threshold,
+            dapo=self.dapo,
+            more_prompts=None if self._refill_prompts is None else lambda: next(self._refill_prompts),
         )
 
     def _produce(self, prompts: PromptBatch, index: int) -> tuple[RolloutBatch, float]:
         """Generate and score batch ``index`` with the engine's current weights (any thread)."""
-        rollout, generate_s = self._pipeline().rollout(prompts, index, self._rank)
+        pipeline = self._pipeline()
+        rollout, generate_s = pipeline.rollout(prompts, index, self._rank)
+        if pipeline.last_stats:
+            self._sampling_stats[index] = pipeline.last_stats
         if index == 0:
             rank_zero_info(
                 f"RolloutCallback: first rollout: {rollout.num_sequences} completions, "

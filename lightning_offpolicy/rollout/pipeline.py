@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -21,15 +22,35 @@ from lightning_offpolicy.batch import PromptBatch, RolloutBatch
 from lightning_offpolicy.evaluation import EvaluationBatch, prompt_seed
 from lightning_offpolicy.preflight import check_prompt_fits
 from lightning_offpolicy.rewards import score_completions
+from lightning_offpolicy.rollout.dapo import DAPOSettings, informative_rows, overlong_penalty
 from lightning_offpolicy.rollout.engine import Completion, RolloutEngine, SamplingConfig
 from lightning_offpolicy.tokenizers import encode_prompt
 
 __all__ = ["Rollouter", "batch_seed"]
 
 
-def batch_seed(seed: int, index: int, rank: int) -> int:
-    """The sampler seed of training batch ``index`` on rank ``rank``: distinct per batch and per rank."""
-    return (seed * 1_000_003 + index * 9_973 + rank * 7_919) % (2**31 - 1)
+def batch_seed(seed: int, index: int, rank: int, refill: int = 0) -> int:
+    """The sampler seed of training batch ``index`` on rank ``rank`` (and of its ``refill``-th extra
+    generation under dynamic sampling): distinct per batch, per rank and per refill."""
+    return (seed * 1_000_003 + index * 9_973 + rank * 7_919 + refill * 104_729) % (2**31 - 1)
+
+
+@dataclass
+class _Samples:
+    """Scored completions of one or more generation calls, one entry per completion."""
+
+    prompt_ids: list[list[int]] = field(default_factory=list)
+    completions: list[Completion] = field(default_factory=list)
+    groups: list[int] = field(default_factory=list)
+    rewards: list[torch.Tensor] = field(default_factory=list)
+    components: list[dict[str, torch.Tensor]] = field(default_factory=list)
+
+    def add(self, prompt_ids, completions, rewards, components, group_offset: int) -> None:
+        self.prompt_ids += [prompt_ids[c.prompt_index] for c in completions]
+        self.completions += completions
+        self.groups += [group_offset + c.prompt_index for c in completions]
+        self.rewards.append(rewards)
+        self.components.append(components)
 
 
 class Rollouter:
@@ -48,6 +69,11 @@ class Rollouter:
         context_limit: ``(tokens, where the limit comes from)`` of the model's context, checked against
             the longest prompt + ``max_new_tokens`` before generating (``None``: not checked).
         success_threshold: Held-out evaluation: the reward a sample needs for its prompt to pass.
+        dapo: DAPO's dynamic sampling and overlong handling (:mod:`~lightning_offpolicy.rollout.dapo`).
+        more_prompts: Returns the next prompt batch to refill from (dynamic sampling; ``None``: no refill).
+
+    After each :meth:`rollout`, :attr:`last_stats` holds its counts (``groups_dropped``,
+    ``refill_batches``, ``groups_short``, ``overlong_filtered``; only those of the features in use).
     """
 
     def __init__(
@@ -60,6 +86,8 @@ class Rollouter:
         seed: int = 0,
         context_limit: tuple[int, str] | None = None,
         success_threshold: float = 1.0,
+        dapo: DAPOSettings | None = None,
+        more_prompts: Callable[[], PromptBatch] | None = None,
     ) -> None:
         self.engine = engine
         self.tokenizer = tokenizer
@@ -69,6 +97,9 @@ class Rollouter:
         self.seed = seed
         self.context_limit = context_limit
         self.success_threshold = success_threshold
+        self.dapo = dapo if dapo is not None else DAPOSettings()
+        self.more_prompts = more_prompts
+        self.last_stats: dict[str, float] = {}
 
     def encode(self, prompts: PromptBatch) -> list[list[int]]:
         """The prompts' token ids by the tokenizer's own rule (bos where it adds one; chat via its template)."""
@@ -76,20 +107,84 @@ class Rollouter:
 
     def rollout(self, prompts: PromptBatch, index: int, rank: int = 0) -> tuple[RolloutBatch, float]:
         """Training batch ``index``: the scored rollout of ``prompts``, and the seconds generation took."""
+        samples, generate_s = _Samples(), 0.0
+        generate_s += self._sample(samples, prompts, batch_seed(self.seed, index, rank), group_offset=0)
+        rewards = self._rewards(samples)
+        keep = torch.ones(len(samples.completions), dtype=torch.bool)
+        stats: dict[str, float] = {}
+        if self.dapo.dynamic_sampling:
+            wanted = len(prompts)
+            keep = informative_rows(rewards, torch.tensor(samples.groups))
+            refills = 0
+            while self.more_prompts is not None and refills < self.dapo.max_refill_batches:
+                if len({g for g, k in zip(samples.groups, keep.tolist(), strict=True) if k}) >= wanted:
+                    break
+                refills += 1
+                seed = batch_seed(self.seed, index, rank, refill=refills)
+                generate_s += self._sample(samples, self.more_prompts(), seed, group_offset=max(samples.groups) + 1)
+                rewards = self._rewards(samples)
+                keep = informative_rows(rewards, torch.tensor(samples.groups))
+            informative = list(dict.fromkeys(g for g, k in zip(samples.groups, keep.tolist(), strict=True) if k))
+            chosen = set(informative[:wanted])
+            if not chosen:  # nothing informative: train the batch's own groups (zero advantage, no signal)
+                chosen = set(range(len(prompts)))
+            keep = torch.tensor([g in chosen for g in samples.groups], dtype=torch.bool)
+            stats = {
+                "groups_dropped": float(len(set(samples.groups)) - len(informative)),
+                "refill_batches": float(refills),
+                "groups_short": float(max(wanted - len(informative), 0)),
+            }
+        rollout = self._build(samples, rewards, keep)
+        if self.dapo.overlong_filter:
+            cut = torch.tensor(
+                [c.finish_reason == "length" for c, k in zip(samples.completions, keep.tolist(), strict=True) if k]
+            )
+            stats["overlong_filtered"] = float(cut.sum())
+            if bool(cut.any()):
+                out = (~cut).float().unsqueeze(-1)
+                rollout = rollout.with_fields(
+                    response_mask=rollout.response_mask * out, advantages=rollout.advantages * out
+                )
+        self.last_stats = stats
+        return rollout, generate_s
+
+    def _sample(self, samples: _Samples, prompts: PromptBatch, seed: int, group_offset: int) -> float:
+        """Generate and score ``prompts`` into ``samples``; the seconds generation took."""
         prompt_ids = self.encode(prompts)
         started = time.perf_counter()
         check_prompt_fits(max(map(len, prompt_ids), default=0), self.sampling.max_new_tokens, self.context_limit)
-        completions = self.engine.generate(prompt_ids, self.sampling, seed=batch_seed(self.seed, index, rank))
+        completions = self.engine.generate(prompt_ids, self.sampling, seed=seed)
         generate_s = time.perf_counter() - started
-        owners = [c.prompt_index for c in completions]
-        scored = self._score(prompts, owners, completions)
-        rewards = scored.total.float()
-        group_ids = torch.tensor(owners, dtype=torch.long)
+        scored = self._score(prompts, [c.prompt_index for c in completions], completions)
+        components = dict(scored.components or {})
+        if self.dapo.overlong_buffer > 0:
+            lengths = torch.tensor([len(c.token_ids) for c in completions])
+            penalty = overlong_penalty(
+                lengths, self.sampling.max_new_tokens, self.dapo.overlong_buffer, self.dapo.overlong_penalty_factor
+            )
+            components["overlong_penalty"] = penalty
+            scored_total = scored.total.to(torch.float64) + penalty
+        else:
+            scored_total = scored.total.to(torch.float64)
+        samples.add(prompt_ids, completions, scored_total, components, group_offset)
+        return generate_s
+
+    @staticmethod
+    def _rewards(samples: _Samples) -> torch.Tensor:
+        return torch.cat(samples.rewards).float()
+
+    def _build(self, samples: _Samples, rewards: torch.Tensor, keep: torch.Tensor) -> RolloutBatch:
+        """The rollout batch of the kept samples; group ids renumbered 0, 1, ... in their order."""
+        rows = keep.nonzero().flatten().tolist()
+        completions = [samples.completions[i] for i in rows]
+        numbering = {g: n for n, g in enumerate(sorted({samples.groups[i] for i in rows}))}
+        group_ids = torch.tensor([numbering[samples.groups[i]] for i in rows], dtype=torch.long)
+        kept_rewards = rewards[rows]
         rollout = RolloutBatch.from_sequences(
-            prompt_ids=[prompt_ids[i] for i in owners],
+            prompt_ids=[samples.prompt_ids[i] for i in rows],
             response_ids=[c.token_ids for c in completions],
-            rewards=rewards,
-            advantages=compute_advantages(self.advantage_estimator, rewards, group_ids),
+            rewards=kept_rewards,
+            advantages=compute_advantages(self.advantage_estimator, kept_rewards, group_ids),
             group_ids=group_ids,
             policy_versions=[c.policy_version for c in completions],
             rollout_logprobs=None
@@ -97,9 +192,11 @@ class Rollouter:
             else [c.logprobs for c in completions],
             pad_token_id=self.tokenizer.pad_token_id,
         )
-        if scored.components:
-            rollout = rollout.with_fields(reward_components={k: v.float() for k, v in scored.components.items()})
-        return rollout, generate_s
+        names = list(dict.fromkeys(name for part in samples.components for name in part))
+        if names:
+            components = {name: torch.cat([part[name] for part in samples.components])[rows].float() for name in names}
+            rollout = rollout.with_fields(reward_components=components)
+        return rollout
 
     def evaluate(self, prompts: PromptBatch) -> EvaluationBatch:
         """One greedy and ``samples_per_prompt`` sampled completions per held-out prompt, scored.
