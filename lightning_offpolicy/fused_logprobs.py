@@ -45,7 +45,7 @@ widths; for float32 inputs it is at most 0.0625x of their float32 logits. At
 0.125x), backward 233 MB (0.094x), against 2.49 GB for the logits and as much again for their
 gradient. ``benchmarks/logprob_memory.py`` measures it (``docs/performance_logprobs.md``).
 
-Limits: the entropy is returned detached (as in ``token_logprobs``), there is no double backward,
+Limits: there is no double backward (the entropy, as in ``token_logprobs``, carries its gradient),
 and the head must be linear: ``lm_head`` as a plain ``nn.Linear``, or with plain peft LoRA adapters
 (``low_rank`` terms, below), with no soft-capping or scaling after it
 (:func:`lightning_offpolicy.logprobs.causal_lm_token_logprobs` checks and falls back otherwise).
@@ -72,7 +72,7 @@ from torch import Tensor, nn
 from torch.autograd.function import once_differentiable
 
 from lightning_offpolicy.argcheck import is_real
-from lightning_offpolicy.logprobs import _acc_dtype, _check_common, _check_targets
+from lightning_offpolicy.logprobs import _acc_dtype, _check_common, _check_targets, _entropy_grad, _logp_to_grad
 
 __all__ = [
     "FUSED_HEAD_ARCHITECTURES",
@@ -237,17 +237,18 @@ class _FusedLinearLogprobs(torch.autograd.Function):
                 lse[start:end] = chunk_lse
                 logprobs[start:end] = tgt_z - chunk_lse
 
-        ctx.save_for_backward(hidden, weight, bias, targets, lse, *terms)
+        ctx.save_for_backward(hidden, weight, bias, targets, lse, entropy, *terms)
         ctx.inv_t = inv_t
         ctx.chunk_size = chunk_size
         ctx.scales = scales
-        ctx.mark_non_differentiable(entropy)
+        if not want_entropy:
+            ctx.mark_non_differentiable(entropy)
         return logprobs, entropy
 
     @staticmethod
     @once_differentiable
-    def backward(ctx: Any, grad_out: Tensor, _grad_entropy: Tensor | None) -> tuple[Tensor | None, ...]:
-        hidden, weight, bias, targets, lse, *terms = ctx.saved_tensors
+    def backward(ctx: Any, grad_out: Tensor, grad_entropy: Tensor | None) -> tuple[Tensor | None, ...]:
+        hidden, weight, bias, targets, lse, entropy, *terms = ctx.saved_tensors
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
         scales: tuple[float, ...] = ctx.scales
         need_terms = ctx.needs_input_grad[8:]
@@ -258,6 +259,7 @@ class _FusedLinearLogprobs(torch.autograd.Function):
         acc = lse.dtype
         dev = hidden.device
         g_all = grad_out.reshape(-1).to(acc) * inv_t  # [N]: grad_out / T
+        ge_all = _entropy_grad(grad_entropy, entropy, inv_t, acc)
         grad_h = torch.empty_like(hidden) if need_h else None
         grad_w = torch.zeros_like(weight) if need_w else None
         grad_b = torch.zeros(vocab, dtype=acc, device=dev) if (need_b and bias is not None) else None
@@ -279,8 +281,9 @@ class _FusedLinearLogprobs(torch.autograd.Function):
                     z.addmm_(u[start:end], b_k.t(), alpha=scale)
                 if inv_t != 1.0:
                     z.mul_(inv_t)
-                # dz = (onehot - p) * grad_out / T, in place: p = exp(z - lse).
-                z.sub_(lse[start:end, None]).exp_().mul_(g.neg())
+                # dz = (onehot - p) * grad_out / T (+ the entropy's term), in place: p = exp(z - lse).
+                z.sub_(lse[start:end, None])
+                _logp_to_grad(z, g, None if ge_all is None else ge_all[start:end, None], entropy, start, end)
                 z.scatter_add_(1, targets[start:end, None], g)
                 if grad_b is not None:
                     grad_b += z.sum(dim=0)
@@ -355,7 +358,7 @@ def fused_linear_token_logprobs(
         chunk_size: most rows (tokens) computed at once. The chunk used is
             ``min(chunk_size, max(64, N // 32))`` so that the temporaries stay <= 0.125x one bf16
             logits tensor (module docstring, "Memory").
-        return_entropy: also return the (detached) entropy of ``softmax(logits / T)`` per token.
+        return_entropy: also return the entropy of ``softmax(logits / T)`` per token (with gradient).
         low_rank: ``(u, B, scale)`` triples: ``u`` of shape ``[..., r]`` (``hidden``'s leading
             dimensions), ``B`` of shape ``[V, r]``, ``scale`` a finite real number; ``u`` and
             ``B`` floating point, of any dtype (computed in float32, float64 for float64 hidden).
@@ -363,7 +366,7 @@ def fused_linear_token_logprobs(
     Returns:
         ``logprobs`` of shape ``[...]`` in float32 (float64 for float64 inputs), differentiable
         w.r.t. ``hidden``, ``weight``, ``bias`` and every ``u`` and ``B``; with ``return_entropy`` a tuple
-        ``(logprobs, entropy)``, the entropy carrying no gradient.
+        ``(logprobs, entropy)``, the entropy with its gradient too.
 
     Inside ``torch.autocast`` the inputs are cast to the autocast dtype first, as ``nn.Linear``
     would be. With float32/float64 inputs values and gradients equal the unfused expression to

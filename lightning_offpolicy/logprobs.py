@@ -46,8 +46,9 @@ with the naive ``.float()`` path.
 Limitations
 -----------
 
-* The entropy (``return_entropy=True``) is returned **detached**: it carries no gradient (use it
-  for logging or as a filter, not as a differentiable bonus).
+* The entropy (``return_entropy=True``) carries its gradient (``dH/dz = -p (log p + H)``, added in
+  the same recomputing backward with one more ``[chunk, V]`` temporary, only when the entropy is
+  used), so an entropy bonus in the loss trains through it.
 * Double backward is not supported (the backward is ``once_differentiable``); nothing in an
   off-policy policy-gradient loss needs it.
 * Logits whose leading dimensions cannot be flattened into ``[N, V]`` without a copy (e.g. a
@@ -131,19 +132,20 @@ class _TokenLogprobs(torch.autograd.Function):
             tgt_logit = x.gather(1, t[:, None]).reshape(-1).to(acc) * inv_t
             logprobs[start:end] = tgt_logit - chunk_lse
 
-        ctx.save_for_backward(logits, targets, lse)
+        ctx.save_for_backward(logits, targets, lse, entropy)
         ctx.inv_t = inv_t
         ctx.chunk_size = chunk_size
         logprobs = logprobs.view(targets.shape)
         if want_entropy:
             entropy = entropy.view(targets.shape)
-        ctx.mark_non_differentiable(entropy)
+        else:
+            ctx.mark_non_differentiable(entropy)
         return logprobs, entropy
 
     @staticmethod
     @once_differentiable
-    def backward(ctx: Any, grad_out: Tensor, _grad_entropy: Tensor | None) -> tuple[Tensor | None, ...]:
-        logits, targets, lse = ctx.saved_tensors
+    def backward(ctx: Any, grad_out: Tensor, grad_entropy: Tensor | None) -> tuple[Tensor | None, ...]:
+        logits, targets, lse, entropy = ctx.saved_tensors
         inv_t: float = ctx.inv_t
         chunk_size: int = ctx.chunk_size
         vocab = logits.shape[-1]
@@ -151,6 +153,7 @@ class _TokenLogprobs(torch.autograd.Function):
         tgt = targets.reshape(-1)
         acc = lse.dtype
         g_all = grad_out.reshape(-1).to(acc) * inv_t  # [N]: grad_out / T
+        ge_all = _entropy_grad(grad_entropy, entropy, inv_t, acc)
         n = flat.shape[0]
         grad_logits = torch.empty((n, vocab), dtype=logits.dtype, device=logits.device)
         direct = grad_logits.dtype == acc
@@ -173,13 +176,35 @@ class _TokenLogprobs(torch.autograd.Function):
                 buf.copy_(x)  # exact upcast
                 if inv_t != 1.0:
                     buf.mul_(inv_t)
-            # p = exp(z - lse); grad = (onehot - p) * grad_out / T
-            buf.sub_(lse[start:end, None]).exp_().mul_(g.neg())
+            # p = exp(z - lse); grad = (onehot - p) * grad_out / T (+ the entropy's term)
+            buf.sub_(lse[start:end, None])
+            _logp_to_grad(buf, g, None if ge_all is None else ge_all[start:end, None], entropy, start, end)
             buf.scatter_add_(1, tgt[start:end, None], g)
             if not direct:
                 grad_logits[start:end].copy_(buf)
 
         return grad_logits.view(logits.shape), None, None, None, None
+
+
+def _entropy_grad(grad_entropy: Tensor | None, entropy: Tensor, inv_t: float, acc: torch.dtype) -> Tensor | None:
+    """``grad_entropy / T`` flattened, or ``None`` when the entropy gets no gradient."""
+    if grad_entropy is None or entropy.numel() == 0:
+        return None
+    return grad_entropy.reshape(-1).to(acc) * inv_t
+
+
+def _logp_to_grad(buf: Tensor, g: Tensor, ge: Tensor | None, entropy: Tensor, start: int, end: int) -> None:
+    """In place: ``buf`` = ``log p`` of a chunk -> its gradient w.r.t. ``z``, without the one-hot term.
+
+    ``d logprob / dz = onehot - p`` and ``dH / dz = -p * (log p + H)`` (``H = lse - sum p z``), so
+    the chunk's gradient is ``-p * (g + ge * (log p + H)) + g * onehot``; the caller adds the one-hot.
+    """
+    if ge is None:
+        buf.exp_().mul_(g.neg())
+        return
+    p = torch.exp(buf)  # a second [c, V] temporary, only when the entropy has a gradient
+    buf.add_(entropy.reshape(-1)[start:end, None]).mul_(ge).add_(g).mul_(p).neg_()
+    del p
 
 
 def _check_common(temperature: Any, chunk_size: Any) -> float:
@@ -248,7 +273,7 @@ def token_logprobs(
     Returns:
         ``logprobs`` of shape ``[...]`` in float32 (float64 for float64 logits), differentiable
         w.r.t. ``logits`` (the gradient has the logits' dtype); with ``return_entropy`` a tuple
-        ``(logprobs, entropy)`` where ``entropy`` is **detached** (it carries no gradient).
+        ``(logprobs, entropy)``, both with gradient.
 
     Double backward (gradients of the gradient) is not supported.
 
@@ -322,7 +347,7 @@ def causal_lm_token_logprobs(
 
     Returns:
         ``[B, L - response_start]`` float32 log-probabilities of the response tokens (and the
-        detached entropy with ``return_entropy``). Columns of right padding hold the
+        entropy, with its gradient, with ``return_entropy``). Columns of right padding hold the
         log-probability of the pad token; mask them with ``attention_mask[:, response_start:]``.
     """
     temperature = _check_common(temperature, chunk_size)

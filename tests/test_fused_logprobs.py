@@ -43,13 +43,15 @@ def _grads(tensors):
 def test_values_and_gradients_match_float64_reference(dtype, temperature, bias, chunk_size):
     (h, w, b), targets, up = _inputs(37, 24, 50, dtype, bias)
     lp, ent = fused_linear_token_logprobs(h, w, targets, b, temperature, chunk_size, return_entropy=True)
-    assert lp.dtype == dtype and lp.shape == (37,) and not ent.requires_grad
-    (lp.double() * up).sum().backward()
+    assert lp.dtype == dtype and lp.shape == (37,) and ent.requires_grad
+    # An entropy bonus trains through the entropy: both gradients, against autograd's.
+    up_ent = torch.linspace(-1.0, 2.0, 37, dtype=torch.float64)
+    (lp.double() * up + ent.double() * up_ent).sum().backward()
     got = _grads((h, w, b))
 
     ref = [t.detach().double().requires_grad_() if t is not None else None for t in (h, w, b)]
     ref_lp, ref_ent = _naive(*ref, targets, temperature)
-    (ref_lp * up).sum().backward()
+    (ref_lp * up + ref_ent * up_ent).sum().backward()
     tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(lp.double(), ref_lp.detach(), **tol)
     torch.testing.assert_close(ent.double(), ref_ent.detach(), **tol)

@@ -69,11 +69,40 @@ def test_gradcheck_double(temperature, chunk_size):
     assert out.dtype == torch.float64
 
 
-def test_entropy_is_detached_and_no_double_backward():
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("temperature", TEMPERATURES)
+@pytest.mark.parametrize("chunk_size", [5, 64])
+def test_entropy_gradient_matches_float64(dtype, temperature, chunk_size):
+    """An entropy bonus trains through the entropy: its gradient (with the logprob's) equals autograd's."""
+    logits, targets = _inputs((4, 6), 97, dtype, seed=3)
+    gen = torch.Generator().manual_seed(4)
+    w_lp, w_ent = (torch.randn(4, 6, generator=gen, dtype=torch.float64) for _ in range(2))
+    x = logits.clone().requires_grad_(True)
+    lp, ent = token_logprobs(x, targets, temperature, chunk_size=chunk_size, return_entropy=True)
+    assert lp.requires_grad and ent.requires_grad
+    (lp.double() * w_lp + ent.double() * w_ent).sum().backward()
+    xr = logits.double().requires_grad_(True)
+    ref_lp, ref_ent = _ref(xr, targets, temperature)
+    (ref_lp * w_lp + ref_ent * w_ent).sum().backward()
+    if dtype == torch.float32:
+        torch.testing.assert_close(x.grad.double(), xr.grad, rtol=1e-5, atol=1e-6)
+    else:
+        torch.testing.assert_close(x.grad, xr.grad.to(dtype), rtol=1.6e-2, atol=1e-6)
+    # The entropy alone, and the logprob alone (entropy unused: no gradient from it).
+    for use_lp, use_ent in ((False, True), (True, False)):
+        x.grad = xr.grad = None
+        lp, ent = token_logprobs(x, targets, temperature, chunk_size=chunk_size, return_entropy=True)
+        ref_lp, ref_ent = _ref(xr, targets, temperature)
+        sum((t.double() * w).sum() for t, w, on in ((lp, w_lp, use_lp), (ent, w_ent, use_ent)) if on).backward()
+        sum((t * w).sum() for t, w, on in ((ref_lp, w_lp, use_lp), (ref_ent, w_ent, use_ent)) if on).backward()
+        tol = dict(rtol=1e-5, atol=1e-6) if dtype == torch.float32 else dict(rtol=1.6e-2, atol=1e-5)
+        torch.testing.assert_close(x.grad.double(), xr.grad.to(dtype).double(), **tol)
+
+
+def test_no_double_backward():
     logits, targets = _inputs((3, 4), 13, torch.float32)
     logits.requires_grad_(True)
-    lp, ent = token_logprobs(logits, targets, return_entropy=True)
-    assert lp.requires_grad and not ent.requires_grad
+    lp = token_logprobs(logits, targets)
     (grad,) = torch.autograd.grad(lp.sum(), logits, create_graph=True)
     with pytest.raises(RuntimeError):
         torch.autograd.grad(grad.sum(), logits)
