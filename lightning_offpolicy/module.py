@@ -303,7 +303,7 @@ class OffPolicyRLModule(LightningModule):
         prox = None
         if self.correction.needs_prox:
             if self._one_forward_per_step(rollout):
-                first_forward, prox = self._prox_from_first_forward(rollout, logging)
+                first_forward, prox = self._prox_from_first_forward(rollout, logging or self._entropy_in_loss)
             else:
                 prox = self._no_grad_logprobs(rollout)
         ref = self._no_grad_logprobs(rollout, reference=True) if self.loss_config.ref_kl_coef > 0 else None
@@ -393,18 +393,19 @@ class OffPolicyRLModule(LightningModule):
                 forward = (
                     first_forward
                     if first_forward is not None
-                    else self.sequence_logprobs(micro, return_entropy=record_entropy)
+                    else self.sequence_logprobs(micro, return_entropy=record_entropy or self._entropy_in_loss)
                 )
+                logprobs, entropy = forward if isinstance(forward, tuple) else (forward, None)
                 if record_entropy:
-                    logprobs, entropy = forward
                     # Every rank updates, even with nothing: compute() is a collective.
-                    self.entropy.update(entropy[micro.response_mask.bool()].float())
-                else:
-                    logprobs = forward
+                    self.entropy.update(entropy.detach()[micro.response_mask.bool()].float())
+                if not self._entropy_in_loss:
+                    entropy = None
                 if self.fused_loss:
                     fused = self._fused_step(with_metrics=record_correction)(
                         logprobs, micro.prox_logprobs, micro.rollout_logprobs, micro.advantages, micro.response_mask,
                         ref_logprobs=micro.ref_logprobs, token_count=token_count, sequence_count=sequence_count,
+                        entropy=entropy,
                     )  # fmt: skip
                     loss, info = fused.loss, fused.info
                     if record_correction:
@@ -418,7 +419,7 @@ class OffPolicyRLModule(LightningModule):
                         if record_correction:
                             self.correction_metrics.update(stats=stats)
                     loss, info = step.corrected_loss(
-                        logprobs, micro, self.loss_config, objective, token_count, sequence_count
+                        logprobs, micro, self.loss_config, objective, token_count, sequence_count, entropy
                     )
                 self.manual_backward(loss)
             if record:
@@ -431,6 +432,11 @@ class OffPolicyRLModule(LightningModule):
             scheduler.step()
         self.policy_version += 1
         return grad_norm
+
+    @property
+    def _entropy_in_loss(self) -> bool:
+        """Whether the loss has an entropy bonus: the forward then returns the entropy every step."""
+        return self.loss_config.entropy_coef > 0
 
     def _fused_step(self, with_metrics: bool) -> FusedCorrectionStep:
         if with_metrics not in self._fused_steps:

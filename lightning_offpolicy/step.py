@@ -125,6 +125,7 @@ def corrected_loss(
     objective: Mapping[str, Any],
     token_count: float | torch.Tensor | None = None,
     sequence_count: float | torch.Tensor | None = None,
+    entropy: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, PolicyLossInfo]:
     """:func:`~lightning_offpolicy.correction.policy_loss` of a slice of an :func:`apply_correction` batch.
 
@@ -136,6 +137,7 @@ def corrected_loss(
         objective: ``OffPolicyCorrectionConfig.policy_loss_kwargs()`` of the correction.
         token_count: Global token denominator (``None``: this slice's).
         sequence_count: Global sequence denominator (``None``: this slice's).
+        entropy: ``[B, T]`` entropy of ``pi_theta`` with gradient, for ``loss.entropy_coef > 0``.
     """
     return policy_loss(
         logprobs,
@@ -149,6 +151,7 @@ def corrected_loss(
         sequence_count=sequence_count,
         weights=batch.is_weights,
         mask=batch.correction_mask,
+        entropy=entropy,
         **objective,
     )
 

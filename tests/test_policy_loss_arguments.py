@@ -160,3 +160,21 @@ def test_configs_load_with_weights_only():
     torch.save(saved, buffer)
     buffer.seek(0)
     assert torch.load(buffer, weights_only=True) == saved
+
+
+def test_entropy_bonus_by_hand_and_required():
+    theta, prox, rollout, advantages, mask, _ = _batch()
+    gen = torch.Generator().manual_seed(5)
+    entropy = (torch.rand(mask.shape, generator=gen, dtype=torch.float64) * 2.0).requires_grad_(True)
+    plain, _ = policy_loss(theta, prox, rollout, advantages, mask)
+    cfg = PolicyLossConfig(entropy_coef=0.1)
+    loss, info = policy_loss(theta, prox, rollout, advantages, mask, cfg, entropy=entropy)
+    expected_term = torch.where(mask.bool(), entropy, 0.0).sum() / mask.sum()  # token-mean
+    torch.testing.assert_close(info.entropy, expected_term.detach())
+    torch.testing.assert_close(loss, plain - 0.1 * expected_term)
+    loss.backward()
+    torch.testing.assert_close(entropy.grad, torch.where(mask.bool(), -0.1 / mask.sum(), 0.0))
+    with pytest.raises(ValueError, match="policy_loss needs entropy for this configuration; entropy_coef > 0"):
+        policy_loss(theta, prox, rollout, advantages, mask, cfg)
+    with pytest.raises(CorrectionConfigError, match="entropy_coef"):
+        PolicyLossConfig(entropy_coef=-1.0)

@@ -600,6 +600,9 @@ class PolicyLossConfig:
         rollout_kl_estimator: Estimator of the rollout KL loss (``k2`` is prime-rl's squared log ratio / 2).
         ref_kl_coef: Coefficient of the reference KL loss ``kl(pi_theta, pi_ref)`` (0 disables).
         ref_kl_estimator: Estimator of the reference KL loss.
+        entropy_coef: Coefficient of the entropy bonus: ``- entropy_coef * H`` is added to the loss,
+            ``H`` the per-token entropy of ``pi_theta`` aggregated like the loss over the response
+            tokens (verl's ``entropy_coeff``, SkyRL's ``entropy_loss_coef``; 0 disables).
     """
 
     loss_type: LossType = "ppo"
@@ -614,6 +617,7 @@ class PolicyLossConfig:
     rollout_kl_estimator: KLEstimator = "k2"
     ref_kl_coef: float = 0.0
     ref_kl_estimator: KLEstimator = "low_var_kl"
+    entropy_coef: float = 0.0
 
     def __post_init__(self) -> None:
         self.validate()
@@ -636,7 +640,7 @@ class PolicyLossConfig:
         _check_positive(own, "tau_pos", self.tau_pos)
         _check_positive(own, "tau_neg", self.tau_neg)
         _check_positive(own, "loss_norm_constant", self.loss_norm_constant, optional=True)
-        for name in ("rollout_kl_coef", "ref_kl_coef"):
+        for name in ("rollout_kl_coef", "ref_kl_coef", "entropy_coef"):
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
                 raise CorrectionConfigError(f"{own}.{name}={value!r} must be a finite number >= 0.")

@@ -45,6 +45,7 @@ from lightning_offpolicy.correction.losses import (
     _checked_loss_inputs,
     _Objective,
     _policy_loss_terms,
+    entropy_bonus,
     policy_loss,
 )
 from lightning_offpolicy.correction.ratios import log_ratio
@@ -115,6 +116,7 @@ class FusedCorrectionStep:
         ref_logprobs: torch.Tensor | None = None,
         token_count: float | torch.Tensor | None = None,
         sequence_count: float | torch.Tensor | None = None,
+        entropy: torch.Tensor | None = None,
     ) -> FusedStepOutput:
         """One step; the arguments are :func:`policy_loss`'s (``prox_logprobs`` may be ``None``
         where the config needs no proximal forward).
@@ -128,11 +130,12 @@ class FusedCorrectionStep:
         prox = cfg.ratio_numerator(prox_logprobs, logprobs)
         _check_inputs(prox, rollout_logprobs, response_mask, cfg)
         _checked_loss_inputs(
-            logprobs, prox, rollout_logprobs, advantages, response_mask, self.loss_config, self._objective, ref_logprobs
-        )
+            logprobs, prox, rollout_logprobs, advantages, response_mask, self.loss_config, self._objective,
+            ref_logprobs, entropy=entropy,
+        )  # fmt: skip
         inputs = (logprobs, prox, rollout_logprobs, advantages, response_mask, ref_logprobs)
         if self._graph is None or (cfg.normalize_weights and is_distributed()):
-            return self._eager(*inputs, token_count, sequence_count)
+            return self._eager(*inputs, token_count, sequence_count, entropy)
         # Python numbers would be baked into the graph (one compilation per value): pass tensors.
         counts = [
             None if count is None else torch.as_tensor(count, dtype=torch.float32, device=logprobs.device)
@@ -144,9 +147,14 @@ class FusedCorrectionStep:
         if not _finite(loss, info, statistics, log_rho_sum):
             # NaN or an infinite logprob at a response token: the eager functions raise the error
             # that names it, or apply their rule for -inf.
-            return self._eager(*inputs, token_count, sequence_count)
+            return self._eager(*inputs, token_count, sequence_count, entropy)
         if logprobs.requires_grad:
             loss = _LossWithGradient.apply(logprobs, loss, grad)
+        if entropy is not None and self.loss_config.entropy_coef > 0:
+            # Its gradient flows through the entropy, not the logprobs: added outside the graph.
+            term = entropy_bonus(entropy, response_mask, self.loss_config, token_count, sequence_count)
+            loss = loss - self.loss_config.entropy_coef * term
+            info.entropy = term.detach()
         return FusedStepOutput(loss, info, statistics, compiled=True)
 
     def _step(
@@ -182,7 +190,10 @@ class FusedCorrectionStep:
                 correction.weights, correction.mask, self._objective, ref_logprobs, token_count, sequence_count,
             )  # fmt: skip
             # torch.func carries plain containers of tensors only.
-            return loss, (loss, {field.name: getattr(info, field.name) for field in fields(info)})
+            return loss, (
+                loss,
+                {f.name: getattr(info, f.name) for f in fields(info) if getattr(info, f.name) is not None},
+            )
 
         grad, (loss, info) = torch.func.grad(loss_of, has_aux=True)(logprobs)
         return loss, grad, PolicyLossInfo(**info), statistics, log_rho.sum()
@@ -197,11 +208,13 @@ class FusedCorrectionStep:
         ref_logprobs: torch.Tensor | None,
         token_count: float | torch.Tensor | None,
         sequence_count: float | torch.Tensor | None,
+        entropy: torch.Tensor | None = None,
     ) -> FusedStepOutput:
         correction = compute_correction(prox_logprobs, rollout_logprobs, response_mask, self.config)
         loss, info = policy_loss(
             logprobs, prox_logprobs, rollout_logprobs, advantages, response_mask, self.loss_config,
             correction=correction, ref_logprobs=ref_logprobs, token_count=token_count, sequence_count=sequence_count,
+            entropy=entropy,
         )  # fmt: skip
         with torch.no_grad():
             statistics = self.statistics(correction.stats) if self.statistics is not None else {}

@@ -58,6 +58,7 @@ class PolicyLossInfo:
         rollout_kl_sum: sum over response tokens of the rollout KL estimator (reported even when
             its coefficient is 0, whenever rollout logprobs are given).
         response_tokens: number of response tokens.
+        entropy: the aggregated entropy term before its coefficient (0 when disabled).
     """
 
     policy_loss: torch.Tensor
@@ -69,6 +70,7 @@ class PolicyLossInfo:
     approx_kl_sum: torch.Tensor
     rollout_kl_sum: torch.Tensor
     response_tokens: torch.Tensor
+    entropy: torch.Tensor | None = None
 
 
 def aggregate(
@@ -139,8 +141,9 @@ def policy_loss(
     objective_level: TISLevel | None = None,
     is_clip_low: float | None = None,
     is_clip_high: float | None = None,
+    entropy: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, PolicyLossInfo]:
-    """Total loss ``policy + rollout_kl_coef * rollout_kl + ref_kl_coef * ref_kl`` and its parts.
+    """Total loss ``policy + rollout_kl_coef * rollout_kl + ref_kl_coef * ref_kl - entropy_coef * H`` and its parts.
 
     The correction enters either as ``correction=`` (the output of :func:`compute_correction`,
     which fills ``weights``, ``mask`` and the objective from its config, and checks that config
@@ -174,6 +177,8 @@ def policy_loss(
             (``OffPolicyCorrectionConfig.objective_level``).
         is_clip_low: Lower clip of the ``pure_is`` / ``cispo`` weight (``None``: none).
         is_clip_high: Upper clip of the ``pure_is`` / ``cispo`` weight; required by those objectives.
+        entropy: ``[B, T]`` per-token entropy of ``pi_theta`` (with gradient), needed when
+            ``loss_cfg.entropy_coef > 0`` (``causal_lm_token_logprobs(..., return_entropy=True)``).
 
     Raises:
         ValueError: ``correction`` given together with a plain argument; an unknown ``objective``,
@@ -226,13 +231,14 @@ def policy_loss(
             "compute_correction output of this batch."
         )
     advantages, read = _checked_loss_inputs(
-        logprobs, prox_logprobs, rollout_logprobs, advantages, response_mask, loss_cfg, how, ref_logprobs, weights, mask
-    )
+        logprobs, prox_logprobs, rollout_logprobs, advantages, response_mask, loss_cfg, how, ref_logprobs,
+        weights, mask, entropy,
+    )  # fmt: skip
 
     def terms() -> tuple[torch.Tensor, PolicyLossInfo]:
         return _policy_loss_terms(
             logprobs, prox_logprobs, rollout_logprobs, advantages, response_mask, loss_cfg, weights, mask, how,
-            ref_logprobs, token_count, sequence_count,
+            ref_logprobs, token_count, sequence_count, entropy,
         )  # fmt: skip
 
     total, info = terms()
@@ -259,6 +265,7 @@ def _checked_loss_inputs(
     ref_logprobs: torch.Tensor | None,
     weights: torch.Tensor | None = None,
     mask: torch.Tensor | None = None,
+    entropy: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, list[tuple[str, torch.Tensor, bool]]]:
     """Shape and presence checks of :func:`policy_loss`'s inputs (no host sync).
 
@@ -292,6 +299,9 @@ def _checked_loss_inputs(
         _require(rollout_logprobs, "rollout_logprobs", response_mask, hint=_ROLLOUT_HINT)
     if how.objective == "ppo" or (how.objective == "cispo" and how.anchor == "prox"):
         _require(anchor_logprobs, "rollout_logprobs" if bypass else "prox_logprobs", response_mask)
+    if loss_cfg.entropy_coef > 0:
+        _require(entropy, "entropy", response_mask, hint=_ENTROPY_HINT)
+        read.append(("entropy", entropy, True))
     if advantages.dim() == 1:
         advantages = advantages.unsqueeze(-1).expand_as(logprobs)
     return advantages, read
@@ -355,8 +365,9 @@ def _policy_loss_terms(
     ref_logprobs: torch.Tensor | None,
     token_count: float | torch.Tensor | None,
     sequence_count: float | torch.Tensor | None,
+    entropy: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, PolicyLossInfo]:
-    """:func:`policy_loss` once its arguments are checked."""
+    """:func:`policy_loss` once its arguments are checked (``entropy``: ``None`` leaves its term out)."""
     objective = how.objective
     valid = response_mask.bool()
     kept = valid if mask is None else valid & mask.bool()
@@ -405,6 +416,10 @@ def _policy_loss_terms(
             **aggregate_kwargs,
         )
         total = total + loss_cfg.ref_kl_coef * ref_kl
+    entropy_term = None
+    if entropy is not None and loss_cfg.entropy_coef > 0:
+        entropy_term = entropy_bonus(entropy, valid, loss_cfg, token_count, sequence_count)
+        total = total - loss_cfg.entropy_coef * entropy_term
 
     with torch.no_grad():
         if anchor is not None:
@@ -428,11 +443,28 @@ def _policy_loss_terms(
             approx_kl_sum=approx_kl.to(torch.float64),
             rollout_kl_sum=rollout_kl_sum.to(torch.float64),
             response_tokens=valid.sum().to(torch.float64),
+            entropy=None if entropy_term is None else entropy_term.detach(),
         )
     return total, info
 
 
+def entropy_bonus(
+    entropy: torch.Tensor,
+    response_mask: torch.Tensor,
+    loss_cfg: PolicyLossConfig,
+    token_count: float | torch.Tensor | None = None,
+    sequence_count: float | torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The entropy term (before ``-entropy_coef``): ``entropy`` aggregated like the loss over the response."""
+    valid = response_mask.bool()
+    return aggregate(
+        entropy, valid, valid, mode=loss_cfg.aggregation, token_count=token_count,
+        sequence_count=sequence_count, norm_constant=loss_cfg.loss_norm_constant,
+    )  # fmt: skip
+
+
 _ROLLOUT_HINT = "turn on logprob return in the rollout engine (vLLM: SamplingParams(logprobs=0))"
+_ENTROPY_HINT = "entropy_coef > 0 needs the per-token entropy with its gradient (return_entropy=True in the forward)"
 
 
 def _require(tensor: torch.Tensor | None, name: str, response_mask: torch.Tensor, hint: str | None = None) -> None:
