@@ -170,3 +170,36 @@ def test_short_fit_writes_tensorboard_metrics(tmp_path):
     assert len(events.Scalars("train/reward")) == 2  # 2 batches x 2 mini-batches = 4 optimizer steps
     assert list((version / "checkpoints").glob("*.ckpt"))
     assert OffPolicyCorrectionConfig.token_tis()  # the config of the run (sanity)
+
+
+def test_dapo_entropy_bonus_and_peer_names_from_yaml(tmp_path):
+    """DAPO's settings (rollout:), the entropy bonus (model.loss) and verl's correction names, from YAML."""
+    extra = tmp_path / "dapo.yaml"
+    extra.write_text(
+        """
+model:
+  loss:
+    entropy_coef: 0.01
+  correction:
+    rollout_is: token
+    rollout_is_threshold: 2.0
+    rollout_rs: seq_mean_k3
+    rollout_rs_threshold: 0.02
+rollout:
+  dynamic_sampling: true
+  max_refill_batches: 3
+  overlong_filter: true
+  overlong_buffer: 4
+  overlong_penalty_factor: 0.5
+"""
+    )
+    with pytest.warns(UserWarning, match="verl's rollout_is='token' is the kit's tis_level='token'"):
+        cli = parse("--config", str(ROOT / "configs" / "quickstart.yaml"), "--config", str(extra))
+    assert cli.model.loss_config.entropy_coef == 0.01
+    assert cli.model.correction == PRESETS["decoupled_k3_rs"](threshold=0.02).replace(
+        tis_level="token", tis_clip_high=2.0
+    )
+    (callback,) = [c for c in cli.trainer.callbacks if type(c).__name__ == "RolloutCallback"]
+    assert callback.dapo.dynamic_sampling and callback.dapo.max_refill_batches == 3
+    assert callback.dapo.overlong_filter and callback.dapo.overlong_buffer == 4
+    assert callback.dapo.overlong_penalty_factor == 0.5
