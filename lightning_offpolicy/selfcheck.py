@@ -82,8 +82,9 @@ def run(batch: int, prompt_length: int, new_tokens: int, staleness_noise: float,
         from torch.utils.tensorboard import SummaryWriter
 
         writer = SummaryWriter(logdir)
-    header = (
-        f"{'preset':<18}{'kl':>10}{'chi2_tok':>10}{'ess':>7}{'w_mean':>8}{'reject':>8}{'loss':>10}{'grad':>9}{'ms':>7}"
+    width = max(len(name) for name in PRESETS) + 2
+    header = f"{'preset':<{width}}" + (
+        f"{'kl':>10}{'chi2_tok':>10}{'ess':>7}{'w_mean':>8}{'reject':>8}{'loss':>10}{'grad':>9}{'ms':>7}"
     )
     print(
         f"tiny Llama: {sum(p.numel() for p in trainer_model.parameters()) / 1e6:.2f}M params | "
@@ -118,7 +119,7 @@ def run(batch: int, prompt_length: int, new_tokens: int, staleness_noise: float,
         values = {k: float(v) for k, v in {**corr.compute(), **ppo.compute()}.items()}
         failures += _invariants(name, out, loss, grad_norm, rollout.response_mask)
         print(
-            f"{name:<18}{values['rollout_corr/kl']:>10.2e}{values['rollout_corr/chi2_token']:>10.4f}"
+            f"{name:<{width}}{values['rollout_corr/kl']:>10.2e}{values['rollout_corr/chi2_token']:>10.4f}"
             f"{values['rollout_corr/ess']:>7.3f}{values['rollout_corr/is_weight_mean']:>8.3f}"
             f"{values['rollout_corr/total_token_reject_rate']:>8.3f}{float(loss.detach()):>10.4f}{float(grad_norm):>9.4f}"
             f"{elapsed_ms:>7.1f}"

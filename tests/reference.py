@@ -135,7 +135,11 @@ def ref_correction(prox: Any, rollout: Any, response_mask: Any, cfg: Any = None)
     B, T = m.shape
     valid = m != 0
     bypass = bool(_cfg(cfg, "bypass_mode", False))
-    p = to_np(prox) if not bypass and prox is not None else None
+    masks = ("token_mask", "geo_mask", "product_mask", "outlier_token_veto")
+    has_mask = any(bool(_cfg(cfg, name, False)) for name in masks) or _cfg(cfg, "kl_reject", None) is not None
+    # In bypass mode the masks compare the current policy (passed as ``prox``) with the rollout
+    # (verl's bypass semantics); without a mask bypass reads no logprob at all.
+    p = to_np(prox) if prox is not None and (not bypass or has_mask) else None
     r = to_np(rollout)
 
     log_rho = np.zeros((B, T))
