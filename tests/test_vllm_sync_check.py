@@ -48,7 +48,10 @@ def test_bfloat16_engine_on_a_peaked_policy(tiny_ckpt, vllm_engine_holder, monke
             for c in engine.generate(reverse_prompts(8), SamplingConfig(max_new_tokens=8), seed=0)
             for lp in c.logprobs
         ]
-        assert sum(lps) / len(lps) > -0.05  # the policy is peaked: sampled tokens are near-certain
+        # The policy is peaked: most sampled tokens are near-certain, nearly all had at most a
+        # two-way tie (-0.69 nats); a mean would move with a single token sampled from the tail.
+        lps = sorted(lps)
+        assert lps[len(lps) // 2] > -0.05 and sum(lp > -1.0 for lp in lps) / len(lps) >= 0.95, lps[:10]
         assert float(trainer_probe_logprobs(trainer, probe).abs().mean()) > 100  # the probe sits deep in the tail
 
         # Real syncs of a training-like run: no false alarm, though bfloat16 differs by more than 1 nat.
