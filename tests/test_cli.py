@@ -109,8 +109,9 @@ def test_fit_help_shows_the_model_as_a_path_not_every_torch_class(capsys):
     with pytest.raises(SystemExit):
         main(["fit", "--help"])
     out = capsys.readouterr().out
-    # It was 1,345 lines, ~470 of them torch.nn classes listed as "known subclasses" of --model.model.
-    assert len(out.splitlines()) < 1000
+    # It was 1,345 lines, ~470 of them torch.nn classes listed as "known subclasses" of --model.model;
+    # ~1,060 now, with the peers' correction names and DAPO's settings.
+    assert len(out.splitlines()) < 1150
     assert "torch.nn.Linear" not in out and "torch.nn.Module" not in out
     assert "tiny:<task>" in out and "(type: str, default: tiny:reverse)" in out
 
