@@ -84,6 +84,8 @@ class FusedCorrectionStep:
             against.
         dynamic: passed to ``torch.compile``: ``None`` (default) compiles for the first shape and
             turns dynamic at the first new one, so batches of varying length reuse one graph.
+        backend: ``torch.compile``'s backend: ``"inductor"`` (default: the fused loops) or e.g.
+            ``"aot_eager"`` (the same traced graph run op by op: fast to build, for tests).
 
     Raises:
         CorrectionConfigError: ``config`` and ``loss_config`` do not combine (as ``policy_loss``).
@@ -96,6 +98,7 @@ class FusedCorrectionStep:
         statistics: Callable[[CorrectionStats], Statistics] | None = None,
         compiled: bool = True,
         dynamic: bool | None = None,
+        backend: str = "inductor",
     ) -> None:
         self.config = config if config is not None else OffPolicyCorrectionConfig.disabled()
         self.loss_config = loss_config if loss_config is not None else PolicyLossConfig()
@@ -103,7 +106,7 @@ class FusedCorrectionStep:
         self.statistics = statistics
         self.compiled = compiled
         self._objective = _Objective(**self.config.policy_loss_kwargs())
-        self._graph = torch.compile(_own_code(self._step), dynamic=dynamic) if compiled else None
+        self._graph = torch.compile(_own_code(self._step), dynamic=dynamic, backend=backend) if compiled else None
 
     def __call__(
         self,
