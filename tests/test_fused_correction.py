@@ -90,6 +90,7 @@ def _assert_same(fused_out, fused_grad, eager, metrics_cfg):
 INDUCTOR_PRESETS = {
     "token_tis",
     "geo_mis_seq_tis",
+    "seq_mis_token_tis",
     "decoupled_k3_rs",
     "outlier_veto",
     "cispo",
