@@ -45,7 +45,15 @@ class _Samples:
     rewards: list[torch.Tensor] = field(default_factory=list)
     components: list[dict[str, torch.Tensor]] = field(default_factory=list)
 
-    def add(self, prompt_ids, completions, rewards, components, group_offset: int) -> None:
+    def add(
+        self,
+        prompt_ids: list[list[int]],
+        completions: list[Completion],
+        rewards: torch.Tensor,
+        components: dict[str, torch.Tensor],
+        group_offset: int,
+    ) -> None:
+        """One generation call's completions; their groups numbered from ``group_offset``."""
         self.prompt_ids += [prompt_ids[c.prompt_index] for c in completions]
         self.completions += completions
         self.groups += [group_offset + c.prompt_index for c in completions]
