@@ -43,6 +43,7 @@ from lightning_offpolicy.correction.distributed import is_distributed
 from lightning_offpolicy.correction.losses import (
     PolicyLossInfo,
     _checked_loss_inputs,
+    _loss_scalars,
     _Objective,
     _policy_loss_terms,
     entropy_bonus,
@@ -132,7 +133,8 @@ class FusedCorrectionStep:
         # In bypass mode with a mask, the correction compares the current policy with pi_rollout.
         prox = cfg.ratio_numerator(prox_logprobs, logprobs)
         _check_inputs(prox, rollout_logprobs, response_mask, cfg)
-        _checked_loss_inputs(
+        # Advantages come back broadcast to [B, T].
+        advantages, _ = _checked_loss_inputs(
             logprobs, prox, rollout_logprobs, advantages, response_mask, self.loss_config, self._objective,
             ref_logprobs, entropy=entropy,
         )  # fmt: skip
@@ -184,8 +186,6 @@ class FusedCorrectionStep:
         )
         correction = correct_log_ratio(log_rho, valid, self.config)
         statistics = self.statistics(correction.stats) if self.statistics is not None else {}
-        if advantages.dim() == 1:
-            advantages = advantages.unsqueeze(-1).expand_as(logprobs)
 
         def loss_of(theta: torch.Tensor) -> tuple[torch.Tensor, tuple[torch.Tensor, dict[str, torch.Tensor]]]:
             loss, info = _policy_loss_terms(
@@ -246,8 +246,7 @@ def _finite(loss: torch.Tensor, info: PolicyLossInfo, statistics: Statistics, lo
     ``log_rho``. Statistics that are maxima or minima may be +-inf legitimately (an empty batch), so
     only NaN is refused there.
     """
-    scalars = [loss.detach(), log_rho_sum, info.policy_loss, info.rollout_kl, info.ref_kl]
-    scalars += [info.approx_kl_sum, info.rollout_kl_sum]
+    scalars = [*_loss_scalars(loss, info), log_rho_sum]
     others = [value for values in statistics.values() for value in values]
     finite = torch.isfinite(torch.stack([s.to(torch.float64) for s in scalars])).all()
     if others:

@@ -58,7 +58,7 @@ class PolicyLossInfo:
         rollout_kl_sum: sum over response tokens of the rollout KL estimator (reported even when
             its coefficient is 0, whenever rollout logprobs are given).
         response_tokens: number of response tokens.
-        entropy: the aggregated entropy term before its coefficient (0 when disabled).
+        entropy: the aggregated entropy term before its coefficient (``None`` when disabled).
     """
 
     policy_loss: torch.Tensor
@@ -347,9 +347,13 @@ class _Objective:
         )
 
 
+def _loss_scalars(total: torch.Tensor, info: PolicyLossInfo) -> list[torch.Tensor]:
+    """The loss and the sums of ``info`` that NaN or +-inf at a response token of any input reaches."""
+    return [total.detach(), info.policy_loss, info.rollout_kl, info.ref_kl, info.approx_kl_sum, info.rollout_kl_sum]
+
+
 def _all_finite(total: torch.Tensor, info: PolicyLossInfo) -> bool:
-    scalars = (total.detach(), info.policy_loss, info.rollout_kl, info.ref_kl, info.approx_kl_sum, info.rollout_kl_sum)
-    return bool(torch.isfinite(torch.stack([s.to(torch.float64) for s in scalars])).all())
+    return bool(torch.isfinite(torch.stack([s.to(torch.float64) for s in _loss_scalars(total, info)])).all())
 
 
 def _policy_loss_terms(
