@@ -157,7 +157,24 @@ def extreme_value(values: torch.Tensor, where: torch.Tensor, reduce: Literal["ma
 # --------------------------------------------------------------------------------------------
 # Metric classes
 # --------------------------------------------------------------------------------------------
-class _RatioOfSums(Metric):
+class _FromSums:
+    """``update`` of a metric whose batch contribution is :meth:`sums` of its stats, added by ``_accumulate``."""
+
+    def update(self, stats: Any = None, sums: tuple[torch.Tensor, ...] | None = None) -> None:
+        """Add one batch: from its ``stats`` (or ``info``), or from ``sums``, this metric's
+        :meth:`sums` of a batch computed elsewhere (the fused step of
+        :mod:`~lightning_offpolicy.correction.fused` computes them inside its compiled graph)."""
+        self._accumulate(*(sums if sums is not None else self.sums(stats)))
+
+    def sums(self, stats: Any) -> tuple[torch.Tensor, ...]:
+        """The sums one update with ``stats`` adds."""
+        raise NotImplementedError
+
+    def _accumulate(self, *sums: torch.Tensor) -> None:
+        raise NotImplementedError
+
+
+class _RatioOfSums(_FromSums, Metric):
     """``numerator / denominator`` of running float64 sums (0 when nothing was accumulated)."""
 
     full_state_update = False
@@ -169,16 +186,6 @@ class _RatioOfSums(Metric):
         super().__init__(**kwargs)
         self.add_state("numerator", default=torch.tensor(0.0, dtype=_F64), dist_reduce_fx="sum")
         self.add_state("denominator", default=torch.tensor(0.0, dtype=_F64), dist_reduce_fx="sum")
-
-    def update(self, stats: Any = None, sums: tuple[torch.Tensor, ...] | None = None) -> None:
-        """Add one batch: from its ``stats`` (or ``info``), or from ``sums``, this metric's
-        :meth:`sums` of a batch computed elsewhere (the fused step of
-        :mod:`~lightning_offpolicy.correction.fused` computes them inside its compiled graph)."""
-        self._accumulate(*(sums if sums is not None else self.sums(stats)))
-
-    def sums(self, stats: Any) -> tuple[torch.Tensor, ...]:
-        """The sums one update with ``stats`` adds."""
-        raise NotImplementedError
 
     def _accumulate(self, numerator: torch.Tensor, denominator: torch.Tensor) -> None:
         self.numerator += numerator.to(self.numerator.device, _F64)
@@ -255,7 +262,7 @@ class ChiSquared(_RatioOfSums):
         return self.numerator / self.denominator - 1.0
 
 
-class EffectiveSampleSize(Metric):
+class EffectiveSampleSize(_FromSums, Metric):
     r"""Normalised effective sample size of the raw ratios: :math:`(\sum\rho)^2 / (N \sum\rho^2)`.
 
     1 when the engine and the trainer agree; small when a few samples would dominate an
@@ -276,9 +283,7 @@ class EffectiveSampleSize(Metric):
         for name in ("sum_w", "sum_w2", "count"):
             self.add_state(name, default=torch.tensor(0.0, dtype=_F64), dist_reduce_fx="sum")
 
-    def update(self, stats: CorrectionStats | None = None, sums: tuple[torch.Tensor, ...] | None = None) -> None:
-        """Add one batch, from its ``stats`` or from :meth:`sums` computed elsewhere."""
-        sum_w, sum_w2, count = sums if sums is not None else self.sums(stats)
+    def _accumulate(self, sum_w: torch.Tensor, sum_w2: torch.Tensor, count: torch.Tensor) -> None:
         self.sum_w += sum_w.to(self.sum_w.device)
         self.sum_w2 += sum_w2.to(self.sum_w2.device)
         self.count += count.to(self.count.device)
@@ -309,7 +314,7 @@ class ImportanceWeightClipFraction(_RatioOfSums):
         return weight_sums(stats, clipped=True)
 
 
-class _Extreme(Metric):
+class _Extreme(_FromSums, Metric):
     """Running max or min (``dist_reduce_fx`` max / min) with a neutral value when empty."""
 
     full_state_update = False
@@ -327,9 +332,7 @@ class _Extreme(Metric):
         """The candidate values and where they count."""
         raise NotImplementedError
 
-    def update(self, stats: CorrectionStats | None = None, sums: tuple[torch.Tensor, ...] | None = None) -> None:
-        """Add one batch, from its ``stats`` or from :meth:`sums` computed elsewhere."""
-        (extreme,) = sums if sums is not None else self.sums(stats)
+    def _accumulate(self, extreme: torch.Tensor) -> None:
         combine = torch.maximum if self.reduce == "max" else torch.minimum
         self.value = combine(self.value, extreme.to(self.value.device, _F64))
 
