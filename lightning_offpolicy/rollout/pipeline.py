@@ -60,6 +60,11 @@ class _Samples:
         self.rewards.append(rewards)
         self.components.append(components)
 
+    def informative_groups(self, rewards: torch.Tensor) -> list[int]:
+        """The groups whose rewards are not all equal, in order of appearance."""
+        keep = informative_rows(rewards, torch.tensor(self.groups)).tolist()
+        return list(dict.fromkeys(g for g, k in zip(self.groups, keep, strict=True) if k))
+
 
 class Rollouter:
     """Generate, score and build the batches of one engine's samples.
@@ -122,17 +127,16 @@ class Rollouter:
         stats: dict[str, float] = {}
         if self.dapo.dynamic_sampling:
             wanted = len(prompts)
-            keep = informative_rows(rewards, torch.tensor(samples.groups))
+            informative = samples.informative_groups(rewards)
             refills = 0
-            while self.more_prompts is not None and refills < self.dapo.max_refill_batches:
-                if len({g for g, k in zip(samples.groups, keep.tolist(), strict=True) if k}) >= wanted:
-                    break
+            while (
+                self.more_prompts is not None and refills < self.dapo.max_refill_batches and len(informative) < wanted
+            ):
                 refills += 1
                 seed = batch_seed(self.seed, index, rank, refill=refills)
                 generate_s += self._sample(samples, self.more_prompts(), seed, group_offset=max(samples.groups) + 1)
                 rewards = self._rewards(samples)
-                keep = informative_rows(rewards, torch.tensor(samples.groups))
-            informative = list(dict.fromkeys(g for g, k in zip(samples.groups, keep.tolist(), strict=True) if k))
+                informative = samples.informative_groups(rewards)
             chosen = set(informative[:wanted])
             if not chosen:  # nothing informative: train the batch's own groups (zero advantage, no signal)
                 chosen = set(range(len(prompts)))
