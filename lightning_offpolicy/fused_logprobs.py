@@ -72,7 +72,7 @@ from torch import Tensor, nn
 from torch.autograd.function import once_differentiable
 
 from lightning_offpolicy.argcheck import is_real
-from lightning_offpolicy.logprobs import _acc_dtype, _check_common, _check_targets, _entropy_grad, _logp_to_grad
+from lightning_offpolicy.logprobs import _acc_dtype, _check_common, _check_targets, _logp_to_grad, _scaled_grads
 
 __all__ = [
     "FUSED_HEAD_ARCHITECTURES",
@@ -240,6 +240,7 @@ class _FusedLinearLogprobs(torch.autograd.Function):
         ctx.save_for_backward(hidden, weight, bias, targets, lse, entropy, *terms)
         ctx.inv_t = inv_t
         ctx.chunk_size = chunk_size
+        ctx.set_materialize_grads(False)  # an entropy that is only logged reaches backward as None
         ctx.scales = scales
         if not want_entropy:
             ctx.mark_non_differentiable(entropy)
@@ -258,8 +259,7 @@ class _FusedLinearLogprobs(torch.autograd.Function):
         vocab = weight.shape[0]
         acc = lse.dtype
         dev = hidden.device
-        g_all = grad_out.reshape(-1).to(acc) * inv_t  # [N]: grad_out / T
-        ge_all = _entropy_grad(grad_entropy, entropy, inv_t, acc)
+        g_all, ge_all = _scaled_grads(grad_out, grad_entropy, entropy, n, inv_t, acc)
         grad_h = torch.empty_like(hidden) if need_h else None
         grad_w = torch.zeros_like(weight) if need_w else None
         grad_b = torch.zeros(vocab, dtype=acc, device=dev) if (need_b and bias is not None) else None
@@ -283,7 +283,7 @@ class _FusedLinearLogprobs(torch.autograd.Function):
                     z.mul_(inv_t)
                 # dz = (onehot - p) * grad_out / T (+ the entropy's term), in place: p = exp(z - lse).
                 z.sub_(lse[start:end, None])
-                _logp_to_grad(z, g, None if ge_all is None else ge_all[start:end, None], entropy, start, end)
+                _logp_to_grad(z, g, ge_all, entropy, start, end)
                 z.scatter_add_(1, targets[start:end, None], g)
                 if grad_b is not None:
                     grad_b += z.sum(dim=0)

@@ -135,6 +135,9 @@ class _TokenLogprobs(torch.autograd.Function):
         ctx.save_for_backward(logits, targets, lse, entropy)
         ctx.inv_t = inv_t
         ctx.chunk_size = chunk_size
+        # An output nobody differentiates reaches backward as None, not as zeros: an entropy that is
+        # only logged costs the backward nothing.
+        ctx.set_materialize_grads(False)
         logprobs = logprobs.view(targets.shape)
         if want_entropy:
             entropy = entropy.view(targets.shape)
@@ -152,9 +155,8 @@ class _TokenLogprobs(torch.autograd.Function):
         flat = logits.reshape(-1, vocab)
         tgt = targets.reshape(-1)
         acc = lse.dtype
-        g_all = grad_out.reshape(-1).to(acc) * inv_t  # [N]: grad_out / T
-        ge_all = _entropy_grad(grad_entropy, entropy, inv_t, acc)
         n = flat.shape[0]
+        g_all, ge_all = _scaled_grads(grad_out, grad_entropy, entropy, n, inv_t, acc)
         grad_logits = torch.empty((n, vocab), dtype=logits.dtype, device=logits.device)
         direct = grad_logits.dtype == acc
         tmp: Tensor | None = None
@@ -178,7 +180,7 @@ class _TokenLogprobs(torch.autograd.Function):
                     buf.mul_(inv_t)
             # p = exp(z - lse); grad = (onehot - p) * grad_out / T (+ the entropy's term)
             buf.sub_(lse[start:end, None])
-            _logp_to_grad(buf, g, None if ge_all is None else ge_all[start:end, None], entropy, start, end)
+            _logp_to_grad(buf, g, ge_all, entropy, start, end)
             buf.scatter_add_(1, tgt[start:end, None], g)
             if not direct:
                 grad_logits[start:end].copy_(buf)
@@ -186,24 +188,29 @@ class _TokenLogprobs(torch.autograd.Function):
         return grad_logits.view(logits.shape), None, None, None, None
 
 
-def _entropy_grad(grad_entropy: Tensor | None, entropy: Tensor, inv_t: float, acc: torch.dtype) -> Tensor | None:
-    """``grad_entropy / T`` flattened, or ``None`` when the entropy gets no gradient."""
+def _scaled_grads(
+    grad_out: Tensor | None, grad_entropy: Tensor | None, entropy: Tensor, n: int, inv_t: float, acc: torch.dtype
+) -> tuple[Tensor, Tensor | None]:
+    """``[N]`` ``grad_out / T`` (zeros when the logprobs get no gradient) and ``grad_entropy / T``
+    (``None`` when the entropy gets none: its term is then skipped)."""
+    device = entropy.device
+    g_all = torch.zeros(n, dtype=acc, device=device) if grad_out is None else grad_out.reshape(-1).to(acc) * inv_t
     if grad_entropy is None or entropy.numel() == 0:
-        return None
-    return grad_entropy.reshape(-1).to(acc) * inv_t
+        return g_all, None
+    return g_all, grad_entropy.reshape(-1).to(acc) * inv_t
 
 
-def _logp_to_grad(buf: Tensor, g: Tensor, ge: Tensor | None, entropy: Tensor, start: int, end: int) -> None:
-    """In place: ``buf`` = ``log p`` of a chunk -> its gradient w.r.t. ``z``, without the one-hot term.
+def _logp_to_grad(buf: Tensor, g: Tensor, ge_all: Tensor | None, entropy: Tensor, start: int, end: int) -> None:
+    """In place: ``buf`` = ``log p`` of rows ``start:end`` -> their gradient w.r.t. ``z``, without the one-hot term.
 
     ``d logprob / dz = onehot - p`` and ``dH / dz = -p * (log p + H)`` (``H = lse - sum p z``), so
     the chunk's gradient is ``-p * (g + ge * (log p + H)) + g * onehot``; the caller adds the one-hot.
     """
-    if ge is None:
+    if ge_all is None:
         buf.exp_().mul_(g.neg())
         return
     p = torch.exp(buf)  # a second [c, V] temporary, only when the entropy has a gradient
-    buf.add_(entropy.reshape(-1)[start:end, None]).mul_(ge).add_(g).mul_(p).neg_()
+    buf.add_(entropy.reshape(-1)[start:end, None]).mul_(ge_all[start:end, None]).add_(g).mul_(p).neg_()
     del p
 
 
