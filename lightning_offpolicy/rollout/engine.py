@@ -73,15 +73,28 @@ class Completion:
         prompt_index: index of its prompt in the ``generate`` call.
         token_ids: generated token ids (the stop token included when one was produced).
         logprobs: per-token logprobs under the distribution actually sampled (``pi_rollout``).
-        finish_reason: ``"stop"`` (end-of-sequence token) or ``"length"``.
-        policy_version: version of the weights that generated the tokens.
+        finish_reason: ``"stop"`` (end-of-sequence token), ``"length"``, or :data:`INTERRUPTED`
+            (the call was cut short by :meth:`RolloutEngine.interrupt`: ``token_ids`` are the tokens
+            sampled so far, possibly none, to be continued).
+        policy_version: version of the weights that generated the tokens: one int, or one per token
+            when the completion was continued after a weight push (a partial rollout).
     """
 
     prompt_index: int
     token_ids: list[int]
     logprobs: list[float] | None
     finish_reason: str
-    policy_version: int
+    policy_version: int | list[int]
+
+    def token_versions(self) -> list[int]:
+        """The version of each token (the one int repeated, or the per-token list as it is)."""
+        if isinstance(self.policy_version, list):
+            return list(self.policy_version)
+        return [int(self.policy_version)] * len(self.token_ids)
+
+
+#: ``Completion.finish_reason`` of a completion cut short by ``interrupt()`` (a partial rollout).
+INTERRUPTED = "interrupted"
 
 
 @runtime_checkable
@@ -100,6 +113,23 @@ class RolloutEngine(Protocol):
 
     def close(self) -> None:
         """Release processes and memory."""
+        ...
+
+
+@runtime_checkable
+class InterruptibleEngine(RolloutEngine, Protocol):
+    """An engine whose ``generate`` can be cut short from another thread (partial rollouts).
+
+    :meth:`interrupt` makes the ``generate`` call in flight (or, when none is, the next one) return
+    soon, with each completion that has not finished as an :data:`INTERRUPTED` ``Completion``
+    holding the tokens and logprobs sampled so far. A call consumes the interrupt: the one after
+    it runs normally. The caller continues an interrupted completion by generating from
+    ``prompt + token_ids`` (:func:`lightning_offpolicy.rollout.partial.generate_resumable`),
+    typically after pushing new weights (AReaL's, slime's and SkyRL's partial rollouts).
+    """
+
+    def interrupt(self) -> None:
+        """Cut the ``generate`` call in flight short (thread-safe; returns at once)."""
         ...
 
 
