@@ -108,6 +108,14 @@ class RolloutCallback(Callback):
             before ``max_new_tokens`` the reward is lowered linearly, by up to
             ``overlong_penalty_factor`` (logged as ``reward/overlong_penalty``); 0: off.
         overlong_penalty_factor: The punishment at ``max_new_tokens``.
+        partial_rollouts: Asynchronous mode: a weight push interrupts the generation request in
+            flight instead of waiting for it, and the interrupted completions are continued from
+            their tokens so far under the new weights (each token keeps the version and logprob of
+            the weights that sampled it; AReaL's, slime's and SkyRL's partial rollouts). Needs
+            ``max_staleness >= 1`` and an engine with ``interrupt()`` (HFEngine, HFProcessEngine,
+            VLLMEngine, RemoteVLLMEngine). Logs ``rollout/interrupted_frac``,
+            ``rollout/continuation_calls`` and ``rollout/tokens_per_version``. Worth it when
+            completions are long against a training step (docs/performance_async.md).
     """
 
     def __init__(
@@ -129,6 +137,7 @@ class RolloutCallback(Callback):
         overlong_filter: bool = False,
         overlong_buffer: int = 0,
         overlong_penalty_factor: float = 1.0,
+        partial_rollouts: bool = False,
     ) -> None:
         if advantage_estimator not in ADVANTAGE_ESTIMATORS:
             raise ValueError(
@@ -151,6 +160,13 @@ class RolloutCallback(Callback):
             raise ValueError(
                 f"RolloutCallback.success_threshold={success_threshold!r} must be a number (the reward a sample "
                 "needs for its prompt to count in val/pass@k)."
+            )
+        if not isinstance(partial_rollouts, bool):
+            raise ValueError(f"RolloutCallback.partial_rollouts={partial_rollouts!r} must be True or False.")
+        if partial_rollouts and max_staleness < 1:
+            raise ValueError(
+                "RolloutCallback.partial_rollouts=True needs max_staleness >= 1: synchronous rollouts never push "
+                "weights while a request is in flight, so there is nothing to interrupt."
             )
         check_group_size(samples_per_prompt, advantage_estimator)
         self.dapo = DAPOSettings(
@@ -180,6 +196,7 @@ class RolloutCallback(Callback):
         self.max_staleness = max_staleness
         self.sync_every = sync_every
         self.success_threshold = float(success_threshold)
+        self.partial_rollouts = partial_rollouts
         # Policy version whose weights the current validation epoch pushed (None: not pushed yet).
         self._evaluated_version: int | None = None
         #: Batches handed to training so far (restored from checkpoints; numbers the seeds).
@@ -236,6 +253,12 @@ class RolloutCallback(Callback):
                 "updates the weights, so the engine needs its own copy of them: use HFProcessEngine (generation in "
                 "its own process, the fastest on a CPU with a core to spare), VLLMEngine, or "
                 "HFEngine(dtype='float32' / 'bfloat16') instead of an HFEngine that shares the module's weights."
+            )
+        if self.partial_rollouts and not callable(getattr(self.engine, "interrupt", None)):
+            raise ValueError(
+                f"RolloutCallback.partial_rollouts=True needs an engine that can be interrupted (an `interrupt()` "
+                f"method); {type(self.engine).__name__} has none. Use HFProcessEngine, HFEngine(dtype=...), "
+                "VLLMEngine or RemoteVLLMEngine, or set partial_rollouts=False."
             )
         self._rank = trainer.global_rank
 
@@ -295,6 +318,7 @@ class RolloutCallback(Callback):
             first_index=self.generated_batches,
             trainer_version=version,
             engine_version=version,
+            interrupt=engine.interrupt if self.partial_rollouts else None,
         )
         self.producer.start()
 
@@ -364,6 +388,7 @@ class RolloutCallback(Callback):
             success_threshold=self.success_threshold,
             dapo=self.dapo,
             more_prompts=None if self._refill_prompts is None else lambda: next(self._refill_prompts),
+            turn=self.producer.generation_turn if self.producer is not None and self.producer.interrupts else None,
         )
 
     def _produce(self, prompts: PromptBatch, index: int) -> tuple[RolloutBatch, float]:
@@ -427,7 +452,8 @@ class RolloutCallback(Callback):
         if version - self.producer.engine_version < self.sync_every:
             return
         started = time.perf_counter()
-        with self.producer.engine_access():  # waits for the generation request in flight
+        # Waits for the generation request in flight, or interrupts it (partial_rollouts).
+        with self.producer.engine_access():
             self.engine.update_weights(pl_module.policy, version)
             self.producer.set_engine_version(version)
         self.last_timing["sync_s"] = time.perf_counter() - started

@@ -15,18 +15,25 @@ calls, hence the same tokens and logprobs for the same seed, without ``generate`
 bookkeeping. Models the loop cannot drive (no KV cache, an encoder-decoder, a generation config
 that adds logits processors) fall back to ``generate``, with the reason in a debug log;
 ``sampler="generate"`` always uses it.
+
+:meth:`HFEngine.interrupt` (thread-safe) cuts the ``generate`` call in flight short before its
+next forward pass: the rows that have not stopped come back
+:data:`~lightning_offpolicy.rollout.engine.INTERRUPTED` with the tokens sampled so far (partial
+rollouts, :mod:`lightning_offpolicy.rollout.partial`).
 """
 
 from __future__ import annotations
 
 import copy
 import logging
+import threading
 from collections.abc import Mapping
 from typing import Any, Literal
 
 import torch
 
 from lightning_offpolicy.rollout.engine import (
+    INTERRUPTED,
     Completion,
     SamplingConfig,
     SpecialTokens,
@@ -85,6 +92,24 @@ class HFEngine(SpecialTokens):
         self.max_batch_size = max_batch_size
         self.model: torch.nn.Module | None = None
         self.version = 0
+        # Set by interrupt(), consumed by the generate call it cuts short (HFProcessEngine swaps in a
+        # multiprocessing event its child process shares).
+        self._interrupt: Any = threading.Event()
+
+    def interrupt(self) -> None:
+        """Make the ``generate`` call in flight (or the next one) return before its next forward pass."""
+        self._interrupt.set()
+
+    def __getstate__(self) -> dict[str, Any]:
+        # ddp_spawn pickles the callbacks with their engine: an event does not pickle, and a pending
+        # interrupt means nothing in another process.
+        state = dict(self.__dict__)
+        state["_interrupt"] = None
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._interrupt = threading.Event()
 
     @property
     def share_weights(self) -> bool:
@@ -128,6 +153,7 @@ class HFEngine(SpecialTokens):
                     completions += self._generate_rows(model, prompt_ids, rows[start : start + chunk], sampling, lean)
         finally:
             model.train(was_training)
+            self._interrupt.clear()  # consumed by this call
         return completions
 
     def _use_lean(self, model: torch.nn.Module) -> bool:
@@ -168,7 +194,11 @@ class HFEngine(SpecialTokens):
                     temperature=sampling.temperature,
                     top_k=sampling.top_k,
                     top_p=sampling.top_p,
+                    should_stop=self._interrupt.is_set,
                 )
+        elif self._interrupt.is_set():  # generate always takes a step: interrupted before it began
+            generated = torch.full((len(rows), 0), self.pad_token_id, dtype=torch.long)
+            logprobs = torch.zeros((len(rows), 0))
         else:
             generated, logprobs = self._hf_generate(model, input_ids, attention_mask, sampling, device)
         token_rows = generated.tolist()
@@ -177,6 +207,8 @@ class HFEngine(SpecialTokens):
         for r, i in enumerate(rows):
             tokens = token_rows[r]
             length, reason = first_stop(tokens, self.stop_ids)
+            if reason == "length" and length < sampling.max_new_tokens:  # the loop ended early: interrupted
+                reason = INTERRUPTED
             completions.append(
                 Completion(
                     prompt_index=i,
@@ -216,6 +248,7 @@ class HFEngine(SpecialTokens):
             eos_token_id=self.stop_ids,  # every stop id: generate pads a row after the first one it samples
             output_scores=True,
             return_dict_in_generate=True,
+            stopping_criteria=_interrupt_criteria(self._interrupt),
         )
         generated = out.sequences[:, width:]
         # Processed scores: the distribution actually sampled from, one [rows, V] tensor per step.
@@ -225,6 +258,17 @@ class HFEngine(SpecialTokens):
 
     def close(self) -> None:
         self.model = None
+
+
+def _interrupt_criteria(event: Any) -> Any:
+    """A stopping criterion that ends ``generate`` for every row once ``event`` is set."""
+    from transformers import StoppingCriteria, StoppingCriteriaList
+
+    class Interrupted(StoppingCriteria):
+        def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor, **kwargs: Any) -> torch.Tensor:
+            return torch.full((input_ids.shape[0],), event.is_set(), dtype=torch.bool, device=input_ids.device)
+
+    return StoppingCriteriaList([Interrupted()])
 
 
 def _rng_devices(model: torch.nn.Module) -> list[Any]:

@@ -12,6 +12,8 @@ push is one in-place ``load_state_dict`` from the trainer's module (no serializa
 the child reads the new weights at its next request. A request sends the prompt ids and the sampling
 settings through a pipe and gets the completions back. The ``RolloutCallback`` never pushes while a
 request is in flight (the producer's engine lock), so a generation never sees half-updated weights.
+:meth:`~HFEngine.interrupt` sets a multiprocessing event the child checks before each forward pass:
+with partial rollouts a push cuts the request in flight short instead of waiting for it.
 
 The child is started with ``spawn`` (forking a process that runs threads is unsafe): like vLLM's
 engine processes, it re-imports the main script, which needs an ``if __name__ == "__main__":`` guard.
@@ -137,9 +139,10 @@ class HFProcessEngine(HFEngine):
     def _start(self) -> None:
         context = torch.multiprocessing.get_context("spawn")
         parent, child = context.Pipe()
+        interrupt = context.Event()
         process = context.Process(
             target=_serve,
-            args=(child, self.model, self.max_batch_size, torch.get_num_threads()),
+            args=(child, self.model, self.max_batch_size, torch.get_num_threads(), interrupt),
             name="HFProcessEngine",
             daemon=True,
         )
@@ -148,7 +151,7 @@ class HFProcessEngine(HFEngine):
         except Exception as err:
             raise RuntimeError(f"HFProcessEngine: the engine process did not start: {err}. {MAIN_GUARD_HINT}") from err
         child.close()
-        self._process, self._conn = process, parent
+        self._process, self._conn, self._interrupt = process, parent, interrupt
         self._receive(self.start_timeout_s, "start")
 
     def _ask(self, message: tuple[str, Any]) -> Any:
@@ -182,11 +185,12 @@ class HFProcessEngine(HFEngine):
         )
 
 
-def _serve(conn: Connection, model: torch.nn.Module, max_batch_size: int, threads: int) -> None:
+def _serve(conn: Connection, model: torch.nn.Module, max_batch_size: int, threads: int, interrupt: Any) -> None:
     """The child: answer generation requests with ``HFEngine``'s loop on the shared-memory ``model``."""
     torch.set_num_threads(threads)
     engine = HFEngine(max_batch_size=max_batch_size)
     engine.model = model  # dtype None: the engine uses the module as it is (its memory is the parent's copy)
+    engine._interrupt = interrupt  # the parent's interrupt() sets it; each generate call consumes it
     conn.send(("ok", None))
     while True:
         try:

@@ -30,6 +30,7 @@ engine then falls back to ``generate``.
 from __future__ import annotations
 
 import inspect
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -132,13 +133,16 @@ def lean_sample(
     temperature: float = 1.0,
     top_k: int = 0,
     top_p: float = 1.0,
+    should_stop: Callable[[], bool] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Decode ``max_new_tokens`` (or until every row has stopped) from left-padded prompts.
 
     Returns ``(tokens, logprobs)``, both ``[rows, steps]`` on the CPU with ``steps <= max_new_tokens``:
     the tokens ``generate`` would return after the prompt (pad after a row's first stop id) and the
     log-softmax of the processed scores at each of them (float32). Runs under the caller's grad mode
-    and RNG state.
+    and RNG state. ``should_stop`` is asked before every forward pass; when it says ``True`` the
+    loop ends there (a partial rollout's interrupt), so a row that has no stop id and fewer than
+    ``max_new_tokens`` tokens was cut short.
     """
     from transformers import DynamicCache
 
@@ -175,8 +179,10 @@ def lean_sample(
         # A float32 copy, as generate takes it (no reference kept to the prefill's logits).
         return outputs.logits[:, -1].to(copy=True, dtype=torch.float32)
 
-    scores = last_logits(input_ids, attention_mask, position_ids)
     steps = 0
+    if should_stop is not None and should_stop():
+        return tokens[:, :0].cpu(), logprobs[:, :0].cpu()
+    scores = last_logits(input_ids, attention_mask, position_ids)
     for step in range(max_new_tokens):
         for warper in warpers:
             scores = warper(None, scores)
@@ -194,7 +200,7 @@ def lean_sample(
             unfinished = unfinished & ~torch.isin(next_tokens, stops)
             if not bool(unfinished.any()):
                 break
-        if steps == max_new_tokens:
+        if steps == max_new_tokens or (should_stop is not None and should_stop()):
             break
         scores = last_logits(next_tokens[:, None], mask[:, : width + steps], next_position)
         next_position = next_position + 1

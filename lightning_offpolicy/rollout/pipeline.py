@@ -13,7 +13,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ContextManager
 
 import torch
 
@@ -24,6 +24,7 @@ from lightning_offpolicy.preflight import check_prompt_fits
 from lightning_offpolicy.rewards import score_completions
 from lightning_offpolicy.rollout.dapo import DAPOSettings, informative_rows, overlong_penalty
 from lightning_offpolicy.rollout.engine import Completion, RolloutEngine, SamplingConfig
+from lightning_offpolicy.rollout.partial import PartialStats, generate_resumable
 from lightning_offpolicy.tokenizers import encode_prompt
 
 __all__ = ["Rollouter", "batch_seed"]
@@ -66,6 +67,17 @@ class _Samples:
         return list(dict.fromkeys(g for g, k in zip(self.groups, keep, strict=True) if k))
 
 
+def _partial_stats(partial: PartialStats, generated: int, rollout: RolloutBatch) -> dict[str, float]:
+    """A partial rollout's counts: the interrupted fraction, the continuation calls, tokens per version."""
+    versions = rollout.policy_version[rollout.response_mask.bool()]
+    distinct = int(versions.unique().numel()) if versions.numel() else 1
+    return {
+        "interrupted_frac": partial.interrupted / max(generated, 1),
+        "continuation_calls": float(partial.continuation_calls),
+        "tokens_per_version": float(versions.numel()) / distinct,
+    }
+
+
 class Rollouter:
     """Generate, score and build the batches of one engine's samples.
 
@@ -84,9 +96,15 @@ class Rollouter:
         success_threshold: Held-out evaluation: the reward a sample needs for its prompt to pass.
         dapo: DAPO's dynamic sampling and overlong handling (:mod:`~lightning_offpolicy.rollout.dapo`).
         more_prompts: Returns the next prompt batch to refill from (dynamic sampling; ``None``: no refill).
+        turn: Partial rollouts: a context manager that grants the engine for one ``generate`` call
+            between two weight pushes (the producer's ``generation_turn``); completions a push
+            interrupts are continued under the new weights
+            (:func:`~lightning_offpolicy.rollout.partial.generate_resumable`). ``None``: the caller
+            holds the engine for the whole rollout.
 
     After each :meth:`rollout`, :attr:`last_stats` holds its counts (``groups_dropped``,
-    ``refill_batches``, ``groups_short``, ``overlong_filtered``; only those of the features in use).
+    ``refill_batches``, ``groups_short``, ``overlong_filtered``; with ``turn``: ``interrupted_frac``,
+    ``continuation_calls`` and ``tokens_per_version``; only those of the features in use).
     """
 
     def __init__(
@@ -101,6 +119,7 @@ class Rollouter:
         success_threshold: float = 1.0,
         dapo: DAPOSettings | None = None,
         more_prompts: Callable[[], PromptBatch] | None = None,
+        turn: Callable[[], ContextManager[object]] | None = None,
     ) -> None:
         self.engine = engine
         self.tokenizer = tokenizer
@@ -112,6 +131,8 @@ class Rollouter:
         self.success_threshold = success_threshold
         self.dapo = dapo if dapo is not None else DAPOSettings()
         self.more_prompts = more_prompts
+        self.turn = turn
+        self._partial = PartialStats()
         self.last_stats: dict[str, float] = {}
 
     def encode(self, prompts: PromptBatch) -> list[list[int]]:
@@ -121,6 +142,7 @@ class Rollouter:
     def rollout(self, prompts: PromptBatch, index: int, rank: int = 0) -> tuple[RolloutBatch, float]:
         """Training batch ``index``: the scored rollout of ``prompts``, and the seconds generation took."""
         samples, generate_s = _Samples(), 0.0
+        self._partial = PartialStats()
         generate_s += self._sample(samples, prompts, batch_seed(self.seed, index, rank), group_offset=0)
         rewards = self._rewards(samples)
         keep = torch.ones(len(samples.completions), dtype=torch.bool)
@@ -157,6 +179,8 @@ class Rollouter:
                 rollout = rollout.with_fields(
                     response_mask=rollout.response_mask * out, advantages=rollout.advantages * out
                 )
+        if self.turn is not None:
+            stats.update(_partial_stats(self._partial, len(samples.completions), rollout))
         self.last_stats = stats
         return rollout, generate_s
 
@@ -165,7 +189,9 @@ class Rollouter:
         prompt_ids = self.encode(prompts)
         started = time.perf_counter()
         check_prompt_fits(max(map(len, prompt_ids), default=0), self.sampling.max_new_tokens, self.context_limit)
-        completions = self.engine.generate(prompt_ids, self.sampling, seed=seed)
+        completions = generate_resumable(
+            self.engine, prompt_ids, self.sampling, seed=seed, turn=self.turn, stats=self._partial
+        )
         generate_s = time.perf_counter() - started
         scored = self._score(prompts, [c.prompt_index for c in completions], completions)
         components = dict(scored.components or {})
@@ -198,7 +224,7 @@ class Rollouter:
             rewards=kept_rewards,
             advantages=compute_advantages(self.advantage_estimator, kept_rewards, group_ids),
             group_ids=group_ids,
-            policy_versions=[c.policy_version for c in completions],
+            policy_versions=[c.token_versions() for c in completions],
             rollout_logprobs=None
             if any(c.logprobs is None for c in completions)
             else [c.logprobs for c in completions],

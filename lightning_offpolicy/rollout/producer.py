@@ -17,7 +17,11 @@ more optimizer steps per batch than announced), it is not trained: its prompts a
 with fresh weights and the samples are counted in ``dropped_samples``.
 
 The engine is shared with the trainer thread, which pushes new weights between two generation
-requests (:meth:`RolloutProducer.engine_access`): generation pauses only for the push.
+requests (:meth:`RolloutProducer.engine_access`). By default a push waits for the request in
+flight. With ``interrupt`` (partial rollouts, :mod:`lightning_offpolicy.rollout.partial`) it does
+not: the push interrupts the request, takes the engine as soon as the call returns with its
+partial completions, and ``produce`` continues them under the new weights, each engine call in a
+:meth:`RolloutProducer.generation_turn`.
 """
 
 from __future__ import annotations
@@ -31,10 +35,14 @@ from dataclasses import dataclass
 
 from lightning_offpolicy.batch import PromptBatch, RolloutBatch
 
-__all__ = ["ProducedRollout", "RolloutProducer"]
+__all__ = ["ProducedRollout", "ProducerStopped", "RolloutProducer"]
 
 #: Seconds between two checks of the producer's health while the trainer waits for a batch.
 _POLL_S = 0.05
+
+
+class ProducerStopped(Exception):
+    """Raised in the producer thread by :meth:`RolloutProducer.generation_turn` after a stop request."""
 
 
 @dataclass
@@ -61,7 +69,8 @@ class RolloutProducer:
 
     Args:
         produce: ``(prompts, index) -> (rollout, generate_s)``: generates and scores one batch with the
-            engine as it is (called in the producer thread, inside :meth:`engine_access`).
+            engine as it is (called in the producer thread; inside :meth:`engine_access` without
+            ``interrupt``, else it takes a :meth:`generation_turn` for each engine call itself).
         prompt_batches: Endless iterator of the prompt batches to generate, in order.
         max_staleness: Largest number of policy versions between generation and training.
         steps_per_batch: Optimizer steps (policy versions) the trainer takes per batch.
@@ -69,6 +78,8 @@ class RolloutProducer:
             a resume).
         trainer_version: Policy version the first batch will be trained at.
         engine_version: Version of the weights in the engine now.
+        interrupt: Cuts the engine's request in flight short (``engine.interrupt``); ``None``: a push
+            waits for the request in flight.
     """
 
     def __init__(
@@ -80,6 +91,7 @@ class RolloutProducer:
         first_index: int,
         trainer_version: int,
         engine_version: int,
+        interrupt: Callable[[], None] | None = None,
     ) -> None:
         if max_staleness < 0:
             raise ValueError(f"RolloutProducer.max_staleness={max_staleness} must be >= 0.")
@@ -91,6 +103,8 @@ class RolloutProducer:
         self.steps_per_batch = steps_per_batch
         self._cond = threading.Condition()
         self._engine_lock = threading.Lock()
+        self._interrupt = interrupt
+        self._pushes_waiting = 0  # trainer-side engine_access calls waiting for or holding the engine
         self._ready: collections.deque[ProducedRollout] = collections.deque()
         self._retry: collections.deque[PromptBatch] = collections.deque()
         self._next_index = first_index
@@ -116,9 +130,45 @@ class RolloutProducer:
         with self._cond:
             return len(self._ready)
 
+    @property
+    def interrupts(self) -> bool:
+        """Whether :meth:`engine_access` interrupts the request in flight instead of waiting for it."""
+        return self._interrupt is not None
+
     @contextlib.contextmanager
     def engine_access(self) -> Iterator[None]:
-        """Exclusive use of the engine (waits for the generation request in flight, if any)."""
+        """Exclusive use of the engine for the trainer thread (a push, an evaluation).
+
+        Waits for the generation request in flight, or, with ``interrupt``, cuts it short; the
+        producer takes no new :meth:`generation_turn` until every waiting access is done.
+        """
+        if self._interrupt is None:
+            with self._engine_lock:
+                yield
+            return
+        with self._cond:
+            self._pushes_waiting += 1
+        try:
+            self._interrupt()
+            with self._engine_lock:
+                yield
+        finally:
+            with self._cond:
+                self._pushes_waiting -= 1
+                self._cond.notify_all()
+
+    @contextlib.contextmanager
+    def generation_turn(self) -> Iterator[None]:
+        """The engine for one generation call of the producer thread, after any push that is waiting.
+
+        Raises :class:`ProducerStopped` once :meth:`request_stop` was called: the batch being
+        generated is abandoned (nothing of it was handed to the trainer).
+        """
+        with self._cond:
+            while self._pushes_waiting and not self._stop:
+                self._cond.wait()
+            if self._stop:
+                raise ProducerStopped
         with self._engine_lock:
             yield
 
@@ -162,10 +212,15 @@ class RolloutProducer:
                 self._cond.notify_all()
 
     def request_stop(self) -> None:
-        """Start no new generation request (the one in flight finishes, or fails if the engine is closed)."""
+        """Start no new generation request; with ``interrupt``, cut the one in flight short too.
+
+        Without ``interrupt`` the request in flight finishes (or fails if the engine is closed).
+        """
         with self._cond:
             self._stop = True
             self._cond.notify_all()
+        if self._interrupt is not None:
+            self._interrupt()
 
     def close(self, timeout: float = 10.0) -> None:
         """Stop the thread and wait for it (close the engine first to cut a long request short)."""
@@ -192,7 +247,7 @@ class RolloutProducer:
                     prompts = self._retry.popleft() if self._retry else None
                 if prompts is None:
                     prompts = next(self._prompt_batches)
-                with self._engine_lock:
+                with contextlib.nullcontext() if self.interrupts else self._engine_lock:
                     if self._stop:
                         return
                     rollout, generate_s = self._produce(prompts, index)
@@ -206,6 +261,8 @@ class RolloutProducer:
                 with self._cond:
                     self._ready.append(produced)
                     self._cond.notify_all()
+        except ProducerStopped:
+            return
         except BaseException as err:  # noqa: BLE001 - handed to the trainer thread by take()
             with self._cond:
                 self._error = err

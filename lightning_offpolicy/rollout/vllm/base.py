@@ -9,6 +9,7 @@ and how the engine scores the probe sequence of the self-check.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -18,6 +19,7 @@ import torch
 
 from lightning_offpolicy.argcheck import is_int, is_number
 from lightning_offpolicy.rollout.engine import (
+    INTERRUPTED,
     Completion,
     SamplingConfig,
     SpecialTokens,
@@ -103,6 +105,8 @@ class VLLMEngineBase(SpecialTokens):
         self._closed = False
         self._failure: str | None = None
         self._sync_check = SyncCheck(who)
+        # Set by interrupt(); the backend's _sample polls it and clears it when its call ends.
+        self._interrupt = threading.Event()
 
     # ------------------------------------------------------------------ public API
 
@@ -115,6 +119,12 @@ class VLLMEngineBase(SpecialTokens):
     def last_sync_check_max_abs_diff(self) -> float | None:
         """Largest |engine - trainer| probe logprob difference of the last self-check (``None``: not run)."""
         return self._sync_check.last_max_abs_diff
+
+    def interrupt(self) -> None:
+        """Cut the ``generate`` call in flight (or the next one) short: its unfinished completions come
+        back :data:`~lightning_offpolicy.rollout.engine.INTERRUPTED` with the tokens sampled so far
+        (partial rollouts). Thread-safe, returns at once."""
+        self._interrupt.set()
 
     def stats(self) -> dict[str, float]:
         """The engine's measurements, for logging (only the ones measured so far)."""
@@ -247,7 +257,8 @@ class VLLMEngineBase(SpecialTokens):
         out = []
         for sample in samples:
             tokens, logprobs, reason = sample.token_ids, sample.logprobs, sample.finish_reason
-            if reason not in ("stop", "length"):
+            # INTERRUPTED is set by this kit's own backends (after an abort), never by vLLM itself.
+            if reason not in ("stop", "length", INTERRUPTED):
                 raise RuntimeError(
                     f"{who}: a completion of prompt {index} finished with {reason!r} "
                     f"(stop_reason={sample.stop_reason!r}); expected 'stop' or 'length'."

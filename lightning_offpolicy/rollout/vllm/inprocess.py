@@ -63,6 +63,7 @@ import torch
 
 from lightning_offpolicy.argcheck import is_int
 from lightning_offpolicy.rollout.engine import (
+    INTERRUPTED,
     SamplingConfig,
 )
 from lightning_offpolicy.rollout.vllm import process as vllm_process
@@ -265,6 +266,7 @@ class VLLMEngine(VLLMEngineBase):
         self._lora_serial = 0
         self._lora_dir: Path | None = None
         self._base_synced = False
+        self._request_serial = 0  # ids of the requests this engine adds to vLLM
         # dtype="auto" resolved from the trainer's module at the update_weights that starts the engine.
         self._start_dtype: str | None = None
 
@@ -320,14 +322,45 @@ class VLLMEngine(VLLMEngineBase):
             self._ensure_started()
             self._check_length(max(len(p) for p in prompts), sampling.max_new_tokens, _SHORTEN)  # known now
             llm, lora = self._llm, self._lora_request
-            outputs = self._watched(
-                lambda: llm.generate(
-                    [{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False, lora_request=lora
-                ),
-                "generate",
-            )
+            try:
+                samples = self._watched(lambda: self._run_requests(llm, prompts, params, lora), "generate")
+            finally:
+                self._interrupt.clear()  # consumed by this call
             version = self.version
-        return [[_raw_sample(o) for o in sorted(output.outputs, key=lambda o: o.index)] for output in outputs], version
+        return samples, version
+
+    def _run_requests(self, llm: Any, prompts: list[list[int]], params: list[Any], lora: Any) -> list[list[RawSample]]:
+        """``llm.generate``'s loop, stepping the engine ourselves so that an interrupt can abort it.
+
+        Requests stream their new tokens (``RequestOutputKind.DELTA``): when :meth:`interrupt` is
+        set, the unfinished requests are aborted between two engine steps and their samples come
+        back :data:`~lightning_offpolicy.rollout.engine.INTERRUPTED` with the tokens so far.
+        """
+        from vllm.sampling_params import RequestOutputKind
+
+        engine = llm.llm_engine
+        request_ids = []
+        for prompt, param in zip(prompts, params, strict=True):
+            param.output_kind = RequestOutputKind.DELTA
+            self._request_serial += 1
+            request_id = f"lo-{self._request_serial}"
+            engine.add_request(request_id, {"prompt_token_ids": prompt}, param, lora_request=lora)
+            request_ids.append(request_id)
+        n = params[0].n if params else 1
+        samples = {rid: [RawSample([], [], INTERRUPTED) for _ in range(n)] for rid in request_ids}
+        unfinished = set(request_ids)
+        while unfinished:
+            if self._interrupt.is_set():
+                engine.abort_request(sorted(unfinished))
+                break
+            for output in engine.step():
+                if output.request_id not in samples:
+                    continue  # a late output of a request aborted by an earlier call
+                for piece in output.outputs:
+                    _extend(samples[output.request_id][piece.index], piece)
+                if output.finished:
+                    unfinished.discard(output.request_id)
+        return [samples[rid] for rid in request_ids]
 
     def _prepare_sync(self, source: torch.nn.Module | Mapping[str, torch.Tensor], is_module: bool) -> None:
         if self.lora_sync == "adapter" and not (is_module and is_peft_model(source)):
@@ -613,13 +646,17 @@ class VLLMEngine(VLLMEngineBase):
 # ---------------------------------------------------------------------- helpers
 
 
-def _raw_sample(sample: Any) -> RawSample:
-    """A ``vllm.CompletionOutput`` as the shared checks read it."""
-    tokens = list(sample.token_ids)
-    logprobs = None
-    if sample.logprobs is not None and len(sample.logprobs) == len(tokens):
-        logprobs = [float(sample.logprobs[t][tok].logprob) for t, tok in enumerate(tokens)]
-    return RawSample(tokens, logprobs, sample.finish_reason, sample.stop_reason)
+def _extend(sample: RawSample, piece: Any) -> None:
+    """Append a streamed ``vllm.CompletionOutput`` (its new tokens) to ``sample``."""
+    tokens = list(piece.token_ids)
+    sample.token_ids += tokens
+    if sample.logprobs is not None:
+        if piece.logprobs is not None and len(piece.logprobs) == len(tokens):
+            sample.logprobs += [float(piece.logprobs[t][tok].logprob) for t, tok in enumerate(tokens)]
+        else:  # the shared checks report the missing logprobs
+            sample.logprobs = None
+    if piece.finish_reason is not None:
+        sample.finish_reason, sample.stop_reason = piece.finish_reason, piece.stop_reason
 
 
 class _DropChatTemplateWarmup(logging.Filter):

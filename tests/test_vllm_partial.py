@@ -1,0 +1,109 @@
+"""Partial rollouts on the in-process VLLMEngine (real vLLM): abort, keep the tokens so far, continue.
+
+The engine steps vLLM itself with streamed outputs, so an interrupt aborts the requests between two
+engine steps. References: an uninterrupted call with the same seed, and the trainer's float32
+teacher-forced logprobs under each weight set (tests/vllm_fixtures.py).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import threading
+import time
+
+import pytest
+import torch
+
+from lightning_offpolicy.rollout.engine import INTERRUPTED, InterruptibleEngine, SamplingConfig
+from lightning_offpolicy.rollout.partial import PartialStats, generate_resumable
+from tests.vllm_fixtures import requires_vllm, residuals, reverse_prompts, teacher_forced_logprobs
+
+pytestmark = [pytest.mark.slow, requires_vllm]
+
+#: A stop id the tiny checkpoint does not sample: completions run to max_new_tokens unless interrupted.
+NEVER = [0]  # the padding id: the SFT-warmed checkpoint never samples it
+
+
+@contextlib.contextmanager
+def never_stopping(engine):
+    saved = (engine.eos_token_id, engine.stop_token_ids)
+    engine.eos_token_id, engine.stop_token_ids = NEVER[0], []
+    try:
+        yield engine
+    finally:
+        engine.eos_token_id, engine.stop_token_ids = saved
+
+
+def test_interrupt_returns_the_tokens_so_far_soon_and_the_next_call_runs_normally(vllm_engine, trainer_model):
+    assert isinstance(vllm_engine, InterruptibleEngine)
+    prompts = reverse_prompts(3)
+    long = SamplingConfig(max_new_tokens=200, samples_per_prompt=2)
+    with never_stopping(vllm_engine) as engine:
+        began = time.perf_counter()
+        full = engine.generate(prompts, long, seed=5)
+        full_s = time.perf_counter() - began
+        assert all(c.finish_reason == "length" and len(c.token_ids) == 200 for c in full)
+
+        timer = threading.Timer(full_s / 4, engine.interrupt)
+        began = time.perf_counter()
+        timer.start()
+        cut = engine.generate(prompts, long, seed=5)
+        cut_s = time.perf_counter() - began
+        timer.join()
+        # It returned within a few engine steps of the interrupt, long before the full call's time.
+        assert cut_s < full_s * 0.6, (cut_s, full_s)
+        assert all(c.finish_reason == INTERRUPTED and len(c.token_ids) < 200 for c in cut)
+        assert any(c.token_ids for c in cut)
+        for c, f in zip(cut, full, strict=True):
+            assert c.token_ids == f.token_ids[: len(c.token_ids)]  # the same seeded draws, cut short
+            assert len(c.logprobs) == len(c.token_ids)
+        reference = teacher_forced_logprobs(trainer_model, prompts, cut, 1.0)
+        assert float(residuals([c.logprobs for c in cut], reference).max()) < 1e-3
+
+        # An interrupt with no call in flight cuts the next call short; the one after runs normally.
+        engine.interrupt()
+        early = engine.generate(prompts, SamplingConfig(max_new_tokens=8, samples_per_prompt=2), seed=5)
+        assert all(c.finish_reason == INTERRUPTED for c in early)
+        again = engine.generate(prompts, long, seed=5)
+        assert [c.token_ids for c in again] == [c.token_ids for c in full]
+
+
+def test_a_continued_completion_has_the_version_and_logprobs_of_each_segment(vllm_engine, trainer_model):
+    new = copy.deepcopy(trainer_model)
+    generator = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for p in new.parameters():
+            p.add_(0.05 * torch.randn(p.shape, generator=generator))
+    prompts = reverse_prompts(2, seed=1)
+    sampling = SamplingConfig(max_new_tokens=120, samples_per_prompt=2)
+    calls = {"n": 0}
+
+    @contextlib.contextmanager
+    def turn():
+        calls["n"] += 1
+        if calls["n"] == 1:  # interrupt the first call once it is under way
+            threading.Timer(0.3, vllm_engine.interrupt).start()
+        if calls["n"] == 2:  # the push between the two segments
+            vllm_engine.update_weights(new, 1)
+        yield
+
+    stats = PartialStats()
+    try:
+        with never_stopping(vllm_engine) as engine:
+            completions = generate_resumable(engine, prompts, sampling, seed=2, turn=turn, stats=stats)
+        assert stats.interrupted == 4 and stats.continuation_calls >= 1
+        assert all(len(c.token_ids) == 120 and c.finish_reason == "length" for c in completions)
+        old_lp = teacher_forced_logprobs(trainer_model, prompts, completions, 1.0)
+        new_lp = teacher_forced_logprobs(new, prompts, completions, 1.0)
+        for c, under_old, under_new in zip(completions, old_lp, new_lp, strict=True):
+            versions = c.token_versions()
+            cut = versions.count(0)
+            assert 0 < cut < 120 and versions == [0] * cut + [1] * (120 - cut)
+            lp = torch.tensor(c.logprobs)
+            assert float((lp[:cut] - torch.tensor(under_old[:cut])).abs().max()) < 1e-3
+            assert float((lp[cut:] - torch.tensor(under_new[cut:])).abs().max()) < 1e-3
+            # The two weight sets disagree on these tokens by far more than the tolerance.
+            assert float((torch.tensor(under_old) - torch.tensor(under_new)).abs().max()) > 1e-2
+    finally:
+        vllm_engine.update_weights(trainer_model, 0)  # the shared engine goes back to the checkpoint
