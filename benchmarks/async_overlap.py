@@ -21,10 +21,18 @@ and training (the rest of the step). The ideal asynchronous step is ``max(genera
 
 The first ``--warmup`` batches of every run are not counted (engine warm-up, allocator).
 
+With ``--partial`` every engine runs a third fit: asynchronous with ``partial_rollouts=True`` (a
+push interrupts the request in flight; the completions continue under the new weights), and the
+report compares it with the plain asynchronous run: step time, the trainer's push + wait, and the
+fraction of completions interrupted. ``--no-stop`` makes every completion run to
+``--max-new-tokens`` (a stop id the model never samples): the long-completion regime where a push
+would otherwise wait for a long request.
+
 Usage::
 
     python benchmarks/async_overlap.py --output docs/performance_async.md     # ~3-6 min on 2 CPU cores
     python benchmarks/async_overlap.py --quick --engines hf --output /tmp/x.md
+    python benchmarks/async_overlap.py --partial --no-stop --max-new-tokens 96 --output docs/performance_partial.md
 """
 
 from __future__ import annotations
@@ -73,9 +81,13 @@ class StepClock(L.Callback):
 class _AfterRollout(L.Callback):
     def __init__(self, clock: StepClock) -> None:
         self.clock = clock
+        self.rollout: RolloutCallback | None = None  # set by run_fit: its per-batch counts are read here
+        self.interrupted_frac: list[float] = []
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
         self.clock.rollout_side.append(time.perf_counter() - self.clock.starts[-1])
+        if self.rollout is not None:
+            self.interrupted_frac.append(self.rollout.last_timing.get("interrupted_frac", 0.0))
 
 
 class PhaseTimer:
@@ -124,7 +136,11 @@ class KeptOpen:
         pass
 
 
-def run_fit(engine, batches: int, max_staleness: int, steps_per_batch: int, args) -> dict:
+#: The stop id of ``--no-stop`` runs: the padding id, which the SFT-warmed tiny model never samples.
+NO_STOP_ID = 0
+
+
+def run_fit(engine, batches: int, max_staleness: int, steps_per_batch: int, args, partial_rollouts=False) -> dict:
     L.seed_everything(0)
     module = OffPolicyRLModule(
         model="tiny:reverse",
@@ -138,8 +154,10 @@ def run_fit(engine, batches: int, max_staleness: int, steps_per_batch: int, args
         max_new_tokens=args.max_new_tokens,
         max_staleness=max_staleness,
         sync_every=max(1, max_staleness),
+        partial_rollouts=partial_rollouts,
     )
     clock = StepClock()
+    clock.after_rollout.rollout = callback
     phases = PhaseTimer()
     phases.wrap(module, "training_step", "train")
     phases.wrap(engine, "generate", "generate")  # the producer thread's when asynchronous
@@ -171,28 +189,39 @@ def run_fit(engine, batches: int, max_staleness: int, steps_per_batch: int, args
         "push_and_wait_s": phases.mean("push_and_wait", skip),
         "train_cpu_share": phases.cpu_share("train", skip),
         "generate_cpu_share": phases.cpu_share("generate", skip),
+        "interrupted_frac": statistics.mean(clock.after_rollout.interrupted_frac[skip:] or [0.0]),
     }
 
 
-def make_engine(kind: str):
+def make_engine(kind: str, args):
+    stops = {"eos_token_id": NO_STOP_ID, "stop_token_ids": []} if args.no_stop else {}
     if kind == "hf":
-        return HFEngine(dtype="float32"), None
+        return HFEngine(dtype="float32", **stops), None
     if kind == "hf_process":
-        return HFProcessEngine(dtype="float32"), None
+        return HFProcessEngine(dtype="float32", **stops), None
     from lightning_offpolicy.rollout.vllm.inprocess import VLLMEngine
 
-    engine = VLLMEngine(model=None, dtype="float32", max_model_len=128, gpu_memory_utilization=0.3)
+    engine = VLLMEngine(
+        model=None, dtype="float32", max_model_len=args.max_new_tokens + 64, gpu_memory_utilization=0.3, **stops
+    )
     return KeptOpen(engine), engine
 
 
 def measure(kind: str, args) -> dict:
     u = args.steps_per_batch
-    shared, real = make_engine(kind)
+    shared, real = make_engine(kind, args)
+
+    def engine():
+        return shared if real is not None else make_engine(kind, args)[0]
+
+    partial_run = None
     try:
         if real is not None:  # start the engine outside the measured runs
             run_fit(shared, args.warmup + 1, 0, u, args)
-        sync = run_fit(shared if real is not None else make_engine(kind)[0], args.batches, 0, u, args)
-        asyn = run_fit(shared if real is not None else make_engine(kind)[0], args.batches, u, u, args)
+        sync = run_fit(engine(), args.batches, 0, u, args)
+        asyn = run_fit(engine(), args.batches, u, u, args)
+        if args.partial:
+            partial_run = run_fit(engine(), args.batches, u, u, args, partial_rollouts=True)
     finally:
         if real is not None:
             real.close()
@@ -221,6 +250,16 @@ def measure(kind: str, args) -> dict:
         "train_slowdown": asyn["train_s"] / max(sync["train_s"], 1e-9),
         "generate_slowdown": asyn["generate_s"] / max(sync["generate_s"], 1e-9),
         "async_other_s": async_step - asyn["train_s"] - asyn["rollout_side_s"] - asyn["push_and_wait_s"],
+        "partial": None
+        if partial_run is None
+        else {
+            "step_s": partial_run["step_s"],
+            "push_and_wait_s": partial_run["push_and_wait_s"],
+            "async_wait_s": partial_run["rollout_side_s"],
+            "generate_s": partial_run["generate_s"],
+            "interrupted_frac": partial_run["interrupted_frac"],
+            "speedup_over_async": async_step / partial_run["step_s"],
+        },
     }
 
 
@@ -257,7 +296,8 @@ def render(results: list[dict], argv: list[str], elapsed: float, args) -> str:
         "",
         *header_bullets(header),
         f"- **Work per batch**: {args.prompts_per_step} prompts x {args.samples_per_prompt} samples x "
-        f"<= {args.max_new_tokens} new tokens, {args.steps_per_batch} optimizer steps; "
+        f"{'exactly' if args.no_stop else '<='} {args.max_new_tokens} new tokens, "
+        f"{args.steps_per_batch} optimizer steps; "
         f"{args.batches} batches per run, the first {args.warmup} not counted",
         f"- **Wall time of the whole run**: {elapsed:.1f} s",
         load_bullet(args.load_start, os.getloadavg()[0]),
@@ -309,6 +349,31 @@ def render(results: list[dict], argv: list[str], elapsed: float, args) -> str:
             f"{a['push_and_wait_s']:.3f} | {r['async_other_s']:.3f} | "
             f"{a['train_cpu_share']:.2f} / {a['generate_cpu_share']:.2f} |"
         )
+    partial_rows = [r for r in results if r["partial"] is not None]
+    if partial_rows:
+        lines += [
+            "",
+            "## Partial rollouts",
+            "",
+            "The asynchronous run again with `partial_rollouts=True`: a push interrupts the generation request in "
+            "flight and the interrupted completions continue under the new weights. `push + wait` is the trainer "
+            "thread's time in the push, including its wait for the request in flight; `interrupted` is the mean "
+            "fraction of a batch's completions that a push cut short; `generate` is the mean seconds per engine "
+            "call (a continuation is a call of its own).",
+            "",
+            "| engine | async step s (push waits) | async step s (partial) | speed-up "
+            "| push + wait s (waits -> partial) | trainer waits for a batch s (waits -> partial) | interrupted "
+            "| generate call s (waits -> partial) |",
+            "|---|---:|---:|---:|---|---|---:|---|",
+        ]
+        for r in partial_rows:
+            p, a = r["partial"], r["async_phases"]
+            lines.append(
+                f"| {r['engine']} | {r['async_step_s']:.3f} | {p['step_s']:.3f} | {p['speedup_over_async']:.2f}x | "
+                f"{a['push_and_wait_s']:.3f} -> {p['push_and_wait_s']:.3f} | "
+                f"{r['async_wait_s']:.3f} -> {p['async_wait_s']:.3f} | {p['interrupted_frac']:.2f} | "
+                f"{a['generate_s']:.3f} -> {p['generate_s']:.3f} |"
+            )
     return "\n".join(lines) + "\n"
 
 
@@ -327,6 +392,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--samples-per-prompt", type=int, default=8)
     parser.add_argument("--max-new-tokens", type=int, default=8)
     parser.add_argument("--steps-per-batch", type=int, default=2)
+    parser.add_argument(
+        "--partial", action="store_true", help="also run asynchronously with partial_rollouts=True and compare"
+    )
+    parser.add_argument(
+        "--no-stop", action="store_true", help="completions never stop early: each runs to --max-new-tokens"
+    )
     parser.add_argument("--quick", action="store_true", help="a few batches: a smoke test")
     parser.add_argument("--output", type=Path, default=None, help="markdown report (a .json is written next to it)")
     args = parser.parse_args(argv)

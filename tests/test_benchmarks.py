@@ -80,7 +80,19 @@ ASYNC_BENCH = BENCH.parent / "async_overlap.py"
 def test_async_overlap_bench_quick(tmp_path):
     out = tmp_path / "async.md"
     proc = subprocess.run(
-        [sys.executable, str(ASYNC_BENCH), "--quick", "--engines", "hf", "--output", str(out)],
+        [
+            sys.executable,
+            str(ASYNC_BENCH),
+            "--quick",
+            "--engines",
+            "hf",
+            "--partial",
+            "--no-stop",
+            "--max-new-tokens",
+            "24",
+            "--output",
+            str(out),
+        ],
         capture_output=True,
         text=True,
         timeout=600,
@@ -96,6 +108,11 @@ def test_async_overlap_bench_quick(tmp_path):
     assert row["ideal_step_s"] == max(row["generation_s"], row["training_s"])
     assert math.isclose(row["generation_s"] + row["training_s"], row["sync_step_s"], rel_tol=1e-9)
     assert "| hf |" in out.read_text()
+    # The partial-rollout run: its step, push and interrupted fraction, against the plain async run.
+    partial = row["partial"]
+    assert 0 <= partial["interrupted_frac"] <= 1 and partial["push_and_wait_s"] >= 0
+    assert math.isclose(partial["speedup_over_async"], row["async_step_s"] / partial["step_s"], rel_tol=1e-9)
+    assert "## Partial rollouts" in out.read_text() and "exactly 24 new tokens" in out.read_text()
 
 
 # ------------------------------------------------------------------ end_to_end, trainer_memory, summarize

@@ -19,7 +19,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 from collections.abc import Callable, Iterable
-from typing import ContextManager
+from contextlib import AbstractContextManager
 
 from lightning_offpolicy.rollout.engine import INTERRUPTED, Completion, RolloutEngine, SamplingConfig
 
@@ -58,7 +58,7 @@ def generate_resumable(
     prompt_ids: list[list[int]],
     sampling: SamplingConfig,
     seed: int | None = None,
-    turn: Callable[[], ContextManager[object]] | None = None,
+    turn: Callable[[], AbstractContextManager[object]] | None = None,
     stats: PartialStats | None = None,
 ) -> list[Completion]:
     """``engine.generate(prompt_ids, sampling, seed)``, with every interrupted completion continued.

@@ -12,8 +12,9 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
-from typing import Any, ContextManager
+from typing import Any
 
 import torch
 
@@ -119,7 +120,7 @@ class Rollouter:
         success_threshold: float = 1.0,
         dapo: DAPOSettings | None = None,
         more_prompts: Callable[[], PromptBatch] | None = None,
-        turn: Callable[[], ContextManager[object]] | None = None,
+        turn: Callable[[], AbstractContextManager[object]] | None = None,
     ) -> None:
         self.engine = engine
         self.tokenizer = tokenizer
