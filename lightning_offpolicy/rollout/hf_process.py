@@ -203,6 +203,10 @@ def _serve(conn: Connection, model: torch.nn.Module, max_batch_size: int, thread
             prompts, sampling, seed, version, pad, eos, stop = request
             engine.pad_token_id, engine.eos_token_id, engine.stop_token_ids = pad, eos, stop
             engine.version = version
-            conn.send(("ok", engine.generate(prompts, sampling, seed)))
+            answer: tuple[str, Any] = ("ok", engine.generate(prompts, sampling, seed))
         except Exception as err:  # noqa: BLE001 - reported to the parent, which raises
-            conn.send(("error", f"{type(err).__name__}: {err}\n{traceback.format_exc(limit=8)}"))
+            answer = ("error", f"{type(err).__name__}: {err}\n{traceback.format_exc(limit=8)}")
+        try:
+            conn.send(answer)
+        except (BrokenPipeError, OSError):  # the parent closed the engine while this request ran
+            return

