@@ -74,6 +74,8 @@ SERIES_KEYS = (
     "ppo/clip_frac",
     "ppo/approx_kl",
 )
+#: The per-batch series of :class:`VersionKL`: exact KL between consecutive policy versions.
+VERSION_KL_KEY = "policy/version_kl"
 #: ``rollout_corr/*`` keys not recorded (redundant with ``kl`` or uninformative per batch), which
 #: keeps the JSON of the full study near 1 MB; every ``*_reject_rate`` key is kept.
 SKIPPED_CORR_KEYS = frozenset(
@@ -209,6 +211,59 @@ class SeriesRecorder(L.Callback):
                 values.append(math.nan)
 
 
+class VersionKL(L.Callback):
+    """Exact per-token KL(pi_v || pi_v+1) between consecutive policy versions, on a fixed probe.
+
+    How far one optimizer step moves the policy sets how much a token ``k`` versions stale is off
+    policy: large-model RL runs at about 1e-3 to 1e-2 nats per version. The probe is the response
+    positions of the run's first training batch (its first ``PROBE_SEQUENCES`` sequences), fixed for
+    the run. Before every optimizer step and after every batch the policy's full next-token
+    distributions there are computed; each pair of consecutive versions gives the exact KL (a sum
+    over the vocabulary, not a sampled estimate), averaged over the probe's response tokens.
+    :attr:`per_batch` holds, per training batch, the mean over its optimizer steps.
+    """
+
+    PROBE_SEQUENCES = 32
+
+    def __init__(self) -> None:
+        self.per_batch: list[float] = []
+        self._probe: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+        self._last: tuple[int, torch.Tensor] | None = None
+        self._batch: list[float] = []
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        if self._probe is None:
+            rollout = batch.rollout
+            n = self.PROBE_SEQUENCES
+            start = rollout.prompt_length
+            mask = torch.zeros_like(rollout.attention_mask[:n], dtype=torch.bool)
+            mask[:, start - 1 : -1] = rollout.response_mask[:n].bool()  # logits at t predict token t + 1
+            self._probe = (rollout.input_ids[:n], rollout.attention_mask[:n], mask)
+        self._observe(pl_module)
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
+        self._observe(pl_module)
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        self._observe(pl_module)
+        self.per_batch.append(statistics.fmean(self._batch) if self._batch else math.nan)
+        self._batch = []
+
+    @torch.no_grad()
+    def _observe(self, pl_module) -> None:
+        version = int(pl_module.policy_version)
+        if self._last is not None and self._last[0] == version:
+            return
+        input_ids, attention_mask, positions = self._probe
+        logits = pl_module.policy(input_ids=input_ids, attention_mask=attention_mask).logits
+        logp = torch.log_softmax(logits[positions].double(), dim=-1)
+        if self._last is not None:
+            before_version, before = self._last
+            kl = (before.exp() * (before - logp)).sum(-1).mean()
+            self._batch.append(float(kl) / (version - before_version))
+        self._last = (version, logp)
+
+
 def make_engine(kind: str, noise_scale: float) -> HFEngine:
     if kind == "noisy":
         return NoisyHFEngine(noise_scale)
@@ -239,10 +294,11 @@ def run_one(condition: Condition, seed: int, settings: dict[str, Any]) -> dict[s
         sync_every=condition.sync_every,
     )
     recorder = SeriesRecorder()
+    version_kl = VersionKL()
     trainer = L.Trainer(
         accelerator="cpu",
         max_steps=settings["batches"] * NUM_MINIBATCHES,
-        callbacks=[callback, recorder],
+        callbacks=[callback, recorder, version_kl],
         logger=False,
         enable_progress_bar=False,
         enable_model_summary=False,
@@ -256,7 +312,7 @@ def run_one(condition: Condition, seed: int, settings: dict[str, Any]) -> dict[s
         "seed": seed,
         "batches": recorder.batches,
         "wall_s": time.perf_counter() - started,
-        "series": recorder.series,
+        "series": {**recorder.series, VERSION_KL_KEY: version_kl.per_batch},
     }
 
 
@@ -308,7 +364,7 @@ def summarize_run(run: dict[str, Any]) -> dict[str, Any]:
         "collapse_step": collapse_step(reward, entropy),
     }
     for key, values in series.items():
-        if key.startswith("rollout_corr/") or key.startswith("staleness/"):
+        if key.startswith(("rollout_corr/", "staleness/", "policy/")):
             finite = [v for v in values if math.isfinite(v)]
             summary[f"{key}:mean"] = statistics.fmean(finite) if finite else math.nan
             summary[f"{key}:max"] = max(finite) if finite else math.nan
@@ -363,9 +419,9 @@ def table(conditions: list[Condition], summaries: dict[str, dict[str, Any]], run
     baseline = runs_by_condition.get("onpolicy")
     lines = [
         "| condition | group | correction | final reward | AUC reward | AUC - on-policy (paired) "
-        "| collapsed (batch) | staleness/mean | kl mean / max | chi2_token mean / max | seq reject mean / max "
-        "| final entropy |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| collapsed (batch) | staleness/mean | KL per version | kl mean / max | chi2_token mean / max "
+        "| seq reject mean / max | final entropy |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for c in conditions:
         s = summaries[c.name]
@@ -389,7 +445,7 @@ def table(conditions: list[Condition], summaries: dict[str, dict[str, Any]], run
         lines.append(
             f"| `{c.name}` | {c.group} | {c.label} | {fmt(stat('final_reward'), stat('final_reward', 'std'))} "
             f"| {fmt(stat('auc_reward'), stat('auc_reward', 'std'))} | {delta} | {collapsed} "
-            f"| {stat('staleness/mean:mean'):.2f} "
+            f"| {stat('staleness/mean:mean'):.2f} | {sci(stat(VERSION_KL_KEY + ':mean'))} "
             f"| {sci(stat('rollout_corr/kl:mean'))} / {sci(stat('rollout_corr/kl:max'))} "
             f"| {sci(stat('rollout_corr/chi2_token:mean'))} / {sci(stat('rollout_corr/chi2_token:max'))} "
             f"| {reject_cell} | {stat('final_entropy'):.3f} |"
@@ -474,7 +530,11 @@ identical in every condition).
   on-policy run's with the same seed, mean ± std over seeds.
 * Collapse: {collapse}.
 * The kl / chi2 / reject columns are the per-run mean and max over the batches, averaged over
-  seeds; "seq reject" is `rollout_corr/total_seq_reject_rate` (masks only)."""
+  seeds; "seq reject" is `rollout_corr/total_seq_reject_rate` (masks only).
+* KL per version: how far one optimizer step moves the policy, the exact KL(pi_v || pi_v+1) (a sum
+  over the vocabulary) between consecutive versions, averaged over the response tokens of a fixed
+  probe (the run's first 32 training sequences) and over the run's steps. Large-model RL runs at
+  about 1e-3 to 1e-2 per version; a token `k` versions stale is off-policy by roughly `k` times that."""
 
 
 def render(payload: dict[str, Any], runs_by_condition, paths: dict[str, Path], reading: Path | None) -> str:

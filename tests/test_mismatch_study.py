@@ -58,10 +58,76 @@ def test_json_has_every_run_with_one_value_per_batch(quick_study):
     for run in data["runs"]:
         assert run["batches"] == batches
         series = run["series"]
-        for key in ("train/reward", "train/entropy", "staleness/mean", "rollout_corr/kl", "rollout_corr/chi2_token"):
+        keys = ("train/reward", "train/entropy", "staleness/mean", "rollout_corr/kl", "rollout_corr/chi2_token")
+        for key in (*keys, "policy/version_kl"):
             assert len(series[key]) == batches, (run["condition"], key)
             assert all(isinstance(v, float) and math.isfinite(v) for v in series[key]), (run["condition"], key)
         assert all(0.0 <= r <= 1.0 for r in series["train/reward"])
+        assert all(v > 0 for v in series["policy/version_kl"])  # every optimizer step moves the policy
+
+
+def test_version_kl_is_the_exact_kl_between_consecutive_versions():
+    """VersionKL against torch's own kl_div on the same probe, hooks driven by hand (two steps, one batch)."""
+    import importlib.util
+    from types import SimpleNamespace
+
+    import torch
+
+    from lightning_offpolicy.batch import RolloutBatch
+    from tests.module_helpers import tiny_model
+
+    spec = importlib.util.spec_from_file_location("mismatch_study", STUDY)
+    study = importlib.util.module_from_spec(spec)
+    sys.path.insert(0, str(STUDY.parent))  # the script imports its sibling _report
+    sys.modules["mismatch_study"] = study  # its dataclasses look their module up
+    try:
+        spec.loader.exec_module(study)
+    finally:
+        sys.path.remove(str(STUDY.parent))
+        sys.modules.pop("mismatch_study", None)
+    policy = tiny_model()
+    rollout = RolloutBatch.from_sequences(
+        prompt_ids=[[1, 5, 6], [1, 9]],
+        response_ids=[[7, 8, 2], [4]],
+        rewards=[0.0, 1.0],
+        advantages=torch.zeros(2),
+        group_ids=[0, 0],
+        policy_versions=[0, 0],
+        rollout_logprobs=None,
+        pad_token_id=0,
+    )
+    module = SimpleNamespace(policy=policy, policy_version=0)
+    callback = study.VersionKL()
+
+    def distributions():
+        # The 4 response tokens, each predicted from the position before it (prompt is left-padded to 3).
+        with torch.no_grad():
+            logits = policy(input_ids=rollout.input_ids, attention_mask=rollout.attention_mask).logits.double()
+        return torch.stack([logits[0, 2], logits[0, 3], logits[0, 4], logits[1, 2]]).log_softmax(-1)
+
+    def step():
+        with torch.no_grad():
+            for p in policy.parameters():
+                p.add_(0.02 * torch.randn_like(p))
+        module.policy_version += 1
+
+    torch.manual_seed(0)
+    callback.on_train_batch_start(None, module, SimpleNamespace(rollout=rollout), 0)
+    before = distributions()
+    callback.on_before_optimizer_step(None, module, None)  # version 0 again: nothing new
+    step()
+    middle = distributions()
+    callback.on_before_optimizer_step(None, module, None)
+    step()
+    after = distributions()
+    callback.on_train_batch_end(None, module, None, None, 0)
+    kl = torch.nn.functional.kl_div
+    expected = [
+        float(kl(middle, before, log_target=True, reduction="sum")) / 4,
+        float(kl(after, middle, log_target=True, reduction="sum")) / 4,
+    ]
+    assert callback.per_batch == pytest.approx([sum(expected) / 2], rel=1e-9)
+    assert expected[0] > 1e-6
 
 
 def test_staleness_is_zero_synchronous_and_bounded_asynchronous(quick_study):
