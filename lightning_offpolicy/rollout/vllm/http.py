@@ -1,6 +1,8 @@
 """A JSON-over-HTTP client on the standard library for a vLLM server, and the URL helpers around it.
 
 No HTTP library and no vLLM: a trainer host that only talks to a remote server needs neither.
+:meth:`HTTPClient.stream` reads a streamed answer (server-sent events) and can be cut short from
+another thread through a :class:`StreamInterrupt` (partial rollouts).
 """
 
 from __future__ import annotations
@@ -11,15 +13,28 @@ import ipaddress
 import json
 import socket
 import threading
+import time
+from collections.abc import Callable
 from typing import Any
 from urllib.parse import urlsplit
 
 from lightning_offpolicy.rollout.vllm.errors import DEV_MODE_HINT, SERVE_HINT
 
-__all__ = ["CONNECT_TIMEOUT_S", "HTTPClient", "HTTPStatusError", "host_for_url", "is_loopback", "parse_base_url"]
+__all__ = [
+    "CONNECT_TIMEOUT_S",
+    "HTTPClient",
+    "HTTPStatusError",
+    "StreamInterrupt",
+    "host_for_url",
+    "is_loopback",
+    "parse_base_url",
+]
 
 #: Longest wait for a TCP connection (a server that does not accept within this is down or unreachable).
 CONNECT_TIMEOUT_S = 10.0
+
+#: Most bytes one read of a streamed answer takes (vLLM sends one chunk of some hundred bytes per event).
+_READ_SIZE = 1 << 16
 
 
 class HTTPStatusError(RuntimeError):
@@ -28,6 +43,43 @@ class HTTPStatusError(RuntimeError):
     def __init__(self, message: str, status: int) -> None:
         super().__init__(message)
         self.status = status
+
+
+class StreamInterrupt:
+    """A one-shot signal that cuts :meth:`HTTPClient.stream` calls short, from any thread.
+
+    :meth:`set` shuts down the socket of every stream reading under it, so a thread blocked on
+    one wakes at once, and a stream that starts afterwards returns before sending its request.
+    Shutting the socket down also tells the server the client has gone: vLLM aborts the request.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._set = False
+        self._sockets: set[socket.socket] = set()
+
+    def set(self) -> None:
+        """Cut every stream under this signal short, now and from now on (thread-safe, returns at once)."""
+        with self._lock:
+            self._set = True
+            sockets = list(self._sockets)
+        for sock in sockets:
+            _shutdown(sock)
+
+    def is_set(self) -> bool:
+        return self._set
+
+    def _attach(self, sock: socket.socket) -> bool:
+        """Watch ``sock``; ``False`` (not watched) when the signal is already set."""
+        with self._lock:
+            if self._set:
+                return False
+            self._sockets.add(sock)
+            return True
+
+    def _detach(self, sock: socket.socket) -> None:
+        with self._lock:
+            self._sockets.discard(sock)
 
 
 class HTTPClient:
@@ -43,7 +95,9 @@ class HTTPClient:
         self.scheme, self.host, self.port, self.prefix = scheme, host, port, prefix
         self.api_key = api_key
         self.base_url = base_url
-        self._active: set[http.client.HTTPConnection] = set()
+        # The sockets of the requests in flight (taken right after connect: http.client drops
+        # ``conn.sock`` when an answer says "Connection: close", while the answer is still read from it).
+        self._active: set[socket.socket] = set()
         self._lock = threading.Lock()
         self._closed = False
 
@@ -51,81 +105,191 @@ class HTTPClient:
         with self._lock:
             self._closed = True
             active = list(self._active)
-        for conn in active:
-            with contextlib.suppress(OSError, AttributeError):
-                conn.sock.shutdown(socket.SHUT_RDWR)
+        for sock in active:
+            _shutdown(sock)
 
     def request(self, method: str, path: str, body: Any = None, *, timeout: float, what: str) -> Any:
         """Send ``body`` as JSON, return the parsed JSON answer (``None`` for an empty one)."""
+        conn, sock = self._open(timeout, what)
+        try:
+            try:
+                response = self._send(conn, method, path, body, accept="application/json")
+                raw = response.read()
+            except TimeoutError as err:
+                raise self._timed_out(what, timeout) from err
+            except (http.client.HTTPException, ConnectionError, OSError) as err:
+                raise self._dropped(what, err) from err
+        finally:
+            self._release(conn, sock)
+        self._check_status(response.status, raw, path, what)
+        if not raw.strip():
+            return None
+        return self._json(raw, path, what)
+
+    def stream(
+        self,
+        path: str,
+        body: dict[str, Any],
+        *,
+        timeout: float,
+        what: str,
+        on_event: Callable[[Any], None],
+        interrupt: StreamInterrupt,
+    ) -> bool:
+        """POST ``body`` as JSON and hand each event of the answer to ``on_event`` as it comes, interruptibly.
+
+        A streamed answer (``"stream": true`` in ``body``) is read as server-sent events
+        (``data: {...}`` lines, ``data: [DONE]`` last); one JSON document (a request that does not
+        stream, or a server that ignored ``stream``) is read whole and is the one event.
+        ``timeout`` bounds the whole answer, not each read.
+
+        Returns ``True`` when the answer was read to its end, ``False`` when ``interrupt`` cut it
+        short (before the request was sent, or while reading: the events seen so far were handed
+        on, and the connection is closed, which makes vLLM abort the request).
+
+        Raises:
+            RuntimeError: As :meth:`request` (the server unreachable or gone, ``timeout`` passed, an
+                HTTP error status, :meth:`close` called), or the server reported an error mid-stream.
+        """
+        deadline = time.monotonic() + timeout
+        conn, sock = self._open(timeout, what)
+        status, raw, finished = 0, b"", False
+        try:
+            if not interrupt._attach(sock):
+                return False  # interrupted before anything was sent: nothing was generated
+            accept = "text/event-stream" if body.get("stream") else "application/json"
+            response = self._send(conn, "POST", path, body, accept=accept)
+            status = response.status
+            if status >= 400:
+                raw = response.read()
+            elif (response.getheader("Content-Type") or "").startswith("text/event-stream"):
+                finished = self._read_events(sock, response, deadline, on_event, interrupt, path, what)
+            else:  # one JSON document (a server or proxy that does not stream)
+                _set_timeout(sock, deadline)
+                document = response.read()
+                # A read the interrupt cut short leaves a truncated document, which never parses.
+                if not interrupt.is_set() or _parses(document):
+                    on_event(self._json(document, path, what))
+                    finished = True
+        except TimeoutError as err:
+            if not interrupt.is_set():
+                raise self._timed_out(what, timeout) from err
+        except (http.client.HTTPException, ConnectionError, OSError) as err:
+            # The interrupt's socket shutdown surfaces as one of these (or as the end of the answer).
+            if self._closed or not interrupt.is_set():
+                raise self._dropped(what, err) from err
+        finally:
+            interrupt._detach(sock)
+            self._release(conn, sock)
+        if status >= 400:
+            self._check_status(status, raw, path, what)
+        if finished:
+            return True
+        if self._closed:
+            raise RuntimeError(f"RemoteVLLMEngine was closed during {what}.")
+        if interrupt.is_set():
+            return False
+        raise RuntimeError(
+            f"RemoteVLLMEngine: the streamed answer of {self.base_url}{path} to {what} ended before its last event "
+            "(data: [DONE]): did the server crash or restart? Check its log."
+        )
+
+    # ------------------------------------------------------------------ internals
+
+    def _open(self, timeout: float, what: str) -> tuple[http.client.HTTPConnection, socket.socket]:
+        """A connection to the server (and its socket, registered for :meth:`close`), request deadline set."""
         cls = http.client.HTTPSConnection if self.scheme == "https" else http.client.HTTPConnection
         conn = cls(self.host, self.port, timeout=min(CONNECT_TIMEOUT_S, timeout))
-        headers = {"Accept": "application/json"}
+        if self._closed:
+            raise RuntimeError(f"RemoteVLLMEngine was closed before {what}.")
+        try:
+            conn.connect()
+        except ConnectionRefusedError as err:
+            raise RuntimeError(
+                f"RemoteVLLMEngine: cannot connect to the vLLM server at {self.base_url} (connection refused) "
+                f"during {what}: is it running, listening on that host and port (--host / --port), and reachable "
+                f"from this machine? Start it with: {SERVE_HINT}."
+            ) from err
+        except TimeoutError as err:
+            raise RuntimeError(
+                f"RemoteVLLMEngine: no connection to the vLLM server at {self.base_url} within "
+                f"{min(CONNECT_TIMEOUT_S, timeout):g} s during {what}: check the address, the network and any "
+                "firewall between this machine and the server."
+            ) from err
+        except OSError as err:  # unknown host, no route, ...
+            raise RuntimeError(
+                f"RemoteVLLMEngine: cannot connect to the vLLM server at {self.base_url} during {what} ({err}): "
+                "check the host name / address in base_url."
+            ) from err
+        sock = conn.sock
+        with self._lock:
+            # Checked and registered at once: either close() sees this socket, or we see close().
+            closed = self._closed
+            if not closed:
+                self._active.add(sock)
+        if closed:
+            conn.close()
+            raise RuntimeError(f"RemoteVLLMEngine was closed during {what}.")
+        sock.settimeout(timeout)
+        return conn, sock
+
+    def _release(self, conn: http.client.HTTPConnection, sock: socket.socket) -> None:
+        with self._lock:
+            self._active.discard(sock)
+        conn.close()
+        sock.close()  # conn.close() leaves it to the answer when it said "Connection: close"
+
+    def _send(
+        self, conn: http.client.HTTPConnection, method: str, path: str, body: Any, accept: str
+    ) -> http.client.HTTPResponse:
+        headers = {"Accept": accept}
         data = None
         if body is not None:
             data = json.dumps(body).encode("utf-8")
             headers["Content-Type"] = "application/json"
         if self.api_key:
             headers["Authorization"] = f"Bearer {self.api_key}"
-        with self._lock:
-            if self._closed:
-                raise RuntimeError(f"RemoteVLLMEngine was closed before {what}.")
-            self._active.add(conn)
-        try:
-            try:
-                conn.connect()
-            except ConnectionRefusedError as err:
-                raise RuntimeError(
-                    f"RemoteVLLMEngine: cannot connect to the vLLM server at {self.base_url} (connection refused) "
-                    f"during {what}: is it running, listening on that host and port (--host / --port), and reachable "
-                    f"from this machine? Start it with: {SERVE_HINT}."
-                ) from err
-            except TimeoutError as err:
-                raise RuntimeError(
-                    f"RemoteVLLMEngine: no connection to the vLLM server at {self.base_url} within "
-                    f"{min(CONNECT_TIMEOUT_S, timeout):g} s during {what}: check the address, the network and any "
-                    "firewall between this machine and the server."
-                ) from err
-            except OSError as err:  # unknown host, no route, ...
-                raise RuntimeError(
-                    f"RemoteVLLMEngine: cannot connect to the vLLM server at {self.base_url} during {what} ({err}): "
-                    "check the host name / address in base_url."
-                ) from err
-            if self._closed:  # close() ran while we connected: its socket shutdown may have missed us
-                raise RuntimeError(f"RemoteVLLMEngine was closed during {what}.")
-            conn.sock.settimeout(timeout)
-            conn.request(method, self.prefix + path, body=data, headers=headers)
-            response = conn.getresponse()
-            raw = response.read()
-        except TimeoutError as err:
-            raise RuntimeError(
-                f"RemoteVLLMEngine: {what} got no answer from {self.base_url} within request_timeout_s={timeout:g} s "
-                "(server overloaded or hung? raise request_timeout_s if the work is legitimately that long)."
-            ) from err
-        except (http.client.HTTPException, ConnectionError, OSError) as err:
-            if self._closed:
-                raise RuntimeError(f"RemoteVLLMEngine was closed during {what}.") from err
-            raise RuntimeError(
-                f"RemoteVLLMEngine: the vLLM server at {self.base_url} dropped the connection during {what} "
-                f"({type(err).__name__}: {err}): did it crash or restart? Check its log."
-            ) from err
-        finally:
-            with self._lock:
-                self._active.discard(conn)
-            conn.close()
-        if response.status >= 400:
-            message = error_message(raw)
-            hint = ""
-            if response.status == 401:
-                hint = " The server wants an API key: pass RemoteVLLMEngine(api_key=...) (its --api-key)."
-            elif response.status == 404 and not path.startswith("/v1"):
-                hint = f" This endpoint needs dev mode: {DEV_MODE_HINT}."
-            raise HTTPStatusError(
-                f"RemoteVLLMEngine: {what} failed: the vLLM server at {self.base_url} answered HTTP {response.status} "
-                f"{path.split('?')[0]}: {message}.{hint}",
-                response.status,
-            )
-        if not raw.strip():
-            return None
+        conn.request(method, self.prefix + path, body=data, headers=headers)
+        return conn.getresponse()
+
+    def _read_events(
+        self,
+        sock: socket.socket,
+        response: http.client.HTTPResponse,
+        deadline: float,
+        on_event: Callable[[Any], None],
+        interrupt: StreamInterrupt,
+        path: str,
+        what: str,
+    ) -> bool:
+        """Hand each ``data:`` event of a server-sent-event answer to ``on_event``; ``True`` at ``[DONE]``,
+        ``False`` when the answer ends before it or ``interrupt`` is set."""
+        pending = b""
+        while True:
+            _set_timeout(sock, deadline)  # the deadline of the whole stream, not of each read
+            data = response.read1(_READ_SIZE)
+            # After the interrupt's shutdown Linux still hands out what had arrived, and the server
+            # sends more until it notices the disconnect: stop here rather than read on.
+            if not data or interrupt.is_set():
+                return False
+            # Only complete lines are read: the tail of an answer cut short is dropped, not misread.
+            *lines, pending = (pending + data).split(b"\n")
+            for line in lines:
+                if not line.startswith(b"data:"):  # blank separators, comments, other fields
+                    continue
+                payload = line[len(b"data:") :].strip()
+                if payload == b"[DONE]":
+                    return True
+                event = self._json(payload, path, what)
+                # vLLM reports a request it rejects or fails once streaming has begun (HTTP 200 sent) so.
+                if isinstance(event, dict) and "error" in event:
+                    raise RuntimeError(
+                        f"RemoteVLLMEngine: {what} failed: the vLLM server at {self.base_url} reported an error in "
+                        f"its streamed answer: {error_message(payload)} (its log may say more)."
+                    )
+                on_event(event)
+
+    def _json(self, raw: bytes, path: str, what: str) -> Any:
         try:
             return json.loads(raw)
         except ValueError as err:
@@ -133,6 +297,57 @@ class HTTPClient:
                 f"RemoteVLLMEngine: {what}: the answer of {self.base_url}{path} is not JSON ({raw[:200]!r}): is "
                 "base_url a vLLM server?"
             ) from err
+
+    def _check_status(self, status: int, raw: bytes, path: str, what: str) -> None:
+        if status < 400:
+            return
+        message = error_message(raw)
+        hint = ""
+        if status == 401:
+            hint = " The server wants an API key: pass RemoteVLLMEngine(api_key=...) (its --api-key)."
+        elif status == 404 and not path.startswith("/v1"):
+            hint = f" This endpoint needs dev mode: {DEV_MODE_HINT}."
+        raise HTTPStatusError(
+            f"RemoteVLLMEngine: {what} failed: the vLLM server at {self.base_url} answered HTTP {status} "
+            f"{path.split('?')[0]}: {message}.{hint}",
+            status,
+        )
+
+    def _timed_out(self, what: str, timeout: float) -> RuntimeError:
+        return RuntimeError(
+            f"RemoteVLLMEngine: {what} got no answer from {self.base_url} within request_timeout_s={timeout:g} s "
+            "(server overloaded or hung? raise request_timeout_s if the work is legitimately that long)."
+        )
+
+    def _dropped(self, what: str, err: BaseException) -> RuntimeError:
+        if self._closed:
+            return RuntimeError(f"RemoteVLLMEngine was closed during {what}.")
+        return RuntimeError(
+            f"RemoteVLLMEngine: the vLLM server at {self.base_url} dropped the connection during {what} "
+            f"({type(err).__name__}: {err}): did it crash or restart? Check its log."
+        )
+
+
+def _shutdown(sock: socket.socket) -> None:
+    """Wake a thread blocked on ``sock`` (and end the connection for the server); it may be closed already."""
+    with contextlib.suppress(OSError):
+        sock.shutdown(socket.SHUT_RDWR)
+
+
+def _parses(document: bytes) -> bool:
+    try:
+        json.loads(document)
+    except ValueError:
+        return False
+    return True
+
+
+def _set_timeout(sock: socket.socket, deadline: float) -> None:
+    """Let the next read on ``sock`` block until ``deadline`` at most; ``TimeoutError`` once it has passed."""
+    left = deadline - time.monotonic()
+    if left <= 0:
+        raise TimeoutError
+    sock.settimeout(left)
 
 
 def error_message(raw: bytes) -> str:

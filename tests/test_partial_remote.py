@@ -1,0 +1,555 @@
+"""Partial rollouts on RemoteVLLMEngine: ``interrupt()`` cuts a streamed generate short, the server aborts.
+
+Against a real vLLM server (``launch_local_server``, one for this module, float32, as in
+tests/test_remote_vllm.py) and, for the stream protocol's edge cases, a small stand-in server
+that streams server-sent events. References: an uninterrupted call with the same seed, the
+trainer's float32 teacher-forced logprobs under each weight set, and the server's own
+Prometheus counters (/metrics) for whether it stopped generating after the disconnect.
+Measured numbers are printed (``pytest -s``). About 2-4 minutes on a 2-core CPU machine.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import http.server
+import json
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+import torch
+
+from lightning_offpolicy.rollout.engine import INTERRUPTED, InterruptibleEngine, SamplingConfig
+from lightning_offpolicy.rollout.partial import PartialStats, generate_resumable
+from lightning_offpolicy.rollout.vllm import RemoteVLLMEngine, launch_local_server
+from tests.vllm_fixtures import requires_vllm, residuals, reverse_prompts, teacher_forced_logprobs
+
+#: Largest |server - trainer| per-token logprob residual accepted at equal float32 weights (as test_remote_vllm).
+LOGPROB_MAX_TOL = 1e-4
+#: The stop id: one the tiny checkpoint (and the perturbed copy of the segments test) rarely
+#: samples at TEMPERATURE, so that nearly every completion runs to max_new_tokens unless
+#: interrupted. No id is never sampled: past its answer the model wanders, and at temperature 1
+#: every one of its 64 ids turns up in 240-token completions. At 0.5 this one did not in 61 440
+#: tokens sampled by the server nor in 92 160 sampled by each model with transformers, but a
+#: test run sees it now and then; the tests accept the rare completion that stops on it (a
+#: finished completion must keep "stop" through an interrupt anyway).
+RARE_STOP = 58
+TEMPERATURE = 0.5
+#: Longest completions the module's server takes (its max_model_len is the model's 256, prompts ~12 tokens).
+LONG = 240
+
+
+# ---------------------------------------------------------------------- helpers
+
+
+def _metrics(base_url: str) -> dict[str, float]:
+    """The server's request gauges and generated-token counter (its Prometheus text on /metrics)."""
+    with urllib.request.urlopen(f"{base_url}/metrics", timeout=30) as answer:
+        text = answer.read().decode()
+    out = {"in_flight": 0.0, "generated": 0.0}
+    for line in text.splitlines():
+        if line.startswith(("vllm:num_requests_running", "vllm:num_requests_waiting")):
+            out["in_flight"] += float(line.rsplit(" ", 1)[1])
+        elif line.startswith("vllm:generation_tokens_total"):
+            out["generated"] += float(line.rsplit(" ", 1)[1])
+    return out
+
+
+def _settled(base_url: str, timeout_s: float = 15.0) -> dict[str, float]:
+    """The server's metrics once no request is running or waiting (fails after ``timeout_s``)."""
+    deadline = time.monotonic() + timeout_s
+    while (m := _metrics(base_url))["in_flight"] > 0:
+        assert time.monotonic() < deadline, f"the server still has {m['in_flight']} requests after {timeout_s} s"
+        time.sleep(0.05)
+    return m
+
+
+def _ran_to_the_end(c) -> bool:
+    """Ran to max_new_tokens, or (rarely) stopped on the stop id."""
+    return (c.finish_reason, len(c.token_ids)) == ("length", LONG) or (
+        c.finish_reason == "stop" and c.token_ids[-1] == RARE_STOP and len(c.token_ids) <= LONG
+    )
+
+
+class InterruptLater:
+    """Calls ``engine.interrupt()`` from another thread once the server has generated ``tokens`` more
+    tokens (its /metrics counter), so that the call is surely under way; records when.
+    :meth:`stop` (at the end of the call) ends the wait without interrupting."""
+
+    def __init__(self, engine: RemoteVLLMEngine, base_url: str, tokens: float) -> None:
+        self.at: float | None = None
+        self.generated_before = 0.0  # tokens the server had generated (since this object) at the interrupt
+        self._stop = threading.Event()
+        start = _metrics(base_url)["generated"]
+
+        def run() -> None:
+            while not self._stop.is_set():
+                generated = _metrics(base_url)["generated"] - start
+                if generated >= tokens:
+                    self.at, self.generated_before = time.perf_counter(), generated
+                    engine.interrupt()
+                    return
+                time.sleep(0.02)
+
+        self.thread = threading.Thread(target=run, daemon=True)
+        self.thread.start()
+
+    def stop(self) -> float | None:
+        """End the wait; when the interrupt was sent (``None``: the call ended first)."""
+        self._stop.set()
+        self.thread.join(60)
+        return self.at
+
+
+# ---------------------------------------------------------------------- the module's real server
+
+
+@pytest.fixture(scope="module")
+def server(tiny_ckpt):
+    srv = launch_local_server(tiny_ckpt, dtype="float32", kv_cache_space_gib=1, startup_timeout_s=600)
+    print(f"\nvLLM server started in {srv.start_time_s:.1f} s at {srv.base_url}")
+    yield srv
+    srv.close()
+
+
+@pytest.fixture(scope="module")
+def weights_dir(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("partial_weights")
+
+
+def _engine(server, weights_dir: Path, **kwargs) -> RemoteVLLMEngine:
+    return RemoteVLLMEngine(
+        server.base_url,
+        weights_dir=str(weights_dir),
+        eos_token_id=RARE_STOP,
+        stop_token_ids=[],
+        request_timeout_s=300,
+        **kwargs,
+    )
+
+
+@pytest.fixture
+def engine(server, weights_dir):
+    """An engine set up for partial rollouts: every request streams."""
+    eng = _engine(server, weights_dir, stream=True)
+    yield eng
+    eng.close()
+
+
+@requires_vllm
+@pytest.mark.slow
+def test_interrupt_returns_the_tokens_so_far_at_once_and_the_server_stops(engine, server, trainer_model):
+    """Test 1 and 2: a long call interrupted from another thread returns within a small fraction of
+    the full call's time, with the seeded draws so far and the trainer's logprobs; the server aborts."""
+    assert isinstance(engine, InterruptibleEngine)
+    prompts = reverse_prompts(8, seed=1)
+    long = SamplingConfig(max_new_tokens=LONG, temperature=TEMPERATURE, samples_per_prompt=8)
+    engine.generate(prompts[:1], SamplingConfig(max_new_tokens=2), seed=0)  # connect, warm up
+
+    before = _settled(server.base_url)
+    began = time.perf_counter()
+    full = engine.generate(prompts, long, seed=3)
+    full_s = time.perf_counter() - began
+    full_tokens = _settled(server.base_url)["generated"] - before["generated"]
+    assert all(_ran_to_the_end(c) for c in full)
+    assert sum(c.finish_reason == "stop" for c in full) <= len(full) // 8
+
+    before = _settled(server.base_url)
+    trigger = InterruptLater(engine, server.base_url, tokens=0.2 * full_tokens)
+    began = time.perf_counter()
+    cut = engine.generate(prompts, long, seed=3)
+    ended = time.perf_counter()
+    interrupted_at = trigger.stop()
+    assert interrupted_at is not None, "the call ended before the interrupt"
+    latency_s = ended - interrupted_at
+    after = _settled(server.base_url)
+    idle_s = time.perf_counter() - interrupted_at  # an upper bound: /metrics is polled every 50 ms
+    cut_tokens = after["generated"] - before["generated"]
+    received = sum(len(c.token_ids) for c in cut)
+    print(
+        f"\nfull call {full_s:.2f} s ({full_tokens:.0f} tokens); interrupted at {interrupted_at - began:.2f} s, "
+        f"returned {1000 * latency_s:.1f} ms later with {received} tokens; the server generated {cut_tokens:.0f} "
+        f"and had no request left {1000 * idle_s:.0f} ms after the interrupt"
+    )
+    assert latency_s < 0.25 * full_s, (latency_s, full_s)
+    for c, f in zip(cut, full, strict=True):
+        assert len(c.logprobs) == len(c.token_ids) and c.policy_version == 0
+        assert c.token_ids == f.token_ids[: len(c.token_ids)]  # the same seeded draws, cut short
+        if c.finish_reason == INTERRUPTED:
+            assert 1 <= len(c.token_ids) < len(f.token_ids)
+        else:  # one that had stopped before the interrupt keeps its finish reason
+            assert (c.finish_reason, c.token_ids) == ("stop", f.token_ids)
+    assert sum(c.finish_reason == INTERRUPTED for c in cut) >= 0.8 * len(cut)
+    # The logprobs of the partial tokens are those of the distribution sampled from (test 2).
+    reference = teacher_forced_logprobs(trainer_model, prompts, cut, TEMPERATURE)
+    res = residuals([c.logprobs for c in cut], reference)
+    print(f"partial tokens: |server - trainer| logprob max {res.max():.3g} over {res.numel()} tokens")
+    assert res.max() <= LOGPROB_MAX_TOL
+    # The server aborted the requests when their connections closed: no request is left running, and
+    # after the interrupt it generated a small part of the tokens the call still had to generate.
+    after_interrupt, left = cut_tokens - trigger.generated_before, full_tokens - trigger.generated_before
+    print(f"the server generated {after_interrupt:.0f} tokens after the interrupt, of {left:.0f} left")
+    assert received <= cut_tokens and after_interrupt < 0.5 * left
+
+    again = engine.generate(prompts[:2], SamplingConfig(max_new_tokens=16, temperature=TEMPERATURE), seed=3)
+    assert all(c.finish_reason == "length" and len(c.token_ids) == 16 for c in again)  # consumed
+
+
+@requires_vllm
+@pytest.mark.slow
+@pytest.mark.parametrize("stream", [True, None])
+def test_an_interrupt_with_no_call_in_flight_cuts_the_next_call_only(server, weights_dir, stream):
+    """Test 4: the next call returns at once, interrupted, without sending anything; the one after runs normally."""
+    engine = _engine(server, weights_dir, stream=stream)
+    prompts = reverse_prompts(4, seed=2)
+    cfg = SamplingConfig(max_new_tokens=32, temperature=TEMPERATURE, samples_per_prompt=2)
+    reference = engine.generate(prompts, cfg, seed=7)
+    engine.interrupt()
+    engine.interrupt()  # twice: still one interrupt, consumed by one call
+    before = _settled(server.base_url)
+    began = time.perf_counter()
+    early = engine.generate(prompts, cfg, seed=7)
+    early_s = time.perf_counter() - began
+    assert [(c.prompt_index, c.finish_reason, c.token_ids, c.logprobs) for c in early] == [
+        (i, INTERRUPTED, [], []) for i in range(4) for _ in range(2)
+    ]
+    assert early_s < 1.0 and _metrics(server.base_url)["generated"] == before["generated"]
+    again = engine.generate(prompts, cfg, seed=7)
+    assert [(c.token_ids, c.finish_reason) for c in again] == [(c.token_ids, c.finish_reason) for c in reference]
+    assert engine._streaming  # stream=None: streaming since the interrupt, with the same draws
+    engine.close()
+
+
+@requires_vllm
+@pytest.mark.slow
+def test_by_default_requests_stream_from_the_first_interrupt_on(server, weights_dir):
+    """stream=None: the call the first interrupt cuts short did not stream, so its unfinished completions
+    keep no tokens (and the server aborts it all the same); the calls after it stream and keep theirs."""
+    engine = _engine(server, weights_dir)
+    prompts = reverse_prompts(4, seed=3)
+    cfg = SamplingConfig(max_new_tokens=LONG, temperature=TEMPERATURE, samples_per_prompt=4)
+    engine.generate(prompts[:1], SamplingConfig(max_new_tokens=2), seed=0)  # connect, warm up
+    kept = []
+    for _ in range(2):
+        before = _settled(server.base_url)
+        trigger = InterruptLater(engine, server.base_url, tokens=len(prompts) * 4 * 30)
+        cut = engine.generate(prompts, cfg, seed=3)
+        assert trigger.stop() is not None, "the call ended before the interrupt"
+        generated = _settled(server.base_url)["generated"] - before["generated"]
+        # Aborted on the disconnect: after the interrupt, the server generated a small part of what was left.
+        left = len(cut) * LONG - trigger.generated_before
+        assert generated - trigger.generated_before < 0.5 * left, (generated, trigger.generated_before, left)
+        assert sum(c.finish_reason == INTERRUPTED for c in cut) >= 0.8 * len(cut)
+        kept.append([len(c.token_ids) for c in cut if c.finish_reason == INTERRUPTED])
+    assert all(n == 0 for n in kept[0]) and all(n >= 1 for n in kept[1]), kept
+    engine.close()
+
+
+@requires_vllm
+@pytest.mark.slow
+def test_a_continued_completion_has_the_version_and_logprobs_of_each_segment(engine, server, trainer_model):
+    """Test 3: generate_resumable, an interrupt in the first call and a push to perturbed weights before the
+    continuation: each token has the logprob and the version of the weights that sampled it."""
+    new = copy.deepcopy(trainer_model)
+    generator = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for p in new.parameters():
+            p.add_(0.05 * torch.randn(p.shape, generator=generator))
+    prompts = reverse_prompts(8, seed=1)
+    sampling = SamplingConfig(max_new_tokens=LONG, temperature=TEMPERATURE, samples_per_prompt=4)
+    engine.generate(prompts[:1], SamplingConfig(max_new_tokens=2), seed=0)  # connect
+    engine.update_weights(trainer_model, 0)  # version 0: the checkpoint (and the engine learns the vocabulary)
+    first_segments = []
+    generate = engine.generate
+
+    def spy(prompt_ids, cfg, seed=None):
+        out = generate(prompt_ids, cfg, seed=seed)
+        if not first_segments:
+            first_segments.extend(out)
+        return out
+
+    engine.generate = spy
+    calls = {"n": 0}
+
+    @contextlib.contextmanager
+    def turn():
+        calls["n"] += 1
+        trigger = None
+        if calls["n"] == 1:  # interrupt the first call once it is under way
+            trigger = InterruptLater(engine, server.base_url, tokens=len(prompts) * 4 * 20)
+        if calls["n"] == 2:  # the push between the two segments
+            engine.update_weights(new, 1)
+        yield
+        if trigger is not None:
+            assert trigger.stop() is not None, "the first call ended before the interrupt"
+
+    stats = PartialStats()
+    try:
+        completions = generate_resumable(engine, prompts, sampling, seed=2, turn=turn, stats=stats)
+        assert stats.interrupted >= 0.8 * len(completions) and stats.continuation_calls >= 1
+        assert all(_ran_to_the_end(c) for c in completions)
+        old_lp = teacher_forced_logprobs(trainer_model, prompts, completions, TEMPERATURE)
+        new_lp = teacher_forced_logprobs(new, prompts, completions, TEMPERATURE)
+        worst = 0.0
+        for c, first, under_old, under_new in zip(completions, first_segments, old_lp, new_lp, strict=True):
+            cut = len(first.token_ids)
+            assert c.token_ids[:cut] == first.token_ids
+            if first.finish_reason == INTERRUPTED:  # continued under the new weights
+                # (no tokens kept when the interrupt came before the completion's first streamed chunk)
+                assert 0 <= cut < len(c.token_ids)
+            else:  # it had stopped before the interrupt: not continued
+                assert first.finish_reason == "stop" and c.token_ids == first.token_ids
+            assert c.token_versions() == [0] * cut + [1] * (len(c.token_ids) - cut)
+            lp = torch.tensor(c.logprobs)
+            worst = max(
+                worst,
+                float((lp[:cut] - torch.tensor(under_old[:cut])).abs().max()),
+                float((lp[cut:] - torch.tensor(under_new[cut:])).abs().max()),
+            )
+            # The two weight sets disagree on these tokens by far more than the tolerance.
+            assert float((torch.tensor(under_old) - torch.tensor(under_new)).abs().max()) > 100 * LOGPROB_MAX_TOL
+        assert any(0 < len(f.token_ids) for f in first_segments if f.finish_reason == INTERRUPTED)
+        print(f"\nsegments: |server - trainer of the segment's weights| logprob max {worst:.3g}")
+        assert worst <= LOGPROB_MAX_TOL
+    finally:
+        engine.generate = generate
+        engine.update_weights(trainer_model, 0)  # the module's server goes back to the checkpoint
+
+
+# ---------------------------------------------------------------------- a stand-in streaming server
+
+
+def _choice(index: int, tokens: list[int], finish: str | None = None) -> dict:
+    return {
+        "index": index,
+        "text": "",
+        "token_ids": tokens,
+        "logprobs": {"token_logprobs": [-0.5 - 0.01 * t for t in tokens]},
+        "finish_reason": finish,
+        "stop_reason": tokens[-1] if finish == "stop" else None,
+    }
+
+
+class _StreamingStandIn:
+    """Answers /v1/models and /server_info, and streams ``/v1/completions`` from ``script(body)``: a list of
+    events (a dict, the bytes of a raw line, or a float: seconds to sleep); a request that does not
+    stream gets the events' choices merged into one JSON document at the end. Records whether it
+    saw the client go away."""
+
+    def __init__(self, script) -> None:
+        self.script = script
+        self.bodies: list[dict] = []
+        self.disconnected = threading.Event()
+        owner = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def _json(self, payload: object) -> None:
+                data = json.dumps(payload).encode()
+                self.send_response(200)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def do_GET(self) -> None:  # noqa: N802
+                if self.path.startswith("/v1/models"):
+                    self._json({"data": [{"id": "m", "max_model_len": 4096}]})
+                else:
+                    config = {"logprobs_mode": "processed_logprobs", "dtype": "torch.float32"}
+                    self._json({"vllm_config": {"model_config": config}})
+
+            def do_POST(self) -> None:  # noqa: N802
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                owner.bodies.append(body)
+                if not body["stream"]:
+                    self._document(body)
+                    return
+                self.send_response(200)
+                self.send_header("Content-Type", "text/event-stream; charset=utf-8")
+                self.end_headers()
+                try:
+                    for step in owner.script(body):
+                        if isinstance(step, float):
+                            time.sleep(step)
+                            continue
+                        line = step if isinstance(step, bytes) else b"data: " + json.dumps(step).encode()
+                        self.wfile.write(line + b"\n\n")
+                        self.wfile.flush()
+                except (BrokenPipeError, ConnectionResetError):
+                    owner.disconnected.set()
+
+            def _document(self, body: dict) -> None:
+                merged: dict[int, dict] = {}
+                for step in owner.script(body):
+                    if isinstance(step, float):
+                        time.sleep(step)
+                    elif isinstance(step, dict):
+                        for choice in step["choices"]:
+                            into = merged.setdefault(choice["index"], _choice(choice["index"], []))
+                            into["token_ids"] += choice["token_ids"]
+                            into["logprobs"]["token_logprobs"] += choice["logprobs"]["token_logprobs"]
+                            into["finish_reason"] = choice["finish_reason"]
+                            into["stop_reason"] = choice["stop_reason"]
+                try:
+                    self._json({"choices": [merged[i] for i in sorted(merged)]})
+                except (BrokenPipeError, ConnectionResetError):
+                    owner.disconnected.set()
+
+            def log_message(self, *args) -> None:  # quiet
+                pass
+
+        self.httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.httpd.daemon_threads = True
+        self.base_url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
+        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+@pytest.fixture
+def streaming_stand_in():
+    servers: list[_StreamingStandIn] = []
+
+    def make(script):
+        servers.append(_StreamingStandIn(script))
+        return servers[-1]
+
+    yield make
+    for s in servers:
+        s.close()
+
+
+def _endless(body, steps: int = 600):
+    """Sample 0 stops after two tokens; sample 1 (if asked for) trickles tokens until the client goes (or 30 s)."""
+    yield {"choices": [_choice(0, [7])]}
+    yield {"choices": [_choice(0, [9], "stop")]}
+    if body["n"] > 1:
+        for step in range(steps):
+            yield {"choices": [_choice(1, [10 + step % 5])]}
+            yield 0.05
+        yield {"choices": [_choice(1, [11], "length")]}
+    yield b"data: [DONE]"
+
+
+class _Stamped:
+    """``fn()`` from another thread after ``delay_s``; :meth:`latency`: seconds from then to now."""
+
+    def __init__(self, delay_s: float, fn) -> None:
+        self.at: float | None = None
+
+        def run() -> None:
+            time.sleep(delay_s)
+            self.at = time.perf_counter()
+            fn()
+
+        self.thread = threading.Thread(target=run, daemon=True)
+        self.thread.start()
+
+    def latency(self) -> float:
+        now = time.perf_counter()
+        self.thread.join(10)
+        assert self.at is not None
+        return now - self.at
+
+
+def test_interrupt_keeps_finished_samples_and_cuts_the_others(streaming_stand_in):
+    server = streaming_stand_in(_endless)
+    engine = RemoteVLLMEngine(server.base_url, eos_token_id=2, stop_token_ids=[9], stream=True, stream_interval=3)
+    cfg = SamplingConfig(max_new_tokens=1000, samples_per_prompt=2)
+    timer = _Stamped(0.5, engine.interrupt)
+    finished, cut = engine.generate([[1, 5]], cfg)
+    assert timer.latency() < 1.0  # (the stand-in would trickle for 30 s)
+    body = server.bodies[-1]
+    assert body["stream"] is True and body["stream_interval"] == 3 and body["n"] == 2
+    assert (finished.finish_reason, finished.token_ids) == ("stop", [7, 9])
+    assert cut.finish_reason == INTERRUPTED and 3 <= len(cut.token_ids) < 1000
+    assert cut.token_ids == [10 + s % 5 for s in range(len(cut.token_ids))]
+    assert cut.logprobs == pytest.approx([-0.5 - 0.01 * t for t in cut.token_ids])
+    assert server.disconnected.wait(5)  # the stand-in saw the connection close
+    assert engine.generate([[1, 5]], SamplingConfig(max_new_tokens=4, samples_per_prompt=1))  # consumed
+    engine.close()
+
+
+def test_the_stream_setting_decides_what_an_interrupt_keeps(streaming_stand_in):
+    """stream=None streams from the first interrupt on (the call it cuts keeps no tokens); False never streams."""
+    server = streaming_stand_in(lambda body: _endless(body, steps=40))  # 2 s unstreamed
+    cfg = SamplingConfig(max_new_tokens=1000, samples_per_prompt=2)
+    for stream, kept_then in ((None, True), (False, False)):
+        engine = RemoteVLLMEngine(server.base_url, eos_token_id=2, stop_token_ids=[9], stream=stream)
+        done = engine.generate([[1, 5]], cfg)  # not interrupted: one JSON answer, read whole
+        assert server.bodies[-1]["stream"] is False and "stream_interval" not in server.bodies[-1]
+        assert [c.finish_reason for c in done] == ["stop", "length"] and len(done[1].token_ids) == 41
+        for kept in (False, kept_then):
+            timer = _Stamped(0.5, engine.interrupt)
+            finished, cut = engine.generate([[1, 5]], cfg)
+            assert timer.latency() < 1.0  # (the stand-in answers after 2 s)
+            assert server.bodies[-1]["stream"] is kept
+            # Unstreamed, the sample that had finished is lost with the rest: nothing of the answer arrived.
+            assert (finished.finish_reason, finished.token_ids) == (("stop", [7, 9]) if kept else (INTERRUPTED, []))
+            assert cut.finish_reason == INTERRUPTED and (len(cut.token_ids) >= 3 if kept else cut.token_ids == [])
+        engine.close()
+
+
+def test_stream_errors_are_clear(streaming_stand_in):
+    cfg = SamplingConfig(max_new_tokens=8, samples_per_prompt=1)
+    message = "token_id(s) [64] in stop_token_ids contain out-of-vocab token ids."
+    failing = streaming_stand_in(
+        lambda body: [{"error": {"message": message, "type": "BadRequestError"}}, b"data: [DONE]"]
+    )
+    with pytest.raises(RuntimeError, match=r"reported an error in its streamed answer: token_id\(s\) \[64\]"):
+        RemoteVLLMEngine(failing.base_url, eos_token_id=2, stream=True).generate([[1, 5]], cfg)
+
+    cut_off = streaming_stand_in(lambda body: [{"choices": [_choice(0, [7])]}])  # no finish, no [DONE]
+    with pytest.raises(RuntimeError, match=r"ended before its last event \(data: \[DONE\]\)"):
+        RemoteVLLMEngine(cut_off.base_url, eos_token_id=2, stream=True).generate([[1, 5]], cfg)
+
+    unfinished = streaming_stand_in(lambda body: [{"choices": [_choice(0, [7])]}, b"data: [DONE]"])
+    with pytest.raises(RuntimeError, match=r"finished with None"):  # not interrupted: no finish reason is an error
+        RemoteVLLMEngine(unfinished.base_url, eos_token_id=2, stream=True).generate([[1, 5]], cfg)
+
+    claims = streaming_stand_in(lambda body: [{"choices": [_choice(0, [7], INTERRUPTED)]}, b"data: [DONE]"])
+    with pytest.raises(RuntimeError, match=r"finish_reason='interrupted'; expected 'stop' or 'length'"):
+        RemoteVLLMEngine(claims.base_url, eos_token_id=2, stream=True).generate([[1, 5]], cfg)
+
+    # request_timeout_s bounds the whole stream, not each read: a server that keeps trickling times out.
+    trickling = streaming_stand_in(_endless)
+    engine = RemoteVLLMEngine(trickling.base_url, eos_token_id=2, request_timeout_s=5, stream=True)
+    engine.connect()
+    engine.request_timeout_s = 0.5
+    began = time.perf_counter()
+    with pytest.raises(RuntimeError, match=r"request_timeout_s=0\.5"):
+        engine.generate([[1, 5]], SamplingConfig(max_new_tokens=1000, samples_per_prompt=2))
+    assert time.perf_counter() - began < 5
+
+    # close() wakes a streamed generate in flight with RuntimeError.
+    engine = RemoteVLLMEngine(trickling.base_url, eos_token_id=2, stream=True)
+    errors: list[BaseException] = []
+
+    def rollout() -> None:
+        try:
+            engine.generate([[1, 5]], SamplingConfig(max_new_tokens=1000, samples_per_prompt=2))
+        except BaseException as err:  # noqa: BLE001
+            errors.append(err)
+
+    thread = threading.Thread(target=rollout, daemon=True)
+    thread.start()
+    time.sleep(0.5)
+    began = time.perf_counter()
+    engine.close()
+    thread.join(5)
+    assert not thread.is_alive() and time.perf_counter() - began < 5
+    assert len(errors) == 1 and isinstance(errors[0], RuntimeError) and "closed" in str(errors[0]), errors
+
+
+def test_stream_settings_are_checked():
+    with pytest.raises(ValueError, match="stream="):
+        RemoteVLLMEngine("http://127.0.0.1:8000", stream="yes")
+    with pytest.raises(ValueError, match="stream_interval"):
+        RemoteVLLMEngine("http://127.0.0.1:8000", stream_interval=0)
+    with pytest.raises(ValueError, match="stream_interval"):
+        RemoteVLLMEngine("http://127.0.0.1:8000", stream_interval=2.0)
