@@ -141,3 +141,13 @@ def argmax_completion(model: torch.nn.Module, prompt: list[int], max_new_tokens:
         if token == eos:
             break
     return out
+
+
+def perturbed(model: torch.nn.Module, scale: float, seed: int = 1) -> torch.nn.Module:
+    """A copy of ``model`` with Gaussian noise of ``scale`` added to every parameter (another policy version)."""
+    other = copy.deepcopy(model)
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in other.parameters():
+            p.add_(scale * torch.randn(p.shape, generator=generator))
+    return other

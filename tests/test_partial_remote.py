@@ -11,7 +11,6 @@ Measured numbers are printed (``pytest -s``). About 2-4 minutes on a 2-core CPU 
 from __future__ import annotations
 
 import contextlib
-import copy
 import http.server
 import json
 import threading
@@ -25,6 +24,7 @@ import torch
 from lightning_offpolicy.rollout.engine import INTERRUPTED, InterruptibleEngine, SamplingConfig
 from lightning_offpolicy.rollout.partial import PartialStats, generate_resumable
 from lightning_offpolicy.rollout.vllm import RemoteVLLMEngine, launch_local_server
+from tests.module_helpers import perturbed
 from tests.vllm_fixtures import requires_vllm, residuals, reverse_prompts, teacher_forced_logprobs
 
 #: Largest |server - trainer| per-token logprob residual accepted at equal float32 weights (as test_remote_vllm).
@@ -253,11 +253,7 @@ def test_by_default_requests_stream_from_the_first_interrupt_on(server, weights_
 def test_a_continued_completion_has_the_version_and_logprobs_of_each_segment(engine, server, trainer_model):
     """Test 3: generate_resumable, an interrupt in the first call and a push to perturbed weights before the
     continuation: each token has the logprob and the version of the weights that sampled it."""
-    new = copy.deepcopy(trainer_model)
-    generator = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for p in new.parameters():
-            p.add_(0.05 * torch.randn(p.shape, generator=generator))
+    new = perturbed(trainer_model, 0.05)
     prompts = reverse_prompts(8, seed=1)
     sampling = SamplingConfig(max_new_tokens=LONG, temperature=TEMPERATURE, samples_per_prompt=4)
     engine.generate(prompts[:1], SamplingConfig(max_new_tokens=2), seed=0)  # connect

@@ -22,7 +22,7 @@ from lightning_offpolicy.rollout import HFEngine, HFProcessEngine, RolloutCallba
 from lightning_offpolicy.rollout.engine import INTERRUPTED, Completion, InterruptibleEngine, SamplingConfig
 from lightning_offpolicy.rollout.partial import PartialStats, generate_resumable
 from lightning_offpolicy.tasks import PromptDataModule
-from tests.module_helpers import tiny_model
+from tests.module_helpers import perturbed, tiny_model
 from tests.test_async_rollout import VersionSpy
 
 PROMPTS = [[1, 5, 6, 7], [1, 9]]
@@ -36,16 +36,6 @@ def teacher_forced(model: torch.nn.Module, prompt: list[int], tokens: list[int])
         exact = copy.deepcopy(model).double()
         logits = exact(input_ids=torch.tensor([prompt + tokens])).logits[0, len(prompt) - 1 : -1]
     return torch.log_softmax(logits, dim=-1).gather(-1, torch.tensor(tokens)[:, None]).squeeze(-1)
-
-
-def perturbed(model: torch.nn.Module, scale: float = 0.3) -> torch.nn.Module:
-    """A copy of ``model`` with noticeably different weights (another policy version)."""
-    other = copy.deepcopy(model)
-    generator = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for p in other.parameters():
-            p.add_(scale * torch.randn(p.shape, generator=generator))
-    return other
 
 
 def interrupt_at_forward(engine: HFEngine, model: torch.nn.Module, n: int):
@@ -157,7 +147,7 @@ def check_segments(completions: list[Completion], old: torch.nn.Module, new: tor
 
 def test_a_continued_completion_has_each_segments_version_and_logprobs():
     old = tiny_model()
-    new = perturbed(old)
+    new = perturbed(old, 0.3)
     engine = HFEngine(dtype="float32", pad_token_id=0, eos_token_id=NEVER)
     engine.update_weights(old, version=0)
     sampling = SamplingConfig(max_new_tokens=24, samples_per_prompt=2)
@@ -193,7 +183,7 @@ def test_rows_with_different_budgets_continue_in_separate_calls_within_max_new_t
 
 def test_the_process_engine_is_interrupted_across_processes():
     old = tiny_model()
-    new = perturbed(old)
+    new = perturbed(old, 0.3)
     engine = HFProcessEngine(pad_token_id=0, eos_token_id=NEVER)
     try:
         engine.update_weights(old, version=0)

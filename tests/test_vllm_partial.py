@@ -8,7 +8,6 @@ teacher-forced logprobs under each weight set (tests/vllm_fixtures.py).
 from __future__ import annotations
 
 import contextlib
-import copy
 import threading
 import time
 
@@ -17,6 +16,7 @@ import torch
 
 from lightning_offpolicy.rollout.engine import INTERRUPTED, InterruptibleEngine, SamplingConfig
 from lightning_offpolicy.rollout.partial import PartialStats, generate_resumable
+from tests.module_helpers import perturbed
 from tests.vllm_fixtures import requires_vllm, residuals, reverse_prompts, teacher_forced_logprobs
 
 pytestmark = [pytest.mark.slow, requires_vllm]
@@ -70,11 +70,7 @@ def test_interrupt_returns_the_tokens_so_far_soon_and_the_next_call_runs_normall
 
 
 def test_a_continued_completion_has_the_version_and_logprobs_of_each_segment(vllm_engine, trainer_model):
-    new = copy.deepcopy(trainer_model)
-    generator = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for p in new.parameters():
-            p.add_(0.05 * torch.randn(p.shape, generator=generator))
+    new = perturbed(trainer_model, 0.05)
     prompts = reverse_prompts(2, seed=1)
     sampling = SamplingConfig(max_new_tokens=120, samples_per_prompt=2)
     calls = {"n": 0}
