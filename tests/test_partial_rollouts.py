@@ -318,3 +318,58 @@ def test_partial_rollouts_name_what_they_need(tmp_path):
     module = OffPolicyRLModule(model="tiny:reverse")
     with pytest.raises(ValueError, match="needs an engine that can be interrupted"):
         trainer.fit(module, PromptDataModule(task="reverse", prompts_per_step=2, num_train_prompts=8))
+
+
+def test_a_push_interrupts_only_a_call_in_flight():
+    """An idle producer (waiting for admission) is not interrupted: its next call would be cut for nothing."""
+    from lightning_offpolicy.batch import PromptBatch
+    from lightning_offpolicy.rollout.producer import RolloutProducer
+    from tests.test_async_rollout import fake_rollout, wait_for
+
+    interrupts: list[int] = []
+    in_call, release = threading.Event(), threading.Event()
+    producer: RolloutProducer
+
+    def interrupt():  # an engine honours it: the call in flight returns
+        interrupts.append(1)
+        release.set()
+
+    def produce(prompts, index):
+        with producer.generation_turn():
+            if index in (1, 2):  # these calls run until the test lets them go
+                in_call.set()
+                release.wait(10)
+        return fake_rollout([0, 0]), 0.0
+
+    stream = (PromptBatch(prompts=[f"p{i}"]) for i in range(100))
+    producer = RolloutProducer(
+        produce,
+        stream,
+        max_staleness=1,
+        steps_per_batch=1,
+        first_index=0,
+        trainer_version=0,
+        engine_version=0,
+        interrupt=interrupt,
+    )
+    producer.start()
+    try:
+        wait_for(in_call.is_set)  # batch 0 done, batch 1 in its call
+        release.set()
+        wait_for(lambda: producer.queue_depth == 2)
+        time.sleep(0.1)  # batch 2 is not admissible: the producer waits, idle
+        with producer.engine_access():
+            pass
+        assert interrupts == []
+        in_call.clear()
+        release.clear()
+        producer.take(0)
+        with producer.engine_access():
+            producer.set_engine_version(1)
+        wait_for(in_call.is_set)  # batch 2 in its call now
+        with producer.engine_access():
+            pass
+        assert interrupts == [1]
+    finally:
+        release.set()
+        producer.close()

@@ -105,6 +105,7 @@ class RolloutProducer:
         self._engine_lock = threading.Lock()
         self._interrupt = interrupt
         self._pushes_waiting = 0  # trainer-side engine_access calls waiting for or holding the engine
+        self._in_turn = False  # the producer is in (or about to start) a generation call
         self._ready: collections.deque[ProducedRollout] = collections.deque()
         self._retry: collections.deque[PromptBatch] = collections.deque()
         self._next_index = first_index
@@ -148,8 +149,12 @@ class RolloutProducer:
             return
         with self._cond:
             self._pushes_waiting += 1
+            # Only a call in flight (or one past its turn's wait) is interrupted: an interrupt of an
+            # idle engine would cut the producer's next call short for nothing.
+            in_flight = self._in_turn
         try:
-            self._interrupt()
+            if in_flight:
+                self._interrupt()
             with self._engine_lock:
                 yield
         finally:
@@ -169,8 +174,13 @@ class RolloutProducer:
                 self._cond.wait()
             if self._stop:
                 raise ProducerStopped
-        with self._engine_lock:
-            yield
+            self._in_turn = True
+        try:
+            with self._engine_lock:
+                yield
+        finally:
+            with self._cond:
+                self._in_turn = False
 
     def set_engine_version(self, version: int) -> None:
         """Record that the engine now holds the weights of ``version`` (call inside :meth:`engine_access`)."""
@@ -219,7 +229,8 @@ class RolloutProducer:
         with self._cond:
             self._stop = True
             self._cond.notify_all()
-        if self._interrupt is not None:
+            in_flight = self._in_turn
+        if self._interrupt is not None and in_flight:
             self._interrupt()
 
     def close(self, timeout: float = 10.0) -> None:
