@@ -178,11 +178,12 @@ def test_interrupt_returns_the_tokens_so_far_at_once_and_the_server_stops(engine
     for c, f in zip(cut, full, strict=True):
         assert len(c.logprobs) == len(c.token_ids) and c.policy_version == 0
         assert c.token_ids == f.token_ids[: len(c.token_ids)]  # the same seeded draws, cut short
-        if c.finish_reason == INTERRUPTED:
-            assert 1 <= len(c.token_ids) < len(f.token_ids)
+        if c.finish_reason == INTERRUPTED:  # none kept when cut before its first streamed chunk (or still queued)
+            assert len(c.token_ids) < len(f.token_ids)
         else:  # one that had stopped before the interrupt keeps its finish reason
             assert (c.finish_reason, c.token_ids) == ("stop", f.token_ids)
     assert sum(c.finish_reason == INTERRUPTED for c in cut) >= 0.8 * len(cut)
+    assert sum(len(c.token_ids) > 0 for c in cut) >= len(cut) // 2  # most kept what they had sampled
     # The logprobs of the partial tokens are those of the distribution sampled from (test 2).
     reference = teacher_forced_logprobs(trainer_model, prompts, cut, TEMPERATURE)
     res = residuals([c.logprobs for c in cut], reference)

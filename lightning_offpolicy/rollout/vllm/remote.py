@@ -76,7 +76,6 @@ import torch
 
 from lightning_offpolicy.argcheck import is_int
 from lightning_offpolicy.rollout.engine import (
-    INTERRUPTED,
     Completion,
     SamplingConfig,
 )
@@ -90,6 +89,7 @@ from lightning_offpolicy.rollout.vllm.http import (
     is_loopback,
     parse_base_url,
 )
+from lightning_offpolicy.rollout.vllm.streamed import StreamedChoices
 from lightning_offpolicy.rollout.vllm.weight_sync import (
     PROBE_LENGTH,
     full_state_dict,
@@ -434,7 +434,7 @@ class RemoteVLLMEngine(VLLMEngineBase):
     def _stream_completion(self, body: dict[str, Any], n: int, interrupt: StreamInterrupt) -> list[RawSample]:
         """The ``n`` samples of one ``/v1/completions`` request (streamed or not), the unfinished ones
         :data:`INTERRUPTED` when ``interrupt`` cut it short."""
-        choices = _StreamedChoices(n)
+        choices = StreamedChoices(n)
         if not interrupt.is_set():  # once interrupted, the requests still queued are not sent
             complete = self._http.stream(
                 "/v1/completions",
@@ -689,82 +689,6 @@ class RemoteVLLMEngine(VLLMEngineBase):
             [float(entry[str(tok)]["logprob"]) for entry, tok in zip(entries, probe[1:], strict=True)],
             dtype=torch.float64,
         )
-
-
-class _StreamedChoices:
-    """The ``n`` samples of one ``/v1/completions`` request, put together from the events of its streamed answer.
-
-    Each event's ``choices`` hold, per sample (``index``), the tokens of that chunk
-    (``token_ids``), their logprobs (``logprobs.token_logprobs``) and, in the sample's last chunk,
-    its ``finish_reason``. A whole (unstreamed) answer reads as one event.
-    """
-
-    def __init__(self, n: int) -> None:
-        self.n = n
-        self.tokens: list[list[int]] = [[] for _ in range(n)]
-        self.logprobs: list[list[float | None]] = [[] for _ in range(n)]
-        self.finish_reasons: list[Any] = [None] * n
-        self.stop_reasons: list[Any] = [None] * n
-        self.seen = [False] * n
-
-    def add(self, event: Any) -> None:
-        choices = event.get("choices") if isinstance(event, dict) else None
-        if not isinstance(choices, list):
-            raise RuntimeError(
-                f"RemoteVLLMEngine: an answer of the server to generate has no choices ({str(event)[:200]}): is "
-                "base_url a vLLM server?"
-            )
-        for choice in choices:
-            index = choice.get("index", 0) if isinstance(choice, dict) else None
-            if not is_int(index) or not 0 <= index < self.n:
-                raise RuntimeError(
-                    f"RemoteVLLMEngine: the server answered for sample {index!r} of a request for {self.n} samples."
-                )
-            tokens = choice.get("token_ids")
-            if not isinstance(tokens, list):
-                raise RuntimeError(
-                    "RemoteVLLMEngine: the server returned no token ids (it needs `return_token_ids`: vLLM >= 0.10)."
-                )
-            logprobs = (choice.get("logprobs") or {}).get("token_logprobs")
-            if not isinstance(logprobs, list) or len(logprobs) != len(tokens):
-                logprobs = [None] * len(tokens)  # the shared answer checks name the missing logprobs
-            self.seen[index] = True
-            self.tokens[index] += tokens
-            self.logprobs[index] += logprobs
-            reason = choice.get("finish_reason")
-            if reason == INTERRUPTED:  # only this engine marks a sample interrupted, when its interrupt() cut it
-                raise RuntimeError(
-                    f"RemoteVLLMEngine: the server ended a sample with finish_reason={reason!r}; expected 'stop' "
-                    "or 'length'."
-                )
-            if reason is not None:
-                self.finish_reasons[index] = reason
-                self.stop_reasons[index] = choice.get("stop_reason")
-
-    def samples(self, interrupted: bool) -> list[RawSample]:
-        """The samples as the shared checks read them: those without a finish reason
-        :data:`INTERRUPTED` when the answer was cut short (an answer read to its end has one for each)."""
-        if not interrupted and not all(self.seen):
-            raise RuntimeError(
-                f"RemoteVLLMEngine: the server answered for {sum(self.seen)} of the {self.n} samples of a request."
-            )
-        if any(
-            reason is not None and not tokens for tokens, reason in zip(self.tokens, self.finish_reasons, strict=True)
-        ):
-            raise RuntimeError(  # max_tokens >= 1: a finished sample has at least one token
-                "RemoteVLLMEngine: the server returned no token ids (it needs `return_token_ids`: vLLM >= 0.10)."
-            )
-        return [
-            RawSample(
-                tokens,
-                logprobs,
-                INTERRUPTED if reason is None and interrupted else reason,
-                stop_reason,
-            )
-            for tokens, logprobs, reason, stop_reason in zip(
-                self.tokens, self.logprobs, self.finish_reasons, self.stop_reasons, strict=True
-            )
-        ]
 
 
 def _vocab_size(source: torch.nn.Module | Mapping[str, torch.Tensor]) -> int | None:
