@@ -230,7 +230,7 @@ def test_by_default_requests_stream_from_the_first_interrupt_on(server, weights_
     """stream=None: the call the first interrupt cuts short did not stream, so its unfinished completions
     keep no tokens (and the server aborts it all the same); the calls after it stream and keep theirs."""
     engine = _engine(server, weights_dir)
-    prompts = reverse_prompts(4, seed=3)
+    prompts = reverse_prompts(8, seed=3)  # a call long enough that /metrics polling under load still lands inside it
     cfg = SamplingConfig(max_new_tokens=LONG, temperature=TEMPERATURE, samples_per_prompt=4)
     engine.generate(prompts[:1], SamplingConfig(max_new_tokens=2), seed=0)  # connect, warm up
     kept = []
