@@ -38,8 +38,9 @@ def teacher_forced(model: torch.nn.Module, prompt: list[int], tokens: list[int])
     return torch.log_softmax(logits, dim=-1).gather(-1, torch.tensor(tokens)[:, None]).squeeze(-1)
 
 
+@contextlib.contextmanager
 def interrupt_at_forward(engine: HFEngine, model: torch.nn.Module, n: int):
-    """A forward hook that interrupts ``engine`` during the ``n``-th forward pass of ``model``."""
+    """Inside: a forward hook interrupts ``engine`` during the ``n``-th forward pass of ``model``."""
     calls = {"n": 0}
 
     def hook(*_):
@@ -47,7 +48,11 @@ def interrupt_at_forward(engine: HFEngine, model: torch.nn.Module, n: int):
         if calls["n"] == n:
             engine.interrupt()
 
-    return model.register_forward_hook(hook)
+    handle = model.register_forward_hook(hook)
+    try:
+        yield
+    finally:
+        handle.remove()
 
 
 @pytest.mark.parametrize("sampler", ["lean", "generate"])
@@ -61,11 +66,8 @@ def test_an_interrupted_call_returns_the_tokens_so_far_with_their_logprobs(sampl
     assert all(c.finish_reason == "length" and len(c.token_ids) == 40 for c in full)
 
     # Interrupted during the 6th forward pass: 6 tokens sampled, the loop stops before the 7th forward.
-    handle = interrupt_at_forward(engine, model, 6)
-    try:
+    with interrupt_at_forward(engine, model, 6):
         cut = engine.generate(PROMPTS, sampling, seed=0)
-    finally:
-        handle.remove()
     for c, f in zip(cut, full, strict=True):
         assert c.finish_reason == INTERRUPTED and c.policy_version == 3
         assert c.token_ids == f.token_ids[:6]  # the same draws as the uninterrupted call, cut short
@@ -88,11 +90,8 @@ def test_a_completion_that_stopped_before_the_interrupt_keeps_its_stop():
     # Let the 3rd token of the first completion be a stop id: that row ends there, the others go on.
     engine.stop_token_ids = [full[0].token_ids[2]]
     full = engine.generate(PROMPTS, sampling, seed=0)
-    handle = interrupt_at_forward(engine, model, 8)
-    try:
+    with interrupt_at_forward(engine, model, 8):
         cut = engine.generate(PROMPTS, sampling, seed=0)
-    finally:
-        handle.remove()
     for c, f in zip(cut, full, strict=True):
         if f.finish_reason == "stop" and len(f.token_ids) <= 8:
             assert (c.finish_reason, c.token_ids) == ("stop", f.token_ids)
@@ -105,11 +104,8 @@ def test_an_interrupt_between_chunks_returns_the_unstarted_rows_empty():
     model = tiny_model()
     engine = HFEngine(pad_token_id=0, eos_token_id=NEVER, max_batch_size=2)
     engine.update_weights(model, version=0)
-    handle = interrupt_at_forward(engine, model, 3)
-    try:
+    with interrupt_at_forward(engine, model, 3):
         cut = engine.generate(PROMPTS, SamplingConfig(max_new_tokens=20, samples_per_prompt=2), seed=0)
-    finally:
-        handle.remove()
     assert [len(c.token_ids) for c in cut] == [3, 3, 0, 0]
     assert all(c.finish_reason == INTERRUPTED and c.logprobs == c.token_ids[:0] for c in cut[2:])
 
@@ -151,13 +147,10 @@ def test_a_continued_completion_has_each_segments_version_and_logprobs():
     engine = HFEngine(dtype="float32", pad_token_id=0, eos_token_id=NEVER)
     engine.update_weights(old, version=0)
     sampling = SamplingConfig(max_new_tokens=24, samples_per_prompt=2)
-    handle = interrupt_at_forward(engine, engine.model, 5)
     turn = PushBetweenCalls(engine, new, version=1)
     stats = PartialStats()
-    try:
+    with interrupt_at_forward(engine, engine.model, 5):
         completions = generate_resumable(engine, PROMPTS, sampling, seed=0, turn=turn, stats=stats)
-    finally:
-        handle.remove()
     assert [c.prompt_index for c in completions] == [0, 0, 1, 1]
     assert all(len(c.token_ids) == 24 and c.finish_reason == "length" for c in completions)
     assert all(c.token_versions() == [0] * 5 + [1] * 19 for c in completions)
@@ -169,14 +162,11 @@ def test_rows_with_different_budgets_continue_in_separate_calls_within_max_new_t
     model = tiny_model()
     engine = HFEngine(dtype="float32", pad_token_id=0, eos_token_id=NEVER, max_batch_size=2)
     engine.update_weights(model, version=0)
-    handle = interrupt_at_forward(engine, engine.model, 4)  # the first chunk cut at 4, the second not started
     stats = PartialStats()
-    try:
+    with interrupt_at_forward(engine, engine.model, 4):  # the first chunk cut at 4, the second not started
         completions = generate_resumable(
             engine, PROMPTS, SamplingConfig(max_new_tokens=12, samples_per_prompt=2), seed=0, stats=stats
         )
-    finally:
-        handle.remove()
     assert [len(c.token_ids) for c in completions] == [12] * 4
     assert stats.continuation_calls == 2  # budgets 8 and 12
 
