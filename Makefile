@@ -3,7 +3,7 @@
 #   make test   create .venv with the dev and vLLM extras, run the whole suite
 #   make selfcheck  every correction preset on a real tiny model (no training)
 #   make bench  run the benchmarks under benchmarks/ (including the side-by-side against TRL)
-#   make study  the mismatch study: correction vs staleness / engine mismatch (~36 min on 2 cores)
+#   make study  the mismatch study: correction vs staleness / engine mismatch, two tasks (~65 min on 2 cores)
 #   make soak   every shipped config to its max_steps, quiet and beside a CPU hog (~3 h on 2 cores)
 #   make docs-check  re-run the cheap figures of README.md / docs/ and compare (~3-5 min; not in `make test`)
 PYTHON ?= python3

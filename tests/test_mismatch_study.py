@@ -1,8 +1,9 @@
 """Smoke test of benchmarks/mismatch_study.py: ``--quick`` runs, and its three outputs agree.
 
 Not a check of the study's conclusions (6 tiny batches say nothing about stability): only that the
-JSON has every run's series, the PNG is a PNG, the markdown table lists the conditions, and the
-table's numbers are the ones the JSON series give.
+JSON has every run's series and the calibration, the PNGs are PNGs, the markdown tables list the
+conditions of both tasks, and the tables' numbers are the ones the JSON series give; plus the
+learning-rate rule, the paired confidence interval and VersionKL against independent references.
 """
 
 from __future__ import annotations
@@ -18,10 +19,36 @@ import pytest
 
 STUDY = Path(__file__).resolve().parent.parent / "benchmarks" / "mismatch_study.py"
 QUICK = ("onpolicy", "stale4-bypass", "stale4-tis")
+TASKS = ("reverse", "letter")
+QUICK_NAMES = [f"{task}/{short}" for task in TASKS for short in QUICK]
 
 
-def _table(text: str) -> dict[str, dict[str, str]]:
+def _load_study():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("mismatch_study", STUDY)
+    study = importlib.util.module_from_spec(spec)
+    sys.path.insert(0, str(STUDY.parent))  # the script imports its siblings _report and vs_trl
+    sys.modules["mismatch_study"] = study  # its dataclasses look their module up
+    try:
+        spec.loader.exec_module(study)
+    finally:
+        sys.path.remove(str(STUDY.parent))
+        sys.modules.pop("mismatch_study", None)
+    return study
+
+
+def _tables(text: str) -> dict[str, dict[str, dict[str, str]]]:
+    """Each task's results table (under its ``### `task``` heading), rows keyed by condition."""
     lines = text.splitlines()
+    tables = {}
+    for i, line in enumerate(lines):
+        if line.startswith("### `"):
+            tables[line.strip("#` ")] = _table(lines[i + 1 :])
+    return tables
+
+
+def _table(lines: list[str]) -> dict[str, dict[str, str]]:
     start = next(i for i, line in enumerate(lines) if line.startswith("| condition |"))
     header = [c.strip() for c in lines[start].strip("|").split("|")]
     rows = {}
@@ -51,12 +78,14 @@ def test_json_has_every_run_with_one_value_per_batch(quick_study):
     out, _ = quick_study
     data = json.loads((out / "mismatch_study.json").read_text())
     assert {"meta", "conditions", "summary", "runs"} <= set(data)
-    assert [c["name"] for c in data["conditions"]] == list(QUICK)
+    assert [c["name"] for c in data["conditions"]] == QUICK_NAMES
     assert data["meta"]["wall_s"] > 0 and "collapse_definition" in data["meta"]
-    batches = data["meta"]["settings"]["batches"]
-    assert len(data["runs"]) == len(QUICK) * len(data["meta"]["settings"]["seeds"])
+    assert len(data["runs"]) == len(QUICK_NAMES) * len(data["meta"]["settings"]["seeds"])
     for run in data["runs"]:
+        task = run["condition"].split("/")[0]
+        batches = data["meta"]["settings"]["tasks"][task]["batches"]
         assert run["batches"] == batches
+        assert run["lr"] == data["meta"]["settings"]["tasks"][task]["lr"]
         series = run["series"]
         keys = ("train/reward", "train/entropy", "staleness/mean", "rollout_corr/kl", "rollout_corr/chi2_token")
         for key in (*keys, "policy/version_kl"):
@@ -68,7 +97,6 @@ def test_json_has_every_run_with_one_value_per_batch(quick_study):
 
 def test_version_kl_is_the_exact_kl_between_consecutive_versions():
     """VersionKL against torch's own kl_div on the same probe, hooks driven by hand (two steps, one batch)."""
-    import importlib.util
     from types import SimpleNamespace
 
     import torch
@@ -76,15 +104,7 @@ def test_version_kl_is_the_exact_kl_between_consecutive_versions():
     from lightning_offpolicy.batch import RolloutBatch
     from tests.module_helpers import tiny_model
 
-    spec = importlib.util.spec_from_file_location("mismatch_study", STUDY)
-    study = importlib.util.module_from_spec(spec)
-    sys.path.insert(0, str(STUDY.parent))  # the script imports its sibling _report
-    sys.modules["mismatch_study"] = study  # its dataclasses look their module up
-    try:
-        spec.loader.exec_module(study)
-    finally:
-        sys.path.remove(str(STUDY.parent))
-        sys.modules.pop("mismatch_study", None)
+    study = _load_study()
     policy = tiny_model()
     rollout = RolloutBatch.from_sequences(
         prompt_ids=[[1, 5, 6], [1, 9]],
@@ -141,20 +161,65 @@ def test_staleness_is_zero_synchronous_and_bounded_asynchronous(quick_study):
         else:
             assert statistics.fmean(staleness) > 0, run["condition"]
             assert all(0 <= s <= bound[run["condition"]] for s in staleness), run["condition"]
-            assert max(run["series"]["staleness/max"]) == bound[run["condition"]]  # the bound is reached
+            if run["condition"].startswith("reverse/"):
+                # The bound is reached (2 optimizer steps per batch; the letter task, one step per
+                # batch, ramps up 0, 1, 2, 2, 3, 3 in 6 batches and reaches 4 later).
+                assert max(run["series"]["staleness/max"]) == bound[run["condition"]]
     # The stale engine really differs from the trainer: the mismatch KL is far above the synchronous one.
     kl = {run["condition"]: statistics.fmean(run["series"]["rollout_corr/kl"]) for run in data["runs"]}
-    assert kl["stale4-tis"] > 100 * abs(kl["onpolicy"]) and kl["stale4-tis"] > 1e-3, kl
-    # Bypass mode: pi_prox := pi_rollout, so the mismatch metrics read 0 by construction.
-    assert kl["stale4-bypass"] == 0.0
+    for task in TASKS:
+        stale, onpolicy = kl[f"{task}/stale4-tis"], kl[f"{task}/onpolicy"]
+        assert stale > 100 * abs(onpolicy) and stale > 1e-3, kl
+        # Bypass mode: pi_prox := pi_rollout, so the mismatch metrics read 0 by construction.
+        assert kl[f"{task}/stale4-bypass"] == 0.0
 
 
-def test_png_is_a_png(quick_study):
+@pytest.mark.parametrize("name", ["mismatch_study.png", "mismatch_curves.png"])
+def test_pngs_are_pngs(quick_study, name):
     out, _ = quick_study
-    png = (out / "mismatch_study.png").read_bytes()
+    png = (out / name).read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
     width, height = int.from_bytes(png[16:20], "big"), int.from_bytes(png[20:24], "big")
     assert width > 500 and height > 300
+
+
+def test_calibration_measures_every_rate_and_uses_the_rule(quick_study):
+    out, _ = quick_study
+    study = _load_study()
+    data = json.loads((out / "mismatch_study.json").read_text())
+    for task in TASKS:
+        cal = data["meta"]["calibration"][task]
+        assert cal["lrs"] == [1e-3, 3e-4] and len(cal["version_kl"]) == 2
+        # A larger step moves the policy further: the measured KL per version grows with the rate.
+        assert cal["version_kl"][0] > cal["version_kl"][1] > 0, cal
+        assert cal["chosen"] == study.choose_lr(cal["lrs"], cal["version_kl"])
+        assert data["meta"]["settings"]["tasks"][task]["lr"] == cal["chosen"]
+    assert "## Calibration" in out.with_suffix(".md").read_text()
+
+
+def test_choose_lr_takes_the_largest_rate_under_the_band_top_else_the_nearest():
+    study = _load_study()
+    assert study.KL_BAND == (1e-3, 1e-2)
+    assert study.choose_lr([1e-3, 5e-4, 2.5e-4], [2.6e-2, 6e-3, 1.6e-3]) == 5e-4
+    assert study.choose_lr([1e-3, 5e-4], [1e-2, 2e-3]) == 1e-3  # the top is inclusive
+    assert study.choose_lr([1e-3, 5e-4], [5e-2, 3e-2]) == 5e-4  # none within: the nearest (0.48 decade)
+    assert study.choose_lr([1e-4, 5e-5], [2e-4, 5e-5]) == 1e-4  # all below: the nearest from below
+
+
+def test_paired_delta_is_the_mean_difference_with_a_student_t_interval():
+    study = _load_study()
+
+    def run(seed, auc):
+        return {"seed": seed, "summary": {"auc_reward": auc}}
+
+    baseline = [run(0, 0.50), run(1, 0.40), run(2, 0.45), run(3, 0.9)]  # seed 3 has no pair: ignored
+    runs = [run(2, 0.475), run(0, 0.52), run(1, 0.43)]
+    mean, half, n = study.paired_delta(runs, baseline, "auc_reward")
+    # By hand, paired by seed: deltas 0.02, 0.03, 0.025; sd 0.005; t(0.975, df=2) = 4.302653.
+    assert n == 3 and mean == pytest.approx(0.025)
+    assert half == pytest.approx(4.302653 * 0.005 / 3**0.5, rel=1e-4)
+    assert study.fmt_delta(mean, half) == "**+0.025 [+0.013, +0.037]**"  # excludes 0: bold
+    assert study.fmt_delta(0.01, 0.02) == "+0.010 [-0.010, +0.030]"
 
 
 def test_markdown_table_matches_the_json(quick_study):
@@ -163,15 +228,18 @@ def test_markdown_table_matches_the_json(quick_study):
     text = report.read_text()
     for needed in ("**Machine**", "nproc=", "**Date**", "**Code**", "**Command**", "**Wall time", "## Method"):
         assert needed in text, needed
-    assert "results/mismatch_study.png" in text  # the plot, linked relative to the report
-    rows = _table(text)
-    assert list(rows) == list(QUICK)
+    assert "results/mismatch_study.png" in text  # the plots, linked relative to the report
+    assert "results/mismatch_curves.png" in text
+    tables = _tables(text)
+    assert list(tables) == list(TASKS)
     data = json.loads((out / "mismatch_study.json").read_text())
+    rows = {f"{task}/{short}": row for task, table in tables.items() for short, row in table.items()}
+    assert list(rows) == QUICK_NAMES
     for name, row in rows.items():
         runs = [run for run in data["runs"] if run["condition"] == name]
         auc = statistics.fmean(statistics.fmean(run["series"]["train/reward"]) for run in runs)
         assert float(row["AUC reward"].split(" ± ")[0]) == pytest.approx(auc, abs=6e-4), name
-        window = data["meta"]["final_window"]
+        window = max(1, round(len(runs[0]["series"]["train/reward"]) / 10))  # the last 10% of the batches
         final = statistics.fmean(statistics.fmean(run["series"]["train/reward"][-window:]) for run in runs)
         assert float(row["final reward"].split(" ± ")[0]) == pytest.approx(final, abs=6e-4), name
         staleness = statistics.fmean(statistics.fmean(run["series"]["staleness/mean"]) for run in runs)
@@ -206,5 +274,5 @@ def test_render_only_rebuilds_the_same_table_from_the_json_and_appends_the_readi
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
     text = rebuilt.read_text()
-    assert _table(text) == _table(report.read_text())
+    assert _tables(text) == _tables(report.read_text())
     assert "## Reading\n\nToken TIS did what it says." in text
