@@ -78,8 +78,9 @@ bench: $(VENV)/.dev
 	$(PY) benchmarks/vs_trl.py --seeds 0,1,2,3,4 --engines hf,vllm --output docs/performance_vs_trl.md; \
 	$(PY) benchmarks/summarize.py --docs docs --output docs/performance.md --started $$start --load-start $$load
 
-# 57 short RL fits, 2 at a time (one thread each), niced: the report is docs/results.md, the
-# per-batch series and the plot are in docs/results/ (the reading is kept in docs/results/reading.md).
+# 8 calibration fits, then 118 short RL fits on two tasks, 2 at a time (one thread each), niced:
+# the report is docs/results.md, the per-batch series and the plots are in docs/results/ (the
+# reading is kept in docs/results/reading.md). 62 min on 2 cores.
 study: $(VENV)/.dev
 	OMP_NUM_THREADS=1 nice -n 10 $(PY) benchmarks/mismatch_study.py --output-dir docs/results \
 		--reading docs/results/reading.md

@@ -34,6 +34,9 @@ def test_async_vllm_fit_from_the_yaml_stays_within_max_staleness_and_logs_the_qu
         "--trainer.max_steps=16", f"--trainer.logger.init_args.save_dir={tmp_path}",
         f"--trainer.default_root_dir={tmp_path}", "--trainer.enable_progress_bar=false",
         "--data.init_args.prompts_per_step=8", "--rollout.samples_per_prompt=4",
+        # The config ships bypass mode, where pi_prox := pi_rollout and rollout_corr/* read 0 by
+        # construction: decoupled here, so the mismatch metric below can show the staleness.
+        "--model.correction.bypass_mode=false",
     ])  # fmt: skip
     (version,) = list((tmp_path / "vllm_async").iterdir())
     events = EventAccumulator(str(version), size_guidance={"histograms": 0, "scalars": 0})
