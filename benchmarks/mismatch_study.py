@@ -138,6 +138,10 @@ TASKS: dict[str, Task] = {
         num_minibatches=1,  # vs_trl's: one step per batch of 64 completions
     ),
 }
+#: How the report names each task's checkpoint (the letter task's lives in a temporary directory).
+TASKS_MODEL_LABEL = {"letter": "vs_trl.build_checkpoint(seed=0) (random init, char tokenizer)"}
+
+
 #: The KL-per-version band of large-model RL (nats per optimizer step); calibration aims below its top.
 KL_BAND = (1e-3, 1e-2)
 
@@ -1122,10 +1126,6 @@ def main(argv: list[str] | None = None) -> int:
     }
     print(write_outputs(payload, args))
     return 0
-
-
-#: How the report names each task's checkpoint (the letter task's lives in a temporary directory).
-TASKS_MODEL_LABEL = {"letter": "vs_trl.build_checkpoint(seed=0) (random init, char tokenizer)"}
 
 
 if __name__ == "__main__":
