@@ -725,7 +725,7 @@ def plot_curves(conditions: list[Condition], runs_by_condition, path: Path) -> N
                 # k1 KL can read slightly negative on one batch: plot its magnitude on the log axis.
                 ax_kl.plot(moving_average([abs(v) for v in kl], smooth), label=c.label, linewidth=1.3, **style)
         ax_reward.set_title(f"{task}, {group}: train/reward ({smooth}-batch moving avg, mean over seeds)", fontsize=9)
-        ax_kl.set_title(f"{task}, {group}: |rollout_corr/kl| (bypass reads 0: not drawn)", fontsize=9)
+        ax_kl.set_title(f"{task}, {group}: |rollout_corr/kl| (not drawn where it reads 0)", fontsize=9)
         ax_kl.set_yscale("log")
         for ax in (ax_reward, ax_kl):
             ax.set_xlabel("batch")
@@ -772,8 +772,9 @@ engine the first batch is identical in every condition of a task).
 * Recorded per batch (a callback reading `trainer.callback_metrics` after each batch):
   `train/reward`, `train/entropy`, `staleness/*`, `ppo/clip_frac`, `ppo/approx_kl` and the
   `rollout_corr/*` keys the correction logs (all but `log_ppl_diff`, `ppl_ratio`, `is_weight_min`,
-  `is_weight_max`, `ess_seq`). In bypass mode pi_prox := pi_rollout, so the
-  `rollout_corr/*` metrics read 0 there by construction (not because there is no mismatch).
+  `is_weight_max`, `ess_seq`). In bypass mode (no pi_prox) the `rollout_corr/*` metrics compare
+  pi_theta, per micro-batch, with pi_rollout; runs at commit dc8d338 or earlier (see **Code**)
+  logged 0 there by construction (not because there was no mismatch).
 * Final reward: mean `train/reward` over the last 10% of the batches; AUC: mean `train/reward`
   over the whole run; both as mean ± std over seeds. "AUC - on-policy (paired)": the AUC minus the
   on-policy run's with the same seed; mean and 95% confidence interval over seeds (Student t),

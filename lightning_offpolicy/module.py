@@ -314,7 +314,7 @@ class OffPolicyRLModule(LightningModule):
             rollout = rollout.with_fields(prox_logprobs=prox, ref_logprobs=ref)
         else:
             rollout, stats = step.apply_correction(rollout, prox, self.correction, ref)
-            if logging:
+            if logging and not self._metrics_from_current_policy:
                 self.correction_metrics.update(stats=stats)
         # Read once per step; the configs were checked together (check_compatible) in __init__.
         objective = self.correction.policy_loss_kwargs()
@@ -402,15 +402,17 @@ class OffPolicyRLModule(LightningModule):
                     self.entropy.update(entropy.detach()[micro.response_mask.bool()].float())
                 if not self._entropy_in_loss:
                     entropy = None
+                if record_correction and self._metrics_from_current_policy:
+                    # The micro-batches of the first pass cover the batch once: their metrics add up to its.
+                    self.correction_metrics.update(stats=step.current_policy_stats(micro, logprobs))
                 if self.fused_loss:
-                    fused = self._fused_step(with_metrics=record_correction)(
+                    fused = self._fused_step(with_metrics=record_correction and not self._metrics_from_current_policy)(
                         logprobs, micro.prox_logprobs, micro.rollout_logprobs, micro.advantages, micro.response_mask,
                         ref_logprobs=micro.ref_logprobs, token_count=token_count, sequence_count=sequence_count,
                         entropy=entropy,
                     )  # fmt: skip
                     loss, info = fused.loss, fused.info
-                    if record_correction:
-                        # The micro-batches of the first pass cover the batch once: their sums add up to its.
+                    if record_correction and not self._metrics_from_current_policy:
                         self.correction_metrics.update_from_sums(fused.statistics)
                 else:
                     if self.correction.masks_read_current_policy:
@@ -433,6 +435,13 @@ class OffPolicyRLModule(LightningModule):
             scheduler.step()
         self.policy_version += 1
         return grad_norm
+
+    @property
+    def _metrics_from_current_policy(self) -> bool:
+        """Plain bypass mode: the ``rollout_corr/*`` metrics compare ``pi_theta`` with ``pi_rollout``
+        per micro-batch (``pi_prox := pi_rollout`` would make them 0; with a mask the correction
+        itself already reads ``pi_theta``)."""
+        return self.correction.bypass_mode and not self.correction.masks_read_current_policy
 
     @property
     def _entropy_in_loss(self) -> bool:

@@ -118,6 +118,18 @@ def apply_correction(
     return corrected, out.stats
 
 
+def current_policy_stats(batch: RolloutBatch, logprobs: torch.Tensor) -> CorrectionStats:
+    """The mismatch metrics of ``pi_theta`` (``logprobs``, detached) against ``pi_rollout``.
+
+    What bypass mode logs: there ``pi_prox := pi_rollout``, so the metrics of
+    :func:`apply_correction` read 0 by construction. On the first mini-batch of a step
+    ``pi_theta`` is ``pi_prox``; on a later one it has moved by the steps taken since.
+    """
+    return compute_correction(
+        logprobs.detach(), batch.rollout_logprobs, batch.response_mask, OffPolicyCorrectionConfig.disabled()
+    ).stats
+
+
 def corrected_loss(
     logprobs: torch.Tensor,
     batch: RolloutBatch,

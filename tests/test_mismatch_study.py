@@ -170,8 +170,8 @@ def test_staleness_is_zero_synchronous_and_bounded_asynchronous(quick_study):
     for task in TASKS:
         stale, onpolicy = kl[f"{task}/stale4-tis"], kl[f"{task}/onpolicy"]
         assert stale > 100 * abs(onpolicy) and stale > 1e-3, kl
-        # Bypass mode: pi_prox := pi_rollout, so the mismatch metrics read 0 by construction.
-        assert kl[f"{task}/stale4-bypass"] == 0.0
+        # Bypass mode has no pi_prox: the metrics compare pi_theta with the stale pi_rollout.
+        assert kl[f"{task}/stale4-bypass"] > 100 * abs(onpolicy) and kl[f"{task}/stale4-bypass"] > 1e-3, kl
 
 
 @pytest.mark.parametrize("name", ["mismatch_study.png", "mismatch_curves.png"])

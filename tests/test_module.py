@@ -338,6 +338,29 @@ def test_fused_loss_logs_what_the_eager_step_logs(correction):
             assert fused_steps[step][key] == pytest.approx(value, rel=1e-4, abs=1e-6), (step, key)
 
 
+@pytest.mark.parametrize("fused", [False, True], ids=["eager", "fused"])
+def test_bypass_mode_logs_the_mismatch_of_the_current_policy(fused):
+    """Plain bypass mode has no pi_prox (pi_prox := pi_rollout would log 0): it logs the mismatch of
+    pi_theta against pi_rollout per micro-batch. On one mini-batch pi_theta is the step's starting
+    policy, so the metrics equal those the decoupled step logs from its proximal forward."""
+
+    def logged(correction, fused_loss):
+        torch.manual_seed(0)
+        model = tiny_model()
+        module = make_module(model, correction=correction, max_tokens_per_microbatch=12, fused_loss=fused_loss)
+        logger = _ListLogger()
+        fit_on(module, [make_rollout(model, mismatch=0.5)], max_steps=1, logger=logger, log_every_n_steps=1)
+        (values,) = logger.steps.values()
+        return {k: v for k, v in values.items() if k.startswith("rollout_corr/")}
+
+    decoupled = logged(OffPolicyCorrectionConfig.disabled(), False)
+    bypass = logged(OffPolicyCorrectionConfig.bypass(), fused)
+    assert decoupled["rollout_corr/abs_logprob_diff_mean"] > 0.1  # a mismatch to see
+    assert bypass.keys() == decoupled.keys()
+    for key, value in decoupled.items():
+        assert bypass[key] == pytest.approx(value, rel=1e-4, abs=1e-6), key
+
+
 def test_fused_loss_refuses_a_whole_batch_weight_mean():
     with pytest.raises(ValueError, match=r"fused_loss=True .* correction\.normalize_weights"):
         make_module(

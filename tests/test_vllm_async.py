@@ -34,8 +34,8 @@ def test_async_vllm_fit_from_the_yaml_stays_within_max_staleness_and_logs_the_qu
         "--trainer.max_steps=16", f"--trainer.logger.init_args.save_dir={tmp_path}",
         f"--trainer.default_root_dir={tmp_path}", "--trainer.enable_progress_bar=false",
         "--data.init_args.prompts_per_step=8", "--rollout.samples_per_prompt=4",
-        # The config ships bypass mode, where pi_prox := pi_rollout and rollout_corr/* read 0 by
-        # construction: decoupled here, so the mismatch metric below can show the staleness.
+        # The config ships bypass mode, whose rollout_corr/* compare pi_theta per mini-batch (the
+        # second one has moved a step): decoupled here, so the first batch's metric is the bf16 gap alone.
         "--model.correction.bypass_mode=false",
     ])  # fmt: skip
     (version,) = list((tmp_path / "vllm_async").iterdir())
