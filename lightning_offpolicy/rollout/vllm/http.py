@@ -51,6 +51,7 @@ class StreamInterrupt:
     :meth:`set` shuts down the socket of every stream reading under it, so a thread blocked on
     one wakes at once, and a stream that starts afterwards returns before sending its request.
     Shutting the socket down also tells the server the client has gone: vLLM aborts the request.
+    :meth:`HTTPClient.close` is one too, over every request of its client.
     """
 
     def __init__(self) -> None:
@@ -95,18 +96,16 @@ class HTTPClient:
         self.scheme, self.host, self.port, self.prefix = scheme, host, port, prefix
         self.api_key = api_key
         self.base_url = base_url
-        # The sockets of the requests in flight (taken right after connect: http.client drops
+        # Watches the sockets of the requests in flight (taken right after connect: http.client drops
         # ``conn.sock`` when an answer says "Connection: close", while the answer is still read from it).
-        self._active: set[socket.socket] = set()
-        self._lock = threading.Lock()
-        self._closed = False
+        self._closing = StreamInterrupt()
 
     def close(self) -> None:
-        with self._lock:
-            self._closed = True
-            active = list(self._active)
-        for sock in active:
-            _shutdown(sock)
+        self._closing.set()
+
+    @property
+    def _closed(self) -> bool:
+        return self._closing.is_set()
 
     def request(self, method: str, path: str, body: Any = None, *, timeout: float, what: str) -> Any:
         """Send ``body`` as JSON, return the parsed JSON answer (``None`` for an empty one)."""
@@ -222,20 +221,15 @@ class HTTPClient:
                 "check the host name / address in base_url."
             ) from err
         sock = conn.sock
-        with self._lock:
-            # Checked and registered at once: either close() sees this socket, or we see close().
-            closed = self._closed
-            if not closed:
-                self._active.add(sock)
-        if closed:
+        # Checked and registered at once: either close() sees this socket, or we see close().
+        if not self._closing._attach(sock):
             conn.close()
             raise RuntimeError(f"RemoteVLLMEngine was closed during {what}.")
         sock.settimeout(timeout)
         return conn, sock
 
     def _release(self, conn: http.client.HTTPConnection, sock: socket.socket) -> None:
-        with self._lock:
-            self._active.discard(sock)
+        self._closing._detach(sock)
         conn.close()
         sock.close()  # conn.close() leaves it to the answer when it said "Connection: close"
 
