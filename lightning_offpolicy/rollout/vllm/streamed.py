@@ -15,6 +15,8 @@ from lightning_offpolicy.rollout.vllm.base import RawSample
 
 __all__ = ["StreamedChoices"]
 
+_NO_TOKEN_IDS = "RemoteVLLMEngine: the server returned no token ids (it needs `return_token_ids`: vLLM >= 0.10)."
+
 
 class StreamedChoices:
     """The ``n`` samples of one ``/v1/completions`` request, put together from the events of its streamed answer.
@@ -47,9 +49,7 @@ class StreamedChoices:
                 )
             tokens = choice.get("token_ids")
             if not isinstance(tokens, list):
-                raise RuntimeError(
-                    "RemoteVLLMEngine: the server returned no token ids (it needs `return_token_ids`: vLLM >= 0.10)."
-                )
+                raise RuntimeError(_NO_TOKEN_IDS)
             logprobs = (choice.get("logprobs") or {}).get("token_logprobs")
             if not isinstance(logprobs, list) or len(logprobs) != len(tokens):
                 logprobs = [None] * len(tokens)  # the shared answer checks name the missing logprobs
@@ -76,9 +76,7 @@ class StreamedChoices:
         if any(
             reason is not None and not tokens for tokens, reason in zip(self.tokens, self.finish_reasons, strict=True)
         ):
-            raise RuntimeError(  # max_tokens >= 1: a finished sample has at least one token
-                "RemoteVLLMEngine: the server returned no token ids (it needs `return_token_ids`: vLLM >= 0.10)."
-            )
+            raise RuntimeError(_NO_TOKEN_IDS)  # max_tokens >= 1: a finished sample has at least one token
         return [
             RawSample(
                 tokens,
