@@ -166,6 +166,11 @@ class Condition:
         """The name without its task: ``stale4-tis``."""
         return self.name.split("/", 1)[1]
 
+    @property
+    def correction(self) -> str:
+        """The correction's short name: ``tis`` for ``stale4-tis``, ``bypass`` for ``bf16-bypass``."""
+        return self.short.partition("-")[2]
+
     def to_dict(self) -> dict[str, Any]:
         return {
             **dataclasses.asdict(self),
@@ -631,13 +636,13 @@ def plot_summary(conditions: list[Condition], runs_by_condition, path: Path) -> 
         baseline = runs_by_condition.get(f"{task}/onpolicy", [])
         ax_stale, ax_engine = axes[row]
         stale = [c for c in mine if c.max_staleness > 0]
-        corrections_here = list(dict.fromkeys(c.short.split("-", 1)[1] for c in stale))
-        labels = {c.short.split("-", 1)[1]: c.label for c in stale}
+        corrections_here = list(dict.fromkeys(c.correction for c in stale))
+        labels = {c.correction: c.label for c in stale}
         version_kl = []
         for index, short in enumerate(corrections_here):
             points = [(0, 0.0, 0.0)]  # the baseline itself
             for c in stale:
-                if c.short.split("-", 1)[1] == short and baseline:
+                if c.correction == short and baseline:
                     mean, half, _ = paired_delta(runs_by_condition[c.name], baseline, "auc_reward")
                     points.append((c.max_staleness, mean, half if math.isfinite(half) else 0.0))
                     version_kl += [r["summary"][VERSION_KL_KEY + ":mean"] for r in runs_by_condition[c.name]]
@@ -667,12 +672,12 @@ def plot_summary(conditions: list[Condition], runs_by_condition, path: Path) -> 
         ax_stale.legend(fontsize=7, loc="lower left")
         engines = [c for c in mine if c.engine != "float32"]
         groups = list(dict.fromkeys(c.engine for c in engines))
-        shorts = list(dict.fromkeys(c.short.split("-", 1)[1] for c in engines))
+        shorts = list(dict.fromkeys(c.correction for c in engines))
         width = 0.8 / max(1, len(shorts))
         for index, short in enumerate(shorts):
             labelled = False
             for g, engine in enumerate(groups):
-                match = [c for c in engines if c.engine == engine and c.short.split("-", 1)[1] == short]
+                match = [c for c in engines if c.engine == engine and c.correction == short]
                 if not match or not baseline:
                     continue
                 mean, half, _ = paired_delta(runs_by_condition[match[0].name], baseline, "auc_reward")
