@@ -9,15 +9,22 @@ whose settings build it.
 
 from __future__ import annotations
 
+import math
 import re
 import warnings
+from pathlib import Path
 
+import numpy as np
 import pytest
+import torch
 import yaml
 
-from lightning_offpolicy.correction import CorrectionConfigError
+from lightning_offpolicy.correction import CorrectionConfigError, PolicyLossConfig, compute_correction, policy_loss
 from lightning_offpolicy.correction import OffPolicyCorrectionConfig as C
-from lightning_offpolicy.correction.peer_names import PEER_OF, PeerNameWarning
+from lightning_offpolicy.correction.kl import kl_of_log_ratio
+from lightning_offpolicy.correction.peer_names import PEER_DEFAULTS, PEER_OF, PeerNameWarning
+
+ROOT = Path(__file__).resolve().parents[1]
 
 GEO = dict(geo_mask=True, geo_mask_low=1 / 1.001, geo_mask_high=1 / 0.999)
 K3 = dict(kl_reject="k3", kl_reject_level="seq_mean", kl_reject_threshold=0.01)
@@ -132,7 +139,7 @@ def test_every_verl_preset_is_expressible(name):
     messages = [str(w.message) for w in caught if issubclass(w.category, PeerNameWarning)]
     assert all(message.startswith("verl's") and "the kit's" in message for message in messages), messages
     for field in PEER_OF:
-        assert getattr(built, field) is None
+        assert getattr(built, field) == PEER_DEFAULTS[field]
 
 
 @pytest.mark.parametrize(
@@ -147,7 +154,6 @@ def test_every_verl_preset_is_expressible(name):
             dict(outlier_token_is_threshold_low=1e-4, outlier_token_is_threshold_high=100.0),
             C.outlier_veto(),
         ),
-        (dict(token_mask_is_threshold_high=3.0), C(token_mask=True, token_mask_low=None, token_mask_high=3.0)),
     ],
 )
 def test_skyrl_names(skyrl, expected):
@@ -202,7 +208,12 @@ def test_trl_names(trl, expected):
         ),
         (dict(loss_type="reinforce"), "only in bypass mode"),
         (dict(rollout_is="token", tis_level="sequence"), "conflicts"),
-        (dict(outlier_token_is_threshold_high=100.0, token_mask_is_threshold_high=2.0), "before its token mask"),
+        (
+            dict(
+                outlier_token_is_threshold_high=100.0, token_mask_is_threshold_low=0.5, token_mask_is_threshold_high=2.0
+            ),
+            "before its token mask",
+        ),
         (dict(tis_ratio_type="tokens"), "not one of"),
     ],
 )
@@ -225,3 +236,269 @@ rollout_rs_threshold: 0.01
     assert cfg == C(tis_level="token", tis_clip_high=2.0, **K3)
     assert not set(cfg.to_dict()) & set(PEER_OF), "peer names never reach a saved config"
     assert C(**cfg.to_dict()) == cfg
+
+
+# ------------------------------------------------------------------- the peers' own computations
+# Float64 plain loops written from the peers' code, not from the kit's: SkyRL a956457
+# (skyrl/backends/skyrl_train/utils/off_policy_correction_utils.py, ppo_utils.py), TRL f2cd577
+# (trl/trainer/grpo_trainer.py `_generate_and_score_completions`, grpo_config.py `__post_init__`),
+# verl 1dda039 (verl/trainer/ppo/core_algos.py `compute_policy_loss_vanilla`, `kl_penalty_forward`).
+def _f32(x: np.ndarray) -> torch.Tensor:
+    return torch.tensor(np.asarray(x, dtype=np.float32))
+
+
+def _skyrl_safe_exp(x: float) -> float:
+    return math.exp(min(max(x, -20.0), 20.0))  # safe_exp_delta(..., clip=20.0)
+
+
+def _skyrl_token_mask(old: np.ndarray, rollout: np.ndarray, loss_mask: np.ndarray, low, high) -> np.ndarray:
+    """SkyRL's loss mask after ``compute_off_policy_correction`` with only the token-mask bounds set."""
+    out = loss_mask.astype(np.float64).copy()
+    # `apply_token_mask = low is not None and high is not None`: one bound alone applies nothing.
+    if low is None or high is None:
+        return out
+    for i in range(out.shape[0]):
+        for t in range(out.shape[1]):
+            ratio = _skyrl_safe_exp(float(old[i, t]) - float(rollout[i, t]))
+            if loss_mask[i, t] > 0 and not (low <= ratio <= high):
+                out[i, t] = 0.0
+    return out
+
+
+# log(pi_old / pi_rollout) per token: -1.0 and -2.0 are below 0.5 in ratio, 1.5 and 0.9 above 2.0.
+SKYRL_LOG_RHO = np.array([[-1.0, 0.1, 1.5, -0.05], [0.9, -2.0, 0.0, 0.3]])
+
+
+@pytest.mark.parametrize(("low", "high"), [(None, 2.0), (0.5, None), (0.5, 2.0)])
+def test_skyrl_token_mask_needs_both_bounds(low, high):
+    rollout = np.full(SKYRL_LOG_RHO.shape, -1.5)
+    old = rollout + SKYRL_LOG_RHO
+    mask = np.ones_like(old)
+    given = {"token_mask_is_threshold_low": low, "token_mask_is_threshold_high": high}
+    with pytest.warns(PeerNameWarning, match="SkyRL's"):
+        cfg = C(**{name: value for name, value in given.items() if value is not None})
+    out = compute_correction(_f32(old), _f32(rollout), _f32(mask), cfg)
+    expected = _skyrl_token_mask(old, rollout, mask, low, high)
+    np.testing.assert_array_equal(out.mask.double().numpy(), expected)
+    if low is None or high is None:
+        assert cfg == C() and expected.all()  # SkyRL masks none, the token with log ratio -1 included
+    else:
+        assert not expected.all()
+
+
+def test_skyrl_one_token_bound_says_it_turns_nothing_on():
+    with pytest.warns(PeerNameWarning, match="alone turns no mask on") as caught:
+        C(token_mask_is_threshold_high=2.0)
+    assert "token_mask_low: null" in str(caught[0].message), "the kit's one-sided mask is spelled out"
+
+
+def test_skyrl_outlier_veto_with_one_token_bound_is_the_veto_alone():
+    with pytest.warns(PeerNameWarning):
+        cfg = C(
+            outlier_token_is_threshold_low=1e-4, outlier_token_is_threshold_high=100.0, token_mask_is_threshold_high=2.0
+        )
+    assert cfg == C.outlier_veto()
+
+
+def _trl_importance_weights(old, sampling, mask, mode, clip_min, clip_max) -> np.ndarray:
+    """TRL's ``importance_sampling_ratio`` per token: clamped (``*_truncate``) or 0 outside the bounds (``*_mask``)."""
+    diff = (old - sampling) * mask  # per_token_logps_diff
+    out = np.zeros(old.shape)
+    for i in range(old.shape[0]):
+        seq = float(diff[i].sum())
+        for t in range(old.shape[1]):
+            ratio = math.exp(seq if mode.startswith("sequence") else float(diff[i, t]))  # torch.exp, no clamp
+            if mode.endswith("truncate"):  # torch.clamp(ratio, min=clip_min, max=clip_max): None is open
+                ratio = ratio if clip_min is None else max(ratio, clip_min)
+                ratio = ratio if clip_max is None else min(ratio, clip_max)
+            else:  # None -> -inf / +inf, then masked_fill(outside, 0.0)
+                low = -math.inf if clip_min is None else clip_min
+                high = math.inf if clip_max is None else clip_max
+                ratio = 0.0 if (ratio < low or ratio > high) else ratio
+            out[i, t] = ratio
+    return out
+
+
+TRL_LOG_RHO = np.array([[2.0, -0.9, 0.2, 0.05], [-0.3, 0.4, 1.2, -0.1]])  # a token with ratio e^2 = 7.39
+NOT_GIVEN = "not given"
+
+
+@pytest.mark.parametrize(
+    ("mode", "clip_min", "clip_max"),
+    [
+        ("token_truncate", 0.5, None),
+        ("token_mask", 0.5, None),
+        ("sequence_truncate", 0.5, None),
+        ("sequence_mask", None, None),
+        ("token_mask", 0.5, NOT_GIVEN),  # TRL's default C_max = 3.0
+        ("token_truncate", None, 2.0),
+    ],
+)
+def test_trl_importance_weights_follow_trl(mode, clip_min, clip_max):
+    sampling = np.full(TRL_LOG_RHO.shape, -1.2)
+    old = sampling + TRL_LOG_RHO
+    mask = np.ones_like(old)
+    kwargs = {"vllm_importance_sampling_mode": mode}
+    if clip_min is not None:
+        kwargs["vllm_importance_sampling_clip_min"] = clip_min
+    if clip_max is not NOT_GIVEN:
+        kwargs["vllm_importance_sampling_clip_max"] = clip_max
+    with pytest.warns(PeerNameWarning, match="TRL's"):
+        cfg = C(**kwargs)
+    out = compute_correction(_f32(old), _f32(sampling), _f32(mask), cfg)
+    expected = _trl_importance_weights(old, sampling, mask, mode, clip_min, 3.0 if clip_max is NOT_GIVEN else clip_max)
+    np.testing.assert_allclose((out.weights * out.mask).double().numpy(), expected, rtol=1e-6)
+
+
+def test_trl_clip_max_none_is_no_upper_bound():
+    with pytest.warns(PeerNameWarning, match="no upper bound"):
+        cfg = C(
+            vllm_importance_sampling_mode="token_truncate",
+            vllm_importance_sampling_clip_min=0.5,
+            vllm_importance_sampling_clip_max=None,
+        )
+    assert cfg.tis_level == "token" and cfg.tis_clip_high == math.inf and cfg.tis_clip_low == 0.5
+    prox, rollout = torch.tensor([[-1.0]]), torch.tensor([[-3.0]])
+    weight = compute_correction(prox, rollout, torch.ones(1, 1), cfg).weights
+    assert float(weight) == pytest.approx(math.exp(2.0), rel=1e-6)  # 7.39 as in TRL, not the default cap 3.0
+    with pytest.warns(PeerNameWarning):
+        default_cap = C(vllm_importance_sampling_mode="token_truncate")
+    assert default_cap.tis_clip_high == 3.0
+
+
+def test_trl_clip_max_none_survives_copies_and_reads_not_given_afterwards():
+    with pytest.warns(PeerNameWarning):
+        cfg = C(vllm_importance_sampling_mode="token_mask", vllm_importance_sampling_clip_max=None)
+    assert cfg.token_mask and cfg.token_mask_high is None and cfg.tis_clip_high == math.inf
+    assert cfg.vllm_importance_sampling_clip_max == PEER_DEFAULTS["vllm_importance_sampling_clip_max"] == 3.0
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a copy maps nothing again
+        assert cfg.replace() == cfg
+        assert C(**cfg.to_dict()) == cfg
+        assert C(**yaml.safe_load(yaml.safe_dump(cfg.to_dict()))) == cfg  # inf is YAML's .inf
+        assert C(vllm_importance_sampling_clip_max=3.0) == C(), "TRL's default alone turns nothing on"
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        (dict(vllm_importance_sampling_mode="token_truncate", vllm_importance_sampling_clip_max=None), "both None"),
+        (dict(vllm_importance_sampling_clip_min=2.0, vllm_importance_sampling_clip_max=2.0), "must be less than"),
+        (dict(tis_level="token", tis_clip_high=float("nan")), "tis_clip_high"),
+        (dict(tis_level="token", tis_clip_high=-math.inf), "tis_clip_high"),
+    ],
+)
+def test_trl_refusals(kwargs, message):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", PeerNameWarning)
+        with pytest.raises(CorrectionConfigError, match=message):
+            C(**kwargs)
+
+
+def test_trl_clip_max_null_and_absent_through_jsonargparse():
+    """The CLI's parser fills every field with its default: null must stay "no upper bound", and a
+    config dumped as LightningCLI saves it (``skip_none=False``; the default writes 3.0) must load back
+    to the same config."""
+    from jsonargparse import ArgumentParser
+
+    def build(correction: C | None = None) -> C | None:
+        return correction
+
+    parser = ArgumentParser()
+    parser.add_function_arguments(build, "run")
+    for text, cap in (
+        ("vllm_importance_sampling_mode: token_mask\n", 3.0),
+        ("vllm_importance_sampling_mode: token_mask\nvllm_importance_sampling_clip_max: null\n", math.inf),
+    ):
+        namespace = parser.parse_object({"run": {"correction": yaml.safe_load(text)}})
+        with pytest.warns(PeerNameWarning):
+            built = parser.instantiate(namespace).run.correction
+        assert built.tis_clip_high == cap
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", DeprecationWarning)  # jsonargparse renames skip_none; Lightning passes it
+            dumped = yaml.safe_load(parser.dump(namespace, skip_none=False))
+        reloaded = parser.parse_object(dumped)
+        with pytest.warns(PeerNameWarning):
+            assert parser.instantiate(reloaded).run.correction == built
+
+
+def _verl_k3(logprob: float, ref_logprob: float) -> float:
+    """verl's ``kl_penalty_forward(..., "k3")`` (its "low_var_kl" branch), SkyRL's ``compute_approx_kl("k3")``."""
+    kl = min(max(ref_logprob - logprob, -20.0), 20.0)
+    return min(max(math.exp(kl) - kl - 1.0, -10.0), 10.0)
+
+
+def test_the_peers_k3_is_the_kits_low_var_kl():
+    d = torch.tensor([-30.0, -15.0, -3.0, -0.5, 0.0, 0.7, 4.0, 25.0], dtype=torch.float64)
+    peer = np.array([_verl_k3(float(x), 0.0) for x in d])
+    np.testing.assert_allclose(kl_of_log_ratio(d, "low_var_kl").numpy(), peer, rtol=1e-12, atol=0.0)
+    assert not np.allclose(kl_of_log_ratio(d, "k3").numpy(), peer), "the kit's k3 does not clamp: another estimator"
+
+
+def _verl_vanilla_token_mean(logprob, old, adv, mask, clip=0.2, clip_c=3.0) -> float:
+    """verl's ``compute_policy_loss_vanilla`` with ``loss_agg_mode="token-mean"``: always dual-clipped."""
+    total = 0.0
+    for i in range(logprob.shape[0]):
+        for t in range(logprob.shape[1]):
+            if not mask[i, t]:
+                continue
+            a = float(adv[i, t])
+            ratio = math.exp(min(max(float(logprob[i, t]) - float(old[i, t]), -20.0), 20.0))
+            clip_pg_losses1 = max(-a * ratio, -a * min(max(ratio, 1 - clip), 1 + clip))
+            loss = min(-a * clip_c, clip_pg_losses1) if a < 0 else clip_pg_losses1
+            total += loss
+    return total / float(mask.sum())
+
+
+def test_verls_ppo_loss_is_the_kits_with_dual_clip_3():
+    old = np.array([[-1.0, -2.0, -0.5, -1.5]])
+    logprob = old + np.array([[1.8, -0.4, 0.1, 2.5]])  # ratios e^1.8 and e^2.5 above 3 with A < 0
+    adv = np.array([[-1.0, 0.5, 2.0, -0.7]])
+    mask = np.ones_like(old)
+    verl = _verl_vanilla_token_mean(logprob, old, adv, mask)
+    args = (_f32(logprob), _f32(old), None, _f32(adv), _f32(mask))
+    dual, _ = policy_loss(*args, PolicyLossConfig(dual_clip=3.0))
+    plain, _ = policy_loss(*args, PolicyLossConfig())
+    assert float(dual) == pytest.approx(verl, rel=1e-6)
+    assert float(plain) != pytest.approx(verl, rel=1e-3), "without the dual clip the loss is not verl's"
+
+
+def _skyrl_token_mean_icepop(logprob, old, rollout, adv, mask, low, high, clip=0.2) -> float:
+    """SkyRL's ``ppo_policy_loss`` (regular) with its token mask and ``loss_reduction="token_mean"``.
+
+    ``apply_loss_reduction_to_advantages_minibatch`` divides the advantages by the response tokens
+    before any correction; ``reduce_loss`` then sums the loss over the corrected mask.
+    """
+    corrected = _skyrl_token_mask(old, rollout, mask, low, high)
+    n = float(mask.sum())
+    total = 0.0
+    for i in range(old.shape[0]):
+        for t in range(old.shape[1]):
+            a = float(adv[i, t]) / n
+            ratio = _skyrl_safe_exp(float(logprob[i, t]) - float(old[i, t]))
+            total += -min(ratio * a, min(max(ratio, 1 - clip), 1 + clip) * a) * corrected[i, t]
+    return total
+
+
+def test_skyrl_keeps_rejected_tokens_in_the_denominator_as_the_kit_does():
+    rollout = np.full(SKYRL_LOG_RHO.shape, -1.5)
+    old = rollout + SKYRL_LOG_RHO
+    logprob = old + np.array([[0.05, -0.1, 0.3, 0.0], [-0.2, 0.1, 0.02, -0.05]])
+    adv = np.array([[1.0, -0.5, 0.3, 2.0], [-1.0, 0.4, -0.2, 0.8]])
+    mask = np.ones_like(old)
+    skyrl = _skyrl_token_mean_icepop(logprob, old, rollout, adv, mask, 0.5, 2.0)
+    correction = compute_correction(_f32(old), _f32(rollout), _f32(mask), C.token_mis(0.5, 2.0))
+    assert 0 < float(correction.mask.sum()) < mask.sum()
+    kit, _ = policy_loss(_f32(logprob), _f32(old), _f32(rollout), _f32(adv), _f32(mask), correction=correction)
+    assert float(kit) == pytest.approx(skyrl, rel=1e-6)
+
+
+def test_docs_state_the_peer_differences_the_peers_code_shows():
+    text = (ROOT / "docs" / "off_policy_correction.md").read_text()
+    section = text.split("## 8. The peers' config names and presets", 1)[1]
+    assert "verl and SkyRL drop" not in section
+    assert "#1296" in section, "SkyRL keeps rejected tokens in the denominator since its PR #1296"
+    assert "`low_var_kl`" in section and "`k3`" in section
+    assert "dual_clip=3.0" in section
+    assert "both" in section.split("token_mask_is_threshold_low / _high", 1)[1].split("\n", 1)[0]
+    assert "no upper bound" in section

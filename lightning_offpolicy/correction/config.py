@@ -21,8 +21,15 @@ from typing import Any, Literal, get_args
 
 import torch
 
-from lightning_offpolicy.argcheck import is_number
-from lightning_offpolicy.correction.peer_names import PEER_OF, PeerNameError, PeerNameWarning, translate
+from lightning_offpolicy.argcheck import is_number, is_real
+from lightning_offpolicy.correction.peer_names import (
+    PEER_DEFAULTS,
+    PEER_OF,
+    TRL_CLIP_MAX,
+    PeerNameError,
+    PeerNameWarning,
+    translate,
+)
 
 TISLevel = Literal["token", "sequence"]
 Objective = Literal["ppo", "pure_is", "cispo", "reinforce"]
@@ -87,7 +94,8 @@ class OffPolicyCorrectionConfig:
             mode), and the mismatch metrics report that ratio; without a mask they read zero.
         tis_level: Truncated importance sampling weight ``w = min(rho, tis_clip_high)`` per
             ``"token"`` or per ``"sequence"`` (``rho_i = prod_t rho_t``); ``None`` for no weight.
-        tis_clip_high: Upper cap ``C`` of the TIS weight (required with ``tis_level``).
+        tis_clip_high: Upper cap ``C`` of the TIS weight (required with ``tis_level``); ``inf`` for no
+            cap (the weight is the ratio itself).
         tis_clip_low: Optional lower clamp of the TIS weight.
         normalize_weights: Rescale the TIS weights to mean 1 over the kept tokens (token level) or
             kept sequences (sequence level) of the whole batch, exact across ranks.
@@ -145,13 +153,15 @@ class OffPolicyCorrectionConfig:
         vllm_importance_sampling_correction: TRL's ``GRPOConfig`` name: turns its mode on.
         vllm_importance_sampling_mode: TRL's name: ``token_truncate`` / ``sequence_truncate`` (TIS),
             ``token_mask`` / ``sequence_mask`` (a mask plus TIS at the upper bound).
-        vllm_importance_sampling_clip_max: TRL's name: the upper bound.
+        vllm_importance_sampling_clip_max: TRL's name: the upper bound (TRL's default 3.0; ``None``: no
+            upper bound, as in TRL: a mask open above, an uncapped weight ``tis_clip_high=inf``).
         vllm_importance_sampling_clip_min: TRL's name: the lower bound.
         vllm_importance_sampling_cap: TRL's former name of ``vllm_importance_sampling_clip_max``.
 
     Peer names are mapped to the kit's fields when the config is built (one
-    :class:`~lightning_offpolicy.correction.peer_names.PeerNameWarning` per key) and read ``None``
-    afterwards; settings whose meaning differs are refused with the kit's equivalent
+    :class:`~lightning_offpolicy.correction.peer_names.PeerNameWarning` per key) and read their
+    "not given" value afterwards (``None``; 3.0 for ``vllm_importance_sampling_clip_max``); settings
+    whose meaning differs are refused with the kit's equivalent
     (:mod:`~lightning_offpolicy.correction.peer_names`).
     """
 
@@ -204,7 +214,7 @@ class OffPolicyCorrectionConfig:
     token_mask_is_threshold_high: float | None = None
     vllm_importance_sampling_correction: bool | None = None
     vllm_importance_sampling_mode: str | None = None
-    vllm_importance_sampling_clip_max: float | None = None
+    vllm_importance_sampling_clip_max: float | None = TRL_CLIP_MAX  # None is TRL's "no upper bound"
     vllm_importance_sampling_clip_min: float | None = None
     vllm_importance_sampling_cap: float | None = None
 
@@ -215,7 +225,7 @@ class OffPolicyCorrectionConfig:
 
     def _map_peer_names(self) -> None:
         values = {name: getattr(self, name) for name in PEER_OF}
-        if all(value is None for value in values.values()):
+        if all(value == PEER_DEFAULTS[name] for name, value in values.items()):
             return
         try:
             translation = translate(values, bypass_mode=self.bypass_mode)
@@ -232,8 +242,9 @@ class OffPolicyCorrectionConfig:
             setattr(self, name, value)
         for message in translation.messages:
             warnings.warn(message, PeerNameWarning, stacklevel=4)
+        # Back to "not given": a copy (replace) or a config built from this one maps nothing again.
         for name in PEER_OF:
-            setattr(self, name, None)
+            setattr(self, name, PEER_DEFAULTS[name])
 
     def _map_deprecated(self) -> None:
         if self.use_tis is None and self.tis_imp_ratio_cap is None:
@@ -270,7 +281,10 @@ class OffPolicyCorrectionConfig:
                 raise CorrectionConfigError(
                     f"{own}.tis_level={self.tis_level!r} needs tis_clip_high (the TIS cap, e.g. 2.0)."
                 )
-            _check_bounds(own, "tis_clip_low", self.tis_clip_low, "tis_clip_high", self.tis_clip_high)
+            # inf is "no cap" (TRL's vllm_importance_sampling_clip_max=None); any other value is checked.
+            uncapped = is_real(self.tis_clip_high) and self.tis_clip_high == math.inf
+            high = None if uncapped else self.tis_clip_high
+            _check_bounds(own, "tis_clip_low", self.tis_clip_low, "tis_clip_high", high)
         elif self.tis_clip_low is not None or self.normalize_weights:
             setting = "tis_clip_low" if self.tis_clip_low is not None else "normalize_weights"
             raise CorrectionConfigError(

@@ -16,6 +16,18 @@ message that says the difference and the kit's equivalent:
   before rejection; the kit over the kept tokens / sequences.
 * SkyRL's outlier veto reads every response token, the kit's the tokens the token mask kept.
 
+Where a peer gives a value a meaning of its own, the mapping follows the peer's code:
+
+* SkyRL applies its token mask only when both ``token_mask_is_threshold_low`` and ``_high`` are
+  set (``off_policy_correction_enabled``); one of them alone turns no mask on, here either.
+* TRL's ``vllm_importance_sampling_clip_max=None`` means "no upper bound": a mask open above and an
+  uncapped weight (``tis_clip_high=inf``); left out, it is TRL's default 3.0 (:data:`PEER_DEFAULTS`).
+
+Two peer names outside this mapping compute something else than the kit's namesake: verl's and
+SkyRL's KL estimator ``k3`` clamps (``d`` to [-20, 20], the value to [-10, 10]): it is the kit's
+``low_var_kl``, not its ``k3``; and verl's PPO loss always applies the dual clip at
+``clip_ratio_c`` (3.0): ``PolicyLossConfig(dual_clip=3.0)`` computes verl's loss.
+
 Differences that do not change which setting to use are documented next to the mapping table in
 docs/off_policy_correction.md (e.g. the loss denominator keeps rejected tokens in the kit).
 """
@@ -58,6 +70,21 @@ PEER_OF = {
 }
 """Every accepted peer field and the peer it comes from."""
 
+TRL_CLIP_MAX = 3.0
+"""TRL's default ``vllm_importance_sampling_clip_max``, whose ``None`` means "no upper bound"."""
+
+PEER_DEFAULTS: dict[str, Any] = {**dict.fromkeys(PEER_OF), "vllm_importance_sampling_clip_max": TRL_CLIP_MAX}
+"""The value that means "not given" for each peer field: ``None``, except where the peer gives
+``None`` a meaning of its own; there the peer's own default (a config dumped and loaded again keeps
+reading "not given")."""
+
+
+def is_given(name: str, value: Any) -> bool:
+    """Whether the peer field ``name`` holds a value other than its "not given" default."""
+    default = PEER_DEFAULTS[name]
+    return value is not None if default is None else (value is None or value != default)
+
+
 _KL_LEVELS = {"token": "token", "seq_sum": "seq_sum", "seq_mean": "seq_mean", "seq_max": "seq_max"}
 _K1_MASKS = {"token": "token_mask", "seq_sum": "product_mask", "seq_mean": "geo_mask"}
 
@@ -79,10 +106,12 @@ class Translation:
 
 
 def translate(values: dict[str, Any], bypass_mode: bool = False) -> Translation:
-    """The kit's settings for the peer fields in ``values`` (``None`` entries are ignored).
+    """The kit's settings for the peer fields in ``values`` (entries at their :data:`PEER_DEFAULTS` are ignored).
 
     Args:
-        values: peer field name -> value (the names of :data:`PEER_OF`).
+        values: peer field name -> value (the names of :data:`PEER_OF`); ``None`` means "not given",
+            except for ``vllm_importance_sampling_clip_max``, where it is TRL's "no upper bound" and
+            :data:`TRL_CLIP_MAX` means "not given".
         bypass_mode: the kit's (and verl's) ``bypass_mode``, which decides what verl's
             ``loss_type`` and ``rollout_is`` mean.
 
@@ -90,7 +119,7 @@ def translate(values: dict[str, Any], bypass_mode: bool = False) -> Translation:
         PeerNameError: fields of two peers mixed, a value the peer does not know, or a setting whose
             meaning differs from the kit's (the message gives the kit's equivalent).
     """
-    given = {name: value for name, value in values.items() if value is not None}
+    given = {name: value for name, value in values.items() if is_given(name, value)}
     peers = sorted({PEER_OF[name] for name in given})
     if len(peers) > 1:
         raise PeerNameError(
@@ -282,6 +311,16 @@ def _skyrl(given: dict[str, Any], bypass_mode: bool) -> Translation:
         low, high = given.get(f"{prefix}_low"), given.get(f"{prefix}_high")
         if low is None and high is None:
             continue
+        if switch == "token_mask" and (low is None or high is None):
+            # SkyRL turns its token mask on only when both bounds are set (off_policy_correction_enabled,
+            # compute_off_policy_correction): one bound alone masks nothing there, so nothing here either.
+            given_name, missing = (f"{prefix}_low", "high") if high is None else (f"{prefix}_high", "low")
+            out.messages.append(
+                f"SkyRL's {given_name}={given[given_name]!r} alone turns no mask on: SkyRL applies its token mask "
+                f"only when both {prefix}_low and _high are set, so the kit's token_mask stays off. For a one-sided "
+                f"mask use the kit's token_mask: true, token_mask_{missing}: null."
+            )
+            continue
         out.settings.update({switch: True, f"{kit}_low": low, f"{kit}_high": high})
         out.messages.append(
             f"SkyRL's {prefix}_low / _high = {low!r} / {high!r} is the kit's {switch}: true, {kit}_low={low!r}, "
@@ -309,7 +348,9 @@ def _trl(given: dict[str, Any], bypass_mode: bool) -> Translation:
         out.messages.append("TRL's vllm_importance_sampling_correction=False is the kit's default: no weight, no mask.")
         return out
     mode = given.get("vllm_importance_sampling_mode", "sequence_mask")  # TRL's defaults
-    high = given.get("vllm_importance_sampling_clip_max", 3.0)
+    # Absent: TRL's default C_max. Given as None: TRL's "no upper bound" (a mask open above, an
+    # uncapped weight), which the kit writes tis_clip_high=inf.
+    high = given.get("vllm_importance_sampling_clip_max", TRL_CLIP_MAX)
     low = given.get("vllm_importance_sampling_clip_min")
     if mode not in ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask"):
         raise PeerNameError(
@@ -317,22 +358,34 @@ def _trl(given: dict[str, Any], bypass_mode: bool) -> Translation:
             "'sequence_truncate', 'sequence_mask'."
         )
     level, how = mode.split("_")
-    # None means "not given" in the kit's config, so C_max is TRL's default 3.0 unless set.
-    high = _positive(high, "TRL's vllm_importance_sampling_clip_max")
+    high = None if high is None else _positive(high, "TRL's vllm_importance_sampling_clip_max")
     low = None if low is None else _positive(low, "TRL's vllm_importance_sampling_clip_min")
+    # GRPOConfig.__post_init__'s own refusals.
+    if low is not None and high is not None and low >= high:
+        raise PeerNameError(
+            f"TRL's vllm_importance_sampling_clip_min={low!r} must be less than vllm_importance_sampling_clip_max="
+            f"{high!r} (TRL refuses it too)."
+        )
+    if how == "truncate" and low is None and high is None:
+        raise PeerNameError(
+            f"TRL's vllm_importance_sampling_mode={mode!r} needs vllm_importance_sampling_clip_min or _clip_max "
+            "(TRL refuses both None in its *_truncate modes)."
+        )
+    cap = math.inf if high is None else high
     if how == "truncate":
-        out.settings.update(tis_level=level, tis_clip_high=high, tis_clip_low=low)
-        kit = f"tis_level={level!r}, tis_clip_high={high!r}, tis_clip_low={low!r}"
+        out.settings.update(tis_level=level, tis_clip_high=cap, tis_clip_low=low)
+        kit = f"tis_level={level!r}, tis_clip_high={cap!r}, tis_clip_low={low!r}"
     else:
         # Ratios outside [min, max] get weight 0, those inside keep the ratio itself as their weight.
         mask = "token_mask" if level == "token" else "product_mask"
         out.settings.update({mask: True, f"{mask}_low": low, f"{mask}_high": high, "tis_level": level})
-        out.settings["tis_clip_high"] = high
+        out.settings["tis_clip_high"] = cap
         kit = (
-            f"{mask}: true, {mask}_low={low!r}, {mask}_high={high!r}, tis_level={level!r}, tis_clip_high={high!r} "
+            f"{mask}: true, {mask}_low={low!r}, {mask}_high={high!r}, tis_level={level!r}, tis_clip_high={cap!r} "
             "(the kept ratios are the weights)"
         )
+    shown = "None (no upper bound)" if high is None else repr(high)
     out.messages.append(
-        f"TRL's vllm_importance_sampling_mode={mode!r} (C_min={low!r}, C_max={high!r}) is the kit's {kit}."
+        f"TRL's vllm_importance_sampling_mode={mode!r} (C_min={low!r}, C_max={shown}) is the kit's {kit}."
     )
     return out
