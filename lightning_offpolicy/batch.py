@@ -55,6 +55,9 @@ TOKEN_FIELDS = (
     "is_weights",
     "correction_mask",
 )
+# Per-token sets: [B, T, K] over the response columns, K ids per token (-1: none); split like the
+# per-token fields.
+SUPPORT_FIELDS = ("sampling_support",)
 # Per-sequence fields: [B].
 SEQUENCE_FIELDS = ("rewards", "group_ids")
 # Full-width fields: [B, L] over prompt and response.
@@ -85,6 +88,11 @@ class RolloutBatch:
         correction_mask: ``[B, T]`` response mask times every rejection mask (set by the module).
         reward_components: ``name -> [B]`` reward of each part of a weighted reward (for the
             ``reward/<name>`` logs); None for a single reward function.
+        sampling_support: ``[B, T, K]`` under top-k / top-p sampling, the ids of the tokens the
+            engine's sampler kept at each response position, left-packed and padded with -1 (a
+            position with none stands for the whole vocabulary); the trainer renormalizes
+            ``pi_prox``, ``pi_theta`` and the reference over it (docs/off_policy_correction.md,
+            "Sampling masks"). ``None``: nothing was cut.
     """
 
     input_ids: torch.Tensor
@@ -101,6 +109,7 @@ class RolloutBatch:
     is_weights: torch.Tensor | None = None
     correction_mask: torch.Tensor | None = None
     reward_components: dict[str, torch.Tensor] | None = None
+    sampling_support: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         batch, width = self.input_ids.shape
@@ -114,6 +123,11 @@ class RolloutBatch:
             value = getattr(self, name)
             if value is not None and tuple(value.shape) != shape:
                 raise ValueError(f"RolloutBatch.{name} has shape {tuple(value.shape)}; expected {shape}.")
+        support = self.sampling_support
+        if support is not None and (support.dim() != 3 or tuple(support.shape[:2]) != (batch, response)):
+            raise ValueError(
+                f"RolloutBatch.sampling_support has shape {tuple(support.shape)}; expected {(batch, response)} + (K,)."
+            )
         for name, value in (self.reward_components or {}).items():
             if tuple(value.shape) != (batch,):
                 raise ValueError(
@@ -140,9 +154,10 @@ class RolloutBatch:
     # ------------------------------------------------------------------------------ transforms
     def _map(self, fn_token, fn_sequence, fn_width, **changes: Any) -> RolloutBatch:
         values: dict[str, Any] = {}
-        for name in TOKEN_FIELDS + SEQUENCE_FIELDS + WIDTH_FIELDS:
+        for name in TOKEN_FIELDS + SUPPORT_FIELDS + SEQUENCE_FIELDS + WIDTH_FIELDS:
             value = getattr(self, name)
-            fn = fn_token if name in TOKEN_FIELDS else fn_sequence if name in SEQUENCE_FIELDS else fn_width
+            per_token = name in TOKEN_FIELDS or name in SUPPORT_FIELDS
+            fn = fn_token if per_token else fn_sequence if name in SEQUENCE_FIELDS else fn_width
             values[name] = None if value is None else fn(value)
         values["prompt_length"] = self.prompt_length
         if self.reward_components is not None:
@@ -170,7 +185,11 @@ class RolloutBatch:
         keep = int(response_real.nonzero().max()) + 1 if bool(response_real.any()) else 1
         cut_token = lambda t: t[:, :keep]  # noqa: E731
         cut_width = lambda t: t[:, first : self.prompt_length + keep]  # noqa: E731
-        return self._map(cut_token, lambda t: t, cut_width, prompt_length=self.prompt_length - first)
+        trimmed = self._map(cut_token, lambda t: t, cut_width, prompt_length=self.prompt_length - first)
+        if trimmed.sampling_support is not None:  # left-packed: the widest kept set bounds K
+            widest = int((trimmed.sampling_support >= 0).sum(-1).max()) if trimmed.sampling_support.numel() else 0
+            trimmed = replace(trimmed, sampling_support=trimmed.sampling_support[..., :widest])
+        return trimmed
 
     def as_padding(self) -> RolloutBatch:
         """A copy that carries every field but contributes nothing: ``response_mask`` all 0.
@@ -272,6 +291,18 @@ class RolloutBatch:
                 what = "NaN / +inf"
             if bad:
                 raise ValueError(f"RolloutBatch.{name} has {bad} {what} value(s) at response tokens.")
+        if self.sampling_support is not None:
+            support = self.sampling_support
+            if support.dtype != torch.long:
+                raise ValueError(f"RolloutBatch.sampling_support must be torch.long; got {support.dtype}.")
+            sampled = self.input_ids[:, self.prompt_length :, None]
+            cut = (support >= 0).any(-1)
+            missing = int((cut & ~(support == sampled).any(-1) & real).sum())
+            if missing:
+                raise ValueError(
+                    f"RolloutBatch.sampling_support misses the sampled token at {missing} response position(s): "
+                    "the engine's kept support and its tokens disagree."
+                )
         bad_rewards = int((~torch.isfinite(self.rewards)).sum())
         if bad_rewards:
             raise ValueError(f"RolloutBatch.rewards has {bad_rewards} NaN / inf value(s); check the reward function.")
@@ -288,11 +319,14 @@ class RolloutBatch:
         policy_versions: list[list[int]] | list[int],
         rollout_logprobs: list[list[float]] | None,
         pad_token_id: int,
+        sampling_supports: list[list[list[int]]] | None = None,
     ) -> RolloutBatch:
         """Pad ragged prompts (left) and responses (right) into a batch.
 
         ``advantages`` is ``[B]`` (broadcast over each response) or ``[B, T]``;
-        ``policy_versions`` is one version per sequence or one per token.
+        ``policy_versions`` is one version per sequence or one per token; ``sampling_supports``,
+        under top-k / top-p, the kept ids of each response token (``[]``: the whole vocabulary),
+        become the ``[B, T, K]`` ``sampling_support``.
         """
         batch = len(prompt_ids)
         if not (len(response_ids) == batch and len(group_ids) == batch and len(rewards) == batch):
@@ -321,6 +355,9 @@ class RolloutBatch:
                             f"from_sequences: row {i} has {n} response tokens but {len(rollout_logprobs[i])} logprobs."
                         )
                     logprobs[i, :n] = torch.tensor(rollout_logprobs[i], dtype=torch.float32)
+        support = (
+            None if sampling_supports is None else _packed_support(sampling_supports, response_ids, response_length)
+        )
         advantages = torch.as_tensor(advantages, dtype=torch.float32)
         if advantages.dim() == 1:
             advantages = advantages.unsqueeze(-1).expand(batch, response_length).clone()
@@ -335,7 +372,30 @@ class RolloutBatch:
             group_ids=torch.as_tensor(group_ids, dtype=torch.long),
             policy_version=versions,
             rollout_logprobs=logprobs,
+            sampling_support=support,
         )
+
+
+def _packed_support(
+    supports: list[list[list[int]]], response_ids: list[list[int]], response_length: int
+) -> torch.Tensor:
+    """``[B, T, K]`` kept ids per response token, left-packed, -1 elsewhere (``K``: the widest kept set)."""
+    if len(supports) != len(response_ids):
+        raise ValueError(f"from_sequences: {len(response_ids)} responses but {len(supports)} sampling supports.")
+    for i, (row, response) in enumerate(zip(supports, response_ids, strict=True)):
+        if len(row) != len(response):
+            raise ValueError(f"from_sequences: row {i} has {len(response)} response tokens but {len(row)} supports.")
+    widest = max((len(kept) for row in supports for kept in row), default=0)
+    out = torch.full((len(supports), response_length, widest), -1, dtype=torch.long)
+    rows, columns, slots, ids = [], [], [], []
+    for i, row in enumerate(supports):
+        for t, kept in enumerate(row):
+            rows += [i] * len(kept)
+            columns += [t] * len(kept)
+            slots += range(len(kept))
+            ids += kept
+    out[rows, columns, slots] = torch.tensor(ids, dtype=torch.long)
+    return out
 
 
 def _last_true_plus_one(mask: torch.Tensor) -> torch.Tensor:

@@ -72,7 +72,14 @@ from torch import Tensor, nn
 from torch.autograd.function import once_differentiable
 
 from lightning_offpolicy.argcheck import is_real
-from lightning_offpolicy.logprobs import _acc_dtype, _check_common, _check_targets, _logp_to_grad, _scaled_grads
+from lightning_offpolicy.logprobs import (
+    _acc_dtype,
+    _check_common,
+    _check_targets,
+    _ids_per_row,
+    _logp_to_grad,
+    _scaled_grads,
+)
 
 __all__ = [
     "FUSED_HEAD_ARCHITECTURES",
@@ -209,7 +216,7 @@ class _FusedLinearLogprobs(torch.autograd.Function):
         # Low-rank terms (u_k [N, r], B_k [V, r]) in the accumulation dtype: small copies at most.
         low_rank = [(terms[2 * k].to(acc), terms[2 * k + 1].to(acc), s) for k, s in enumerate(scales)]
         lse = torch.empty(n, dtype=acc, device=dev)
-        logprobs = torch.empty(n, dtype=acc, device=dev)
+        logprobs = torch.empty(targets.shape, dtype=acc, device=dev)  # [N, K]
         entropy = torch.empty(n if want_entropy else 0, dtype=acc, device=dev)
         # The dtypes are settled by the caller; an enclosing autocast must not recast the chunks.
         with torch.autocast(dev.type, enabled=False):
@@ -220,7 +227,7 @@ class _FusedLinearLogprobs(torch.autograd.Function):
                     z.addmm_(u[start:end], b_k.t(), alpha=scale)
                 if inv_t != 1.0:
                     z.mul_(inv_t)
-                tgt_z = z.gather(1, targets[start:end, None]).reshape(-1)
+                tgt_z = z.gather(1, targets[start:end])
                 m = z.amax(dim=-1)
                 z.sub_(m[:, None])
                 if want_entropy:
@@ -235,7 +242,7 @@ class _FusedLinearLogprobs(torch.autograd.Function):
                 del z
                 chunk_lse = m + s.log()
                 lse[start:end] = chunk_lse
-                logprobs[start:end] = tgt_z - chunk_lse
+                logprobs[start:end] = tgt_z - chunk_lse[:, None]
 
         ctx.save_for_backward(hidden, weight, bias, targets, lse, entropy, *terms)
         ctx.inv_t = inv_t
@@ -259,7 +266,7 @@ class _FusedLinearLogprobs(torch.autograd.Function):
         vocab = weight.shape[0]
         acc = lse.dtype
         dev = hidden.device
-        g_all, ge_all = _scaled_grads(grad_out, grad_entropy, entropy, n, inv_t, acc)
+        g_all, ge_all = _scaled_grads(grad_out, grad_entropy, entropy, targets.shape, inv_t, acc)
         grad_h = torch.empty_like(hidden) if need_h else None
         grad_w = torch.zeros_like(weight) if need_w else None
         grad_b = torch.zeros(vocab, dtype=acc, device=dev) if (need_b and bias is not None) else None
@@ -275,7 +282,7 @@ class _FusedLinearLogprobs(torch.autograd.Function):
             for start in range(0, n, chunk_size):
                 end = min(start + chunk_size, n)
                 h = hidden[start:end]
-                g = g_all[start:end, None]
+                g = g_all[start:end]  # [c, K]
                 z = _chunk_logits(h, weight, bias, acc)
                 for u, b_k, scale in low_rank:
                     z.addmm_(u[start:end], b_k.t(), alpha=scale)
@@ -283,8 +290,8 @@ class _FusedLinearLogprobs(torch.autograd.Function):
                     z.mul_(inv_t)
                 # dz = (onehot - p) * grad_out / T (+ the entropy's term), in place: p = exp(z - lse).
                 z.sub_(lse[start:end, None])
-                _logp_to_grad(z, g, ge_all, entropy, start, end)
-                z.scatter_add_(1, targets[start:end, None], g)
+                _logp_to_grad(z, g.sum(dim=1, keepdim=True), ge_all, entropy, start, end)
+                z.scatter_add_(1, targets[start:end], g)
                 if grad_b is not None:
                     grad_b += z.sum(dim=0)
                 for k, (u, b_k, scale) in enumerate(low_rank):  # d/du = s dz @ B, d/dB = s dz.T @ u
@@ -352,7 +359,7 @@ def fused_linear_token_logprobs(
         weight: ``[V, H]`` head weight (``lm_head.weight``; a tied embedding works: its gradient
             from this use is added to the one from the embedding lookup by autograd).
         targets: ``[...]`` integer token ids in ``[0, V)``, the shape of ``hidden`` without its
-            last dimension.
+            last dimension; or ``[..., K]``: ``K`` ids per row, whose logprobs all come back.
         bias: optional ``[V]`` head bias.
         temperature: sampling temperature ``T > 0``; the logits are divided by it.
         chunk_size: most rows (tokens) computed at once. The chunk used is
@@ -364,7 +371,7 @@ def fused_linear_token_logprobs(
             ``B`` floating point, of any dtype (computed in float32, float64 for float64 hidden).
 
     Returns:
-        ``logprobs`` of shape ``[...]`` in float32 (float64 for float64 inputs), differentiable
+        ``logprobs`` of the shape of ``targets`` in float32 (float64 for float64 inputs), differentiable
         w.r.t. ``hidden``, ``weight``, ``bias`` and every ``u`` and ``B``; with ``return_entropy`` a tuple
         ``(logprobs, entropy)``, the entropy with its gradient too.
 
@@ -428,15 +435,15 @@ def fused_linear_token_logprobs(
         flat_terms += [u.reshape(-1, b_k.shape[1]), b_k]
     out_shape = targets.shape
     flat_h = hidden.reshape(-1, width)
-    flat_t = targets.reshape(-1)
-    n = flat_t.shape[0]
+    n = flat_h.shape[0]
+    flat_t = targets.reshape(n, _ids_per_row(targets, hidden))  # [N, K] (K = 1: one target per row)
     chunk = chunk_rows(n, chunk_size)
     lp, ent = _FusedLinearLogprobs.apply(
         flat_h, weight, bias, flat_t, 1.0 / temperature, chunk, return_entropy, tuple(scales), *flat_terms
     )
     lp = lp.view(out_shape)
     if return_entropy:
-        return lp, ent.view(out_shape)
+        return lp, ent.view(hidden.shape[:-1])
     return lp
 
 

@@ -94,11 +94,11 @@ class _TokenLogprobs(torch.autograd.Function):
     ) -> tuple[Tensor, Tensor]:
         vocab = logits.shape[-1]
         flat = logits.reshape(-1, vocab)
-        tgt = targets.reshape(-1)
         n = flat.shape[0]
+        tgt = targets.reshape(n, _ids_per_row(targets, logits))  # [N, K] (K = 1: one target per row)
         acc = _acc_dtype(logits.dtype)
         lse = torch.empty(n, dtype=acc, device=logits.device)
-        logprobs = torch.empty(n, dtype=acc, device=logits.device)
+        logprobs = torch.empty(tgt.shape, dtype=acc, device=logits.device)
         entropy = torch.empty(n if want_entropy else 0, dtype=acc, device=logits.device)
 
         for start in range(0, n, chunk_size):
@@ -129,8 +129,8 @@ class _TokenLogprobs(torch.autograd.Function):
             del d
             chunk_lse = m * inv_t + s.log()
             lse[start:end] = chunk_lse
-            tgt_logit = x.gather(1, t[:, None]).reshape(-1).to(acc) * inv_t
-            logprobs[start:end] = tgt_logit - chunk_lse
+            tgt_logit = x.gather(1, t).to(acc) * inv_t
+            logprobs[start:end] = tgt_logit - chunk_lse[:, None]
 
         ctx.save_for_backward(logits, targets, lse, entropy)
         ctx.inv_t = inv_t
@@ -140,7 +140,7 @@ class _TokenLogprobs(torch.autograd.Function):
         ctx.set_materialize_grads(False)
         logprobs = logprobs.view(targets.shape)
         if want_entropy:
-            entropy = entropy.view(targets.shape)
+            entropy = entropy.view(logits.shape[:-1])
         else:
             ctx.mark_non_differentiable(entropy)
         return logprobs, entropy
@@ -153,10 +153,10 @@ class _TokenLogprobs(torch.autograd.Function):
         chunk_size: int = ctx.chunk_size
         vocab = logits.shape[-1]
         flat = logits.reshape(-1, vocab)
-        tgt = targets.reshape(-1)
         acc = lse.dtype
         n = flat.shape[0]
-        g_all, ge_all = _scaled_grads(grad_out, grad_entropy, entropy, n, inv_t, acc)
+        tgt = targets.reshape(n, _ids_per_row(targets, logits))
+        g_all, ge_all = _scaled_grads(grad_out, grad_entropy, entropy, tgt.shape, inv_t, acc)
         grad_logits = torch.empty((n, vocab), dtype=logits.dtype, device=logits.device)
         direct = grad_logits.dtype == acc
         tmp: Tensor | None = None
@@ -164,7 +164,7 @@ class _TokenLogprobs(torch.autograd.Function):
         for start in range(0, n, chunk_size):
             end = min(start + chunk_size, n)
             x = flat[start:end]
-            g = g_all[start:end, None]
+            g = g_all[start:end]  # [c, K]
             if direct:  # float32 / float64 logits: compute in place in the gradient, no temporary
                 buf = grad_logits[start:end]
                 if inv_t != 1.0:
@@ -180,21 +180,34 @@ class _TokenLogprobs(torch.autograd.Function):
                     buf.mul_(inv_t)
             # p = exp(z - lse); grad = (onehot - p) * grad_out / T (+ the entropy's term)
             buf.sub_(lse[start:end, None])
-            _logp_to_grad(buf, g, ge_all, entropy, start, end)
-            buf.scatter_add_(1, tgt[start:end, None], g)
+            _logp_to_grad(buf, g.sum(dim=1, keepdim=True), ge_all, entropy, start, end)
+            buf.scatter_add_(1, tgt[start:end], g)
             if not direct:
                 grad_logits[start:end].copy_(buf)
 
         return grad_logits.view(logits.shape), None, None, None, None
 
 
+def _ids_per_row(targets: Tensor, source: Tensor) -> int:
+    """``K``: targets of ``source``'s shape without its last dimension hold one id per row, else their last size."""
+    return targets.shape[-1] if targets.dim() == source.dim() else 1
+
+
 def _scaled_grads(
-    grad_out: Tensor | None, grad_entropy: Tensor | None, entropy: Tensor, n: int, inv_t: float, acc: torch.dtype
+    grad_out: Tensor | None,
+    grad_entropy: Tensor | None,
+    entropy: Tensor,
+    shape: tuple[int, int],
+    inv_t: float,
+    acc: torch.dtype,
 ) -> tuple[Tensor, Tensor | None]:
-    """``[N]`` ``grad_out / T`` (zeros when the logprobs get no gradient) and ``grad_entropy / T``
+    """``[N, K]`` ``grad_out / T`` (zeros when the logprobs get no gradient) and ``[N]`` ``grad_entropy / T``
     (``None`` when the entropy gets none: its term is then skipped)."""
     device = entropy.device
-    g_all = torch.zeros(n, dtype=acc, device=device) if grad_out is None else grad_out.reshape(-1).to(acc) * inv_t
+    if grad_out is None:
+        g_all = torch.zeros(shape, dtype=acc, device=device)
+    else:
+        g_all = grad_out.reshape(shape).to(acc) * inv_t
     if grad_entropy is None or entropy.numel() == 0:
         return g_all, None
     return g_all, grad_entropy.reshape(-1).to(acc) * inv_t
@@ -231,8 +244,8 @@ def _check_targets(targets: Any, shape: tuple[int, ...], device: torch.device, v
     """``targets`` as a long tensor after checking its type, shape, device and range.
 
     Args:
-        targets: the caller's token ids.
-        shape: the shape they must have (``source``'s without its last dimension).
+        targets: the caller's token ids: one per row (``shape``) or ``K`` per row (``shape + (K,)``).
+        shape: the shape of one id per row (``source``'s without its last dimension).
         device: the device they must be on.
         vocab: ids must lie in ``[0, vocab)``.
         source: name of the tensor they go with (``"logits"``, ``"hidden"``), for the messages.
@@ -241,9 +254,10 @@ def _check_targets(targets: Any, shape: tuple[int, ...], device: torch.device, v
         raise TypeError("targets must be an integer torch.Tensor of token ids.")
     if targets.dtype == torch.bool:
         raise TypeError("targets must be an integer torch.Tensor of token ids, got bool.")
-    if tuple(targets.shape) != shape:
+    if tuple(targets.shape) != shape and tuple(targets.shape[:-1]) != shape:
         raise ValueError(
-            f"targets shape {tuple(targets.shape)} must equal {source} shape without its last dimension {shape}."
+            f"targets shape {tuple(targets.shape)} must equal {source} shape without its last dimension {shape} "
+            f"(one id per row), or that shape plus a last dimension (K ids per row)."
         )
     if targets.device != device:
         raise ValueError(f"targets are on {targets.device} but {source} on {device}.")
@@ -268,7 +282,8 @@ def token_logprobs(
         logits: ``[..., V]`` floating-point logits, any dtype (bf16, fp16, fp32, fp64). Not copied
             (unless its leading dimensions cannot be flattened as a view); saved for the backward.
         targets: ``[...]`` integer token ids in ``[0, V)``, the shape of ``logits`` without its
-            last dimension.
+            last dimension; or ``[..., K]``: ``K`` ids per row, whose logprobs all come back (the
+            sampled token and the kept support of a sampling mask, :func:`causal_lm_token_logprobs`).
         temperature: sampling temperature ``T > 0``; the logits are divided by it.
         chunk_size: number of rows (tokens) processed at once. Temporaries are
             ``chunk_size x V`` float32 tensors; smaller saves memory, larger saves Python overhead.
@@ -278,7 +293,7 @@ def token_logprobs(
         return_entropy: also return the entropy of ``softmax(logits / T)`` per token.
 
     Returns:
-        ``logprobs`` of shape ``[...]`` in float32 (float64 for float64 logits), differentiable
+        ``logprobs`` of the shape of ``targets`` in float32 (float64 for float64 logits), differentiable
         w.r.t. ``logits`` (the gradient has the logits' dtype); with ``return_entropy`` a tuple
         ``(logprobs, entropy)``, both with gradient.
 
@@ -313,6 +328,7 @@ def causal_lm_token_logprobs(
     chunk_size: int = 1024,
     return_entropy: bool = False,
     fused_head: bool | None = None,
+    sampling_support: Tensor | None = None,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """Log-probabilities of the response tokens under a Hugging Face causal LM.
 
@@ -351,6 +367,13 @@ def causal_lm_token_logprobs(
             logits path otherwise; ``False`` always takes the logits path; ``True`` requires the
             fused head (also for a class outside ``FUSED_HEAD_ARCHITECTURES`` whose structure
             fits) and raises ``ValueError`` saying why when the model does not allow it.
+        sampling_support: ``[B, L - response_start, K]`` ids the engine's top-k / top-p kept at
+            each response position, padded with -1 (``RolloutBatch.sampling_support``). The
+            logprobs are then those of the distribution renormalized over that support,
+            ``z_t / T - logsumexp_{v in S}(z_v / T)``, and the entropy that of the renormalized
+            distribution: what the engine sampled from. A position whose ids are all -1 keeps the
+            whole vocabulary. Costs ``K + 1`` gathered columns per position, never a ``[.., V]``
+            mask (docs/off_policy_correction.md, "Sampling masks").
 
     Returns:
         ``[B, L - response_start]`` float32 log-probabilities of the response tokens (and the
@@ -377,6 +400,14 @@ def causal_lm_token_logprobs(
         )
     response_start = int(response_start)
     position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+    response_ids = input_ids[:, response_start:]
+    targets, full_entropy = response_ids, return_entropy
+    if sampling_support is not None:
+        _check_support(sampling_support, tuple(response_ids.shape))
+        targets = torch.cat([response_ids.unsqueeze(-1), sampling_support.clamp(min=0)], dim=-1)
+        # The full distribution's entropy is needed only where a response position kept everything.
+        uncut = ~(sampling_support >= 0).any(-1) & attention_mask[:, response_start:].bool()
+        full_entropy = return_entropy and bool(uncut.any())
 
     parts: Any = "fused_head=False"
     if fused_head is not False:
@@ -397,14 +428,15 @@ def causal_lm_token_logprobs(
             )
         # Positions response_start - 1 .. L - 2 predict the response tokens; the slice is copied
         # once by the reshape inside ([B, T, H]: small next to the logits it replaces).
-        return fused_head_token_logprobs(
+        result = fused_head_token_logprobs(
             head,
             hidden[:, response_start - 1 : -1],
-            input_ids[:, response_start:],
+            targets,
             temperature=temperature,
             chunk_size=chunk_size,
-            return_entropy=return_entropy,
+            return_entropy=full_entropy,
         )
+        return _over_support(result, sampling_support, return_entropy, full_entropy)
 
     keep = seq_len - response_start + 1
     out = model(
@@ -421,10 +453,62 @@ def causal_lm_token_logprobs(
         )
     if logits.shape[1] > keep:  # a model that ignores logits_to_keep: correct, but not lean (copy)
         logits = logits[:, -keep:]
-    targets = input_ids.new_zeros((input_ids.shape[0], keep), dtype=torch.long)
-    targets[:, :-1] = input_ids[:, response_start:]
-    res = token_logprobs(logits, targets, temperature, chunk_size, return_entropy)
-    if return_entropy:
+    padded = targets.new_zeros((targets.shape[0], keep, *targets.shape[2:]))
+    padded[:, :-1] = targets
+    res = token_logprobs(logits, padded, temperature, chunk_size, full_entropy)
+    if full_entropy:
         lp, ent = res
-        return lp[:, :-1].contiguous(), ent[:, :-1].contiguous()
-    return res[:, :-1].contiguous()
+        result: Tensor | tuple[Tensor, Tensor] = (lp[:, :-1].contiguous(), ent[:, :-1].contiguous())
+    else:
+        result = res[:, :-1].contiguous()
+    return _over_support(result, sampling_support, return_entropy, full_entropy)
+
+
+def _check_support(support: Any, response_shape: tuple[int, int]) -> None:
+    """``sampling_support`` must be a ``[B, T, K]`` integer tensor of ids >= -1 (the targets' check bounds V)."""
+    if not isinstance(support, Tensor) or support.is_floating_point() or support.dtype == torch.bool:
+        raise TypeError("sampling_support must be an integer torch.Tensor of token ids (-1: padding).")
+    if support.dim() != 3 or tuple(support.shape[:2]) != response_shape:
+        raise ValueError(
+            f"sampling_support must have shape {response_shape} + (K,) (the response columns), "
+            f"got {tuple(support.shape)}."
+        )
+    if support.numel() and int(support.min()) < -1:
+        raise ValueError("sampling_support holds ids below -1; -1 is the only padding value.")
+
+
+def _over_support(
+    result: Tensor | tuple[Tensor, Tensor], support: Tensor | None, return_entropy: bool, full_entropy: bool
+) -> Tensor | tuple[Tensor, Tensor]:
+    """The sampled token's logprob (and entropy) under the distribution renormalized over ``support``.
+
+    ``result`` holds the full-vocabulary logprobs of ``[sampled, *support]`` per position
+    (``[B, T, 1 + K]``), and the full entropy when ``full_entropy``. Where a position kept a set,
+    ``log p_S(t) = log p(t) - logsumexp_{v in S} log p(v)`` and ``H_S = -sum_{v in S} p_S(v) log p_S(v)``;
+    where it kept everything (all -1), the full values. Built from ``where`` / ``masked_fill`` so that
+    no ``-inf`` of a padding slot reaches a gradient as NaN.
+    """
+    if support is None:
+        return result
+    columns, entropy = result if full_entropy else (result, None)
+    sampled = columns[..., 0]
+    kept = support >= 0
+    if kept.shape[-1] == 0:  # no position was cut
+        if not return_entropy:
+            return sampled
+        return sampled, entropy if entropy is not None else torch.zeros_like(sampled)
+    cut = kept.any(-1)
+    candidates = columns[..., 1:].masked_fill(~kept, float("-inf"))
+    # An uncut position sums one 0 (log 1): its kept mass is the whole distribution.
+    first_slot = torch.zeros_like(kept)
+    first_slot[..., 0] = True
+    candidates = candidates.masked_fill(~cut.unsqueeze(-1) & first_slot, 0.0)
+    log_mass = torch.logsumexp(candidates, dim=-1)
+    logprobs = sampled - log_mass
+    if not return_entropy:
+        return logprobs
+    log_p = torch.where(kept, candidates - log_mass.unsqueeze(-1), torch.zeros_like(candidates))
+    truncated = -(torch.exp(log_p) * kept * log_p).sum(-1)
+    if entropy is None:
+        return logprobs, truncated
+    return logprobs, torch.where(cut, truncated, entropy)

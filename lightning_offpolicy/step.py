@@ -76,6 +76,9 @@ def response_logprobs(
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Teacher-forced ``[B, T]`` logprobs (and entropies) of ``batch``'s response tokens, one forward.
 
+    Under top-k / top-p sampling (``batch.sampling_support``) they are those of the distribution
+    renormalized over the tokens the engine kept, as the engine's own logprobs are.
+
     Args:
         model: A ``transformers``-style causal LM.
         batch: The rows to score.
@@ -91,6 +94,7 @@ def response_logprobs(
         temperature=temperature,
         chunk_size=chunk_size,
         return_entropy=return_entropy,
+        sampling_support=batch.sampling_support,
     )
 
 

@@ -7,7 +7,7 @@ import dataclasses
 import pytest
 import torch
 
-from lightning_offpolicy.batch import SEQUENCE_FIELDS, TOKEN_FIELDS, WIDTH_FIELDS, RolloutBatch
+from lightning_offpolicy.batch import SEQUENCE_FIELDS, SUPPORT_FIELDS, TOKEN_FIELDS, WIDTH_FIELDS, RolloutBatch
 from lightning_offpolicy.correction import (
     CorrectionOutput,
     OffPolicyCorrectionConfig,
@@ -73,16 +73,20 @@ def test_padding_micro_batch_carries_every_per_token_field():
         is_weights=torch.rand(3, 3),
         correction_mask=torch.ones(3, 3),
         reward_components={"acc": torch.tensor([1.0, 0.0, 1.0])},
+        sampling_support=torch.tensor(
+            [[[11, 3], [12, -1], [2, 4]], [[13, -1], [-1, -1], [-1, -1]], [[14, 1], [15, -1], [-1, -1]]]
+        ),
     )
     micro = batch.micro_batches(max_tokens=100, num_micro_batches=3)
     assert len(micro) == 3
     padding = micro[-1]
-    for name in TOKEN_FIELDS + SEQUENCE_FIELDS + WIDTH_FIELDS:
+    for name in TOKEN_FIELDS + SUPPORT_FIELDS + SEQUENCE_FIELDS + WIDTH_FIELDS:
         assert getattr(padding, name) is not None, f"padding micro-batch lost {name}"
     assert padding.response_mask.sum() == 0 and padding.correction_mask.sum() == 0
     assert padding.reward_components is not None and padding.reward_components["acc"].shape == (1,)
-    # Every field of the dataclass is covered by one of the three lists (or carried by _map itself).
-    covered = set(TOKEN_FIELDS + SEQUENCE_FIELDS + WIDTH_FIELDS) | {"prompt_length", "reward_components"}
+    # Every field of the dataclass is covered by one of the lists (or carried by _map itself).
+    fields = TOKEN_FIELDS + SUPPORT_FIELDS + SEQUENCE_FIELDS + WIDTH_FIELDS
+    covered = set(fields) | {"prompt_length", "reward_components"}
     assert covered == {f.name for f in dataclasses.fields(RolloutBatch)}
 
     # The loss with the rollout KL term runs on it, is exactly 0, and gives zero gradients.

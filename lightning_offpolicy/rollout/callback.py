@@ -84,6 +84,11 @@ class RolloutCallback(Callback):
             them equal).
         top_k: Top-k filter of the sampler (0: off).
         top_p: Nucleus filter of the sampler (1.0: off).
+        sampling_mask: Under top-k / top-p, renormalize the trainer's ``pi_prox`` / ``pi_theta`` /
+            reference logprobs over the tokens the engine kept at each position, as the engine's
+            own logprobs are (DeepSeek-V3.2's keep-sampling-mask; docs/off_policy_correction.md,
+            "Sampling masks"). ``False`` scores over the whole vocabulary: every importance ratio
+            then carries the log of the mass cut off; for comparisons only.
         samples_per_prompt: Completions per prompt (the advantage group).
         advantage_estimator: ``"grpo"``, ``"dr_grpo"``, ``"rloo"`` or ``"reinforce"``.
         seed: Base seed of the sampler; batch ``j`` on rank ``r`` uses a seed derived from (seed, j, r).
@@ -126,6 +131,7 @@ class RolloutCallback(Callback):
         temperature: float = 1.0,
         top_k: int = 0,
         top_p: float = 1.0,
+        sampling_mask: bool = True,
         samples_per_prompt: int = 4,
         advantage_estimator: str = "grpo",
         seed: int = 0,
@@ -190,6 +196,7 @@ class RolloutCallback(Callback):
             top_k=top_k,
             top_p=top_p,
             samples_per_prompt=samples_per_prompt,
+            sampling_mask=sampling_mask,
         )
         self.advantage_estimator = advantage_estimator
         self.seed = seed

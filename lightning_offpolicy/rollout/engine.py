@@ -27,6 +27,11 @@ class SamplingConfig:
             (``samples_per_prompt`` must be 1), ``temperature`` / ``top_k`` / ``top_p`` are ignored,
             and the completions' logprobs are the untempered model's (no sampling distribution:
             never train on them).
+        sampling_mask: Under top-k / top-p, the engine reports the tokens it kept at every
+            sampled position (``Completion.sampling_support``) and the trainer renormalizes its
+            logprobs over them (DeepSeek-V3.2's keep-sampling-mask). ``False`` scores over the
+            whole vocabulary as most peers do by default: every importance ratio then carries the
+            log of the mass top-k / top-p cut off. For comparisons only.
     """
 
     max_new_tokens: int = 16
@@ -35,12 +40,15 @@ class SamplingConfig:
     top_p: float = 1.0
     samples_per_prompt: int = 4
     greedy: bool = False
+    sampling_mask: bool = True
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:
             raise ValueError(f"SamplingConfig.max_new_tokens={self.max_new_tokens} must be at least 1.")
         if not isinstance(self.greedy, bool):
             raise ValueError(f"SamplingConfig.greedy={self.greedy!r} must be a bool.")
+        if not isinstance(self.sampling_mask, bool):
+            raise ValueError(f"SamplingConfig.sampling_mask={self.sampling_mask!r} must be a bool.")
         if self.greedy and self.samples_per_prompt != 1:
             raise ValueError(
                 f"SamplingConfig(greedy=True, samples_per_prompt={self.samples_per_prompt}): greedy decoding gives "
@@ -64,6 +72,16 @@ class SamplingConfig:
             return {"temperature": 0.0, "top_k": 0, "top_p": 1.0}
         return {"temperature": self.temperature, "top_k": self.top_k, "top_p": self.top_p}
 
+    @property
+    def truncates(self) -> bool:
+        """Whether top-k or top-p cuts the sampling distribution."""
+        return not self.greedy and (self.top_k > 0 or self.top_p < 1.0)
+
+    @property
+    def support_needed(self) -> bool:
+        """Whether completions must carry the support their sampler kept (``truncates`` and ``sampling_mask``)."""
+        return self.truncates and self.sampling_mask
+
 
 @dataclass
 class Completion:
@@ -78,6 +96,11 @@ class Completion:
             sampled so far, possibly none, to be continued).
         policy_version: version of the weights that generated the tokens: one int, or one per token
             when the completion was continued after a weight push (a partial rollout).
+        sampling_support: under top-k / top-p, the ids of the tokens the sampler kept at each
+            generated position (the sampled one among them; ``[]``: the whole vocabulary was kept),
+            one list per token: the support ``logprobs`` are normalized over, which the trainer
+            renormalizes its own logprobs over (docs/off_policy_correction.md, "Sampling masks").
+            ``None`` when nothing was cut (no top-k / top-p) or the engine cannot say.
     """
 
     prompt_index: int
@@ -85,6 +108,7 @@ class Completion:
     logprobs: list[float] | None
     finish_reason: str
     policy_version: int | list[int]
+    sampling_support: list[list[int]] | None = None
 
     def token_versions(self) -> list[int]:
         """The version of each token (the one int repeated, or the per-token list as it is)."""

@@ -6,8 +6,10 @@ step. With ``dtype="bfloat16"`` it keeps its own bfloat16 copy instead, refreshe
 ``update_weights``: the precision gap of a real inference engine, on a laptop. Its logprobs are
 those of the distribution it sampled from: ``generate`` returns the processed scores
 (temperature, top-k and top-p applied, filtered tokens at ``-inf``), and the logprob of each
-sampled token is read from their log-softmax. ``SamplingConfig(greedy=True)`` decodes by argmax
-(``do_sample=False``), for evaluation.
+sampled token is read from their log-softmax. Under top-k / top-p each completion also carries the
+tokens kept at each position (``Completion.sampling_support``: the finite processed scores), so
+the trainer scores ``pi_prox`` / ``pi_theta`` over the same support. ``SamplingConfig(greedy=True)``
+decodes by argmax (``do_sample=False``), for evaluation.
 
 By default (``sampler="lean"``) the engine does not call ``generate`` but the lean loop of
 :mod:`lightning_offpolicy.rollout.hf_sampling`: the same forward passes, warpers and sampling
@@ -41,7 +43,7 @@ from lightning_offpolicy.rollout.engine import (
     checked_token_ids,
     first_stop,
 )
-from lightning_offpolicy.rollout.hf_sampling import lean_sample, lean_unsupported
+from lightning_offpolicy.rollout.hf_sampling import kept_support, lean_sample, lean_unsupported
 
 log = logging.getLogger(__name__)
 
@@ -183,7 +185,7 @@ class HFEngine(SpecialTokens):
             # inference_mode rather than no_grad: less dispatch per op (measured: benchmarks/generation.py).
             # Nothing created inside outlives the call but lists of python numbers.
             with torch.inference_mode(self._lean_inference_mode):
-                generated, logprobs = lean_sample(
+                generated, logprobs, support = lean_sample(
                     model,
                     input_ids.to(device),
                     attention_mask.to(device),
@@ -195,12 +197,14 @@ class HFEngine(SpecialTokens):
                     top_k=sampling.top_k,
                     top_p=sampling.top_p,
                     should_stop=self._interrupt.is_set,
+                    return_support=sampling.support_needed,
                 )
         elif self._interrupt.is_set():  # generate always takes a step: interrupted before it began
             generated = torch.full((len(rows), 0), self.pad_token_id, dtype=torch.long)
             logprobs = torch.zeros((len(rows), 0))
+            support = [[] for _ in rows] if sampling.support_needed else None
         else:
-            generated, logprobs = self._hf_generate(model, input_ids, attention_mask, sampling, device)
+            generated, logprobs, support = self._hf_generate(model, input_ids, attention_mask, sampling, device)
         token_rows = generated.tolist()
         logprob_rows = logprobs.tolist()
         completions = []
@@ -216,6 +220,7 @@ class HFEngine(SpecialTokens):
                     logprobs=logprob_rows[r][:length],
                     finish_reason=reason,
                     policy_version=self.version,
+                    sampling_support=None if support is None else support[r][:length],
                 )
             )
         return completions
@@ -227,8 +232,9 @@ class HFEngine(SpecialTokens):
         attention_mask: torch.Tensor,
         sampling: SamplingConfig,
         device: torch.device,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``generate``'s tokens after the prompt and the logprobs of its processed scores, ``[rows, steps]``."""
+    ) -> tuple[torch.Tensor, torch.Tensor, list[list[list[int]]] | None]:
+        """``generate``'s tokens after the prompt and the logprobs of its processed scores, ``[rows, steps]``,
+        and under top-k / top-p each row's kept ids per step (``hf_sampling.kept_support``)."""
         width = input_ids.shape[1]
         if sampling.greedy:
             decoding: dict[str, Any] = {"do_sample": False}  # argmax; the scores are the raw logits
@@ -254,7 +260,11 @@ class HFEngine(SpecialTokens):
         # Processed scores: the distribution actually sampled from, one [rows, V] tensor per step.
         scores = torch.stack(out.scores, dim=1).float()
         logprobs = torch.log_softmax(scores, dim=-1).gather(-1, generated.unsqueeze(-1)).squeeze(-1)
-        return generated.cpu(), logprobs.cpu()
+        support = None
+        if sampling.support_needed:
+            per_step = [kept_support(step_scores) for step_scores in out.scores]
+            support = [[step[r] for step in per_step] for r in range(generated.shape[0])]
+        return generated.cpu(), logprobs.cpu(), support
 
     def close(self) -> None:
         self.model = None

@@ -22,7 +22,10 @@ the loop takes about 10-20% off ``generate``'s time, most of it from ``inference
   same shapes as ``generate``, so the same seed gives the same tokens, also across chunks.
 
 The logprob of each sampled token is the log-softmax of the processed scores, as the ``generate``
-path computes it. :func:`lean_unsupported` says why a model cannot take this path (no cache, an
+path computes it; under top-k / top-p the tokens the warpers kept at each step (the finite
+processed scores, :func:`kept_support`) come back with it, for the trainer to renormalize over.
+
+:func:`lean_unsupported` says why a model cannot take this path (no cache, an
 encoder-decoder, a generation config that adds logits processors ``generate`` would run): the
 engine then falls back to ``generate``.
 """
@@ -121,6 +124,23 @@ def _warpers(temperature: float, top_k: int, top_p: float) -> list[Any]:
     return warpers
 
 
+def kept_support(scores: torch.Tensor) -> list[list[int]]:
+    """Per row of processed ``[rows, V]`` scores, the ids the warpers kept (finite score); ``[]`` when all were.
+
+    An empty list stands for the whole vocabulary: nothing to renormalize over, and no ``V`` ids to
+    carry for a position that top-p left uncut.
+    """
+    kept = torch.isfinite(scores)
+    counts = kept.sum(dim=-1).tolist()
+    ids = kept.nonzero()[:, 1].tolist()
+    vocab = scores.shape[-1]
+    out, start = [], 0
+    for count in counts:
+        out.append([] if count == vocab else ids[start : start + count])
+        start += count
+    return out
+
+
 def lean_sample(
     model: torch.nn.Module,
     input_ids: torch.Tensor,
@@ -134,12 +154,15 @@ def lean_sample(
     top_k: int = 0,
     top_p: float = 1.0,
     should_stop: Callable[[], bool] | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
+    return_support: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor, list[list[list[int]]] | None]:
     """Decode ``max_new_tokens`` (or until every row has stopped) from left-padded prompts.
 
-    Returns ``(tokens, logprobs)``, both ``[rows, steps]`` on the CPU with ``steps <= max_new_tokens``:
-    the tokens ``generate`` would return after the prompt (pad after a row's first stop id) and the
-    log-softmax of the processed scores at each of them (float32). Runs under the caller's grad mode
+    Returns ``(tokens, logprobs, support)``: ``tokens`` and ``logprobs`` are ``[rows, steps]`` on the
+    CPU with ``steps <= max_new_tokens``, the tokens ``generate`` would return after the prompt (pad
+    after a row's first stop id) and the log-softmax of the processed scores at each of them
+    (float32); ``support`` is, under top-k / top-p, each row's :func:`kept_support` at each step
+    (``None`` without them, greedy, or ``return_support=False``). Runs under the caller's grad mode
     and RNG state. ``should_stop`` is asked before every forward pass; when it says ``True`` the
     loop ends there (a partial rollout's interrupt), so a row that has no stop id and fewer than
     ``max_new_tokens`` tokens was cut short.
@@ -149,6 +172,8 @@ def lean_sample(
     device = input_ids.device
     rows, width = input_ids.shape
     warpers = [] if greedy else _warpers(temperature, top_k, top_p)
+    truncating = not greedy and ((top_k or 0) > 0 or (top_p is not None and top_p < 1.0))
+    support: list[list[list[int]]] | None = [[] for _ in range(rows)] if truncating and return_support else None
     takes_logits_to_keep = "logits_to_keep" in inspect.signature(model.forward).parameters
     extra: dict[str, Any] = {"logits_to_keep": 1} if takes_logits_to_keep else {}
 
@@ -181,7 +206,7 @@ def lean_sample(
 
     steps = 0
     if should_stop is not None and should_stop():
-        return tokens[:, :0].cpu(), logprobs[:, :0].cpu()
+        return tokens[:, :0].cpu(), logprobs[:, :0].cpu(), support
     scores = last_logits(input_ids, attention_mask, position_ids)
     for step in range(max_new_tokens):
         for warper in warpers:
@@ -195,6 +220,9 @@ def lean_sample(
             next_tokens = next_tokens * unfinished + pad_token_id * (1 - unfinished)
         tokens[:, step] = next_tokens
         logprobs[:, step] = torch.log_softmax(scores, dim=-1).gather(-1, next_tokens[:, None]).squeeze(-1)
+        if support is not None:
+            for row, kept in zip(support, kept_support(scores), strict=True):
+                row.append(kept)
         steps = step + 1
         if has_stops:
             unfinished = unfinished & ~torch.isin(next_tokens, stops)
@@ -204,4 +232,4 @@ def lean_sample(
             break
         scores = last_logits(next_tokens[:, None], mask[:, : width + steps], next_position)
         next_position = next_position + 1
-    return tokens[:, :steps].cpu(), logprobs[:, :steps].cpu()
+    return tokens[:, :steps].cpu(), logprobs[:, :steps].cpu(), support

@@ -113,12 +113,16 @@ def _by_budget(completions: list[Completion], rows: Iterable[int], max_new_token
 
 
 def _joined(first: Completion, more: Completion) -> Completion:
-    """``first`` continued by ``more``: tokens, logprobs and per-token versions concatenated."""
+    """``first`` continued by ``more``: tokens, logprobs, per-token versions and kept supports concatenated."""
     logprobs = None if first.logprobs is None or more.logprobs is None else first.logprobs + more.logprobs
+    support = None
+    if first.sampling_support is not None and more.sampling_support is not None:
+        support = first.sampling_support + more.sampling_support
     return Completion(
         prompt_index=first.prompt_index,
         token_ids=first.token_ids + more.token_ids,
         logprobs=logprobs,
         finish_reason=more.finish_reason,
         policy_version=first.token_versions() + more.token_versions(),
+        sampling_support=support,
     )

@@ -219,6 +219,7 @@ class Rollouter:
         numbering = {g: n for n, g in enumerate(sorted({samples.groups[i] for i in rows}))}
         group_ids = torch.tensor([numbering[samples.groups[i]] for i in rows], dtype=torch.long)
         kept_rewards = rewards[rows]
+        supports = self._supports(completions)
         rollout = RolloutBatch.from_sequences(
             prompt_ids=[samples.prompt_ids[i] for i in rows],
             response_ids=[c.token_ids for c in completions],
@@ -230,12 +231,33 @@ class Rollouter:
             if any(c.logprobs is None for c in completions)
             else [c.logprobs for c in completions],
             pad_token_id=self.tokenizer.pad_token_id,
+            sampling_supports=supports,
         )
         names = list(dict.fromkeys(name for part in samples.components for name in part))
         if names:
             components = {name: torch.cat([part[name] for part in samples.components])[rows].float() for name in names}
             rollout = rollout.with_fields(reward_components=components)
         return rollout
+
+    def _supports(self, completions: list[Completion]) -> list[list[list[int]]] | None:
+        """The completions' kept supports under top-k / top-p (``None`` without them).
+
+        Raises:
+            ValueError: top-k / top-p is on and the engine did not report what its sampler kept:
+                every ratio would then carry the log of the kept mass.
+        """
+        if not self.sampling.support_needed:
+            return None
+        if any(c.sampling_support is None for c in completions):
+            raise ValueError(
+                f"SamplingConfig(top_k={self.sampling.top_k}, top_p={self.sampling.top_p}) cuts the sampling "
+                f"distribution, but {type(self.engine).__name__} did not report which tokens it kept "
+                "(Completion.sampling_support), so the trainer cannot renormalize pi_prox / pi_theta over the "
+                "same support and every importance ratio would be biased by the mass cut off. Use an engine "
+                "that reports it (HFEngine, HFProcessEngine, VLLMEngine, RemoteVLLMEngine), or set top_k=0 and "
+                "top_p=1.0 (or sampling_mask=False, for a comparison only)."
+            )
+        return [c.sampling_support for c in completions]
 
     def evaluate(self, prompts: PromptBatch) -> EvaluationBatch:
         """One greedy and ``samples_per_prompt`` sampled completions per held-out prompt, scored.
