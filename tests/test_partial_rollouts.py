@@ -173,7 +173,10 @@ def test_rows_with_different_budgets_continue_in_separate_calls_within_max_new_t
 
 def test_the_process_engine_is_interrupted_across_processes():
     old = tiny_model()
-    new = perturbed(old, 0.3)
+    # Another policy of the same scale: perturbed(old, 0.3) adds noise 15x the weights' own std, and
+    # over 400 tokens its inflated activations cost float32 sampling up to 4e-4 nats against the
+    # float64 reference (1e-5 at this scale), past check_segments' tolerance wherever the cut lands.
+    new = tiny_model(seed=1)
     engine = HFProcessEngine(pad_token_id=0, eos_token_id=NEVER)
     try:
         engine.update_weights(old, version=0)
@@ -185,9 +188,14 @@ def test_the_process_engine_is_interrupted_across_processes():
         short = engine.generate(PROMPTS, SamplingConfig(max_new_tokens=5, samples_per_prompt=2), seed=0)
         assert all(c.finish_reason == "length" for c in short)
 
-        # A long call, interrupted from another thread: it returns within a small part of its full time.
+        # A long call, interrupted from another thread a quarter into its full time (measured on this
+        # machine, now: a fixed delay lands after the call on a fast one): it returns one forward
+        # pass after the interrupt, not after its 400 tokens.
         began = time.perf_counter()
-        timer = threading.Timer(0.5, engine.interrupt)
+        engine.generate(PROMPTS, sampling, seed=1)
+        delay = (time.perf_counter() - began) / 4
+        began = time.perf_counter()
+        timer = threading.Timer(delay, engine.interrupt)
         turn = PushBetweenCalls(engine, new, version=1)
         timer.start()
         first: list[Completion] = []
@@ -206,7 +214,7 @@ def test_the_process_engine_is_interrupted_across_processes():
         assert 0 < cut < 400, "the interrupt came after the call had ended: lengthen max_new_tokens"
         # The first call ended one forward pass after the interrupt, not after 400 tokens.
         per_token = (total - first[0]) / (400 - cut)
-        assert first[0] - 0.5 < max(0.25, 20 * per_token), (first[0], per_token)
+        assert first[0] - delay < max(0.25, 20 * per_token), (first[0], delay, per_token)
         assert all(len(c.token_ids) == 400 for c in completions)
         check_segments(completions, old, new)
     finally:
