@@ -3,9 +3,9 @@
 A tiny Llama-architecture model (built from a config, no download) samples completions as the
 "engine" in bfloat16 with slightly older weights; the "trainer" re-scores them in float32 with
 the current weights. That is the gap the kit corrects: precision mismatch plus staleness. For
-each preset the check runs ``compute_correction`` -> ``policy_loss`` -> backward through the
-model -> metrics, verifies the invariants a user relies on, prints a table and writes TensorBoard
-events.
+each preset (with the PPO loss), and for the DPPO losses of :data:`LOSS_CHECKS`, the check runs
+``compute_correction`` -> ``policy_loss`` -> backward through the model -> metrics, verifies the
+invariants a user relies on, prints a table and writes TensorBoard events.
 """
 
 from __future__ import annotations
@@ -25,6 +25,17 @@ from lightning_offpolicy.rollout import HFEngine, SamplingConfig
 from lightning_offpolicy.tiny import build_tiny_llama
 
 PAD_ID, EOS_ID = 0, 2
+
+LOSS_CHECKS: dict[str, tuple[str, PolicyLossConfig]] = {
+    # prime-rl's default loss: DPPO-TV against pi_rollout (bypass) plus its squared log ratio (k2).
+    "bypass+dppo_tv": ("bypass", PolicyLossConfig(loss_type="dppo_tv", rollout_kl_coef=2e-3)),
+    # verl's dppo_kl: against pi_prox, the ratio capped at its clip_ratio_c, times a token TIS weight.
+    "token_tis+dppo_kl": (
+        "token_tis",
+        PolicyLossConfig(loss_type="dppo_kl", dppo_delta_low=0.05, dppo_delta_high=0.05, dppo_ratio_cap=3.0),
+    ),
+}
+"""The policy losses checked besides PPO: row name -> (correction preset, loss)."""
 
 
 def sharpened_tiny_llama(seed: int = 0, sharpness: float = 60.0) -> torch.nn.Module:
@@ -82,7 +93,7 @@ def run(batch: int, prompt_length: int, new_tokens: int, staleness_noise: float,
         from torch.utils.tensorboard import SummaryWriter
 
         writer = SummaryWriter(logdir)
-    width = max(len(name) for name in PRESETS) + 2
+    width = max(len(name) for name in [*PRESETS, *LOSS_CHECKS]) + 2
     header = f"{'preset':<{width}}" + (
         f"{'kl':>10}{'chi2_tok':>10}{'ess':>7}{'w_mean':>8}{'reject':>8}{'loss':>10}{'grad':>9}{'ms':>7}"
     )
@@ -93,7 +104,9 @@ def run(batch: int, prompt_length: int, new_tokens: int, staleness_noise: float,
     print(header)
     print("-" * len(header))
     failures: list[str] = []
-    for step, (name, make) in enumerate(PRESETS.items()):
+    rows = [(name, make, PolicyLossConfig(rollout_kl_coef=0.01)) for name, make in PRESETS.items()]
+    rows += [(name, PRESETS[correction], loss_cfg) for name, (correction, loss_cfg) in LOSS_CHECKS.items()]
+    for step, (name, make, loss_cfg) in enumerate(rows):
         cfg = make()
         trainer_model.zero_grad(set_to_none=True)
         start = time.perf_counter()
@@ -107,7 +120,7 @@ def run(batch: int, prompt_length: int, new_tokens: int, staleness_noise: float,
             rollout.rollout_logprobs,
             advantages,
             rollout.response_mask,
-            PolicyLossConfig(rollout_kl_coef=0.01),
+            loss_cfg,
             correction=out,
         )
         loss.backward()
@@ -134,7 +147,10 @@ def run(batch: int, prompt_length: int, new_tokens: int, staleness_noise: float,
     if failures:
         print("\nFAILED invariants:\n  " + "\n  ".join(failures))
         return 1
-    print(f"\nall {len(PRESETS)} presets passed: finite loss and gradients, detached weights, masks only remove")
+    print(
+        f"\nall {len(PRESETS)} presets passed, and the DPPO losses ({', '.join(LOSS_CHECKS)}): finite loss and "
+        "gradients, detached weights, masks only remove"
+    )
     return 0
 
 

@@ -22,6 +22,14 @@ Conventions (from the spec):
 * Aggregation: rejected tokens leave the numerator, denominators count the original response
   tokens / the sequences with at least one response token (or the counts passed in).
 
+* DPPO (``loss_type`` ``"dppo_tv"`` / ``"dppo_kl"``), from the peers' code (prime-rl's
+  ``default_loss_fn``, SkyRL's ``dppo_policy_loss``, verl's ``compute_policy_loss_dppo_tv`` /
+  ``_kl``): ``p = exp(logprobs)``, ``q = exp(anchor)`` (capped at 1); a token is masked when
+  ``A > 0``, ``p > q`` and the divergence exceeds ``delta_high``, or ``A < 0``, ``p < q`` and it
+  exceeds ``delta_low``; TV is ``|p - q|``, KL ``q log(q/p) + (1-q) log((1-q+1e-8)/(1-p+1e-8))``.
+  Unmasked tokens: ``-A * r`` (gradient ``-A * r``), or with a cap ``C < r``: ``-A * C`` (gradient
+  ``-A * C``, verl's truncated score function).
+
 Besides values, :func:`ref_policy_loss` returns the analytic gradient of the total loss with
 respect to ``logprobs`` (weights are stop-gradient, so only the surrogate's own dependence counts).
 """
@@ -331,6 +339,9 @@ _LOSS_DEFAULTS = dict(
     rollout_kl_estimator="k2",
     ref_kl_coef=0.0,
     ref_kl_estimator="low_var_kl",
+    dppo_delta_low=0.2,
+    dppo_delta_high=0.2,
+    dppo_ratio_cap=None,
 )
 
 
@@ -382,7 +393,9 @@ def ref_policy_loss(
                 x = seq_mean if L["loss_type"] == "gspo" else lp[i, t] - anchor[i, t]
                 ratio = safe_exp(x)
                 dratio = d_safe_exp(x)  # d ratio / d logprobs_t (GSPO: straight-through, 1 per token)
-                if L["loss_type"] == "sapo":
+                if L["loss_type"] in ("dppo_tv", "dppo_kl"):
+                    val, grad, clipped[i, t], dual[i, t] = _ref_dppo(lp[i, t], anchor[i, t], A, L)
+                elif L["loss_type"] == "sapo":
                     tau = L["tau_pos"] if A > 0 else L["tau_neg"]
                     sig = 1.0 / (1.0 + math.exp(-tau * (ratio - 1.0)))
                     val = -(4.0 / tau) * sig * A
@@ -483,6 +496,25 @@ def ref_policy_loss(
         per_token=per_token,
         correction=corr,
     )
+
+
+def _ref_dppo(logprob: float, anchor: float, A: float, L: dict[str, Any]) -> tuple[float, float, bool, bool]:
+    """One token of DPPO: ``(loss, d loss / d logprob, masked, capped)``."""
+    log_p, log_q = min(logprob, 0.0), min(anchor, 0.0)
+    p, q = math.exp(log_p), math.exp(log_q)
+    if L["loss_type"] == "dppo_tv":
+        div = abs(p - q)
+    else:
+        own = q * (log_q - log_p) if q > 0 else 0.0
+        div = own + (1.0 - q) * math.log((1.0 - q + 1e-8) / (1.0 - p + 1e-8))
+    if (A > 0 and p > q and div > L["dppo_delta_high"]) or (A < 0 and p < q and div > L["dppo_delta_low"]):
+        return 0.0, 0.0, True, False
+    x = logprob - anchor
+    ratio, dratio = safe_exp(x), d_safe_exp(x)
+    cap = L["dppo_ratio_cap"]
+    if cap is not None and ratio > cap:
+        return -A * cap, -A * cap, False, True
+    return -A * ratio, -A * dratio, False, False
 
 
 def ref_kl_loss(

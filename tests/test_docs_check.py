@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from lightning_offpolicy.correction import PRESETS
+from lightning_offpolicy.selfcheck import LOSS_CHECKS
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
@@ -36,7 +37,7 @@ def test_the_docs_mark_the_quickstart_and_selfcheck_figures():
     (selfcheck,) = _figures("selfcheck")
     assert selfcheck.command.startswith("lightning-offpolicy selfcheck")
     table = docs_check.parse_selfcheck_table(selfcheck.body)
-    assert list(table) == list(PRESETS)
+    assert list(table) == list(PRESETS) + list(LOSS_CHECKS)
     assert set(table["token_tis"]) == {"kl", "chi2_tok", "ess", "w_mean", "reject", "loss", "grad", "ms"}
 
 

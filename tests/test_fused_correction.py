@@ -129,6 +129,49 @@ def test_loss_settings_and_global_counts_equal_the_eager_path(loss_cfg):
     _assert_same(out, grad, eager, cfg)
 
 
+@pytest.mark.parametrize(
+    "cfg, loss_cfg, backend",
+    [
+        (
+            OffPolicyCorrectionConfig.token_tis(),
+            PolicyLossConfig(loss_type="dppo_tv", dppo_delta_low=0.01, dppo_delta_high=0.01, rollout_kl_coef=0.1),
+            "inductor",
+        ),
+        (
+            OffPolicyCorrectionConfig.token_mis(),
+            PolicyLossConfig(
+                loss_type="dppo_kl", dppo_delta_low=1e-3, dppo_delta_high=1e-3, dppo_ratio_cap=1.02,
+                aggregation="seq-mean-token-mean",
+            ),
+            "inductor",
+        ),
+        # prime-rl's default loss: bypass, DPPO-TV against pi_rollout, rollout KL k2.
+        (
+            OffPolicyCorrectionConfig.bypass(),
+            PolicyLossConfig(loss_type="dppo_tv", dppo_delta_low=0.05, dppo_delta_high=0.05, rollout_kl_coef=2e-3),
+            "aot_eager",
+        ),
+        (
+            OffPolicyCorrectionConfig.bypass().replace(token_mask=True),
+            PolicyLossConfig(loss_type="dppo_kl", dppo_delta_low=0.01, dppo_delta_high=0.01),
+            "aot_eager",
+        ),
+    ],
+    ids=["tv+token_tis+kl", "kl+cap+token_mis", "prime-rl-default", "kl+bypass-token-mask"],
+)
+def test_dppo_equals_the_eager_path(cfg, loss_cfg, backend):
+    x = _inputs(seed=8)
+    x["logprobs"] = x["logprobs"] + 0.2 * torch.randn(x["logprobs"].shape, generator=torch.Generator().manual_seed(9))
+    step = FusedCorrectionStep(cfg, loss_cfg, statistics=CorrectionMetrics(cfg).sums, backend=backend)
+    out, grad = _fused(step, cfg, x, x["logprobs"].clone().requires_grad_(True))
+    assert out.compiled
+    eager = _eager(cfg, loss_cfg, x, x["logprobs"].clone().requires_grad_(True))
+    _assert_same(out, grad, eager, cfg)
+    assert eager[2].clipped_tokens > 0, "DPPO masked no token: the comparison would not see its mask"
+    if loss_cfg.dppo_ratio_cap is not None:
+        assert eager[2].dual_clipped_tokens > 0
+
+
 def test_new_shapes_reuse_the_step_and_stay_equal():
     cfg, loss_cfg = OffPolicyCorrectionConfig.geo_mis(), PolicyLossConfig()
     step = FusedCorrectionStep(cfg, loss_cfg, statistics=CorrectionMetrics(cfg).sums)

@@ -164,6 +164,8 @@ LOSS_TYPES = {
     "gspo_dual": dict(loss_type="gspo", eps_clip_low=0.02, eps_clip_high=0.03, dual_clip=2.0),
     "sapo": dict(loss_type="sapo", tau_pos=1.0, tau_neg=1.05),
     "sapo_hot": dict(loss_type="sapo", tau_pos=5.0, tau_neg=8.0),
+    "dppo_tv": dict(loss_type="dppo_tv", dppo_delta_low=0.05, dppo_delta_high=0.03),
+    "dppo_kl_cap": dict(loss_type="dppo_kl", dppo_delta_low=0.005, dppo_delta_high=0.01, dppo_ratio_cap=1.1),
 }
 AGG_VARIANTS = {
     "token-mean": dict(aggregation="token-mean"),
@@ -219,6 +221,19 @@ def test_grid_is_not_vacuous():
         dual += ref.dual_clipped_tokens
         rejected += int((batch["mask"] != 0).sum()) - ref.kept_tokens
     assert clipped > 0 and dual > 0 and rejected > 0
+
+
+def test_dppo_grid_rows_mask_and_cap():
+    """The DPPO rows of the grid mask tokens and hit the ratio cap, under every correction."""
+    for corr_name in CORRECTIONS:
+        masked = capped = 0
+        for loss_name in ("dppo_tv", "dppo_kl_cap"):
+            corr_cfg, loss_cfg = _grid_case(corr_name, loss_name, "token-mean", False)
+            seed = sum(map(ord, corr_name + loss_name + "token-mean"))
+            ref = run_ref(make_batch(seed, batch=6, length=8, spread=0.08, policy_spread=0.2), loss_cfg, corr_cfg)
+            masked += ref.clipped_tokens
+            capped += ref.dual_clipped_tokens
+        assert masked > 0 and capped > 0, corr_name
 
 
 @pytest.mark.parametrize("agg", AGGREGATIONS)
@@ -433,6 +448,8 @@ ALL_OBJECTIVES = {
     "gspo": (C.seq_tis(clip_high=1.5), dict(loss_type="gspo")),
     "sapo": (C.token_tis(clip_high=1.5), dict(loss_type="sapo")),
     "ppo_dual": (C.disabled(), dict(dual_clip=2.0)),
+    "dppo_tv": (C.token_tis(clip_high=1.5), dict(loss_type="dppo_tv", dppo_delta_low=0.01, dppo_delta_high=0.01)),
+    "dppo_kl_cap": (C.disabled(), dict(loss_type="dppo_kl", dppo_delta_low=0.01, dppo_ratio_cap=1.05)),
     "pure_is_token": (C(objective="pure_is", token_mask=True), {}),
     "pure_is_seq": (C(objective="pure_is", objective_level="sequence", token_mask=True), {}),
     "cispo_rollout": (C(objective="cispo", token_mask=True), {}),

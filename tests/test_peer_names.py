@@ -502,3 +502,90 @@ def test_docs_state_the_peer_differences_the_peers_code_shows():
     assert "dual_clip=3.0" in section
     assert "both" in section.split("token_mask_is_threshold_low / _high", 1)[1].split("\n", 1)[0]
     assert "no upper bound" in section
+
+
+# ------------------------------------------------------------------ the policy loss's peer names
+# verl 1dda039 (verl/workers/config/actor.py ActorConfig, verl/trainer/ppo/core_algos.py
+# compute_policy_loss_dppo_tv / _kl), SkyRL a956457 (skyrl/train/config/config.py DPPOConfig,
+# ppo_utils.py dppo_policy_loss), prime-rl 559b447 (packages/prime-rl-configs/.../trainer.py
+# DefaultLossConfig, src/prime_rl/trainer/rl/loss.py default_loss_fn). Their loss and gradient
+# against the kit's: tests/test_dppo.py.
+@pytest.mark.parametrize(
+    ("peer", "names", "expected"),
+    [
+        ("verl", dict(loss_mode="dppo_tv"), dict(loss_type="dppo_tv", dppo_ratio_cap=3.0)),  # ActorConfig defaults
+        (
+            "verl",  # verl's examples/dppo_trainer script for dppo_kl
+            dict(loss_mode="dppo_kl", clip_ratio_low=0.05, clip_ratio_high=0.05, clip_ratio_c=10000.0),
+            dict(loss_type="dppo_kl", dppo_delta_low=0.05, dppo_delta_high=0.05, dppo_ratio_cap=10000.0),
+        ),
+        ("verl", dict(loss_mode="vanilla", clip_ratio_high=0.28), dict(eps_clip_high=0.28, dual_clip=3.0)),
+        ("verl", dict(clip_ratio_low=0.1, clip_ratio_c=2.0), dict(eps_clip_low=0.1, dual_clip=2.0)),  # vanilla default
+        ("SkyRL", dict(policy_loss_type="dppo"), dict(loss_type="dppo_tv")),  # DPPOConfig defaults
+        (
+            "SkyRL",
+            dict(policy_loss_type="dppo", dppo_type="binary_kl", delta_low=0.05, delta_high=0.1),
+            dict(loss_type="dppo_kl", dppo_delta_low=0.05, dppo_delta_high=0.1),
+        ),
+        ("SkyRL", dict(policy_loss_type="regular"), dict()),
+        (
+            "prime-rl",  # DefaultLossConfig defaults: masks 0.2 / 0.2, kl_tau 1e-3, adv_tau 1.0
+            dict(dppo_mask_low=0.2),
+            dict(loss_type="dppo_tv", rollout_kl_coef=2e-3, rollout_kl_estimator="k2"),
+        ),
+        (
+            "prime-rl",
+            dict(dppo_mask_high=0.1, kl_tau=0.0, adv_tau=1.0),
+            dict(loss_type="dppo_tv", dppo_delta_high=0.1, rollout_kl_coef=0.0),
+        ),
+    ],
+)
+def test_policy_loss_peer_names(peer, names, expected):
+    from lightning_offpolicy.correction.peer_names import LOSS_PEER_OF
+
+    with pytest.warns(PeerNameWarning, match=f"^{peer}'s .* the kit's") as caught:
+        built = PolicyLossConfig(**names)
+    assert built == PolicyLossConfig(**expected)
+    assert all(getattr(built, name) is None for name in LOSS_PEER_OF), "peer names read None once mapped"
+    if expected.get("loss_type", "ppo").startswith("dppo") and peer != "verl":
+        assert "bypass_mode: true" in str(caught[0].message), "SkyRL / prime-rl divide by pi_rollout: say so"
+
+
+@pytest.mark.parametrize(
+    ("names", "message"),
+    [
+        (dict(loss_mode="dppo_tv", delta_low=0.1), "SkyRL and verl are mixed"),
+        (dict(clip_ratio=0.1), "clip_ratio only where clip_ratio_low / clip_ratio_high are null"),
+        (dict(loss_mode="gspo"), "loss_mode='gspo' is not mapped"),
+        (dict(delta_low=0.1), r"only with policy_loss_type: dppo"),
+        (dict(policy_loss_type="dppo", dppo_type="topk_tv"), "dppo_type='topk_tv' is not one of"),
+        (dict(policy_loss_type="cispo"), "policy_loss_type='cispo' is not mapped"),
+        (dict(adv_tau=0.5), "adv_tau=0.5 multiplies the advantages"),
+        (dict(kl_tau=1e-3, rollout_kl_coef=0.5), "rollout_kl_coef=0.5 conflicts"),
+        (dict(dppo_mask_low=-0.1), "dppo_mask_low=-0.1 must be a finite number >= 0"),
+        (dict(loss_mode="vanilla", clip_ratio_c=1.0), r"dual_clip=1.0 must be greater than 1"),  # verl asserts > 1 too
+    ],
+)
+def test_policy_loss_peer_names_refused_with_how(names, message):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", PeerNameWarning)
+        with pytest.raises(CorrectionConfigError, match=message):
+            PolicyLossConfig(**names)
+
+
+def test_prime_rl_loss_table_from_yaml_round_trips():
+    import dataclasses
+
+    text = """
+dppo_mask_low: 0.2
+dppo_mask_high: 0.2
+kl_tau: 1.0e-3
+adv_tau: 1.0
+"""
+    with pytest.warns(PeerNameWarning, match="prime-rl's"):
+        cfg = PolicyLossConfig(**yaml.safe_load(text))
+    assert (cfg.loss_type, cfg.rollout_kl_coef, cfg.rollout_kl_estimator) == ("dppo_tv", 2e-3, "k2")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a copy maps nothing again
+        assert PolicyLossConfig(**dataclasses.asdict(cfg)) == cfg
+        assert dataclasses.replace(cfg) == cfg

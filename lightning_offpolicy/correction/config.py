@@ -6,7 +6,8 @@ Two plain dataclasses, both expressible in YAML / LightningCLI:
   (``pi_rollout``) and the trainer (``pi_prox``, ``pi_theta``) is corrected: importance weights,
   rejection masks, an outlier veto, and which objective anchors the update.
 * :class:`PolicyLossConfig` says how the surrogate is built and aggregated: PPO clip range,
-  dual clip, GSPO / SAPO, the aggregation mode, and the rollout / reference KL penalties.
+  dual clip, GSPO / SAPO, DPPO's divergence trust region, the aggregation mode, and the rollout /
+  reference KL penalties.
 
 Both validate in ``__post_init__`` and fail with a message that names the setting, the value and
 what is allowed. Presets are classmethods on :class:`OffPolicyCorrectionConfig`.
@@ -23,12 +24,14 @@ import torch
 
 from lightning_offpolicy.argcheck import is_number, is_real
 from lightning_offpolicy.correction.peer_names import (
+    LOSS_PEER_OF,
     PEER_DEFAULTS,
     PEER_OF,
     TRL_CLIP_MAX,
     PeerNameError,
     PeerNameWarning,
     translate,
+    translate_loss,
 )
 
 TISLevel = Literal["token", "sequence"]
@@ -37,7 +40,9 @@ Anchor = Literal["rollout", "prox"]
 KLEstimator = Literal["k1", "abs", "k2", "k3", "low_var_kl"]
 RejectEstimator = Literal["k1", "k2", "k3"]
 RejectLevel = Literal["token", "seq_sum", "seq_mean", "seq_max"]
-LossType = Literal["ppo", "gspo", "sapo"]
+LossType = Literal["ppo", "gspo", "sapo", "dppo_tv", "dppo_kl"]
+DPPO_LOSS_TYPES: tuple[str, ...] = ("dppo_tv", "dppo_kl")
+"""The ``loss_type`` values of DPPO's divergence trust region (:mod:`~lightning_offpolicy.correction.dppo`)."""
 Aggregation = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
 
 
@@ -595,9 +600,11 @@ class PolicyLossConfig:
     """How the policy-gradient surrogate is built and aggregated.
 
     Args:
-        loss_type: ``"ppo"`` (token ratio), ``"gspo"`` (sequence ratio, length-normalised) or
-            ``"sapo"`` (soft sigmoid gate instead of the hard clip). Ignored by the ``pure_is`` /
-            ``cispo`` objectives, which replace the surrogate.
+        loss_type: ``"ppo"`` (token ratio), ``"gspo"`` (sequence ratio, length-normalised),
+            ``"sapo"`` (soft sigmoid gate instead of the hard clip), or DPPO's divergence trust
+            region in place of the clip (:mod:`~lightning_offpolicy.correction.dppo`):
+            ``"dppo_tv"`` (binary total variation) or ``"dppo_kl"`` (binary KL). The ``pure_is``
+            / ``cispo`` / ``reinforce`` objectives replace the surrogate and need ``"ppo"``.
         eps_clip_low: PPO lower clip: ratio floor ``1 - eps_clip_low``.
         eps_clip_high: PPO upper clip: ratio ceiling ``1 + eps_clip_high`` (0.28 for DAPO's clip-higher).
         dual_clip: Dual-clip constant ``c > 1`` bounding the loss of negative-advantage tokens by
@@ -617,6 +624,35 @@ class PolicyLossConfig:
         entropy_coef: Coefficient of the entropy bonus: ``- entropy_coef * H`` is added to the loss,
             ``H`` the per-token entropy of ``pi_theta`` aggregated like the loss over the response
             tokens (verl's ``entropy_coeff``, SkyRL's ``entropy_loss_coef``; 0 disables).
+        dppo_delta_low: DPPO bound for tokens with ``A < 0``: masked when their probability fell
+            by more than this (``dppo_tv``), or fell with a binary KL above this (``dppo_kl``).
+            0.2 is every peer's default; SkyRL and verl suggest about 0.05 for ``dppo_kl``.
+        dppo_delta_high: DPPO bound for tokens with ``A > 0`` whose probability rose.
+        dppo_ratio_cap: DPPO only: truncate the ratio that multiplies the advantage at this value
+            (verl's ``clip_ratio_c``, 3.0 in its default config); ``None``: no cap (prime-rl, SkyRL).
+        loss_mode: verl's name (``actor.policy_loss.loss_mode``): ``"vanilla"`` (PPO, dual clip
+            at ``clip_ratio_c``), ``"dppo_tv"`` or ``"dppo_kl"``.
+        clip_ratio: verl's fallback clip, refused: verl reads it only where ``clip_ratio_low`` /
+            ``clip_ratio_high`` are null, and they default to 0.2.
+        clip_ratio_low: verl's name: ``eps_clip_low`` (vanilla) or ``dppo_delta_low`` (DPPO).
+        clip_ratio_high: verl's name: ``eps_clip_high`` (vanilla) or ``dppo_delta_high`` (DPPO).
+        clip_ratio_c: verl's name: ``dual_clip`` (vanilla) or ``dppo_ratio_cap`` (DPPO); default 3.0.
+        policy_loss_type: SkyRL's name (``trainer.algorithm.policy_loss_type``): ``"regular"``
+            (``loss_type="ppo"``) or ``"dppo"``.
+        dppo_type: SkyRL's name (``algorithm.dppo.dppo_type``): ``"binary_tv"`` or ``"binary_kl"``.
+        delta_low: SkyRL's name (``algorithm.dppo.delta_low``): ``dppo_delta_low``.
+        delta_high: SkyRL's name (``algorithm.dppo.delta_high``): ``dppo_delta_high``.
+        dppo_mask_low: prime-rl's name (``[trainer.loss]``, ``type = "default"``): ``dppo_delta_low``
+            of ``dppo_tv``.
+        dppo_mask_high: prime-rl's name: ``dppo_delta_high`` of ``dppo_tv``.
+        kl_tau: prime-rl's name: the coefficient of its squared log ratio to ``pi_rollout``,
+            ``rollout_kl_coef = 2 * kl_tau`` with ``rollout_kl_estimator="k2"`` (default 1e-3).
+        adv_tau: prime-rl's advantage scale; only 1.0 is accepted (scale the advantages instead).
+
+    Peer names are mapped to the kit's fields when the config is built (one
+    :class:`~lightning_offpolicy.correction.peer_names.PeerNameWarning` per peer, naming the kit's
+    settings) and read ``None`` afterwards; one peer's names per config
+    (:func:`~lightning_offpolicy.correction.peer_names.translate_loss`).
     """
 
     loss_type: LossType = "ppo"
@@ -632,9 +668,50 @@ class PolicyLossConfig:
     ref_kl_coef: float = 0.0
     ref_kl_estimator: KLEstimator = "low_var_kl"
     entropy_coef: float = 0.0
+    # DPPO's trust region (loss_type "dppo_tv" / "dppo_kl").
+    dppo_delta_low: float = 0.2
+    dppo_delta_high: float = 0.2
+    dppo_ratio_cap: float | None = None
+    # The peers' names (verl, SkyRL, prime-rl), mapped in __post_init__.
+    loss_mode: str | None = None
+    clip_ratio: float | None = None
+    clip_ratio_low: float | None = None
+    clip_ratio_high: float | None = None
+    clip_ratio_c: float | None = None
+    policy_loss_type: str | None = None
+    dppo_type: str | None = None
+    delta_low: float | None = None
+    delta_high: float | None = None
+    dppo_mask_low: float | None = None
+    dppo_mask_high: float | None = None
+    kl_tau: float | None = None
+    adv_tau: float | None = None
 
     def __post_init__(self) -> None:
+        self._map_peer_names()
         self.validate()
+
+    def _map_peer_names(self) -> None:
+        values = {name: getattr(self, name) for name in LOSS_PEER_OF}
+        if all(value is None for value in values.values()):
+            return
+        try:
+            translation = translate_loss(values)
+        except PeerNameError as err:
+            raise CorrectionConfigError(str(err)) from None
+        defaults = {f.name: f.default for f in fields(self)}
+        for name, value in translation.settings.items():
+            current = getattr(self, name)
+            if current != defaults[name] and current != value:
+                raise CorrectionConfigError(
+                    f"PolicyLossConfig.{name}={current!r} conflicts with the peer setting that maps to "
+                    f"{name}={value!r}; give one of them."
+                )
+            setattr(self, name, value)
+        for message in translation.messages:
+            warnings.warn(message, PeerNameWarning, stacklevel=4)
+        for name in LOSS_PEER_OF:
+            setattr(self, name, None)
 
     def validate(self) -> None:
         """Check every setting; raise :class:`CorrectionConfigError`."""
@@ -658,6 +735,28 @@ class PolicyLossConfig:
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
                 raise CorrectionConfigError(f"{own}.{name}={value!r} must be a finite number >= 0.")
+        self._validate_dppo(own)
+
+    def _validate_dppo(self, own: str) -> None:
+        for name in ("dppo_delta_low", "dppo_delta_high"):
+            value = getattr(self, name)
+            if not is_number(value) or value < 0:
+                raise CorrectionConfigError(
+                    f"{own}.{name}={value!r} must be a finite number >= 0 (a bound on the change of a "
+                    "token's probability, binary TV, or on its binary KL)."
+                )
+        _check_positive(own, "dppo_ratio_cap", self.dppo_ratio_cap, optional=True)
+        if self.loss_type in DPPO_LOSS_TYPES:
+            if self.dual_clip is not None:
+                raise CorrectionConfigError(
+                    f"{own}.dual_clip={self.dual_clip!r} bounds PPO's clipped loss; loss_type={self.loss_type!r} has "
+                    "no clip to bound: bound its ratio with dppo_ratio_cap (verl's clip_ratio_c), or drop dual_clip."
+                )
+        elif self.dppo_ratio_cap is not None:
+            raise CorrectionConfigError(
+                f"{own}.dppo_ratio_cap={self.dppo_ratio_cap!r} has no effect with loss_type={self.loss_type!r}; "
+                f"it caps DPPO's ratio: set loss_type to one of {', '.join(map(repr, DPPO_LOSS_TYPES))}, or drop it."
+            )
 
 
 def check_compatible(correction: OffPolicyCorrectionConfig, loss: PolicyLossConfig) -> None:

@@ -9,6 +9,9 @@ Per token ``t`` (``A`` the advantage, ``w`` the detached IS weight of :func:`com
 * GSPO: the token ratio is replaced by the length-normalised sequence ratio
   ``exp(mean_t log r_t)``, with the gradient of each token's own ``log pi_theta``;
 * SAPO: the hard clip is replaced by the soft gate ``(4 / tau) * sigmoid(tau (r - 1))``;
+* DPPO (``loss_type="dppo_tv"`` / ``"dppo_kl"``): no clip; ``L = -w * A * r`` except on the tokens
+  whose probability moved past a binary TV / KL bound in the direction of their advantage, which
+  are masked (:mod:`~lightning_offpolicy.correction.dppo`);
 * pure IS: ``L = -sg(clip(pi_theta / pi_rollout, lo, C)) * A * log pi_theta`` per token or per
   sequence (off-policy REINFORCE, no PPO clip);
 * CISPO: ``L = -sg(clip(pi_theta / pi_anchor, lo, hi)) * A * log pi_theta``, anchor pi_rollout
@@ -28,6 +31,7 @@ import torch
 
 from lightning_offpolicy.correction.checks import check_response_values
 from lightning_offpolicy.correction.config import (
+    DPPO_LOSS_TYPES,
     Anchor,
     CorrectionConfigError,
     Objective,
@@ -39,6 +43,7 @@ from lightning_offpolicy.correction.config import (
     check_objective_compatible,
 )
 from lightning_offpolicy.correction.correction import CorrectionOutput
+from lightning_offpolicy.correction.dppo import dppo_surrogate
 from lightning_offpolicy.correction.kl import kl_estimate
 from lightning_offpolicy.correction.ratios import finite_logprobs, log_ratio, masked, safe_exp, sequence_sum
 
@@ -52,8 +57,10 @@ class PolicyLossInfo:
         rollout_kl: the aggregated rollout KL term before its coefficient (0 when disabled).
         ref_kl: the aggregated reference KL term before its coefficient (0 when disabled).
         kept_tokens: number of tokens that reached the numerator.
-        clipped_tokens: kept tokens where the clip (PPO ratio or current-policy weight) was active.
-        dual_clipped_tokens: kept tokens where the dual clip was active.
+        clipped_tokens: kept tokens where the clip (PPO ratio or current-policy weight) was active,
+            or that DPPO's trust region masked.
+        dual_clipped_tokens: kept tokens where the dual clip was active, or where DPPO's
+            ``dppo_ratio_cap`` truncated the ratio.
         approx_kl_sum: sum over kept tokens of ``(r - 1) - log r``, ``r = pi_theta / pi_prox``.
         rollout_kl_sum: sum over response tokens of the rollout KL estimator (reported even when
             its coefficient is 0, whenever rollout logprobs are given).
@@ -379,7 +386,12 @@ def _policy_loss_terms(
     adv = masked(advantages.detach().float(), valid)
     anchor = rollout_logprobs if how.bypass_mode else prox_logprobs
 
-    if objective == "ppo":
+    if objective == "ppo" and loss_cfg.loss_type in DPPO_LOSS_TYPES:
+        per_token, clipped, dual = dppo_surrogate(
+            logprobs, anchor, adv, valid, "tv" if loss_cfg.loss_type == "dppo_tv" else "kl",
+            loss_cfg.dppo_delta_low, loss_cfg.dppo_delta_high, loss_cfg.dppo_ratio_cap,
+        )  # fmt: skip
+    elif objective == "ppo":
         per_token, clipped, dual = _ppo_surrogate(logprobs, anchor, adv, valid, kept, loss_cfg)
     elif objective == "reinforce":
         per_token = -adv * masked(logprobs, valid)
