@@ -27,6 +27,10 @@ tokens or over sequences with at least one response token):
 ``abs_logprob_diff_*``        mean / max of ``|log rho_t|``
 ============================  ===============================================================
 
+The OPSM mask (``opsm_mask``) is decided by the loss, from ``pi_theta`` and the advantages: its
+rates come from :class:`~lightning_offpolicy.correction.PolicyLossInfo`, as
+``ppo/opsm_mask_token_reject_rate`` and ``ppo/opsm_mask_seq_reject_rate`` (:class:`OPSMRejectionRate`).
+
 An empty update (no response token) leaves every state unchanged; a metric with nothing
 accumulated computes 0 (1 for the weight mean / min / max, the neutral weight).
 """
@@ -429,6 +433,37 @@ class ApproxKL(_LossInfoRatio):
         return info.approx_kl_sum, info.kept_tokens
 
 
+class OPSMRejectionRate(_LossInfoRatio):
+    """Fraction of response tokens (or sequences) the loss's OPSM mask removed.
+
+    A response token counts whether or not the correction's masks had removed it already (OPSM
+    tests every response token, as the token masks do); a sequence counts once OPSM removed any of
+    its tokens. Over every call of the loss (all epochs and minibatches), as ``ppo/clip_frac``.
+
+    Args:
+        level: ``"token"`` or ``"sequence"``.
+
+    Raises:
+        ValueError: at ``update``, a :class:`~lightning_offpolicy.correction.PolicyLossInfo` of a
+            loss computed without ``opsm_mask``.
+    """
+
+    def __init__(self, level: Level = "token", **kwargs: Any) -> None:
+        _check_level("OPSMRejectionRate", level)
+        super().__init__(**kwargs)
+        self.level = level
+
+    def sums(self, info: PolicyLossInfo) -> tuple[torch.Tensor, ...]:
+        if info.opsm_rejected_tokens is None:
+            raise ValueError(
+                "OPSMRejectionRate: this PolicyLossInfo has no OPSM counts; compute the loss with the "
+                "correction whose opsm_mask is on (PolicyLossMetrics(config) adds this metric only then)."
+            )
+        if self.level == "token":
+            return info.opsm_rejected_tokens, info.response_tokens
+        return info.opsm_rejected_sequences, info.response_sequences
+
+
 class RolloutKL(_LossInfoRatio):
     """The rollout KL estimator averaged over response tokens.
 
@@ -499,16 +534,22 @@ class CorrectionMetrics(MetricCollection):
 
 
 class PolicyLossMetrics(MetricCollection):
-    """``ppo/clip_frac``, ``ppo/dual_clip_frac``, ``ppo/approx_kl`` and ``ppo/rollout_kl``, from ``update(info)``."""
+    """``ppo/clip_frac``, ``ppo/dual_clip_frac``, ``ppo/approx_kl`` and ``ppo/rollout_kl``, from ``update(info)``.
 
-    def __init__(self, prefix: str = "ppo/") -> None:
-        super().__init__(
-            {
-                "clip_frac": PPOClipFraction(),
-                "dual_clip_frac": DualClipFraction(),
-                "approx_kl": ApproxKL(),
-                "rollout_kl": RolloutKL(),
-            },
-            prefix=prefix,
-            compute_groups=False,
-        )
+    Args:
+        config: the correction; with its ``opsm_mask`` on, ``ppo/opsm_mask_token_reject_rate`` and
+            ``ppo/opsm_mask_seq_reject_rate`` are tracked too (``None``: the four above only).
+        prefix: key prefix of the logged values.
+    """
+
+    def __init__(self, config: OffPolicyCorrectionConfig | None = None, prefix: str = "ppo/") -> None:
+        metrics: dict[str, Metric] = {
+            "clip_frac": PPOClipFraction(),
+            "dual_clip_frac": DualClipFraction(),
+            "approx_kl": ApproxKL(),
+            "rollout_kl": RolloutKL(),
+        }
+        if config is not None and config.opsm_mask:
+            metrics["opsm_mask_token_reject_rate"] = OPSMRejectionRate("token")
+            metrics["opsm_mask_seq_reject_rate"] = OPSMRejectionRate("sequence")
+        super().__init__(metrics, prefix=prefix, compute_groups=False)

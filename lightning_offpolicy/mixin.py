@@ -158,7 +158,7 @@ class OffPolicyMixin:
         if getattr(self, "_off_policy_metrics", None) is None:
             # Created on first use: the module's own __init__ is not ours to extend.
             self._off_policy_metrics = torch.nn.ModuleList(
-                [CorrectionMetrics(self.rl_correction), PolicyLossMetrics()]
+                [CorrectionMetrics(self.rl_correction), PolicyLossMetrics(self.rl_correction)]
             ).to(self.device)
         correction_metrics, loss_metrics = self._off_policy_metrics
         correction_metrics.update(stats=stats)

@@ -201,7 +201,7 @@ class OffPolicyRLModule(LightningModule):
         self.save_hyperparameters(ignore=ignored)
 
         self.correction_metrics = CorrectionMetrics(self.correction)
-        self.loss_metrics = PolicyLossMetrics()
+        self.loss_metrics = PolicyLossMetrics(self.correction)
         self.reward_mean = MeanMetric()
         self.reward_square_mean = MeanMetric()
         self.response_length = MeanMetric()

@@ -126,15 +126,17 @@ def run(batch: int, prompt_length: int, new_tokens: int, staleness_noise: float,
         loss.backward()
         elapsed_ms = 1e3 * (time.perf_counter() - start)
         grad_norm = torch.sqrt(sum(p.grad.square().sum() for p in trainer_model.parameters() if p.grad is not None))
-        corr, ppo = CorrectionMetrics(cfg), PolicyLossMetrics()
+        corr, ppo = CorrectionMetrics(cfg), PolicyLossMetrics(cfg)
         corr.update(stats=out.stats)
         ppo.update(info=info)
         values = {k: float(v) for k, v in {**corr.compute(), **ppo.compute()}.items()}
+        # Every mask, the loss's OPSM included: the response tokens that did not reach the loss.
+        reject = 1.0 - float(info.kept_tokens) / max(float(info.response_tokens), 1.0)
         failures += _invariants(name, out, loss, grad_norm, rollout.response_mask)
         print(
             f"{name:<{width}}{values['rollout_corr/kl']:>10.2e}{values['rollout_corr/chi2_token']:>10.4f}"
             f"{values['rollout_corr/ess']:>7.3f}{values['rollout_corr/is_weight_mean']:>8.3f}"
-            f"{values['rollout_corr/total_token_reject_rate']:>8.3f}{float(loss.detach()):>10.4f}{float(grad_norm):>9.4f}"
+            f"{reject:>8.3f}{float(loss.detach()):>10.4f}{float(grad_norm):>9.4f}"
             f"{elapsed_ms:>7.1f}"
         )
         if writer is not None:

@@ -30,6 +30,11 @@ Conventions (from the spec):
   Unmasked tokens: ``-A * r`` (gradient ``-A * r``), or with a cap ``C < r``: ``-A * C`` (gradient
   ``-A * C``, verl's truncated score function).
 
+* OPSM (``opsm_mask``), from slime's ``compute_opsm_mask`` and TRL's ``get_off_policy_mask``: after
+  the surrogate, token ``t`` of sequence ``i`` leaves the numerator when ``A_{i,t} < 0`` and the mean
+  over the response tokens of ``log pi_ref - log pi_theta`` exceeds ``opsm_threshold`` (``pi_ref``: the
+  rollout logprobs, or the prox ones unless in bypass mode).
+
 Besides values, :func:`ref_policy_loss` returns the analytic gradient of the total loss with
 respect to ``logprobs`` (weights are stop-gradient, so only the surrogate's own dependence counts).
 """
@@ -324,6 +329,8 @@ class RefLoss:
     scale: float  # sum of |terms|: for a tolerance that survives float32 cancellation
     per_token: np.ndarray  # [B, T] surrogate per token (times weight), 0 where not kept
     correction: RefCorrection | None = None
+    opsm_rejected_tokens: int | None = None  # response tokens OPSM removed (None without OPSM)
+    opsm_rejected_sequences: int | None = None
 
 
 _LOSS_DEFAULTS = dict(
@@ -430,6 +437,17 @@ def ref_policy_loss(
                 per_token[i, t] = -w * A * lp[i, t] * w_tis[i, t]
                 dper_token[i, t] = -w * A * w_tis[i, t]
 
+    opsm_rejected = None
+    if _cfg(corr_cfg, "opsm_mask", False):
+        reference = r if (corr_cfg.opsm_reference == "rollout" or bypass) else p
+        opsm_rejected = np.zeros((B, T), dtype=bool)
+        for i in range(B):
+            tokens = [t for t in range(T) if valid[i, t]]
+            kl = sum(reference[i, t] - lp[i, t] for t in tokens) / max(len(tokens), 1)
+            for t in tokens:
+                opsm_rejected[i, t] = a[i, t] < 0 and kl > corr_cfg.opsm_threshold
+        kept = kept & ~opsm_rejected
+
     kw = dict(token_count=token_count, sequence_count=sequence_count, norm_constant=L["loss_norm_constant"])
     D = ref_denominators(valid, L["aggregation"], **kw)
     pg = 0.0
@@ -495,6 +513,8 @@ def ref_policy_loss(
         scale=scale,
         per_token=per_token,
         correction=corr,
+        opsm_rejected_tokens=None if opsm_rejected is None else int(opsm_rejected.sum()),
+        opsm_rejected_sequences=None if opsm_rejected is None else int(opsm_rejected.any(axis=1).sum()),
     )
 
 

@@ -78,7 +78,7 @@ def _assert_same(fused_out, fused_grad, eager, metrics_cfg):
     assert expected.keys() == got.keys()
     for key in expected:
         torch.testing.assert_close(got[key], expected[key], rtol=RTOL, atol=1e-9, msg=key)
-    ppo_ref, ppo_fused = PolicyLossMetrics(), PolicyLossMetrics()
+    ppo_ref, ppo_fused = PolicyLossMetrics(metrics_cfg), PolicyLossMetrics(metrics_cfg)
     ppo_ref.update(info=info)
     ppo_fused.update(info=fused_out.info)
     for key, value in ppo_ref.compute().items():
@@ -95,6 +95,7 @@ INDUCTOR_PRESETS = {
     "outlier_veto",
     "cispo",
     "bypass_pg_token_icepop",
+    "opsm",
 }
 
 

@@ -194,6 +194,19 @@ def test_trl_names(trl, expected):
 
 
 @pytest.mark.parametrize(
+    ("names", "expected"),
+    [
+        (dict(use_opsm=True), C.opsm(threshold=1e-4, reference="prox")),  # slime's --opsm-delta, old log-probs
+        (dict(use_opsm=True, opsm_delta=0.01), C.opsm(threshold=0.01, reference="prox")),
+        (dict(off_policy_mask_threshold=0.5), C.opsm()),  # TRL: against its vLLM logprobs
+    ],
+)
+def test_opsm_names(names, expected):
+    with pytest.warns(PeerNameWarning, match="(slime|TRL)'s .* the kit's opsm_mask: true"):
+        assert C(**names) == expected
+
+
+@pytest.mark.parametrize(
     ("kwargs", "message"),
     [
         (dict(rollout_is="token", vllm_importance_sampling_mode="token_mask"), "TRL and verl are mixed"),

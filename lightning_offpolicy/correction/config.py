@@ -138,6 +138,15 @@ class OffPolicyCorrectionConfig:
         is_clip_low: Lower clip of the ``pure_is`` / ``cispo`` current-policy weight (``None``:
             no lower clip).
         is_clip_high: Upper clip of the ``pure_is`` / ``cispo`` current-policy weight.
+        opsm_mask: Off-policy sequence masking (OPSM, DeepSeek-V3.2), applied by the loss: drop the
+            tokens with a negative advantage of every sequence whose mean log ratio
+            ``mean_t(log pi_reference - log pi_theta)`` over its response tokens exceeds
+            ``opsm_threshold`` (``pi_theta`` detached, at each call of the loss, so it tracks the update).
+        opsm_threshold: The threshold ``delta`` of ``opsm_mask`` (TRL's ``off_policy_mask_threshold``,
+            whose suggested start 0.5 this is; slime's ``--opsm-delta``, default 1e-4 there).
+        opsm_reference: The policy ``opsm_mask`` compares ``pi_theta`` with: ``"rollout"`` (the engine,
+            as DeepSeek-V3.2 defines it and TRL computes it: mismatch and staleness) or ``"prox"``
+            (slime: the policy at the start of the step; ``pi_rollout`` in bypass mode).
         use_tis: Deprecated spelling of ``tis_level="token"``.
         tis_imp_ratio_cap: Deprecated spelling of ``tis_clip_high``.
         rollout_is: verl's name (``algorithm.rollout_correction``): ``tis_level``.
@@ -162,6 +171,11 @@ class OffPolicyCorrectionConfig:
             upper bound, as in TRL: a mask open above, an uncapped weight ``tis_clip_high=inf``).
         vllm_importance_sampling_clip_min: TRL's name: the lower bound.
         vllm_importance_sampling_cap: TRL's former name of ``vllm_importance_sampling_clip_max``.
+        off_policy_mask_threshold: TRL's name: ``opsm_mask`` with ``opsm_threshold`` and
+            ``opsm_reference="rollout"``.
+        use_opsm: slime's name (``--use-opsm``): ``opsm_mask`` with ``opsm_reference="prox"``.
+        opsm_delta: slime's name (``--opsm-delta``, read with ``use_opsm``; 1e-4 when not given):
+            ``opsm_threshold``.
 
     Peer names are mapped to the kit's fields when the config is built (one
     :class:`~lightning_offpolicy.correction.peer_names.PeerNameWarning` per key) and read their
@@ -199,10 +213,14 @@ class OffPolicyCorrectionConfig:
     anchor: Anchor = "rollout"
     is_clip_low: float | None = None
     is_clip_high: float | None = 2.0
+    # Off-policy sequence masking: a mask of the loss, which has pi_theta and the advantages.
+    opsm_mask: bool = False
+    opsm_threshold: float = 0.5
+    opsm_reference: Anchor = "rollout"
     # Deprecated spellings (SkyRL's former flags), mapped in __post_init__.
     use_tis: bool | None = None
     tis_imp_ratio_cap: float | None = None
-    # The peers' names (verl, SkyRL, TRL), mapped in __post_init__.
+    # The peers' names (verl, SkyRL, TRL, slime), mapped in __post_init__.
     rollout_is: str | None = None
     rollout_is_threshold: float | str | None = None
     rollout_is_batch_normalize: bool | None = None
@@ -222,6 +240,9 @@ class OffPolicyCorrectionConfig:
     vllm_importance_sampling_clip_max: float | None = TRL_CLIP_MAX  # None is TRL's "no upper bound"
     vllm_importance_sampling_clip_min: float | None = None
     vllm_importance_sampling_cap: float | None = None
+    off_policy_mask_threshold: float | None = None
+    use_opsm: bool | None = None
+    opsm_delta: float | None = None
 
     def __post_init__(self) -> None:
         self._map_deprecated()
@@ -309,6 +330,9 @@ class OffPolicyCorrectionConfig:
                 f"{self.kl_reject} statistic exceeds it, e.g. 0.01)."
             )
         _check_positive(own, "kl_reject_threshold", self.kl_reject_threshold, optional=True)
+        _check_choice(own, "opsm_reference", self.opsm_reference, Anchor)
+        if self.opsm_mask:
+            _check_positive(own, "opsm_threshold", self.opsm_threshold)
         if self.objective in ("pure_is", "cispo"):
             if self.is_clip_high is None:
                 raise CorrectionConfigError(
@@ -388,7 +412,7 @@ class OffPolicyCorrectionConfig:
     def policy_loss_kwargs(self) -> dict[str, Any]:
         """The keyword arguments of :func:`~lightning_offpolicy.correction.policy_loss` this config fixes.
 
-        Its objective and bypass mode; with a :class:`CorrectionOutput`'s ``weights`` and ``mask``
+        Its objective, bypass mode and OPSM mask; with a :class:`CorrectionOutput`'s ``weights`` and ``mask``
         they are what ``policy_loss(..., correction=out)`` reads from ``out.config``.
         """
         return {name: getattr(self, name) for name in _LOSS_FIELDS}
@@ -563,10 +587,37 @@ class OffPolicyCorrectionConfig:
         """CISPO: ``L = -sg(clip(pi_theta / pi_anchor, low, high)) A log pi_theta`` (seed slime-2084)."""
         return cls(objective="cispo", anchor=anchor, is_clip_high=clip_high, is_clip_low=clip_low)
 
+    @classmethod
+    def opsm(cls, threshold: float = 0.5, reference: Anchor = "rollout") -> OffPolicyCorrectionConfig:
+        """Off-policy sequence masking (DeepSeek-V3.2; TRL ``off_policy_mask_threshold``, slime ``--use-opsm``).
+
+        The loss drops the negative-advantage tokens of every sequence whose mean log ratio
+        ``log pi_reference - log pi_theta`` over its response tokens exceeds ``threshold``.
+
+        Args:
+            threshold: The bound on that mean (TRL's suggested start; slime's default is 1e-4).
+            reference: ``"rollout"`` (the engine: DeepSeek-V3.2, TRL) or ``"prox"`` (slime's
+                recomputed old policy).
+
+        Returns:
+            The config; every other field keeps its default.
+        """
+        return cls(opsm_mask=True, opsm_threshold=threshold, opsm_reference=reference)
+
 
 _DEPRECATED = ("use_tis", "tis_imp_ratio_cap", *PEER_OF)
 #: The fields the policy loss reads (the others shape the weights and masks of compute_correction).
-_LOSS_FIELDS = ("objective", "bypass_mode", "anchor", "objective_level", "is_clip_low", "is_clip_high")
+_LOSS_FIELDS = (
+    "objective",
+    "bypass_mode",
+    "anchor",
+    "objective_level",
+    "is_clip_low",
+    "is_clip_high",
+    "opsm_mask",
+    "opsm_threshold",
+    "opsm_reference",
+)
 
 PRESETS: dict[str, Any] = {
     "disabled": OffPolicyCorrectionConfig.disabled,
@@ -591,6 +642,7 @@ PRESETS: dict[str, Any] = {
     "bypass_pg_geo_rs": OffPolicyCorrectionConfig.bypass_pg_geo_rs,
     "bypass_pg_geo_rs_seq_tis": OffPolicyCorrectionConfig.bypass_pg_geo_rs_seq_tis,
     "bypass_pg_geo_rs_token_tis": OffPolicyCorrectionConfig.bypass_pg_geo_rs_token_tis,
+    "opsm": OffPolicyCorrectionConfig.opsm,
 }
 """Every preset by name (what :func:`preset` accepts)."""
 

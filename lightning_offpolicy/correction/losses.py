@@ -19,6 +19,10 @@ Per token ``t`` (``A`` the advantage, ``w`` the detached IS weight of :func:`com
 * REINFORCE: ``L = -A * log pi_theta`` per token, no weight (with bypass-mode rejection masks:
   verl's ``bypass_pg_geo_rs``).
 
+OPSM (``opsm_mask``): after the surrogate, the tokens with ``A < 0`` of every sequence whose mean
+``log pi_ref - log pi_theta`` over its response tokens exceeds ``opsm_threshold`` leave the numerator too
+(:func:`~lightning_offpolicy.correction.masks.off_policy_sequence_mask`).
+
 Aggregation: rejected tokens leave the numerator, the denominator keeps the original response
 token count (or a global count passed in, for exactness under gradient accumulation and DDP).
 """
@@ -39,12 +43,14 @@ from lightning_offpolicy.correction.config import (
     TISLevel,
     _check_bounds,
     _check_choice,
+    _check_positive,
     check_compatible,
     check_objective_compatible,
 )
 from lightning_offpolicy.correction.correction import CorrectionOutput
 from lightning_offpolicy.correction.dppo import dppo_surrogate
 from lightning_offpolicy.correction.kl import kl_estimate
+from lightning_offpolicy.correction.masks import off_policy_sequence_mask
 from lightning_offpolicy.correction.ratios import finite_logprobs, log_ratio, masked, safe_exp, sequence_sum
 
 
@@ -66,6 +72,9 @@ class PolicyLossInfo:
             its coefficient is 0, whenever rollout logprobs are given).
         response_tokens: number of response tokens.
         entropy: the aggregated entropy term before its coefficient (``None`` when disabled).
+        opsm_rejected_tokens: response tokens the OPSM mask removed (``None`` without it).
+        opsm_rejected_sequences: sequences in which it removed a token (``None`` without it).
+        response_sequences: sequences with at least one response token (``None`` without OPSM).
     """
 
     policy_loss: torch.Tensor
@@ -78,6 +87,9 @@ class PolicyLossInfo:
     rollout_kl_sum: torch.Tensor
     response_tokens: torch.Tensor
     entropy: torch.Tensor | None = None
+    opsm_rejected_tokens: torch.Tensor | None = None
+    opsm_rejected_sequences: torch.Tensor | None = None
+    response_sequences: torch.Tensor | None = None
 
 
 def aggregate(
@@ -148,6 +160,9 @@ def policy_loss(
     objective_level: TISLevel | None = None,
     is_clip_low: float | None = None,
     is_clip_high: float | None = None,
+    opsm_mask: bool | None = None,
+    opsm_threshold: float | None = None,
+    opsm_reference: Anchor | None = None,
     entropy: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, PolicyLossInfo]:
     """Total loss ``policy + rollout_kl_coef * rollout_kl + ref_kl_coef * ref_kl - entropy_coef * H`` and its parts.
@@ -184,6 +199,12 @@ def policy_loss(
             (``OffPolicyCorrectionConfig.objective_level``).
         is_clip_low: Lower clip of the ``pure_is`` / ``cispo`` weight (``None``: none).
         is_clip_high: Upper clip of the ``pure_is`` / ``cispo`` weight; required by those objectives.
+        opsm_mask: Off-policy sequence masking (``OffPolicyCorrectionConfig.opsm_mask``): drop the
+            negative-advantage tokens of every sequence whose mean ``log pi_reference - log pi_theta``
+            over its response tokens exceeds ``opsm_threshold``; default ``False``.
+        opsm_threshold: Its threshold (default 0.5).
+        opsm_reference: Its reference policy, ``"rollout"`` (default) or ``"prox"``
+            (``rollout_logprobs`` in bypass mode).
         entropy: ``[B, T]`` per-token entropy of ``pi_theta`` (with gradient), needed when
             ``loss_cfg.entropy_coef > 0`` (``causal_lm_token_logprobs(..., return_entropy=True)``).
 
@@ -208,6 +229,9 @@ def policy_loss(
         "objective_level": objective_level,
         "is_clip_low": is_clip_low,
         "is_clip_high": is_clip_high,
+        "opsm_mask": opsm_mask,
+        "opsm_threshold": opsm_threshold,
+        "opsm_reference": opsm_reference,
     }
     if correction is not None:
         given = [name for name, value in plain.items() if value is not None]
@@ -227,6 +251,9 @@ def policy_loss(
             objective_level=objective_level if objective_level is not None else "token",
             is_clip_low=is_clip_low,
             is_clip_high=is_clip_high,
+            opsm_mask=bool(opsm_mask),
+            opsm_threshold=opsm_threshold if opsm_threshold is not None else _Objective.opsm_threshold,
+            opsm_reference=opsm_reference if opsm_reference is not None else _Objective.opsm_reference,
             loss_cfg=loss_cfg,
         )
     if correction is not None and (
@@ -306,6 +333,9 @@ def _checked_loss_inputs(
         _require(rollout_logprobs, "rollout_logprobs", response_mask, hint=_ROLLOUT_HINT)
     if how.objective == "ppo" or (how.objective == "cispo" and how.anchor == "prox"):
         _require(anchor_logprobs, "rollout_logprobs" if bypass else "prox_logprobs", response_mask)
+    if how.opsm_mask:
+        name = how.opsm_reference_name
+        _require(rollout_logprobs if name == "rollout_logprobs" else prox_logprobs, name, response_mask)
     if loss_cfg.entropy_coef > 0:
         _require(entropy, "entropy", response_mask, hint=_ENTROPY_HINT)
         read.append(("entropy", entropy, True))
@@ -324,6 +354,9 @@ class _Objective:
     objective_level: str = "token"
     is_clip_low: float | None = None
     is_clip_high: float | None = None
+    opsm_mask: bool = False
+    opsm_threshold: float = 0.5
+    opsm_reference: str = "rollout"
 
     @classmethod
     def checked(cls, loss_cfg: PolicyLossConfig, **values: object) -> _Objective:
@@ -343,8 +376,16 @@ class _Objective:
             raise CorrectionConfigError(
                 f"{own}: bypass_mode=True has no pi_prox for objective='cispo' with anchor='prox'."
             )
+        if how.opsm_mask:
+            _check_choice(own, "opsm_reference", how.opsm_reference, Anchor)
+            _check_positive(own, "opsm_threshold", how.opsm_threshold)
         check_objective_compatible(how.objective, loss_cfg)
         return how
+
+    @property
+    def opsm_reference_name(self) -> str:
+        """The tensor OPSM compares ``pi_theta`` with (in bypass mode ``pi_prox`` is ``pi_rollout``)."""
+        return "rollout_logprobs" if self.opsm_reference == "rollout" or self.bypass_mode else "prox_logprobs"
 
     @property
     def reads_rollout(self) -> bool:
@@ -404,6 +445,14 @@ def _policy_loss_terms(
         )
         dual = torch.zeros_like(valid)
     per_token = per_token * weights
+    opsm_rejected = None
+    if how.opsm_mask:
+        # Decided here, not in compute_correction: it reads pi_theta (at this call) and the advantages.
+        # After the surrogate, as the peers multiply their loss by it: a GSPO or sequence IS ratio
+        # still spans the tokens the correction kept.
+        reference = rollout_logprobs if how.opsm_reference_name == "rollout_logprobs" else prox_logprobs
+        opsm_rejected = valid & ~off_policy_sequence_mask(logprobs, reference, adv, valid, how.opsm_threshold)
+        kept = kept & ~opsm_rejected
 
     aggregate_kwargs = dict(
         mode=loss_cfg.aggregation,
@@ -461,6 +510,10 @@ def _policy_loss_terms(
             response_tokens=valid.sum().to(torch.float64),
             entropy=None if entropy_term is None else entropy_term.detach(),
         )
+        if opsm_rejected is not None:
+            info.opsm_rejected_tokens = opsm_rejected.sum().to(torch.float64)
+            info.opsm_rejected_sequences = opsm_rejected.any(dim=-1).sum().to(torch.float64)
+            info.response_sequences = valid.any(dim=-1).sum().to(torch.float64)
     return total, info
 
 

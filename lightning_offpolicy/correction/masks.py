@@ -13,7 +13,14 @@ import torch
 
 from lightning_offpolicy.correction.config import RejectEstimator, RejectLevel
 from lightning_offpolicy.correction.kl import kl_of_log_ratio
-from lightning_offpolicy.correction.ratios import masked, sequence_count, sequence_max, sequence_sum
+from lightning_offpolicy.correction.ratios import (
+    log_ratio,
+    masked,
+    sequence_count,
+    sequence_max,
+    sequence_mean,
+    sequence_sum,
+)
 
 
 def within(log_values: torch.Tensor, low: float | None, high: float | None) -> torch.Tensor:
@@ -82,3 +89,32 @@ def kl_reject_sequence_mask(
     else:
         raise ValueError(f"kl_reject_level={level!r} is not a sequence level.")
     return per_seq <= threshold
+
+
+def off_policy_sequence_mask(
+    logprobs: torch.Tensor,
+    reference_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    valid: torch.Tensor,
+    threshold: float,
+) -> torch.Tensor:
+    """OPSM (DeepSeek-V3.2's off-policy sequence masking): the response tokens the loss keeps.
+
+    Token ``t`` of sequence ``i`` is dropped iff ``A_{i,t} < 0`` and
+    ``KL_i = mean_{s in response}(log pi_reference(y_s) - log pi_theta(y_s)) > threshold``: a sequence
+    the update is pushing down, sampled from a policy far from the current one. The mean runs over
+    every response token, as slime's ``compute_opsm_mask`` and TRL's ``get_off_policy_mask`` take it,
+    not over the survivors of the correction's masks.
+
+    Args:
+        logprobs: ``[B, T]`` ``pi_theta`` logprobs (read detached).
+        reference_logprobs: ``[B, T]`` logprobs of the reference policy (``pi_rollout`` or ``pi_prox``).
+        advantages: ``[B, T]`` advantages (per-sequence advantages broadcast over the tokens).
+        valid: ``[B, T]`` bool response mask.
+        threshold: The bound on ``KL_i`` (DeepSeek-V3.2's ``delta``).
+
+    Returns:
+        ``[B, T]`` bool: the valid tokens OPSM keeps.
+    """
+    kl = sequence_mean(log_ratio(reference_logprobs, logprobs.detach(), valid), valid)
+    return valid & ~((advantages < 0) & (kl > threshold).unsqueeze(-1))

@@ -1,10 +1,11 @@
 """The peers' names for the correction settings, mapped to the kit's.
 
 Users arrive with verl's ``algorithm.rollout_correction.*`` keys, SkyRL's
-``trainer.algorithm.off_policy_correction.*`` keys or TRL's ``GRPOConfig.vllm_importance_sampling_*``
-arguments. :class:`~lightning_offpolicy.correction.OffPolicyCorrectionConfig` accepts them as
-fields (so a YAML ``correction:`` block may use them) and :func:`translate` turns them into the
-kit's fields, with one line per key that says the kit's name (a :class:`PeerNameWarning`).
+``trainer.algorithm.off_policy_correction.*`` keys, TRL's ``GRPOConfig.vllm_importance_sampling_*``
+and ``off_policy_mask_threshold`` arguments, or slime's ``--use-opsm``.
+:class:`~lightning_offpolicy.correction.OffPolicyCorrectionConfig` accepts them as fields (so a
+YAML ``correction:`` block may use them) and :func:`translate` turns them into the kit's fields,
+with one line per key that says the kit's name (a :class:`PeerNameWarning`).
 
 Where a peer's setting means something else than the nearest kit setting, it is refused with a
 message that says the difference and the kit's equivalent:
@@ -62,11 +63,14 @@ TRL_FIELDS = (
     "vllm_importance_sampling_clip_max",
     "vllm_importance_sampling_clip_min",
     "vllm_importance_sampling_cap",
+    "off_policy_mask_threshold",
 )
+SLIME_FIELDS = ("use_opsm", "opsm_delta")
 PEER_OF = {
     **dict.fromkeys(VERL_FIELDS, "verl"),
     **dict.fromkeys(SKYRL_FIELDS, "SkyRL"),
     **dict.fromkeys(TRL_FIELDS, "TRL"),
+    **dict.fromkeys(SLIME_FIELDS, "slime"),
 }
 """Every accepted peer field and the peer it comes from."""
 
@@ -128,7 +132,7 @@ def translate(values: dict[str, Any], bypass_mode: bool = False) -> Translation:
         )
     if not peers:
         return Translation()
-    return {"verl": _verl, "SkyRL": _skyrl, "TRL": _trl}[peers[0]](given, bypass_mode)
+    return {"verl": _verl, "SkyRL": _skyrl, "TRL": _trl, "slime": _slime}[peers[0]](given, bypass_mode)
 
 
 # ------------------------------------------------------------------------------------------ verl
@@ -337,6 +341,24 @@ def _skyrl(given: dict[str, Any], bypass_mode: bool) -> Translation:
 
 # ------------------------------------------------------------------------------------------- TRL
 def _trl(given: dict[str, Any], bypass_mode: bool) -> Translation:
+    given = dict(given)
+    threshold = given.pop("off_policy_mask_threshold", None)
+    # TRL turns its vLLM importance sampling on by default; here a vllm_importance_sampling_* key does.
+    out = _trl_importance_sampling(given) if given else Translation()
+    if threshold is not None:
+        delta = _positive(threshold, "TRL's off_policy_mask_threshold")
+        # GRPOTrainer.get_off_policy_mask: KL of the vLLM sampling logprobs to pi_theta (detached).
+        out.settings.update(opsm_mask=True, opsm_threshold=delta, opsm_reference="rollout")
+        out.messages.append(
+            f"TRL's off_policy_mask_threshold={delta!r} is the kit's opsm_mask: true, opsm_threshold={delta!r}, "
+            "opsm_reference='rollout' (TRL measures pi_theta against its vLLM sampling logprobs). TRL also applies "
+            "vllm_importance_sampling_mode ('sequence_mask' by default) when it generates with vLLM; the kit only "
+            "when a vllm_importance_sampling_* key is given."
+        )
+    return out
+
+
+def _trl_importance_sampling(given: dict[str, Any]) -> Translation:
     out = Translation()
     if "vllm_importance_sampling_cap" in given:
         if "vllm_importance_sampling_clip_max" in given:
@@ -387,6 +409,26 @@ def _trl(given: dict[str, Any], bypass_mode: bool) -> Translation:
     shown = "None (no upper bound)" if high is None else repr(high)
     out.messages.append(
         f"TRL's vllm_importance_sampling_mode={mode!r} (C_min={low!r}, C_max={shown}) is the kit's {kit}."
+    )
+    return out
+
+
+# ----------------------------------------------------------------------------------------- slime
+def _slime(given: dict[str, Any], bypass_mode: bool) -> Translation:
+    out = Translation()
+    if not given.get("use_opsm", False):
+        # slime reads --opsm-delta only under --use-opsm.
+        delta = f" (its opsm_delta={given['opsm_delta']!r} is read only with use_opsm)" if "opsm_delta" in given else ""
+        out.messages.append(f"slime's use_opsm off is the kit's default: no OPSM mask{delta}.")
+        return out
+    delta = _positive(given.get("opsm_delta", 1e-4), "slime's opsm_delta")  # slime's default --opsm-delta
+    # slime's compute_opsm_mask compares pi_theta with its old log-probs: the recomputed ones, or the
+    # engine's under --use-rollout-logprobs (the kit's bypass mode, where pi_prox is pi_rollout).
+    out.settings.update(opsm_mask=True, opsm_threshold=delta, opsm_reference="prox")
+    out.messages.append(
+        f"slime's use_opsm=True, opsm_delta={delta!r} is the kit's opsm_mask: true, opsm_threshold={delta!r}, "
+        "opsm_reference='prox' (slime's old log-probs; with --use-rollout-logprobs they are pi_rollout: the kit's "
+        "bypass_mode)."
     )
     return out
 
