@@ -25,6 +25,9 @@ and tokenizer, trained with the kit as it ships, side by side with TRL on the sa
   importance-sampling correction of vLLM's logprobs, the kit its default (metrics only).
 * **Kit variants** (``--kit-engine-dtype bfloat16``, ``--kit-correction token_tis``): a bfloat16 vLLM
   engine against the float32 trainer, with or without a correction preset (the kit side only).
+* **Nucleus sampling** (``--top-p 0.9``): both sides sample with top-p; the kit renormalizes its
+  logprobs over the kept support (the sampling mask) unless ``--kit-sampling-mask off``. The kit rows
+  report ``rollout_corr/kl`` (mean |value| over its logging steps): the mismatch it measures.
 
 Per step it records the mean reward of the 64 completions and the wall time from one step's start to
 the next (generation, scoring, the optimizer step, logging). The report gives the final reward (mean of
@@ -66,6 +69,7 @@ SETTINGS: dict[str, Any] = {
     "samples_per_prompt": 8,
     "max_new_tokens": 16,
     "temperature": 1.0,
+    "top_p": 1.0,
     "learning_rate": 1e-3,
     "weight_decay": 0.0,
     "max_grad_norm": 1.0,
@@ -143,10 +147,15 @@ def build_checkpoint(directory: Path, seed: int) -> Path:
 
 
 # --------------------------------------------------------------------------- one side, in its own process
-def _step_record(starts: list[float], rewards: list[float], began: float) -> dict[str, Any]:
+def _step_record(
+    starts: list[float], rewards: list[float], began: float, rollout_kl: list[float] | None = None
+) -> dict[str, Any]:
     ends = starts[1:]
     step_s = [b - a for a, b in zip(starts, ends, strict=False)]
-    return {"rewards": rewards, "step_s": step_s, "wall_s": ends[-1] - began}
+    record = {"rewards": rewards, "step_s": step_s, "wall_s": ends[-1] - began}
+    if rollout_kl is not None:
+        record["rollout_kl"] = rollout_kl
+    return record
 
 
 def _patch_trl_vllm_for_cpu() -> None:
@@ -219,7 +228,7 @@ def run_trl(workdir: Path, steps: int, seed: int, engine: str = "hf") -> dict[st
         num_iterations=1,
         max_completion_length=SETTINGS["max_new_tokens"],
         temperature=SETTINGS["temperature"],
-        top_p=1.0,
+        top_p=SETTINGS["top_p"],
         top_k=0,
         learning_rate=SETTINGS["learning_rate"],
         weight_decay=SETTINGS["weight_decay"],
@@ -268,6 +277,7 @@ def run_kit(
     import torch
     from torch.utils.data import DataLoader
 
+    from lightning_offpolicy.log_steps import is_logging_step
     from lightning_offpolicy.module import OffPolicyRLModule
     from lightning_offpolicy.rollout import HFEngine, RolloutCallback
     from lightning_offpolicy.tasks.datamodule import PromptDataset, collate_prompts
@@ -275,12 +285,18 @@ def run_kit(
     prompts = json.loads((workdir / "prompts.json").read_text())
     starts: list[float] = []
     rewards: list[float] = []
+    rollout_kl: list[float] = []
 
     class Record(L.Callback):
         # Placed after the RolloutCallback: its on_train_batch_start has attached the rollout.
         def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
             starts.append(time.perf_counter())
             rewards.append(float(batch.rollout.rewards.mean()))
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            # The module computes its metrics on logging steps only (Lightning's default: every 50th).
+            if is_logging_step(trainer, batch_idx, pl_module.optimizer_steps_per_batch, steps_done=True):
+                rollout_kl.append(abs(float(trainer.callback_metrics["rollout_corr/kl"])))
 
         def on_train_end(self, trainer, pl_module):
             starts.append(time.perf_counter())
@@ -319,6 +335,8 @@ def run_kit(
         reward_fn=kit_reward,
         max_new_tokens=SETTINGS["max_new_tokens"],
         temperature=SETTINGS["temperature"],
+        top_p=SETTINGS["top_p"],
+        sampling_mask=variant.get("sampling_mask") != "off",
         samples_per_prompt=SETTINGS["samples_per_prompt"],
         seed=seed,
         max_staleness=int(variant.get("max_staleness") or 0),
@@ -341,7 +359,7 @@ def run_kit(
     )
     began = time.perf_counter()
     trainer.fit(module, train_dataloaders=loader)
-    return _step_record(starts, rewards, began)
+    return _step_record(starts, rewards, began, rollout_kl)
 
 
 def run_side(
@@ -379,11 +397,13 @@ def steps_to(values: list[float], threshold: float = THRESHOLD, window: int = WI
 def summarize_run(record: dict[str, Any]) -> dict[str, Any]:
     rewards, step_s = record["rewards"], record["step_s"]
     tail = rewards[-WINDOW:]
+    kl = record.get("rollout_kl")
     return {
         "first_reward": statistics.fmean(rewards[:WINDOW]),
         "final_reward": statistics.fmean(tail),
         "steps_to_threshold": steps_to(rewards),
         "median_step_s": statistics.median(step_s),
+        "rollout_kl": statistics.fmean(kl) if kl else None,
     }
 
 
@@ -403,11 +423,14 @@ def aggregate(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
     for engine, side, label in dict.fromkeys((r["engine"], r["side"], r["label"]) for r in runs):
         mine = [r for r in runs if (r["engine"], r["side"], r["label"]) == (engine, side, label)]
         steps = [r["steps_to_threshold"] for r in mine]
+        kls = [r.get("rollout_kl") for r in mine]
         rows.append(
             {
                 "engine": engine,
                 "side": side,
                 "label": label,
+                "top_p": mine[0].get("top_p", 1.0),
+                "rollout_kl": None if None in kls else statistics.fmean(kls),
                 "seeds": [r["seed"] for r in mine],
                 "first_reward": statistics.fmean(r["first_reward"] for r in mine),
                 "final_reward": statistics.fmean(r["final_reward"] for r in mine),
@@ -429,11 +452,12 @@ def compare(summary: list[dict[str, Any]]) -> dict[str, Any]:
     """kit / TRL per engine and kit variant, on the seed means (final reward, steps to the threshold,
     median s/step, and steps/s: TRL's median s/step over the kit's, the figure of the speed goal)."""
     out: dict[str, Any] = {}
-    for engine in dict.fromkeys(r["engine"] for r in summary):
-        trl = next((r for r in summary if r["engine"] == engine and r["side"] == "trl"), None)
+    for engine, top_p in dict.fromkeys((r["engine"], r.get("top_p", 1.0)) for r in summary):
+        same = [r for r in summary if r["engine"] == engine and r.get("top_p", 1.0) == top_p]
+        trl = next((r for r in same if r["side"] == "trl"), None)
         if trl is None:
             continue
-        for kit in (r for r in summary if r["engine"] == engine and r["side"] == "kit"):
+        for kit in (r for r in same if r["side"] == "kit"):
             out[comparison_key(engine, kit["label"])] = {
                 "engine": engine,
                 "final_reward_kit_minus_trl": kit["final_reward"] - trl["final_reward"],
@@ -465,15 +489,18 @@ def render(
         f"Mean over the seeds (final reward: mean of the last {WINDOW} steps; steps to {THRESHOLD}: first step "
         f"whose {WINDOW}-step mean reward is >= {THRESHOLD}):",
         "",
-        "| side | engine | reward, first 10 -> last 10 steps | per seed | steps to 0.5 | per seed | s/step (median) |",
-        "|---|---|---|---|---:|---|---:|",
+        "| side | engine | reward, first 10 -> last 10 steps | per seed | steps to 0.5 | per seed | s/step (median) "
+        "| rollout_corr/kl |",
+        "|---|---|---|---|---:|---|---:|---:|",
     ]
     for r in summary:
+        kl = r.get("rollout_kl")
         lines.append(
             f"| {r['label']} | {r['engine']} | {r['first_reward']:.3f} -> **{r['final_reward']:.3f}** "
             f"| {', '.join(f'{x:.3f}' for x in r['final_reward_per_seed'])} "
             f"| **{_fmt(r['steps_to_threshold'], '.0f')}** "
-            f"| {', '.join(_fmt(x, 'd') for x in r['steps_to_threshold_per_seed'])} | {r['median_step_s']:.3f} |"
+            f"| {', '.join(_fmt(x, 'd') for x in r['steps_to_threshold_per_seed'])} | {r['median_step_s']:.3f} "
+            f"| {'-' if kl is None else format(kl, '.2g')} |"
         )
     lines.append("")
     for key, ratio in ratios.items():
@@ -513,6 +540,8 @@ def render(
         "reward is the mean of the batch's rollout rewards.",
         "- **s/step**: wall time from the start of one optimizer step to the next (generation, scoring, "
         "the update, logging); median over the run.",
+        "- **rollout_corr/kl** (kit rows): the mean of |rollout_corr/kl| (pi_prox against the engine's "
+        "logprobs) over the kit's logging steps (every 50th and the last).",
         "- Different random streams: the two sides do not draw the same samples from the same seed, so "
         "per-seed curves differ by sampling noise as well as by method; compare the seed means.",
         "- s/step is wall time on a shared machine: the load average above moved during the run, and "
@@ -553,8 +582,14 @@ def plot(runs: list[dict[str, Any]], path: Path) -> None:
 LABELS = {"trl": "TRL GRPOTrainer", "kit": "kit: OffPolicyRLModule + RolloutCallback"}
 
 
+def _top_p_label(top_p: float) -> str:
+    return "" if top_p == 1.0 else f" top_p={top_p:g}"
+
+
 def _variant_label(variant: dict[str, str | None], engine: str) -> str:
     parts = []
+    if variant.get("sampling_mask") == "off":
+        parts.append("sampling mask off")
     if engine == "vllm" and variant.get("engine_dtype") not in (None, "auto"):
         parts.append(f"VLLMEngine(dtype={variant['engine_dtype']!r})")
     if variant.get("correction") not in (None, "disabled"):
@@ -567,12 +602,13 @@ def _variant_label(variant: dict[str, str | None], engine: str) -> str:
 
 
 def _run_subprocess(
-    side: str, workdir: Path, steps: int, seed: int, engine: str, variant: dict[str, str]
+    side: str, workdir: Path, steps: int, seed: int, engine: str, variant: dict[str, str], top_p: float = 1.0
 ) -> dict[str, Any]:
     out = workdir / f"{side}-{engine}.json"
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     cmd = [sys.executable, str(Path(__file__).resolve()), "--side", side, "--workdir", str(workdir)]
     cmd += ["--steps", str(steps), "--seed", str(seed), "--engines", engine, "--side-output", str(out)]
+    cmd += ["--top-p", str(top_p)]
     cmd += [f"--kit-{key.replace('_', '-')}={value}" for key, value in variant.items() if value]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
     if proc.returncode != 0:
@@ -645,6 +681,16 @@ def main(argv: list[str] | None = None) -> int:
         help="with --kit-max-staleness: the HF engine generates in its own process (HFProcessEngine, the "
         "default) or in the trainer's process (HFEngine(dtype='float32'), a producer thread)",
     )
+    parser.add_argument(
+        "--top-p", type=float, default=1.0, help="nucleus sampling on both sides (default 1.0: off)"
+    )
+    parser.add_argument(
+        "--kit-sampling-mask",
+        choices=("on", "off"),
+        default=None,
+        help="with --top-p < 1: the kit renormalizes its logprobs over the kept support (on, the default) or "
+        "scores over the whole vocabulary (off)",
+    )
     parser.add_argument("--output", type=Path, default=None, help="markdown report (.json and .png next to it)")
     parser.add_argument(
         "--from-json",
@@ -664,6 +710,9 @@ def main(argv: list[str] | None = None) -> int:
         args.steps = 3
     if args.steps < 1:
         parser.error(f"--steps={args.steps} must be >= 1")
+    if not 0 < args.top_p <= 1:
+        parser.error(f"--top-p={args.top_p} must be in (0, 1]")
+    SETTINGS["top_p"] = args.top_p
     sides = [s.strip() for s in args.sides.split(",") if s.strip()]
     unknown = sorted(set(sides) - set(SIDES))
     if unknown or not sides:
@@ -677,6 +726,7 @@ def main(argv: list[str] | None = None) -> int:
         "correction": args.kit_correction,
         "max_staleness": args.kit_max_staleness,
         "engine_process": args.kit_engine_process,
+        "sampling_mask": args.kit_sampling_mask,
     }
     if args.kit_correction is not None:
         from lightning_offpolicy.correction import OffPolicyCorrectionConfig
@@ -706,9 +756,10 @@ def main(argv: list[str] | None = None) -> int:
             num_prompts = args.steps * SETTINGS["prompts_per_step"]
             (workdir / "prompts.json").write_text(json.dumps(make_prompts(num_prompts, seed=seed)))
             for engine, side in [(e, s) for e in engines for s in sides]:
-                record = _run_subprocess(side, workdir, args.steps, seed, engine, variant)
-                label = LABELS[side] + (_variant_label(variant, engine) if side == "kit" else "")
-                run = {"side": side, "engine": engine, "label": label, "seed": seed, **record}
+                record = _run_subprocess(side, workdir, args.steps, seed, engine, variant, args.top_p)
+                label = LABELS[side] + _top_p_label(args.top_p)
+                label += _variant_label(variant, engine) if side == "kit" else ""
+                run = {"side": side, "engine": engine, "label": label, "seed": seed, "top_p": args.top_p, **record}
                 run.update(summarize_run(record))
                 runs.append(run)
                 print(

@@ -303,6 +303,13 @@ class RolloutBatch:
                     f"RolloutBatch.sampling_support misses the sampled token at {missing} response position(s): "
                     "the engine's kept support and its tokens disagree."
                 )
+            ordered = support.sort(dim=-1).values
+            repeated = int((((ordered[..., 1:] == ordered[..., :-1]) & (ordered[..., 1:] >= 0)).any(-1) & real).sum())
+            if repeated:
+                raise ValueError(
+                    f"RolloutBatch.sampling_support lists a token twice at {repeated} response position(s): its "
+                    "mass would count twice in the renormalization."
+                )
         bad_rewards = int((~torch.isfinite(self.rewards)).sum())
         if bad_rewards:
             raise ValueError(f"RolloutBatch.rewards has {bad_rewards} NaN / inf value(s); check the reward function.")

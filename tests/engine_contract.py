@@ -9,12 +9,15 @@ hand-written argmax loop. Tests that change the engine's weights restore them be
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 
 import pytest
 import torch
 
+from lightning_offpolicy.batch import RolloutBatch
+from lightning_offpolicy.logprobs import causal_lm_token_logprobs
 from lightning_offpolicy.rollout.engine import RolloutEngine, SamplingConfig
 from lightning_offpolicy.rollout.vllm.weight_sync import trainer_probe_logprobs
 from tests.module_helpers import argmax_completion
@@ -74,6 +77,39 @@ class EngineContract:
         completions = engine.generate(prompts, SamplingConfig(max_new_tokens=12, temperature=0.8, top_k=3), seed=5)
         res = residuals([c.logprobs for c in completions], top_k_logprobs(trainer_model, prompts, completions, 0.8, 3))
         assert res.max() <= self.logprob_max_tol
+
+    @pytest.mark.parametrize("truncation", [dict(top_p=0.7), dict(top_k=5, top_p=0.9)], ids=["top_p", "top_k_p"])
+    def test_the_sampling_mask_makes_the_trainers_logprobs_the_engines(self, engine, trainer_model, truncation):
+        """Renormalized over the support the engine reports, the trainer's logprobs are the engine's:
+        log ratios of 0 at every token (float32 rounding); over the whole vocabulary they are not."""
+        prompts = reverse_prompts(8, seed=3)
+        sampling = SamplingConfig(max_new_tokens=12, temperature=0.9, samples_per_prompt=4, **truncation)
+        completions = engine.generate(prompts, sampling, seed=13)
+        batch = RolloutBatch.from_sequences(
+            prompt_ids=[prompts[c.prompt_index] for c in completions],
+            response_ids=[c.token_ids for c in completions],
+            rewards=[0.0] * len(completions),
+            advantages=torch.zeros(len(completions)),
+            group_ids=[c.prompt_index for c in completions],
+            policy_versions=[0] * len(completions),
+            rollout_logprobs=[c.logprobs for c in completions],
+            pad_token_id=0,
+            sampling_supports=[c.sampling_support for c in completions],
+        )
+        batch.validate()
+        kept = batch.sampling_support >= 0
+        assert bool(kept.any()) and int(kept.sum(-1).max()) <= truncation.get("top_k", 64)
+        real = batch.response_mask.bool()
+        with torch.no_grad():
+            args = (trainer_model, batch.input_ids, batch.attention_mask, batch.prompt_length, 0.9)
+            masked = causal_lm_token_logprobs(*args, sampling_support=batch.sampling_support)[real]
+            full = causal_lm_token_logprobs(*args)[real]
+        log_ratio = (masked - batch.rollout_logprobs[real]).abs()
+        print(f"\n{type(engine).__name__} {truncation}: |log ratio| max {log_ratio.max():.3g}")
+        assert log_ratio.max() <= self.logprob_max_tol and log_ratio.mean() <= self.logprob_mean_tol
+        # Without the mask, every cut position carries the log of the kept mass (< 0).
+        cut = (kept.any(-1) & (kept.sum(-1) < 64))[real]
+        assert bool(((full - batch.rollout_logprobs[real])[cut] < -self.logprob_max_tol).any())
 
     def test_greedy_equals_a_hand_written_argmax_loop(self, engine, trainer_model):
         prompts = reverse_prompts(6, seed=7)
@@ -188,6 +224,15 @@ class VLLMEngineContract(EngineContract):
             assert set(engine.stats()) >= {"vllm/sync_s", "vllm/sync_check_max_abs_diff", "vllm/tokens_per_s"}
         else:
             assert engine.last_sync_check_max_abs_diff is None
+
+    def test_a_nucleus_wider_than_the_reported_top_logprobs_is_an_error(self, engine, monkeypatch):
+        monkeypatch.setattr(engine, "support_logprobs", 1)  # the top token alone: never the whole nucleus
+        sampling = SamplingConfig(max_new_tokens=4, temperature=1.0, samples_per_prompt=2, top_p=0.99)
+        with pytest.raises(RuntimeError, match=r"kept all of the 1 top tokens.*support_logprobs"):
+            engine.generate(reverse_prompts(2), sampling, seed=0)
+        # top_k within the reported tokens bounds the kept set: no error.
+        completions = engine.generate(reverse_prompts(2), dataclasses.replace(sampling, top_k=1), seed=0)
+        assert all(support == [c.token_ids[t]] for c in completions for t, support in enumerate(c.sampling_support))
 
     def test_self_check_catches_a_sync_that_did_not_arrive(self, engine, trainer_model, tiny_ckpt, monkeypatch):
         engine.update_weights(trainer_model, 20)  # a good sync: the check's reference point

@@ -209,6 +209,8 @@ def test_a_batch_keeps_the_support_through_select_trim_and_micro_batches():
     assert [m.sampling_support.shape[:2] for m in micro] == [(3, 3), (1, 3)]  # padding: row 0, as_padding
     with pytest.raises(ValueError, match="misses the sampled token at 1 response position"):
         _batch([[[20], [3], []], [[23]], [[24], [25]]], [[20, 21, 22], [23], [24, 25]]).validate()
+    with pytest.raises(ValueError, match="lists a token twice at 1 response position"):
+        _batch([[[20], [21, 4, 21], []], [[23]], [[24], [25]]], [[20, 21, 22], [23], [24, 25]]).validate()
 
 
 def test_partial_rollouts_join_the_supports_of_their_segments():

@@ -61,6 +61,39 @@ def test_seed_means_and_ratios_by_hand():
     assert ratio["median_step_s_kit_over_trl"] == pytest.approx(1.2)
 
 
+def test_top_p_rows_pair_with_the_trl_row_of_their_top_p_and_carry_the_rollout_kl():
+    def run(side, top_p, label, final, kl=None):
+        return {"side": side, "engine": "hf", "label": label, "seed": 0, "top_p": top_p, "first_reward": 0.0,
+                "final_reward": final, "steps_to_threshold": None, "step_s": [0.1], "rollout_kl": kl}  # fmt: skip
+
+    mask_off = vs_trl._top_p_label(0.9) + vs_trl._variant_label({"sampling_mask": "off"}, "hf")
+    assert mask_off == " top_p=0.9 (sampling mask off)" and vs_trl._top_p_label(1.0) == ""
+    runs = [
+        run("trl", 1.0, "TRL", 0.9),
+        run("trl", 0.9, "TRL top_p=0.9", 0.5),
+        run("kit", 1.0, vs_trl.LABELS["kit"], 0.8, kl=1e-3),
+        run("kit", 0.9, vs_trl.LABELS["kit"] + mask_off, 0.6, kl=0.2),
+    ]
+    summary = vs_trl.aggregate(runs)
+    assert [row["rollout_kl"] for row in summary] == [None, None, 1e-3, 0.2]
+    ratios = vs_trl.compare(summary)
+    assert ratios["hf"]["final_reward_kit_minus_trl"] == pytest.approx(-0.1)
+    assert ratios["hf top_p=0.9 (sampling mask off)"]["final_reward_kit_minus_trl"] == pytest.approx(0.1)
+    table = vs_trl.render(
+        {"machine": "m", "date": "d", "code": "c", "trl": "t", "transformers": "x", "command": "cmd", "steps": 1,
+         "seeds": [0], "quick": True, "elapsed_s": 1.0, "load_start": 0.0, "load_end": 0.0, "num_prompts": 8,
+         "settings": vs_trl.SETTINGS, "plot": "p.png"},  # fmt: skip
+        runs,
+        summary,
+        ratios,
+    )
+    assert "| 0.2 |" in table and "| 0.001 |" in table
+    # The kit side records |rollout_corr/kl| at its logging steps; the summary is their mean.
+    record = {"rewards": [0.0] * 10, "step_s": [0.1] * 10, "rollout_kl": [0.1, 0.3]}
+    assert vs_trl.summarize_run(record)["rollout_kl"] == pytest.approx(0.2)
+    assert vs_trl.summarize_run({"rewards": [0.0] * 10, "step_s": [0.1] * 10})["rollout_kl"] is None
+
+
 def test_prompts_are_letters_and_a_colon():
     prompts = vs_trl.make_prompts(200, seed=3)
     assert prompts == vs_trl.make_prompts(200, seed=3)

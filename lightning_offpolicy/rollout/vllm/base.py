@@ -34,7 +34,7 @@ from lightning_offpolicy.rollout.vllm.weight_sync import (
     weight_source,
 )
 
-__all__ = ["ALLOWED_DTYPES", "RawSample", "VLLMEngineBase", "fmt"]
+__all__ = ["ALLOWED_DTYPES", "SUPPORT_LOGPROBS", "RawSample", "VLLMEngineBase", "fmt", "kept_from_top"]
 
 log = logging.getLogger(__name__)
 
@@ -49,12 +49,51 @@ def fmt(value: float | None) -> str:
 
 @dataclass
 class RawSample:
-    """One completion as a backend returned it, before the shared checks turn it into a ``Completion``."""
+    """One completion as a backend returned it, before the shared checks turn it into a ``Completion``.
+
+    ``top_logprobs``: under a sampling mask, per token the processed logprobs of the top tokens the
+    request asked for (``id -> logprob``, ``-inf`` for a token top-k / top-p cut), from which
+    :func:`kept_from_top` reads the kept support.
+    """
 
     token_ids: list[int]
     logprobs: list[float | None] | None
     finish_reason: Any
     stop_reason: Any = None
+    top_logprobs: list[dict[int, float]] | None = None
+
+
+#: Default of ``support_logprobs``: vLLM's default ``max_logprobs``.
+SUPPORT_LOGPROBS = 20
+
+
+def support_request(sampling: SamplingConfig, support_logprobs: int) -> int:
+    """How many top logprobs per token a request asks for: 0 without a sampling mask, ``top_k`` when
+    that bounds the kept set within ``support_logprobs``, else ``support_logprobs``."""
+    if not sampling.support_needed:
+        return 0
+    if 0 < sampling.top_k <= support_logprobs:
+        return sampling.top_k
+    return support_logprobs
+
+
+def kept_from_top(top: dict[int, float], requested: int, top_k: int, vocab_size: int | None) -> list[int] | None:
+    """The ids top-k / top-p kept at one position, from the processed logprobs of its ``requested`` top tokens.
+
+    vLLM's processed logprobs are ``-inf`` for every token top-k / top-p cut, and its top tokens are
+    ranked by them: when fewer than ``requested`` of them are finite, the finite ones are the whole
+    kept set. When all are, it is whole only if ``top_k <= requested`` (or the top tokens are the
+    whole vocabulary); else the nucleus may go on past them and ``None`` says so.
+
+    Returns:
+        The kept ids (``[]`` when they are the whole vocabulary), or ``None`` when the top
+        ``requested`` tokens do not show the whole kept set.
+    """
+    kept = [token for token, logprob in top.items() if logprob > float("-inf")]
+    whole = len(kept) < requested or 0 < top_k <= requested or (vocab_size is not None and requested >= vocab_size)
+    if not whole:
+        return None
+    return [] if vocab_size is not None and len(kept) >= vocab_size else kept
 
 
 class VLLMEngineBase(SpecialTokens):
@@ -78,9 +117,16 @@ class VLLMEngineBase(SpecialTokens):
         pad_token_id: Any,
         eos_token_id: Any,
         stop_token_ids: Any,
+        support_logprobs: Any = SUPPORT_LOGPROBS,
     ) -> None:
         """Validate and store the settings every vLLM backend has; start the shared state."""
         who = self._who
+        if not is_int(support_logprobs) or support_logprobs < 1:
+            raise ValueError(
+                f"{who}.support_logprobs={support_logprobs!r} must be an int >= 1 (top logprobs per token that "
+                "show the support top-k / top-p kept)."
+            )
+        self.support_logprobs = int(support_logprobs)
         if not isinstance(check_weight_sync, bool):
             raise ValueError(f"{who}.check_weight_sync={check_weight_sync!r} must be True or False.")
         if weight_sync_tolerance is not None and not (is_number(weight_sync_tolerance) and weight_sync_tolerance > 0):
@@ -159,7 +205,7 @@ class VLLMEngineBase(SpecialTokens):
         completions = [
             completion
             for index, samples in enumerate(answers)
-            for completion in self._completions(index, samples, n, version)
+            for completion in self._completions(index, samples, n, version, sampling)
         ]
         generated = sum(len(c.token_ids) for c in completions)
         self.last_generate_tokens_per_s = generated / elapsed if elapsed > 0 else None
@@ -247,8 +293,10 @@ class VLLMEngineBase(SpecialTokens):
                 f"exceeds max_model_len={self.max_model_len}; {what_to_change}."
             )
 
-    def _completions(self, index: int, samples: list[RawSample], n: int, version: int) -> list[Completion]:
-        """Check the samples of prompt ``index`` (count, finish reason, logprobs, stop id) and wrap them."""
+    def _completions(
+        self, index: int, samples: list[RawSample], n: int, version: int, sampling: SamplingConfig
+    ) -> list[Completion]:
+        """Check the samples of prompt ``index`` (count, finish reason, logprobs, stop id, support) and wrap them."""
         who = self._who
         if len(samples) != n:
             raise RuntimeError(
@@ -278,9 +326,42 @@ class VLLMEngineBase(SpecialTokens):
                     logprobs=[float(lp) for lp in logprobs],
                     finish_reason=reason,
                     policy_version=version,
+                    sampling_support=self._support(index, sample, sampling),
                 )
             )
         return out
+
+    def _support(self, index: int, sample: RawSample, sampling: SamplingConfig) -> list[list[int]] | None:
+        """The kept support of each token of ``sample`` under a sampling mask (``None`` without one)."""
+        requested = support_request(sampling, self.support_logprobs)
+        if requested == 0:
+            return None
+        top = sample.top_logprobs
+        if top is None or len(top) != len(sample.token_ids):
+            raise RuntimeError(f"{self._who}: {self._backend} returned no top logprobs for some generated tokens.")
+        support = []
+        for position, (token, entries) in enumerate(zip(sample.token_ids, top, strict=True)):
+            kept = kept_from_top(entries, requested, sampling.top_k, self._engine_vocab_size())
+            if kept is None:
+                raise RuntimeError(
+                    f"{self._who}: at token {position} of a completion of prompt {index}, top_p={sampling.top_p} kept "
+                    f"all of the {requested} top tokens the engine reported, so the kept support is not known and "
+                    f"the trainer could not renormalize over it. Raise {self._who}(support_logprobs=...) above "
+                    f"{requested} (the engine's max_logprobs follows it), lower top_p, or add a top_k <= "
+                    "support_logprobs."
+                )
+            if kept and int(token) not in kept:
+                raise RuntimeError(
+                    f"{self._who}: token {position} of a completion of prompt {index} ({token}) is not among the "
+                    f"tokens {self._backend} reports as kept by top-k / top-p: its logprobs are not processed ones "
+                    "(logprobs_mode must be 'processed_logprobs')."
+                )
+            support.append(kept)
+        return support
+
+    def _engine_vocab_size(self) -> int | None:
+        """The engine's vocabulary size, when known (a support of every token is then the whole vocabulary)."""
+        return None
 
     def _verify_sync(self, module: torch.nn.Module) -> None:
         probe = self._probe(module)

@@ -67,7 +67,13 @@ from lightning_offpolicy.rollout.engine import (
     SamplingConfig,
 )
 from lightning_offpolicy.rollout.vllm import process as vllm_process
-from lightning_offpolicy.rollout.vllm.base import ALLOWED_DTYPES, RawSample, VLLMEngineBase
+from lightning_offpolicy.rollout.vllm.base import (
+    ALLOWED_DTYPES,
+    SUPPORT_LOGPROBS,
+    RawSample,
+    VLLMEngineBase,
+    support_request,
+)
 from lightning_offpolicy.rollout.vllm.errors import (
     GUARD_HINT,
     INSTALL_HINT,
@@ -165,6 +171,11 @@ class VLLMEngine(VLLMEngineBase):
             tokenizer (:meth:`set_special_tokens`).
         stop_token_ids: More ids that end a completion besides ``eos_token_id``; ``None``: the eos
             ids the model's generation config lists (set by the ``RolloutCallback``); ``[]``: none.
+        support_logprobs: Under top-k / top-p, top logprobs asked for per generated token, from
+            which the tokens the sampler kept are read (vLLM's processed logprobs are ``-inf`` for
+            the cut ones; ``top_k`` of them when ``top_k`` is at most this): a nucleus wider than
+            this at some position fails the call with a message saying so. The engine's
+            ``max_logprobs`` is raised to it.
         engine_kwargs: More keyword arguments for ``vllm.LLM`` (they override the ones above;
             ``logprobs_mode`` must stay ``"processed_logprobs"``).
 
@@ -197,6 +208,7 @@ class VLLMEngine(VLLMEngineBase):
         pad_token_id: int | None = None,
         eos_token_id: int | None = None,
         stop_token_ids: list[int] | None = None,
+        support_logprobs: int = SUPPORT_LOGPROBS,
         engine_kwargs: dict[str, Any] | None = None,
     ) -> None:
         if not vllm_available():
@@ -247,7 +259,13 @@ class VLLMEngine(VLLMEngineBase):
         self.seed = int(seed)
         self.tensor_parallel_size = int(tensor_parallel_size)
         self._init_common(
-            check_weight_sync, weight_sync_tolerance, request_timeout_s, pad_token_id, eos_token_id, stop_token_ids
+            check_weight_sync,
+            weight_sync_tolerance,
+            request_timeout_s,
+            pad_token_id,
+            eos_token_id,
+            stop_token_ids,
+            support_logprobs,
         )
         self.lora_sync = lora_sync
         self.engine_kwargs = engine_kwargs
@@ -308,7 +326,8 @@ class VLLMEngine(VLLMEngineBase):
                 # temperature 0 (greedy=True) is vLLM's argmax; top_k 0: off (vLLM >= 0.9 also maps -1 to 0)
                 **sampling.sampler_settings(),
                 max_tokens=sampling.max_new_tokens,
-                logprobs=0,  # the sampled token's logprob only
+                # The sampled token's logprob, and under a sampling mask the top ones that show the kept support.
+                logprobs=support_request(sampling, self.support_logprobs),
                 # Stop on the engine's stop ids and only on them, as HFEngine: without ignore_eos vLLM also
                 # stops on the checkpoint's generation_config.json eos ids (even with generation_config="vllm").
                 ignore_eos=True,
@@ -347,7 +366,11 @@ class VLLMEngine(VLLMEngineBase):
             engine.add_request(request_id, {"prompt_token_ids": prompt}, param, lora_request=lora)
             request_ids.append(request_id)
         n = params[0].n if params else 1
-        samples = {rid: [RawSample([], [], INTERRUPTED) for _ in range(n)] for rid in request_ids}
+        top = bool(params) and bool(params[0].logprobs)
+        samples = {
+            rid: [RawSample([], [], INTERRUPTED, top_logprobs=[] if top else None) for _ in range(n)]
+            for rid in request_ids
+        }
         unfinished = set(request_ids)
         while unfinished:
             if self._interrupt.is_set():
@@ -429,6 +452,7 @@ class VLLMEngine(VLLMEngineBase):
             tensor_parallel_size=self.tensor_parallel_size,
             skip_tokenizer_init=True,
             logprobs_mode="processed_logprobs",
+            max_logprobs=max(SUPPORT_LOGPROBS, self.support_logprobs),
             # Neutral defaults, not the checkpoint's generation_config.json (every request sets its own).
             generation_config="vllm",
         )
@@ -615,6 +639,9 @@ class VLLMEngine(VLLMEngineBase):
         if old is not None and old.lora_int_id != request.lora_int_id:
             self._watched(lambda: llm.llm_engine.remove_lora(old.lora_int_id), "remove_lora")
 
+    def _engine_vocab_size(self) -> int | None:
+        return None if self._llm is None else int(self._llm.llm_engine.model_config.get_vocab_size())
+
     def _probe(self, module: torch.nn.Module | None = None) -> list[int]:
         if self._probe_ids is None:
             vocab = int(self._llm.llm_engine.model_config.get_vocab_size())
@@ -660,6 +687,11 @@ def _extend(sample: RawSample, piece: Any) -> None:
     if sample.logprobs is not None:
         if piece.logprobs is not None and len(piece.logprobs) == len(tokens):
             sample.logprobs += [float(piece.logprobs[t][tok].logprob) for t, tok in enumerate(tokens)]
+            if sample.top_logprobs is not None:
+                sample.top_logprobs += [
+                    {int(token): float(entry.logprob) for token, entry in position.items()}
+                    for position in piece.logprobs
+                ]
         else:  # the shared checks report the missing logprobs
             sample.logprobs = None
     if piece.finish_reason is not None:

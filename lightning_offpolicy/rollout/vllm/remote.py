@@ -79,7 +79,7 @@ from lightning_offpolicy.rollout.engine import (
     Completion,
     SamplingConfig,
 )
-from lightning_offpolicy.rollout.vllm.base import RawSample, VLLMEngineBase
+from lightning_offpolicy.rollout.vllm.base import SUPPORT_LOGPROBS, RawSample, VLLMEngineBase, support_request
 from lightning_offpolicy.rollout.vllm.errors import DEV_MODE_HINT
 from lightning_offpolicy.rollout.vllm.http import (
     HTTPClient,
@@ -163,6 +163,10 @@ class RemoteVLLMEngine(VLLMEngineBase):
             sample); larger: cheaper streaming, and an interrupt drops up to
             ``stream_interval - 1`` tokens per unfinished completion (sampled again when it is
             continued). A server started with a larger ``--stream-interval`` uses its own.
+        support_logprobs: Under top-k / top-p, top logprobs asked for per generated token, from
+            which the tokens the sampler kept are read (``top_k`` of them when ``top_k`` is at most
+            this); a nucleus wider than this fails the call with a message saying so. The server
+            must allow it (``--max-logprobs``, default 20; :class:`VLLMServer` sets it).
 
     Attributes:
         version: Policy version of the weights in the server (stamped on every completion).
@@ -195,6 +199,7 @@ class RemoteVLLMEngine(VLLMEngineBase):
         share_weights_with_group: bool = False,
         stream: bool | None = None,
         stream_interval: int = 8,
+        support_logprobs: int = SUPPORT_LOGPROBS,
     ) -> None:
         scheme, host, port, prefix = parse_base_url(base_url)
         if model is not None and (not isinstance(model, str) or not model):
@@ -245,7 +250,13 @@ class RemoteVLLMEngine(VLLMEngineBase):
         self.weights_dir = None if weights_dir is None else str(weights_dir)
         self.server_weights_dir = None if server_weights_dir is None else str(server_weights_dir)
         self._init_common(
-            check_weight_sync, weight_sync_tolerance, request_timeout_s, pad_token_id, eos_token_id, stop_token_ids
+            check_weight_sync,
+            weight_sync_tolerance,
+            request_timeout_s,
+            pad_token_id,
+            eos_token_id,
+            stop_token_ids,
+            support_logprobs,
         )
         self.max_concurrent_requests = int(max_concurrent_requests)
         self.stream = stream
@@ -431,10 +442,13 @@ class RemoteVLLMEngine(VLLMEngineBase):
             samples = self._map(lambda body: self._stream_completion(body, n, interrupt), bodies)
         return samples, version
 
+    def _engine_vocab_size(self) -> int | None:
+        return self._vocab_size  # known once a module was pushed
+
     def _stream_completion(self, body: dict[str, Any], n: int, interrupt: StreamInterrupt) -> list[RawSample]:
         """The ``n`` samples of one ``/v1/completions`` request (streamed or not), the unfinished ones
         :data:`INTERRUPTED` when ``interrupt`` cut it short."""
-        choices = StreamedChoices(n)
+        choices = StreamedChoices(n, top_logprobs=body["logprobs"] > 0)
         if not interrupt.is_set():  # once interrupted, the requests still queued are not sent
             complete = self._http.stream(
                 "/v1/completions",
@@ -526,7 +540,8 @@ class RemoteVLLMEngine(VLLMEngineBase):
             "repetition_penalty": 1.0,
             "presence_penalty": 0.0,
             "frequency_penalty": 0.0,
-            "logprobs": 0,  # the sampled token's logprob only
+            # The sampled token's logprob, and under a sampling mask the top ones that show the kept support.
+            "logprobs": support_request(sampling, self.support_logprobs),
             # Stop on the engine's stop ids and only on them, as HFEngine / VLLMEngine: without
             # ignore_eos the server would decide the stop ids itself.
             "ignore_eos": True,
