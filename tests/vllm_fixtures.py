@@ -94,6 +94,9 @@ def teacher_forced_logprobs(model, prompts, completions, temperature: float) -> 
 
     out = []
     for c in completions:
+        if not c.token_ids:  # an interrupted completion that kept no token: nothing to score
+            out.append([])
+            continue
         prompt = prompts[c.prompt_index]
         ids = torch.tensor([prompt + c.token_ids])
         lp = causal_lm_token_logprobs(
