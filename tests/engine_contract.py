@@ -225,14 +225,14 @@ class VLLMEngineContract(EngineContract):
         else:
             assert engine.last_sync_check_max_abs_diff is None
 
-    def test_a_nucleus_wider_than_the_reported_top_logprobs_is_an_error(self, engine, monkeypatch):
-        monkeypatch.setattr(engine, "support_logprobs", 1)  # the top token alone: never the whole nucleus
-        sampling = SamplingConfig(max_new_tokens=4, temperature=1.0, samples_per_prompt=2, top_p=0.99)
-        with pytest.raises(RuntimeError, match=r"kept all of the 1 top tokens.*support_logprobs"):
-            engine.generate(reverse_prompts(2), sampling, seed=0)
-        # top_k within the reported tokens bounds the kept set: no error.
-        completions = engine.generate(reverse_prompts(2), dataclasses.replace(sampling, top_k=1), seed=0)
-        assert all(support == [c.token_ids[t]] for c in completions for t, support in enumerate(c.sampling_support))
+    def test_a_nucleus_wider_than_the_reported_top_logprobs_is_unknown(self, engine, monkeypatch):
+        """The top token alone never shows a whole nucleus: every support unknown, unless top_k bounds it."""
+        monkeypatch.setattr(engine, "support_logprobs", 1)
+        sampling = SamplingConfig(max_new_tokens=6, temperature=1.0, samples_per_prompt=2, top_p=0.99)
+        completions = engine.generate(reverse_prompts(4), sampling, seed=0)
+        assert all(kept is None for c in completions for kept in c.sampling_support)
+        completions = engine.generate(reverse_prompts(4), dataclasses.replace(sampling, top_k=1), seed=0)
+        assert all(c.sampling_support == [[t] for t in c.token_ids] for c in completions)
 
     def test_self_check_catches_a_sync_that_did_not_arrive(self, engine, trainer_model, tiny_ckpt, monkeypatch):
         engine.update_weights(trainer_model, 20)  # a good sync: the check's reference point

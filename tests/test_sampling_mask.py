@@ -291,3 +291,33 @@ def test_the_quickstart_with_top_p_measures_the_engine_not_the_truncation(tmp_pa
     for key in ("kl", "abs_diff"):
         assert masked[key] <= 3 * full[key], (key, masked, full)
         assert unmasked[key] > 30 * full[key], (key, unmasked, full)
+
+
+class _PartlyUnknownEngine(_NoSupportEngine):
+    """Reports the support of every other token as unknown (a nucleus wider than its top logprobs)."""
+
+    def generate(self, prompt_ids, sampling, seed=None):
+        completions = self.inner.generate(prompt_ids, sampling, seed)
+        for c in completions:
+            c.sampling_support = [None if t % 2 else kept for t, kept in enumerate(c.sampling_support)]
+        return completions
+
+
+def test_tokens_whose_support_the_engine_could_not_tell_leave_the_loss():
+    from lightning_offpolicy.batch import PromptBatch
+
+    model = sharp_model()
+    inner = HFEngine(pad_token_id=PAD, eos_token_id=EOS)
+    inner.update_weights(model, version=0)
+    sampling = SamplingConfig(max_new_tokens=5, samples_per_prompt=2, top_p=0.7)
+    reward = lambda p, c, m: [float(len(x)) for x in c]  # noqa: E731 (varied rewards: nonzero advantages)
+    known, _ = Rollouter(inner, CharTokenizer(), reward, sampling).rollout(PromptBatch(["ab", "cd"]), index=0)
+    rollouter = Rollouter(_PartlyUnknownEngine(inner), CharTokenizer(), reward, sampling)
+    partly, _ = rollouter.rollout(PromptBatch(["ab", "cd"]), index=0)
+    odd = torch.zeros_like(known.response_mask, dtype=torch.bool)
+    odd[:, 1::2] = True
+    assert torch.equal(partly.response_mask, known.response_mask * (~odd).float())
+    assert torch.equal(partly.advantages, known.advantages * (~odd).float())
+    assert torch.equal(partly.input_ids, known.input_ids)  # still in the context
+    unknown = int((known.response_mask.bool() & odd).sum())
+    assert rollouter.last_stats["support_unknown_frac"] == pytest.approx(unknown / known.num_response_tokens)

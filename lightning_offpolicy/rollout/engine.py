@@ -100,6 +100,7 @@ class Completion:
             generated position (the sampled one among them; ``[]``: the whole vocabulary was kept),
             one list per token: the support ``logprobs`` are normalized over, which the trainer
             renormalizes its own logprobs over (docs/off_policy_correction.md, "Sampling masks").
+            An entry is ``None`` where the engine could not tell (the token then leaves the loss).
             ``None`` when nothing was cut (no top-k / top-p) or the engine cannot say.
     """
 
@@ -108,7 +109,7 @@ class Completion:
     logprobs: list[float] | None
     finish_reason: str
     policy_version: int | list[int]
-    sampling_support: list[list[int]] | None = None
+    sampling_support: list[list[int] | None] | None = None
 
     def token_versions(self) -> list[int]:
         """The version of each token (the one int repeated, or the per-token list as it is)."""

@@ -79,6 +79,20 @@ def _partial_stats(partial: PartialStats, generated: int, rollout: RolloutBatch)
     }
 
 
+def _without_unknown_support(rollout: RolloutBatch, unknown: list[list[bool]]) -> RolloutBatch:
+    """``rollout`` with the tokens whose kept support the engine could not tell out of the loss.
+
+    Their ratio cannot be renormalized (the trainer does not know the set to renormalize over), so
+    they leave ``response_mask`` (and so the loss, the correction and the metrics) instead of
+    training with a biased ratio; the batch keeps them as context.
+    """
+    flags = torch.zeros_like(rollout.response_mask, dtype=torch.bool)
+    for row, tokens in enumerate(unknown):
+        flags[row, : len(tokens)] = torch.tensor(tokens, dtype=torch.bool)
+    keep = (~flags).to(rollout.response_mask.dtype)
+    return rollout.with_fields(response_mask=rollout.response_mask * keep, advantages=rollout.advantages * keep)
+
+
 class Rollouter:
     """Generate, score and build the batches of one engine's samples.
 
@@ -105,7 +119,9 @@ class Rollouter:
 
     After each :meth:`rollout`, :attr:`last_stats` holds its counts (``groups_dropped``,
     ``refill_batches``, ``groups_short``, ``overlong_filtered``; with ``turn``: ``interrupted_frac``,
-    ``continuation_calls`` and ``tokens_per_version``; only those of the features in use).
+    ``continuation_calls`` and ``tokens_per_version``; under a sampling mask ``support_unknown_frac``,
+    the share of tokens whose kept support the engine could not tell; only those of the features
+    in use).
     """
 
     def __init__(
@@ -170,6 +186,10 @@ class Rollouter:
                 "groups_short": float(max(wanted - len(informative), 0)),
             }
         rollout = self._build(samples, rewards, keep)
+        if self.sampling.support_needed:
+            trained = [c for c, k in zip(samples.completions, keep.tolist(), strict=True) if k]
+            unknown = sum(kept is None for c in trained for kept in c.sampling_support)
+            stats["support_unknown_frac"] = unknown / max(sum(len(c.token_ids) for c in trained), 1)
         if self.dapo.overlong_filter:
             cut = torch.tensor(
                 [c.finish_reason == "length" for c, k in zip(samples.completions, keep.tolist(), strict=True) if k]
@@ -219,7 +239,7 @@ class Rollouter:
         numbering = {g: n for n, g in enumerate(sorted({samples.groups[i] for i in rows}))}
         group_ids = torch.tensor([numbering[samples.groups[i]] for i in rows], dtype=torch.long)
         kept_rewards = rewards[rows]
-        supports = self._supports(completions)
+        supports, unknown = self._supports(completions)
         rollout = RolloutBatch.from_sequences(
             prompt_ids=[samples.prompt_ids[i] for i in rows],
             response_ids=[c.token_ids for c in completions],
@@ -233,21 +253,24 @@ class Rollouter:
             pad_token_id=self.tokenizer.pad_token_id,
             sampling_supports=supports,
         )
+        if unknown is not None:
+            rollout = _without_unknown_support(rollout, unknown)
         names = list(dict.fromkeys(name for part in samples.components for name in part))
         if names:
             components = {name: torch.cat([part[name] for part in samples.components])[rows].float() for name in names}
             rollout = rollout.with_fields(reward_components=components)
         return rollout
 
-    def _supports(self, completions: list[Completion]) -> list[list[list[int]]] | None:
-        """The completions' kept supports under top-k / top-p (``None`` without them).
+    def _supports(self, completions: list[Completion]) -> tuple[list[list[list[int]]] | None, list[list[bool]] | None]:
+        """The completions' kept supports under top-k / top-p, and which tokens the engine could not
+        tell them for (``None, None`` without a sampling mask).
 
         Raises:
             ValueError: top-k / top-p is on and the engine did not report what its sampler kept:
                 every ratio would then carry the log of the kept mass.
         """
         if not self.sampling.support_needed:
-            return None
+            return None, None
         if any(c.sampling_support is None for c in completions):
             raise ValueError(
                 f"SamplingConfig(top_k={self.sampling.top_k}, top_p={self.sampling.top_p}) cuts the sampling "
@@ -257,7 +280,9 @@ class Rollouter:
                 "that reports it (HFEngine, HFProcessEngine, VLLMEngine, RemoteVLLMEngine), or set top_k=0 and "
                 "top_p=1.0 (or sampling_mask=False, for a comparison only)."
             )
-        return [c.sampling_support for c in completions]
+        unknown = [[kept is None for kept in c.sampling_support] for c in completions]
+        supports = [[kept or [] for kept in c.sampling_support] for c in completions]
+        return supports, unknown
 
     def evaluate(self, prompts: PromptBatch) -> EvaluationBatch:
         """One greedy and ``samples_per_prompt`` sampled completions per held-out prompt, scored.

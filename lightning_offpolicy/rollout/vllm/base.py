@@ -331,8 +331,13 @@ class VLLMEngineBase(SpecialTokens):
             )
         return out
 
-    def _support(self, index: int, sample: RawSample, sampling: SamplingConfig) -> list[list[int]] | None:
-        """The kept support of each token of ``sample`` under a sampling mask (``None`` without one)."""
+    def _support(self, index: int, sample: RawSample, sampling: SamplingConfig) -> list[list[int] | None] | None:
+        """The kept support of each token of ``sample`` under a sampling mask (``None`` without one).
+
+        A token whose top logprobs do not show the whole kept set (a nucleus wider than
+        ``support_logprobs``) gets ``None``: the rollout takes it out of the loss and counts it in
+        ``rollout/support_unknown_frac``.
+        """
         requested = support_request(sampling, self.support_logprobs)
         if requested == 0:
             return None
@@ -342,15 +347,7 @@ class VLLMEngineBase(SpecialTokens):
         support = []
         for position, (token, entries) in enumerate(zip(sample.token_ids, top, strict=True)):
             kept = kept_from_top(entries, requested, sampling.top_k, self._engine_vocab_size())
-            if kept is None:
-                raise RuntimeError(
-                    f"{self._who}: at token {position} of a completion of prompt {index}, top_p={sampling.top_p} kept "
-                    f"all of the {requested} top tokens the engine reported, so the kept support is not known and "
-                    f"the trainer could not renormalize over it. Raise {self._who}(support_logprobs=...) above "
-                    f"{requested} (the engine's max_logprobs follows it), lower top_p, or add a top_k <= "
-                    "support_logprobs."
-                )
-            if kept and int(token) not in kept:
+            if kept is not None and kept and int(token) not in kept:
                 raise RuntimeError(
                     f"{self._who}: token {position} of a completion of prompt {index} ({token}) is not among the "
                     f"tokens {self._backend} reports as kept by top-k / top-p: its logprobs are not processed ones "
