@@ -3,6 +3,7 @@
 #   make test   create .venv with the dev and vLLM extras, run the whole suite
 #   make selfcheck  every correction preset on a real tiny model (no training)
 #   make bench  run the benchmarks under benchmarks/ (including the side-by-side against TRL)
+#   make vs-trl-top-p  the TRL side-by-side at top_p 0.9, with and without the sampling mask (part of bench)
 #   make study  the mismatch study: correction vs staleness / engine mismatch, two tasks (~65 min on 2 cores)
 #   make soak   every shipped config to its max_steps, quiet and beside a CPU hog (~3 h on 2 cores)
 #   make docs-check  re-run the cheap figures of README.md / docs/ and compare (~3-5 min; not in `make test`)
@@ -16,7 +17,7 @@ VLLM_EXTRA ?= $(shell command -v nvidia-smi >/dev/null 2>&1 && echo vllm || echo
 # (`pip install torch==2.13.0` resolves to the local CPU wheel there).
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: demo selfcheck test bench study soak docs-check lint clean venv venv-dev
+.PHONY: demo selfcheck test bench vs-trl-top-p study soak docs-check lint clean venv venv-dev
 
 # A .venv that already imports this checkout's kit at pyproject.toml's version, with its
 # dependencies installed (tools/check_venv.py), is kept even when pyproject.toml is newer than its
@@ -72,11 +73,24 @@ bench: $(VENV)/.dev
 	$(PY) benchmarks/correction_bench.py --full --threads 1 --repeats 20 --profile auto \
 		--output docs/performance_correction.md; \
 	$(PY) benchmarks/logprob_memory.py --output docs/performance_logprobs.md; \
+	$(PY) benchmarks/sampling_mask_cost.py --output docs/performance_sampling_mask.md; \
 	$(PY) benchmarks/async_overlap.py --output docs/performance_async.md; \
 	$(PY) benchmarks/end_to_end.py --output docs/performance_end_to_end.md; \
 	$(PY) benchmarks/trainer_memory.py --output docs/performance_trainer_memory.md; \
 	$(PY) benchmarks/vs_trl.py --seeds 0,1,2,3,4 --engines hf,vllm --output docs/performance_vs_trl.md; \
+	$(MAKE) --no-print-directory vs-trl-top-p; \
 	$(PY) benchmarks/summarize.py --docs docs --output docs/performance.md --started $$start --load-start $$load
+
+# top_p 0.9 on vs_trl's task: TRL and the kit with the sampling mask, the kit without it, and both at
+# top_p 1.0 (3 seeds each, ~25 min on one core), merged into one report.
+TOP_P_RUNS = /tmp/lightning_offpolicy_vs_trl_top_p
+vs-trl-top-p: $(VENV)/.dev
+	set -e; export OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1}; mkdir -p $(TOP_P_RUNS); \
+	$(PY) benchmarks/vs_trl.py --seeds 0,1,2 --top-p 0.9 --output $(TOP_P_RUNS)/mask.md; \
+	$(PY) benchmarks/vs_trl.py --seeds 0,1,2 --top-p 0.9 --sides kit --kit-sampling-mask off --output $(TOP_P_RUNS)/nomask.md; \
+	$(PY) benchmarks/vs_trl.py --seeds 0,1,2 --output $(TOP_P_RUNS)/full.md; \
+	$(PY) benchmarks/vs_trl.py --from-json $(TOP_P_RUNS)/mask.json $(TOP_P_RUNS)/nomask.json $(TOP_P_RUNS)/full.json \
+		--output docs/performance_vs_trl_top_p.md
 
 # 8 calibration fits, then 118 short RL fits on two tasks, 2 at a time (one thread each), niced:
 # the report is docs/results.md, the per-batch series and the plots are in docs/results/ (the

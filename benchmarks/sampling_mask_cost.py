@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -80,26 +81,38 @@ def measure(path: str, settings: dict) -> list[dict]:
     else:
         inputs = {"logits": (torch.randn(tokens, vocab, generator=generator) * 2.0).requires_grad_(True)}
     targets = torch.randint(0, vocab, (tokens,), generator=generator)
-    rows = []
-    for width in settings["widths"]:
-        support = supports(tokens, vocab, width, targets, generator)
-        step(path, inputs, targets, support)  # warm-up of this shape
-        times, peak = [], 0
-        for _ in range(settings["repeats"]):
+    widths = settings["widths"]
+    masks = {width: supports(tokens, vocab, width, targets, generator) for width in widths}
+    for width in widths:  # warm-up of each shape
+        step(path, inputs, targets, masks[width])
+    times: dict[int, list[float]] = {width: [] for width in widths}
+    peaks = dict.fromkeys(widths, 0)
+    # Rounds over every width back to back: each round's ratios meet the same machine load.
+    for _ in range(settings["repeats"]):
+        for width in widths:
             for tensor in inputs.values():
                 tensor.grad = None
             gc.collect()
             base = _rss_bytes()
             reset_ok = _reset_peak()
             began = time.perf_counter()
-            step(path, inputs, targets, support)
-            times.append(time.perf_counter() - began)
-            peak = max(peak, _peak_bytes(reset_ok) - base)
-        rows.append({"path": path, "width": width, "time_s": min(times), "peak_extra": peak})
-    plain = rows[0]
-    for row in rows:
-        row["time_ratio"] = row["time_s"] / plain["time_s"]
-        row["memory_ratio"] = row["peak_extra"] / max(plain["peak_extra"], 1)
+            step(path, inputs, targets, masks[width])
+            times[width].append(time.perf_counter() - began)
+            peaks[width] = max(peaks[width], _peak_bytes(reset_ok) - base)
+    plain = widths[0]
+    rows = []
+    for width in widths:
+        ratios = [t / p for t, p in zip(times[width], times[plain], strict=True)]
+        rows.append(
+            {
+                "path": path,
+                "width": width,
+                "time_s": statistics.median(times[width]),
+                "time_ratio": statistics.median(ratios),
+                "peak_extra": peaks[width],
+                "memory_ratio": peaks[width] / max(peaks[plain], 1),
+            }
+        )
     return rows
 
 
@@ -109,9 +122,10 @@ def render(header: dict, settings: dict, rows: list[dict]) -> str:
         "",
         *header_bullets(header),
         f"- **Shape**: V = {settings['vocab']}, H = {settings['hidden']}, T = {settings['tokens']} response "
-        f"tokens, float32, temperature 0.9, one thread; best of {settings['repeats']}.",
+        f"tokens, float32, temperature 0.9, one thread; medians of {settings['repeats']} rounds, each round "
+        "running every K back to back (a ratio is the median of its per-round ratios).",
         "",
-        "| path | kept ids per position (K) | forward + backward | x plain | peak extra memory | x plain |",
+        "| path | kept ids per position (K) | forward + backward (median) | x plain | peak extra memory | x plain |",
         "|---|---:|---:|---:|---:|---:|",
     ]
     for row in rows:
