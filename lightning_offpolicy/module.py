@@ -155,10 +155,12 @@ class OffPolicyRLModule(LightningModule):
         self.correction = dataclasses.replace(correction if correction is not None else OffPolicyCorrectionConfig())
         self.loss_config = dataclasses.replace(loss if loss is not None else PolicyLossConfig())
         check_compatible(self.correction, self.loss_config)
-        if fused_loss and self.correction.normalize_weights:
+        whole_batch = self.correction.whole_batch_settings
+        if fused_loss and whole_batch:
             raise ValueError(
                 "OffPolicyRLModule.fused_loss=True computes the correction per micro-batch, but "
-                "correction.normalize_weights needs the mean weight of the whole batch: turn one of them off."
+                + "; ".join(f"correction.{name} {need}" for name, need in whole_batch.items())
+                + ": turn one of them off."
             )
         if isinstance(model, torch.nn.Module):
             if tokenizer is None:

@@ -30,6 +30,9 @@ Conventions (from the spec):
   Unmasked tokens: ``-A * r`` (gradient ``-A * r``), or with a cap ``C < r``: ``-A * C`` (gradient
   ``-A * C``, verl's truncated score function).
 
+* M2PO (``m2po_mask``), from AReaL's ``_apply_m2po_masking``: a token mask over every response
+  token of the batch; rank them by ``log_rho^2``, largest first, and reject the ``k`` largest, ``k``
+  the smallest count that leaves a mean ``log_rho^2`` below ``m2po_threshold`` (else all but one).
 * OPSM (``opsm_mask``), from slime's ``compute_opsm_mask`` and TRL's ``get_off_policy_mask``: after
   the surrogate, token ``t`` of sequence ``i`` leaves the numerator when ``A_{i,t} < 0`` and the mean
   over the response tokens of ``log pi_ref - log pi_theta`` exceeds ``opsm_threshold`` (``pi_ref``: the
@@ -183,6 +186,24 @@ def ref_correction(prox: Any, rollout: Any, response_mask: Any, cfg: Any = None)
                 if valid[i, t] and not reject_statistic(log_rho[i, t], kl_reject) <= kl_thr:
                     rej[i, t] = True
         token_rejected["kl_reject"] = rej
+    if _cfg(cfg, "m2po_mask", False):
+        # AReaL's _apply_m2po_masking / _get_m2po_loss_mask: rank every response token of the batch by
+        # log_rho^2, largest first (ties: row-major order); reject the k largest, k the first count
+        # whose remaining mean is below the threshold, else all but one.
+        cells = [(i, t) for i in range(B) for t in range(T) if valid[i, t]]
+        m2 = [log_rho[i, t] * log_rho[i, t] for i, t in cells]
+        ranked = sorted(range(len(cells)), key=lambda c: -m2[c])
+        n = len(cells)
+        rejected_count = max(n - 1, 0)
+        for k in range(n):
+            rest = [m2[ranked[j]] for j in range(k, n)]
+            if sum(rest) / len(rest) < cfg.m2po_threshold:
+                rejected_count = k
+                break
+        rej = np.zeros((B, T), dtype=bool)
+        for j in range(rejected_count):
+            rej[cells[ranked[j]]] = True
+        token_rejected["m2po_mask"] = rej
     for rej in token_rejected.values():
         token_keep &= ~rej
 

@@ -96,6 +96,7 @@ INDUCTOR_PRESETS = {
     "cispo",
     "bypass_pg_token_icepop",
     "opsm",
+    "m2po",
 }
 
 

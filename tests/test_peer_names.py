@@ -206,6 +206,13 @@ def test_opsm_names(names, expected):
         assert C(**names) == expected
 
 
+def test_areal_m2_threshold():
+    with pytest.warns(PeerNameWarning, match="AReaL's m2_threshold=0.04 is the kit's m2po_mask: true"):
+        assert C(m2_threshold=0.04) == C.m2po() == C.m2po(threshold=0.04)
+    with pytest.warns(PeerNameWarning):
+        assert C(m2_threshold=0.1, tis_level="token") == C.m2po(threshold=0.1).replace(tis_level="token")
+
+
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
@@ -228,6 +235,8 @@ def test_opsm_names(names, expected):
             "before its token mask",
         ),
         (dict(tis_ratio_type="tokens"), "not one of"),
+        (dict(m2_threshold=0.04, use_opsm=True), "AReaL and slime are mixed"),
+        (dict(m2_threshold=-1.0), "m2_threshold"),
     ],
 )
 def test_differences_are_refused_with_how(kwargs, message):

@@ -127,6 +127,11 @@ class OffPolicyCorrectionConfig:
             ``"seq_sum"``, ``"seq_mean"`` or ``"seq_max"`` over its kept tokens.
         kl_reject_threshold: Reject where the statistic exceeds this value (required with
             ``kl_reject``).
+        m2po_mask: M2PO's second-moment token mask (AReaL's ``m2_threshold``): over the response
+            tokens of the batch passed to :func:`compute_correction`, reject the fewest tokens,
+            largest ``log_rho_t^2`` first, that bring the mean ``log_rho^2`` of the others below
+            ``m2po_threshold`` (one token at least stays). A token mask: it tests every response token.
+        m2po_threshold: That bound on the second moment (0.04: AReaL's example and the M2PO paper's).
         objective: ``"ppo"`` (decoupled PPO clip on ``pi_theta / pi_prox``), ``"pure_is"``
             (off-policy REINFORCE with a truncated ``pi_theta / pi_rollout`` weight, no PPO clip),
             ``"cispo"`` (detached clipped current-policy weight, gradient only through
@@ -171,6 +176,7 @@ class OffPolicyCorrectionConfig:
             upper bound, as in TRL: a mask open above, an uncapped weight ``tis_clip_high=inf``).
         vllm_importance_sampling_clip_min: TRL's name: the lower bound.
         vllm_importance_sampling_cap: TRL's former name of ``vllm_importance_sampling_clip_max``.
+        m2_threshold: AReaL's name (``actor.m2_threshold``): ``m2po_mask`` with ``m2po_threshold``.
         off_policy_mask_threshold: TRL's name: ``opsm_mask`` with ``opsm_threshold`` and
             ``opsm_reference="rollout"``.
         use_opsm: slime's name (``--use-opsm``): ``opsm_mask`` with ``opsm_reference="prox"``.
@@ -203,6 +209,8 @@ class OffPolicyCorrectionConfig:
     kl_reject: RejectEstimator | None = None
     kl_reject_level: RejectLevel = "seq_mean"
     kl_reject_threshold: float | None = None
+    m2po_mask: bool = False
+    m2po_threshold: float = 0.04
     # Group 3: outlier veto.
     outlier_token_veto: bool = False
     outlier_low: float | None = 1e-4
@@ -220,7 +228,7 @@ class OffPolicyCorrectionConfig:
     # Deprecated spellings (SkyRL's former flags), mapped in __post_init__.
     use_tis: bool | None = None
     tis_imp_ratio_cap: float | None = None
-    # The peers' names (verl, SkyRL, TRL, slime), mapped in __post_init__.
+    # The peers' names (verl, SkyRL, TRL, slime, AReaL), mapped in __post_init__.
     rollout_is: str | None = None
     rollout_is_threshold: float | str | None = None
     rollout_is_batch_normalize: bool | None = None
@@ -240,6 +248,7 @@ class OffPolicyCorrectionConfig:
     vllm_importance_sampling_clip_max: float | None = TRL_CLIP_MAX  # None is TRL's "no upper bound"
     vllm_importance_sampling_clip_min: float | None = None
     vllm_importance_sampling_cap: float | None = None
+    m2_threshold: float | None = None
     off_policy_mask_threshold: float | None = None
     use_opsm: bool | None = None
     opsm_delta: float | None = None
@@ -330,6 +339,15 @@ class OffPolicyCorrectionConfig:
                 f"{self.kl_reject} statistic exceeds it, e.g. 0.01)."
             )
         _check_positive(own, "kl_reject_threshold", self.kl_reject_threshold, optional=True)
+        if self.m2po_mask:
+            _check_positive(own, "m2po_threshold", self.m2po_threshold)
+            if self.bypass_mode:
+                # Bypass mode has no pi_prox: its masks read pi_theta / pi_rollout per micro-batch.
+                raise CorrectionConfigError(
+                    f"{own}.m2po_mask=True bounds the second moment of log(pi_prox / pi_rollout) over the batch, "
+                    "and bypass_mode=True has no pi_prox (AReaL's M2PO needs its recomputed proximal log-probs): "
+                    "set bypass_mode=False, or drop m2po_mask."
+                )
         _check_choice(own, "opsm_reference", self.opsm_reference, Anchor)
         if self.opsm_mask:
             _check_positive(own, "opsm_threshold", self.opsm_threshold)
@@ -392,6 +410,21 @@ class OffPolicyCorrectionConfig:
         return None if self.bypass_mode else prox_logprobs
 
     @property
+    def whole_batch_settings(self) -> dict[str, str]:
+        """The enabled settings whose result depends on the whole batch given to ``compute_correction``.
+
+        Returns:
+            Setting name -> what it needs of the batch; a trainer that computes the correction per
+            micro-batch (``OffPolicyRLModule(fused_loss=True)``) would change their result.
+        """
+        needs = {}
+        if self.normalize_weights:
+            needs["normalize_weights"] = "needs the mean weight of the whole batch"
+        if self.m2po_mask:
+            needs["m2po_mask"] = "ranks the response tokens of the whole batch"
+        return needs
+
+    @property
     def mask_names(self) -> list[str]:
         """Names of the enabled rejection masks, in order of application."""
         names = []
@@ -399,6 +432,8 @@ class OffPolicyCorrectionConfig:
             names.append("token_mask")
         if self.kl_reject is not None and self.kl_reject_level == "token":
             names.append("kl_reject")
+        if self.m2po_mask:
+            names.append("m2po_mask")
         if self.geo_mask:
             names.append("geo_mask")
         if self.product_mask:
@@ -604,6 +639,12 @@ class OffPolicyCorrectionConfig:
         """
         return cls(opsm_mask=True, opsm_threshold=threshold, opsm_reference=reference)
 
+    @classmethod
+    def m2po(cls, threshold: float = 0.04) -> OffPolicyCorrectionConfig:
+        """M2PO (AReaL ``m2_threshold``): reject the tokens with the largest ``log_rho^2`` until the
+        mean ``log_rho^2`` of the batch's other response tokens is below ``threshold``."""
+        return cls(m2po_mask=True, m2po_threshold=threshold)
+
 
 _DEPRECATED = ("use_tis", "tis_imp_ratio_cap", *PEER_OF)
 #: The fields the policy loss reads (the others shape the weights and masks of compute_correction).
@@ -643,6 +684,7 @@ PRESETS: dict[str, Any] = {
     "bypass_pg_geo_rs_seq_tis": OffPolicyCorrectionConfig.bypass_pg_geo_rs_seq_tis,
     "bypass_pg_geo_rs_token_tis": OffPolicyCorrectionConfig.bypass_pg_geo_rs_token_tis,
     "opsm": OffPolicyCorrectionConfig.opsm,
+    "m2po": OffPolicyCorrectionConfig.m2po,
 }
 """Every preset by name (what :func:`preset` accepts)."""
 

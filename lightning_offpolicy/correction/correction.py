@@ -3,8 +3,9 @@
 Order of application, and the token set each step reads:
 
 1. ``log_rho_t = prox_t - rollout_t`` on response tokens (0 at padding, whatever padding holds).
-2. Token-level masks (IcePop ``token_mask``; ``kl_reject`` at level ``"token"``) act on the
-   response tokens. Their survivors are the *token-kept* set.
+2. Token-level masks (IcePop ``token_mask``; ``kl_reject`` at level ``"token"``; M2PO's
+   ``m2po_mask``, which ranks the response tokens of the whole batch) each act on the response
+   tokens. Their survivors are the *token-kept* set.
 3. Sequence statistics are taken over the token-kept set: ``S_i = sum_t log_rho_t``, ``n_i``,
    the geometric mean ``exp(S_i / n_i)``, the outlier test and the sequence KL statistics. Tokens
    already removed do not condemn their sequence a second time.
@@ -33,6 +34,7 @@ from lightning_offpolicy.correction.masks import (
     geometric_mask,
     kl_reject_sequence_mask,
     kl_reject_token_mask,
+    m2po_mask,
     outlier_veto_mask,
     product_mask,
     token_ratio_mask,
@@ -170,6 +172,10 @@ def correct_log_ratio(log_rho: torch.Tensor, valid: torch.Tensor, cfg: OffPolicy
     if cfg.kl_reject is not None and cfg.kl_reject_level == "token":
         keep = kl_reject_token_mask(log_rho, valid, cfg.kl_reject, cfg.kl_reject_threshold)
         token_rejected["kl_reject"] = valid & ~keep
+        token_keep &= keep
+    if cfg.m2po_mask:
+        keep = m2po_mask(log_rho, valid, cfg.m2po_threshold)
+        token_rejected["m2po_mask"] = valid & ~keep
         token_keep &= keep
 
     kept_log_rho = sequence_sum(log_rho, token_keep)

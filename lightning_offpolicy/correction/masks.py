@@ -38,6 +38,38 @@ def token_ratio_mask(log_rho: torch.Tensor, valid: torch.Tensor, low: float, hig
     return valid & within(log_rho, low, high)
 
 
+def m2po_mask(log_rho: torch.Tensor, valid: torch.Tensor, threshold: float) -> torch.Tensor:
+    """M2PO's second-moment mask (AReaL's ``_apply_m2po_masking``): the valid tokens it keeps.
+
+    Over every valid token of the batch, ``m2_t = log_rho_t^2`` is ranked from the largest down; the
+    ``k`` largest are rejected, ``k`` the smallest count for which the mean ``m2`` of the remaining
+    ``n - k`` tokens is below ``threshold``, or ``n - 1`` when no count gets there (one token stays).
+    Equal values keep their row-major order (a stable sort), so the result is deterministic.
+
+    Args:
+        log_rho: ``[B, T]`` log ratios, 0 outside the response.
+        valid: ``[B, T]`` bool response mask.
+        threshold: The bound on the mean second moment of the kept tokens.
+
+    Returns:
+        ``[B, T]`` bool: the valid tokens kept. No host sync, so the fused step compiles it.
+    """
+    # float64: the suffix means decide the cut, and they sum up to every response token of the batch.
+    m2 = torch.where(valid, log_rho.double().square(), torch.full((), -1.0, dtype=torch.float64, device=valid.device))
+    flat = m2.reshape(-1)
+    ranked, order = torch.sort(flat, descending=True, stable=True)  # padding (-1) sorts last
+    count = valid.sum()
+    # Sum and count of the tokens from rank r to the last valid one: the rest if the first r are rejected.
+    suffix = torch.flip(torch.cumsum(torch.flip(ranked.clamp(min=0.0), [0]), 0), [0])
+    rank = torch.arange(flat.numel(), device=flat.device)
+    remaining = (count - rank).clamp(min=1)
+    below = (rank < count) & (suffix / remaining < threshold)
+    first = torch.where(below, rank, flat.numel()).min()
+    rejected_count = torch.where(first < flat.numel(), first, (count - 1).clamp(min=0))
+    rejected = torch.zeros_like(flat, dtype=torch.bool).scatter(0, order, rank < rejected_count)
+    return valid & ~rejected.view_as(valid)
+
+
 def geometric_mask(seq_log_rho: torch.Tensor, seq_tokens: torch.Tensor, low: float, high: float) -> torch.Tensor:
     """Keep sequences whose geometric-mean ratio ``exp(S_i / max(n_i, 1))`` is in ``[low, high]``."""
     return within(seq_log_rho / seq_tokens.clamp(min=1.0), low, high)

@@ -2,7 +2,7 @@
 
 Users arrive with verl's ``algorithm.rollout_correction.*`` keys, SkyRL's
 ``trainer.algorithm.off_policy_correction.*`` keys, TRL's ``GRPOConfig.vllm_importance_sampling_*``
-and ``off_policy_mask_threshold`` arguments, or slime's ``--use-opsm``.
+and ``off_policy_mask_threshold`` arguments, slime's ``--use-opsm`` or AReaL's ``m2_threshold``.
 :class:`~lightning_offpolicy.correction.OffPolicyCorrectionConfig` accepts them as fields (so a
 YAML ``correction:`` block may use them) and :func:`translate` turns them into the kit's fields,
 with one line per key that says the kit's name (a :class:`PeerNameWarning`).
@@ -132,7 +132,8 @@ def translate(values: dict[str, Any], bypass_mode: bool = False) -> Translation:
         )
     if not peers:
         return Translation()
-    return {"verl": _verl, "SkyRL": _skyrl, "TRL": _trl, "slime": _slime}[peers[0]](given, bypass_mode)
+    translators = {"verl": _verl, "SkyRL": _skyrl, "TRL": _trl, "slime": _slime, "AReaL": _areal}
+    return translators[peers[0]](given, bypass_mode)
 
 
 # ------------------------------------------------------------------------------------------ verl
@@ -588,3 +589,27 @@ def _non_negative(value: Any, what: str) -> float:
     if not math.isfinite(number) or number < 0:
         raise PeerNameError(f"{what}={value!r} must be a finite number >= 0.")
     return number
+
+
+# ----------------------------------------------------------------------------------------- AReaL
+# AReaL's actor settings (``actor.*`` of its PPOActorConfig, areal/api/cli_args.py), given flat.
+AREAL_FIELDS = ("m2_threshold",)
+PEER_OF.update(dict.fromkeys(AREAL_FIELDS, "AReaL"))
+PEER_DEFAULTS.update(dict.fromkeys(AREAL_FIELDS))
+
+
+def _areal(given: dict[str, Any], bypass_mode: bool) -> Translation:
+    out = Translation()
+    if "m2_threshold" in given:
+        _areal_m2_threshold(given["m2_threshold"], out)
+    return out
+
+
+def _areal_m2_threshold(value: Any, out: Translation) -> None:
+    threshold = _positive(value, "AReaL's m2_threshold")
+    out.settings.update(m2po_mask=True, m2po_threshold=threshold)
+    out.messages.append(
+        f"AReaL's m2_threshold={threshold!r} is the kit's m2po_mask: true, m2po_threshold={threshold!r} (AReaL ranks "
+        "the tokens of each loss call, a micro-batch, and divides that call's loss by the tokens M2PO kept; the kit "
+        "ranks the batch given to compute_correction and keeps rejected tokens in the denominator)."
+    )
