@@ -142,7 +142,10 @@ def test_loss_settings_and_global_counts_equal_the_eager_path(loss_cfg):
         (
             OffPolicyCorrectionConfig.token_mis(),
             PolicyLossConfig(
-                loss_type="dppo_kl", dppo_delta_low=1e-3, dppo_delta_high=1e-3, dppo_ratio_cap=1.02,
+                loss_type="dppo_kl",
+                dppo_delta_low=1e-3,
+                dppo_delta_high=1e-3,
+                dppo_ratio_cap=1.02,
                 aggregation="seq-mean-token-mean",
             ),
             "inductor",

@@ -80,9 +80,23 @@ def test_top_p_rows_pair_with_the_trl_row_of_their_top_p_and_carry_the_rollout_k
     assert ratios["hf"]["final_reward_kit_minus_trl"] == pytest.approx(-0.1)
     assert ratios["hf top_p=0.9 (sampling mask off)"]["final_reward_kit_minus_trl"] == pytest.approx(0.1)
     table = vs_trl.render(
-        {"machine": "m", "date": "d", "code": "c", "trl": "t", "transformers": "x", "command": "cmd", "steps": 1,
-         "seeds": [0], "quick": True, "elapsed_s": 1.0, "load_start": 0.0, "load_end": 0.0, "num_prompts": 8,
-         "settings": vs_trl.SETTINGS, "plot": "p.png"},  # fmt: skip
+        {
+            "machine": "m",
+            "date": "d",
+            "code": "c",
+            "trl": "t",
+            "transformers": "x",
+            "command": "cmd",
+            "steps": 1,
+            "seeds": [0],
+            "quick": True,
+            "elapsed_s": 1.0,
+            "load_start": 0.0,
+            "load_end": 0.0,
+            "num_prompts": 8,
+            "settings": vs_trl.SETTINGS,
+            "plot": "p.png",
+        },  # fmt: skip
         runs,
         summary,
         ratios,
