@@ -37,6 +37,23 @@ def top_k_logprobs(model, prompts, completions, temperature: float, top_k: int) 
     return out
 
 
+def batch_of(prompts: list[list[int]], completions: list, pad_token_id: int) -> RolloutBatch:
+    """The validated batch of ``completions`` with their logprobs and kept supports (rewards 0)."""
+    batch = RolloutBatch.from_sequences(
+        prompt_ids=[prompts[c.prompt_index] for c in completions],
+        response_ids=[c.token_ids for c in completions],
+        rewards=[0.0] * len(completions),
+        advantages=torch.zeros(len(completions)),
+        group_ids=[c.prompt_index for c in completions],
+        policy_versions=[0] * len(completions),
+        rollout_logprobs=[c.logprobs for c in completions],
+        pad_token_id=pad_token_id,
+        sampling_supports=[c.sampling_support for c in completions],
+    )
+    batch.validate()
+    return batch
+
+
 class EngineContract:
     """What every :class:`~lightning_offpolicy.rollout.engine.RolloutEngine` guarantees."""
 
@@ -84,19 +101,7 @@ class EngineContract:
         log ratios of 0 at every token (float32 rounding); over the whole vocabulary they are not."""
         prompts = reverse_prompts(8, seed=3)
         sampling = SamplingConfig(max_new_tokens=12, temperature=0.9, samples_per_prompt=4, **truncation)
-        completions = engine.generate(prompts, sampling, seed=13)
-        batch = RolloutBatch.from_sequences(
-            prompt_ids=[prompts[c.prompt_index] for c in completions],
-            response_ids=[c.token_ids for c in completions],
-            rewards=[0.0] * len(completions),
-            advantages=torch.zeros(len(completions)),
-            group_ids=[c.prompt_index for c in completions],
-            policy_versions=[0] * len(completions),
-            rollout_logprobs=[c.logprobs for c in completions],
-            pad_token_id=0,
-            sampling_supports=[c.sampling_support for c in completions],
-        )
-        batch.validate()
+        batch = batch_of(prompts, engine.generate(prompts, sampling, seed=13), pad_token_id=0)
         kept = batch.sampling_support >= 0
         assert bool(kept.any()) and int(kept.sum(-1).max()) <= truncation.get("top_k", 64)
         real = batch.response_mask.bool()

@@ -22,6 +22,7 @@ from lightning_offpolicy.rollout.partial import _joined
 from lightning_offpolicy.rollout.pipeline import Rollouter
 from lightning_offpolicy.tiny import build_tiny_llama
 from lightning_offpolicy.tokenizers import CharTokenizer
+from tests.engine_contract import batch_of
 
 PAD, EOS = 0, 2
 PROMPTS = [[5, 6, 7], [8, 9], [10, 11, 12, 13]]
@@ -137,18 +138,7 @@ def _engine_and_trainer_logprobs(engine, model, truncation, seed=0):
     sampling = SamplingConfig(max_new_tokens=12, samples_per_prompt=4, temperature=0.9, **truncation)
     completions = engine.generate(PROMPTS, sampling, seed=seed)
     assert all(c.sampling_support is not None and len(c.sampling_support) == len(c.token_ids) for c in completions)
-    batch = RolloutBatch.from_sequences(
-        prompt_ids=[PROMPTS[c.prompt_index] for c in completions],
-        response_ids=[c.token_ids for c in completions],
-        rewards=[0.0] * len(completions),
-        advantages=torch.zeros(len(completions)),
-        group_ids=[c.prompt_index for c in completions],
-        policy_versions=[0] * len(completions),
-        rollout_logprobs=[c.logprobs for c in completions],
-        pad_token_id=PAD,
-        sampling_supports=[c.sampling_support for c in completions],
-    )
-    batch.validate()
+    batch = batch_of(PROMPTS, completions, pad_token_id=PAD)
     with torch.no_grad():
         masked = causal_lm_token_logprobs(
             model,
