@@ -120,6 +120,13 @@ class OffPolicyMixin:
                 "OffPolicyMixin supports neither bypass_mode (its pi_prox is free already) nor ref_kl_coef > 0 (no "
                 "reference model); use OffPolicyRLModule for those."
             )
+        if self.rl_correction.prox_method != "recompute":
+            # Its single step's pi_prox is the detached pi_theta: exact, and already without a forward.
+            raise ValueError(
+                f"OffPolicyMixin takes pi_prox from its one forward already (exact, no extra pass), so "
+                f"rl_correction.prox_method={self.rl_correction.prox_method!r} has nothing to save; use 'recompute', "
+                "or OffPolicyRLModule."
+            )
         check_compatible(self.rl_correction, self.rl_loss)
         rollout = rollout.to(self.device)
         rollout.validate(require_rollout_logprobs=True)

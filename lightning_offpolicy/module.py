@@ -3,7 +3,9 @@
 One ``training_step`` consumes one :class:`~lightning_offpolicy.batch.RolloutBatch` (attached to
 the step's :class:`~lightning_offpolicy.batch.PromptBatch` by the ``RolloutCallback``):
 
-1. proximal forward without gradient: ``prox_logprobs`` (``pi_prox``; skipped in bypass mode);
+1. proximal forward without gradient: ``prox_logprobs`` (``pi_prox``; skipped in bypass mode, and
+   with ``correction.prox_method="loglinear"``, where each micro-batch interpolates ``pi_prox``
+   between ``pi_rollout`` and its own forward's ``pi_theta`` by version, AReaL's method);
 2. reference forward when a reference KL loss is configured (a frozen copy, or with a peft model
    the base weights via ``disable_adapter()``, no second copy);
 3. :func:`~lightning_offpolicy.correction.compute_correction`: IS weights, rejection masks, metrics;
@@ -298,7 +300,9 @@ class OffPolicyRLModule(LightningModule):
         started = time.perf_counter()
         # The metrics are updated and computed only on the batches whose values reach the logger.
         logging = is_logging_step(self._trainer, batch_idx, self.optimizer_steps_per_batch)
-        staleness = step.token_staleness(rollout, self.policy_version)
+        # The version of the weights at the start of the step (prox_method="loglinear" interpolates by it).
+        step_version = self.policy_version
+        staleness = step.token_staleness(rollout, step_version)
         if logging:
             self.staleness_mean.update(staleness)
             self.staleness_max.update(staleness if staleness.numel() else torch.zeros(1, device=self.device))
@@ -310,9 +314,10 @@ class OffPolicyRLModule(LightningModule):
             else:
                 prox = self._no_grad_logprobs(rollout)
         ref = self._no_grad_logprobs(rollout, reference=True) if self.loss_config.ref_kl_coef > 0 else None
-        if self.fused_loss or self.correction.masks_read_current_policy:
-            # The correction runs per micro-batch: inside the fused step, or (bypass mode with a
-            # mask) after the forward pass, on pi_theta / pi_rollout.
+        if self.fused_loss or self.correction.correction_reads_current_policy:
+            # The correction runs per micro-batch: inside the fused step, or after the forward pass
+            # where it reads pi_theta (bypass mode with a mask: pi_theta / pi_rollout; a log-linear
+            # pi_prox: interpolated towards pi_theta).
             rollout = rollout.with_fields(prox_logprobs=prox, ref_logprobs=ref)
         else:
             rollout, stats = step.apply_correction(rollout, prox, self.correction, ref)
@@ -335,6 +340,7 @@ class OffPolicyRLModule(LightningModule):
                         record_entropy=logging and epoch == 0,
                         record_correction=logging and epoch == 0,
                         first_forward=first_forward if epoch == 0 else None,
+                        step_version=step_version,
                     )
                 )
                 trained_tokens += minibatch.num_response_tokens
@@ -372,6 +378,8 @@ class OffPolicyRLModule(LightningModule):
         record_entropy: bool = True,
         first_forward: torch.Tensor | tuple[torch.Tensor, torch.Tensor] | None = None,
         record_correction: bool = False,
+        *,
+        step_version: int,
     ) -> torch.Tensor:
         world = self.trainer.world_size
         counts = torch.tensor(
@@ -404,6 +412,9 @@ class OffPolicyRLModule(LightningModule):
                     self.entropy.update(entropy.detach()[micro.response_mask.bool()].float())
                 if not self._entropy_in_loss:
                     entropy = None
+                if self.correction.prox_method == "loglinear":
+                    prox = step.loglinear_prox(micro, logprobs, step_version, self.optimizer_steps_per_batch)
+                    micro = micro.with_fields(prox_logprobs=prox)
                 if record_correction and self._metrics_from_current_policy:
                     # The micro-batches of the first pass cover the batch once: their metrics add up to its.
                     self.correction_metrics.update(stats=step.current_policy_stats(micro, logprobs))
@@ -417,10 +428,9 @@ class OffPolicyRLModule(LightningModule):
                     if record_correction and not self._metrics_from_current_policy:
                         self.correction_metrics.update_from_sums(fused.statistics)
                 else:
-                    if self.correction.masks_read_current_policy:
-                        micro, stats = step.apply_correction(
-                            micro, logprobs.detach(), self.correction, micro.ref_logprobs
-                        )
+                    if self.correction.correction_reads_current_policy:
+                        numerator = self.correction.ratio_numerator(micro.prox_logprobs, logprobs)
+                        micro, stats = step.apply_correction(micro, numerator, self.correction, micro.ref_logprobs)
                         if record_correction:
                             self.correction_metrics.update(stats=stats)
                     loss, info = step.corrected_loss(

@@ -89,6 +89,17 @@ def test_mixin_names_what_is_missing():
         _ = NoModel().policy
 
 
+def test_mixin_refuses_a_loglinear_prox_it_has_no_use_for():
+    """Its single step's pi_prox is the detached pi_theta, exact and free: no forward to save."""
+
+    class LogLinear(RLModule):
+        rl_correction = OffPolicyCorrectionConfig.token_tis().replace(prox_method="loglinear")
+
+    model = tiny_model()
+    with pytest.raises(ValueError, match="prox_method='loglinear' has nothing to save"):
+        fit_on(LogLinear(model), [make_rollout(model)], max_steps=1)
+
+
 def dropout_model() -> torch.nn.Module:
     """The issue's model: a Llama with attention dropout, in training mode as a user's SFT left it."""
     from transformers import LlamaForCausalLM

@@ -33,6 +33,7 @@ from lightning_offpolicy.correction.peer_names import (
     translate,
     translate_loss,
 )
+from lightning_offpolicy.correction.prox import ProxMethod
 
 TISLevel = Literal["token", "sequence"]
 Objective = Literal["ppo", "pure_is", "cispo", "reinforce"]
@@ -97,6 +98,16 @@ class OffPolicyCorrectionConfig:
             forward pass, PPO clips against the engine's logprobs. Rejection masks then act on the
             current policy's ratio ``pi_theta / pi_rollout`` (detached, per micro-batch; verl's bypass
             mode), and the mismatch metrics report that ratio; without a mask they read zero.
+        prox_method: How ``pi_prox`` is obtained (decoupled mode only): ``"recompute"``, one forward
+            pass without gradient over the batch at the start of the step (free when the batch is
+            one optimizer step in one micro-batch: then it is that step's own forward, detached), or
+            ``"loglinear"`` (AReaL's ``prox_logp_method``): no forward pass; per micro-batch, after
+            the forward, ``log pi_prox = log pi_rollout + alpha (log pi_theta - log pi_rollout)``
+            with ``alpha`` from each token's version against the step's
+            (:mod:`~lightning_offpolicy.correction.prox`). The correction (weights, masks, metrics)
+            then runs per micro-batch on that interpolated ``pi_prox``, so the settings that need
+            the whole batch (:attr:`whole_batch_settings`: ``normalize_weights``, ``m2po_mask``) are
+            refused with it.
         tis_level: Truncated importance sampling weight ``w = min(rho, tis_clip_high)`` per
             ``"token"`` or per ``"sequence"`` (``rho_i = prod_t rho_t``); ``None`` for no weight.
         tis_clip_high: Upper cap ``C`` of the TIS weight (required with ``tis_level``); ``inf`` for no
@@ -182,6 +193,9 @@ class OffPolicyCorrectionConfig:
         use_opsm: slime's name (``--use-opsm``): ``opsm_mask`` with ``opsm_reference="prox"``.
         opsm_delta: slime's name (``--opsm-delta``, read with ``use_opsm``; 1e-4 when not given):
             ``opsm_threshold``.
+        prox_logp_method: AReaL's name (``actor.prox_logp_method``): ``"loglinear"`` is
+            ``prox_method="loglinear"``; ``"recompute"`` and ``"metrics"`` (which trains as
+            ``"recompute"``) are ``prox_method="recompute"``.
 
     Peer names are mapped to the kit's fields when the config is built (one
     :class:`~lightning_offpolicy.correction.peer_names.PeerNameWarning` per key) and read their
@@ -191,6 +205,7 @@ class OffPolicyCorrectionConfig:
     """
 
     bypass_mode: bool = False
+    prox_method: ProxMethod = "recompute"
     # Group 1: truncated importance sampling weights.
     tis_level: TISLevel | None = None
     tis_clip_high: float | None = 2.0
@@ -252,6 +267,7 @@ class OffPolicyCorrectionConfig:
     off_policy_mask_threshold: float | None = None
     use_opsm: bool | None = None
     opsm_delta: float | None = None
+    prox_logp_method: str | None = None
 
     def __post_init__(self) -> None:
         self._map_deprecated()
@@ -305,6 +321,7 @@ class OffPolicyCorrectionConfig:
     def validate(self) -> None:
         """Check every setting and their combinations; raise :class:`CorrectionConfigError`."""
         own = "OffPolicyCorrectionConfig"
+        _check_choice(own, "prox_method", self.prox_method, ProxMethod)
         _check_choice(own, "tis_level", self.tis_level, TISLevel, optional=True)
         _check_choice(own, "objective", self.objective, Objective)
         _check_choice(own, "objective_level", self.objective_level, TISLevel)
@@ -325,6 +342,8 @@ class OffPolicyCorrectionConfig:
             raise CorrectionConfigError(
                 f"{own}.{setting} has no effect without tis_level; set tis_level='token' or 'sequence'."
             )
+        if self.prox_method == "loglinear":
+            self._validate_loglinear(own)
         if self.token_mask:
             _check_bounds(own, "token_mask_low", self.token_mask_low, "token_mask_high", self.token_mask_high)
         if self.geo_mask:
@@ -384,11 +403,37 @@ class OffPolicyCorrectionConfig:
                     "use anchor='rollout'."
                 )
 
+    def _validate_loglinear(self, own: str) -> None:
+        if self.bypass_mode:
+            raise CorrectionConfigError(
+                f"{own}.prox_method='loglinear' interpolates pi_prox between pi_rollout and pi_theta, but "
+                "bypass_mode=True has no pi_prox (pi_prox := pi_rollout, and no proximal forward runs either): "
+                "drop one of them."
+            )
+        whole_batch = self.whole_batch_settings
+        if whole_batch:
+            raise CorrectionConfigError(
+                f"{own}.prox_method='loglinear' computes the correction per micro-batch, after each forward (its "
+                "pi_prox reads pi_theta), but "
+                + "; ".join(f"{name} {need}" for name, need in whole_batch.items())
+                + ": turn one of them off."
+            )
+
     # ----------------------------------------------------------------------------------- queries
     @property
     def needs_prox(self) -> bool:
-        """Whether the trainer must run the no-grad proximal forward pass."""
-        return not self.bypass_mode
+        """Whether the trainer runs the no-grad proximal forward (decoupled mode, ``prox_method="recompute"``)."""
+        return not self.bypass_mode and self.prox_method == "recompute"
+
+    @property
+    def correction_reads_current_policy(self) -> bool:
+        """Whether :func:`~lightning_offpolicy.correction.compute_correction` reads ``pi_theta``.
+
+        Then it runs per micro-batch, after the forward pass: in bypass mode with a mask
+        (:attr:`masks_read_current_policy`), and with ``prox_method="loglinear"``, whose ``pi_prox``
+        is interpolated towards the current policy's detached logprobs.
+        """
+        return self.masks_read_current_policy or self.prox_method == "loglinear"
 
     @property
     def masks_read_current_policy(self) -> bool:
@@ -415,7 +460,8 @@ class OffPolicyCorrectionConfig:
 
         Returns:
             Setting name -> what it needs of the batch; a trainer that computes the correction per
-            micro-batch (``OffPolicyRLModule(fused_loss=True)``) would change their result.
+            micro-batch (``OffPolicyRLModule(fused_loss=True)``, ``prox_method="loglinear"``) would
+            change their result.
         """
         needs = {}
         if self.normalize_weights:

@@ -593,16 +593,41 @@ def _non_negative(value: Any, what: str) -> float:
 
 # ----------------------------------------------------------------------------------------- AReaL
 # AReaL's actor settings (``actor.*`` of its PPOActorConfig, areal/api/cli_args.py), given flat.
-AREAL_FIELDS = ("m2_threshold",)
+AREAL_FIELDS = ("prox_logp_method", "m2_threshold")
 PEER_OF.update(dict.fromkeys(AREAL_FIELDS, "AReaL"))
 PEER_DEFAULTS.update(dict.fromkeys(AREAL_FIELDS))
 
 
 def _areal(given: dict[str, Any], bypass_mode: bool) -> Translation:
     out = Translation()
+    if "prox_logp_method" in given:
+        _areal_prox_logp_method(given["prox_logp_method"], out)
     if "m2_threshold" in given:
         _areal_m2_threshold(given["m2_threshold"], out)
     return out
+
+
+def _areal_prox_logp_method(method: Any, out: Translation) -> None:
+    if method == "loglinear":
+        # compute_prox_logp_approximations: v_prox = v_theta - 1, with AReaL's version counting
+        # training steps (one rollout batch each, however many optimizer steps it takes).
+        out.settings["prox_method"] = "loglinear"
+        out.messages.append(
+            "AReaL's prox_logp_method='loglinear' is the kit's prox_method='loglinear' (the same log-linear "
+            "interpolation; AReaL's versions count training steps, the kit's optimizer steps, so the kit's proximal "
+            "version is the step's version minus the optimizer steps of one batch)."
+        )
+    elif method in ("recompute", "metrics"):
+        out.settings["prox_method"] = "recompute"
+        extra = (
+            " AReaL's 'metrics' trains as 'recompute' and also logs how its interpolations compare with the "
+            "recomputed pi_prox; the kit does not log those."
+            if method == "metrics"
+            else ""
+        )
+        out.messages.append(f"AReaL's prox_logp_method={method!r} is the kit's prox_method='recompute'.{extra}")
+    else:
+        raise PeerNameError(f"AReaL's prox_logp_method={method!r} is not one of 'recompute', 'loglinear', 'metrics'.")
 
 
 def _areal_m2_threshold(value: Any, out: Translation) -> None:
