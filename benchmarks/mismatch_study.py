@@ -78,6 +78,7 @@ SERIES_KEYS = (
     "staleness/max",
     "ppo/clip_frac",
     "ppo/approx_kl",
+    "perf/step_s",
 )
 #: The per-batch series of :class:`VersionKL`: exact KL between consecutive policy versions.
 VERSION_KL_KEY = "policy/version_kl"
@@ -160,6 +161,8 @@ class Condition:
     sync_every: int = 1
     engine: str = "float32"  # "float32" | "bfloat16" | "noisy" (float32 + a fixed Gaussian perturbation)
     loss_kwargs: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    #: How pi_prox is obtained (OffPolicyCorrectionConfig.prox_method): recomputed, or AReaL's log-linear.
+    prox_method: str = "recompute"
 
     @property
     def short(self) -> str:
@@ -184,8 +187,29 @@ class Condition:
 ROLLOUT_KL_COEF = 1.0
 
 
+#: Suffix of a correction's variant with AReaL's log-linear pi_prox (``prox_method="loglinear"``: no
+#: proximal forward), e.g. ``tis-loglinear``; every correction with a pi_prox has one.
+LOGLINEAR = "-loglinear"
+
+
 def corrections(args: argparse.Namespace) -> dict[str, tuple[str, str, dict[str, Any], dict[str, Any]]]:
-    """Every correction of the study: short name -> (label, preset, preset kwargs, loss kwargs)."""
+    """Every correction of the study: short name -> (label, preset, preset kwargs, loss kwargs).
+
+    Those with a pi_prox (not bypass mode) also come as ``<name>-loglinear`` (see :data:`LOGLINEAR`).
+    """
+    table = _corrections(args)
+    for short, (label, name, kwargs, loss_kwargs) in list(table.items()):
+        if preset(name).needs_prox:  # the preset's defaults: its kwargs never switch bypass mode
+            table[short + LOGLINEAR] = (f"{label}, log-linear pi_prox (AReaL)", name, kwargs, loss_kwargs)
+    return table
+
+
+def prox_method_of(short: str) -> str:
+    """The ``prox_method`` of a correction's short name (``tis-loglinear`` -> ``loglinear``)."""
+    return "loglinear" if short.endswith(LOGLINEAR) else "recompute"
+
+
+def _corrections(args: argparse.Namespace) -> dict[str, tuple[str, str, dict[str, Any], dict[str, Any]]]:
     geo = {"low": args.geo_low, "high": args.geo_high}
     return {
         "bypass": ("no correction (bypass: PPO vs pi_rollout)", "bypass", {}, {}),
@@ -242,6 +266,7 @@ def build_conditions(args: argparse.Namespace, task: str) -> list[Condition]:
                     k,
                     sync_every,
                     loss_kwargs=loss_kwargs,
+                    prox_method=prox_method_of(short),
                 )
             )
     noisy = list(args.mismatch_corrections)
@@ -253,7 +278,19 @@ def build_conditions(args: argparse.Namespace, task: str) -> list[Condition]:
         for short in chosen:
             label, name, kwargs, loss_kwargs = known[short]
             conditions.append(
-                Condition(f"{task}/{prefix}-{short}", task, group, label, name, kwargs, 0, 1, engine, loss_kwargs)
+                Condition(
+                    f"{task}/{prefix}-{short}",
+                    task,
+                    group,
+                    label,
+                    name,
+                    kwargs,
+                    0,
+                    1,
+                    engine,
+                    loss_kwargs,
+                    prox_method_of(short),
+                )
             )
     return conditions
 
@@ -407,7 +444,7 @@ def run_one(condition: Condition, seed: int, settings: dict[str, Any]) -> dict[s
     module = OffPolicyRLModule(
         model=settings["model"],
         optimizer=partial(torch.optim.AdamW, lr=settings["lr"]),
-        correction=preset(condition.preset, **condition.preset_kwargs),
+        correction=preset(condition.preset, **condition.preset_kwargs).replace(prox_method=condition.prox_method),
         # The quickstart's clip-higher.
         loss=PolicyLossConfig(eps_clip_low=0.2, eps_clip_high=0.28, **condition.loss_kwargs),
         num_minibatches=settings["num_minibatches"],
@@ -496,7 +533,7 @@ def summarize_run(run: dict[str, Any]) -> dict[str, Any]:
         "collapse_step": collapse_step(reward, entropy),
     }
     for key, values in series.items():
-        if key.startswith(("rollout_corr/", "staleness/", "policy/")):
+        if key.startswith(("rollout_corr/", "staleness/", "policy/", "perf/")):
             finite = [v for v in values if math.isfinite(v)]
             summary[f"{key}:mean"] = statistics.fmean(finite) if finite else math.nan
             summary[f"{key}:max"] = max(finite) if finite else math.nan
@@ -719,10 +756,11 @@ def plot_curves(conditions: list[Condition], runs_by_condition, path: Path) -> N
         batches = min(len(r["series"]["train/reward"]) for c in members for r in runs_by_condition[c.name])
         smooth = max(1, min(10, batches // 10))
         ax_reward, ax_kl = axes[row]
-        for index, c in enumerate(members):
+        others = [c for c in members if c.short != "onpolicy"]  # a study may run without the baseline
+        for c in members:
             runs = runs_by_condition[c.name]
             # Fixed colours: a condition keeps its colour in both panels even when its KL is not drawn.
-            style = {"color": "black", "linestyle": "--"} if c.short == "onpolicy" else {"color": f"C{index - 1}"}
+            style = {"color": "black", "linestyle": "--"} if c.short == "onpolicy" else {"color": f"C{others.index(c)}"}
             reward = _mean_curve([moving_average(r["series"]["train/reward"], smooth) for r in runs])
             ax_reward.plot(reward, label=c.label, linewidth=1.3, **style)
             kl = _mean_curve([r["series"].get("rollout_corr/kl", []) for r in runs])
