@@ -16,10 +16,16 @@ name or ``tiny:<task>``); a module instance is for Python callers of ``OffPolicy
 typing it as ``torch.nn.Module`` here would list every ``torch.nn`` class in ``fit --help``. Unless
 the config names a progress bar, the training bar is
 :class:`~lightning_offpolicy.progress.RLProgressBar` (batches, with the optimizer step in the postfix).
+
+Checkpoints are written atomically (:class:`~lightning_offpolicy.checkpointing.AtomicCheckpointIO`, unless
+the config names another ``CheckpointIO`` plugin), and ``--ckpt_path last`` resumes from the newest
+checkpoint any earlier run of the same logger name wrote (``last.ckpt``, ``preempted.ckpt``,
+``on_exception.ckpt``; :func:`~lightning_offpolicy.checkpointing.find_last_checkpoint`).
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
 import traceback
@@ -29,12 +35,15 @@ from lightning.pytorch import LightningDataModule, Trainer
 from lightning.pytorch.callbacks import ProgressBar
 from lightning.pytorch.cli import LightningCLI
 
+from lightning_offpolicy.checkpointing import find_last_checkpoint, install_atomic_checkpoint_io
 from lightning_offpolicy.data import DatasetDataModule  # noqa: F401  (a known data class for --data.help)
 from lightning_offpolicy.module import OffPolicyRLModule
 from lightning_offpolicy.preemption import PreemptionCheckpoint
 from lightning_offpolicy.progress import RLProgressBar
 from lightning_offpolicy.rollout.callback import RolloutCallback
 from lightning_offpolicy.tasks import PromptDataModule  # noqa: F401
+
+log = logging.getLogger(__name__)
 
 #: Shown by ``lightning-offpolicy --help``: the subcommand that LightningCLI does not know about.
 DESCRIPTION = (
@@ -92,17 +101,41 @@ class OffPolicyCLI(LightningCLI):
         except Exception as err:
             # SIGTERM to the whole process group (scancel) also stops vLLM's engine: the batch then fails with
             # the engine's error. The job was preempted, not broken: exit as a preempted job does.
-            preemption = next((c for c in self.trainer.callbacks if isinstance(c, PreemptionCheckpoint)), None)
+            preemption = self._preemption()
             if preemption is None or not preemption.signalled:
                 raise
-            saved = f"; saved {preemption.saved_path}" if preemption.saved_path else ""
-            message = f"SIGTERM: the run stopped with {type(err).__name__}{saved}; exit {preemption.exit_code}"
+            if preemption.save_error is not None:
+                saved = f"; the checkpoint was NOT saved: {preemption.save_error}"
+            else:
+                saved = f"; saved {preemption.saved_path}" if preemption.saved_path else ""
+            message = f"SIGTERM: the run stopped with {type(err).__name__}{saved}; exit {preemption.status}"
             print(message, file=sys.stderr)
-            raise SystemExit(preemption.exit_code) from err
+            raise SystemExit(preemption.status) from err
+
+    def _preemption(self) -> PreemptionCheckpoint | None:
+        return next((c for c in self.trainer.callbacks if isinstance(c, PreemptionCheckpoint)), None)
+
+    def before_fit(self) -> None:
+        """``--ckpt_path last``: the newest checkpoint of an earlier run of this config, or none (a fresh start)."""
+        config = self.config_init[self.subcommand]
+        if config.get("ckpt_path") != "last":
+            return
+        preemption = self._preemption()
+        names = (preemption.filename, preemption.exception_filename) if preemption else ()
+        extra = [preemption.dirpath] if preemption else []
+        path = find_last_checkpoint(self.trainer, names=names, extra_directories=extra)
+        if path is None:
+            # As Lightning's own "last": a job resubmitted by a scheduler starts fresh the first time.
+            log.warning("--ckpt_path last: no checkpoint found from an earlier run; starting from scratch.")
+        else:
+            log.warning("--ckpt_path last: resuming from %s", path)
+        config["ckpt_path"] = path
 
     def instantiate_trainer(self, **kwargs: Any) -> Trainer:
-        """The Trainer, with :class:`RLProgressBar` in place of the bar Lightning adds by default."""
+        """The Trainer, with :class:`RLProgressBar` in place of Lightning's default bar, and atomic checkpoints."""
         trainer = super().instantiate_trainer(**kwargs)
+        # A full disk during a save must leave the previous checkpoint, not a truncated file under its name.
+        install_atomic_checkpoint_io(trainer)
         configured = self._get(self.config_init, "trainer", default={}).get("callbacks") or []
         configured = configured if isinstance(configured, list) else [configured]
         default_bar = trainer.progress_bar_callback

@@ -25,8 +25,18 @@ since the last completed batch (single process: under several ranks a save from 
 could wait on a rank that never comes), the checkpoint is saved all the same, and
 ``lightning-offpolicy fit`` exits with ``exit_code`` instead of 1 (:attr:`PreemptionCheckpoint.signalled`).
 
-Resume with ``lightning-offpolicy fit ... --ckpt_path <dirpath>/preempted.ckpt`` (or
-``trainer.fit(..., ckpt_path=...)``). ``lightning-offpolicy fit`` always adds it (``--preemption.*``);
+A save that fails (a full disk) is reported with its cause, its path and the free space
+(:class:`~lightning_offpolicy.checkpointing.CheckpointSaveError`), and the process exits with
+``save_error_exit_code`` (74, ``EX_IOERR`` of ``sysexits.h``) instead of ``exit_code``: the scheduler must not
+read "preempted, resume" when there is nothing new to resume from.
+
+On any other exception (Ctrl-C, an engine that died, a reward that raised), when the trainer's state is
+that of the last completed batch (no optimizer step of the failing batch ran) and the run is a single
+process, it saves ``<dirpath>/<exception_filename>.ckpt`` (``save_on_exception``) and re-raises.
+
+Resume with ``lightning-offpolicy fit ... --ckpt_path last`` (the newest of ``last.ckpt``, ``preempted.ckpt``
+and ``on_exception.ckpt``; :func:`~lightning_offpolicy.checkpointing.find_last_checkpoint`), or name the file
+(``trainer.fit(..., ckpt_path=...)`` from Python). ``lightning-offpolicy fit`` always adds it (``--preemption.*``);
 add it yourself to a Python ``Trainer``. A SIGTERM that arrives before training starts (model
 loading, engine start) still ends the run through Lightning's or Python's own handling.
 """
@@ -45,11 +55,15 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 from typing_extensions import override
 
 from lightning_offpolicy.argcheck import is_int
+from lightning_offpolicy.checkpointing import CheckpointSaveError
 
 log = logging.getLogger(__name__)
 
 #: The status a shell reports for a process ended by SIGTERM (128 + 15).
 SIGTERM_EXIT_CODE = 128 + int(signal.SIGTERM)
+
+#: The status when the preemption checkpoint could not be written: ``EX_IOERR`` of ``sysexits.h``.
+SAVE_ERROR_EXIT_CODE = 74
 
 
 class PreemptionCheckpoint(Callback):
@@ -61,23 +75,57 @@ class PreemptionCheckpoint(Callback):
         filename: Checkpoint file name without the ``.ckpt`` extension.
         exit_code: Exit status of the process after the checkpoint (143 = 128 + SIGTERM; must be
             1-255, non-zero so that a scheduler sees the job did not finish).
+        save_error_exit_code: Exit status when the checkpoint could not be written (a full disk): 1-255 and
+            not ``exit_code``, so that a scheduler does not take the job for a resumable preemption.
+        save_on_exception: On any other exception, save ``<dirpath>/<exception_filename>.ckpt`` when the
+            state is that of the last completed batch and the run is a single process.
+        exception_filename: File name of that checkpoint, without ``.ckpt``.
+
+    Raises:
+        ValueError: A file name is empty or holds a path separator, an exit status is outside 1..255, or the
+            two exit statuses are equal.
     """
 
-    def __init__(self, dirpath: str | None = None, filename: str = "preempted", exit_code: int = SIGTERM_EXIT_CODE):
-        if not filename or os.sep in filename:
+    def __init__(
+        self,
+        dirpath: str | None = None,
+        filename: str = "preempted",
+        exit_code: int = SIGTERM_EXIT_CODE,
+        save_error_exit_code: int = SAVE_ERROR_EXIT_CODE,
+        save_on_exception: bool = True,
+        exception_filename: str = "on_exception",
+    ):
+        for key, name in (("filename", filename), ("exception_filename", exception_filename)):
+            if not isinstance(name, str) or not name or os.sep in name:
+                raise ValueError(f"PreemptionCheckpoint.{key}={name!r} must be a non-empty file name (no '{os.sep}').")
+        if filename == exception_filename:
             raise ValueError(
-                f"PreemptionCheckpoint.filename={filename!r} must be a non-empty file name (no '{os.sep}')."
+                f"PreemptionCheckpoint.exception_filename={exception_filename!r} must differ from filename: "
+                "--ckpt_path last tells them apart by time only, and one would overwrite the other."
             )
-        if not is_int(exit_code) or not 1 <= exit_code <= 255:
+        for key, code in (("exit_code", exit_code), ("save_error_exit_code", save_error_exit_code)):
+            if not is_int(code) or not 1 <= code <= 255:
+                raise ValueError(
+                    f"PreemptionCheckpoint.{key}={code!r} must be an int in 1..255: 0 would tell the scheduler "
+                    "the job finished."
+                )
+        if save_error_exit_code == exit_code:
             raise ValueError(
-                f"PreemptionCheckpoint.exit_code={exit_code!r} must be an int in 1..255: 0 would tell the scheduler "
-                "the job finished."
+                f"PreemptionCheckpoint.save_error_exit_code={save_error_exit_code} must differ from exit_code: "
+                "a failed save would read as a preemption with a checkpoint to resume from."
             )
+        if not isinstance(save_on_exception, bool):
+            raise ValueError(f"PreemptionCheckpoint.save_on_exception={save_on_exception!r} must be true or false.")
         self.dirpath = dirpath
         self.filename = filename
         self.exit_code = exit_code
-        #: Path of the checkpoint written on SIGTERM (``None`` until then).
+        self.save_error_exit_code = save_error_exit_code
+        self.save_on_exception = save_on_exception
+        self.exception_filename = exception_filename
+        #: Path of the checkpoint written on SIGTERM or on an exception (``None`` until then).
         self.saved_path: str | None = None
+        #: The error of a save that failed (``None`` when none did).
+        self.save_error: OSError | None = None
         self._signalled = False
         self._previous_handler: Any = None
         self._installed = False
@@ -89,13 +137,26 @@ class PreemptionCheckpoint(Callback):
         """Whether this process received SIGTERM during training."""
         return self._signalled
 
-    def checkpoint_path(self, trainer: Trainer) -> str:
-        """Where the checkpoint goes (see ``dirpath``)."""
+    @property
+    def status(self) -> int:
+        """The exit status after a SIGTERM: ``exit_code``, or ``save_error_exit_code`` when the save failed."""
+        return self.save_error_exit_code if self.save_error is not None else self.exit_code
+
+    def checkpoint_path(self, trainer: Trainer, filename: str | None = None) -> str:
+        """Where the checkpoint goes (see ``dirpath``).
+
+        Args:
+            trainer: The running Trainer.
+            filename: The file name without ``.ckpt``; ``None``: ``filename``.
+
+        Returns:
+            The checkpoint's path.
+        """
         directory = self.dirpath
         if directory is None:
             callback = trainer.checkpoint_callback
             directory = getattr(callback, "dirpath", None) or os.path.join(trainer.default_root_dir, "checkpoints")
-        return os.path.join(directory, f"{self.filename}.ckpt")
+        return os.path.join(directory, f"{filename or self.filename}.ckpt")
 
     # ------------------------------------------------------------------------------ signal
     def _on_sigterm(self, signum: int, frame: Any) -> None:
@@ -122,6 +183,7 @@ class PreemptionCheckpoint(Callback):
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._signalled = False
         self.saved_path = None
+        self.save_error = None
         self._boundary_step = trainer.global_step
         self._install()
 
@@ -139,7 +201,7 @@ class PreemptionCheckpoint(Callback):
             connector.received_sigterm = True
             return
         self._save(trainer)  # a Lightning without the signal connector: stop here
-        raise SIGTERMException(self.exit_code)
+        raise SIGTERMException(self.status)
 
     @override
     def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
@@ -147,12 +209,15 @@ class PreemptionCheckpoint(Callback):
         if not isinstance(exception, SIGTERMException):
             if self._signalled:
                 self._save_after_failure(trainer, exception)
+            elif self.save_on_exception:
+                self._save_on_exception(trainer, exception)
             return
-        if self.saved_path is None and trainer.global_step > 0:
+        if self.saved_path is None and self.save_error is None and trainer.global_step > 0:
             # Lightning raises it between two batches (every rank at the same one), after the batch's logging.
             self._save(trainer)
-        if not exception.code:
-            exception.code = self.exit_code  # Lightning raises it with no code: the process would exit 0
+        if not exception.code or self.save_error is not None:
+            # Lightning raises it with no code (the process would exit 0); a failed save is not a preemption.
+            exception.code = self.status
 
     @override
     def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
@@ -188,14 +253,70 @@ class PreemptionCheckpoint(Callback):
         )
         self._save(trainer)
 
+    def _save_on_exception(self, trainer: Trainer, exception: BaseException) -> None:
+        """Any other exception: save the state of the last completed batch, if that is the state."""
+        if isinstance(exception, CheckpointSaveError) or trainer.global_step == 0:
+            return  # the disk that just refused a checkpoint would refuse this one; nothing trained yet
+        name = type(exception).__name__
+        if trainer.world_size > 1 or trainer.global_step != self._boundary_step:
+            why = (
+                "several ranks: the other ranks may never reach the save"
+                if trainer.world_size > 1
+                else "it stopped inside a batch, between its optimizer steps"
+            )
+            log.warning(
+                "%s at step %d: no on-exception checkpoint written (%s). Resume with --ckpt_path last "
+                "(the last periodic checkpoint).",
+                name, trainer.global_step, why,
+            )  # fmt: skip
+            return
+        path = self.checkpoint_path(trainer, self.exception_filename)
+        if self._write(trainer, path):
+            log.warning(
+                "%s: saved %s at step %d (the last completed batch). Resume with --ckpt_path last.",
+                name, path, trainer.global_step,
+            )  # fmt: skip
+
+    def _write(self, trainer: Trainer, path: str) -> bool:
+        """Save to ``path`` on every rank; a failed write is recorded in ``save_error`` and logged, not raised.
+
+        Raising here would skip Lightning's teardown (the engine's and the producer's shutdown) and the other
+        callbacks' ``on_exception``.
+        """
+        error: OSError | None = None
+        try:
+            trainer.save_checkpoint(path)  # every rank calls it (a collective under sharded strategies)
+        except OSError as err:
+            error = err
+            if trainer.world_size > 1:
+                trainer.strategy.barrier("Trainer.save_checkpoint")  # the other ranks wait there
+        if trainer.world_size > 1 and trainer.strategy.reduce_boolean_decision(error is not None, all=False):
+            error = error or OSError(f"the checkpoint {path} could not be saved on another rank")
+        if error is None:
+            self.saved_path = path
+            return True
+        self.save_error = error
+        if trainer.is_global_zero:
+            if isinstance(error, CheckpointSaveError):
+                log.error("%s", error)  # names the cause, the path and the free space
+            else:
+                log.error("Checkpoint not saved: %s writing %s: %s", type(error).__name__, path, error)
+        return False
+
     def _save(self, trainer: Trainer) -> None:
         path = self.checkpoint_path(trainer)
-        trainer.save_checkpoint(path)  # every rank calls it (a collective under sharded strategies)
-        self.saved_path = path
+        if not self._write(trainer, path):
+            if trainer.is_global_zero:
+                log.error(
+                    "SIGTERM: no checkpoint saved at step %d; exiting with status %d (not %d: there is nothing new "
+                    "to resume from). Resume from the last checkpoint that was saved: --ckpt_path last.",
+                    trainer.global_step, self.status, self.exit_code,
+                )  # fmt: skip
+            return
         if trainer.is_global_zero:
             log.warning(
-                "SIGTERM: saved %s at step %d; exiting with status %d. Resume with --ckpt_path %s "
-                "(Python: trainer.fit(..., ckpt_path=...)).",
+                "SIGTERM: saved %s at step %d; exiting with status %d. Resume with --ckpt_path last "
+                "(or --ckpt_path %s; Python: trainer.fit(..., ckpt_path=...)).",
                 path,
                 trainer.global_step,
                 self.exit_code,

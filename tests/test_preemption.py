@@ -8,6 +8,7 @@ process itself); the slow ones run ``python -m lightning_offpolicy.cli fit`` as 
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -23,7 +24,7 @@ import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from lightning_offpolicy.module import OffPolicyRLModule
-from lightning_offpolicy.preemption import SIGTERM_EXIT_CODE, PreemptionCheckpoint
+from lightning_offpolicy.preemption import SAVE_ERROR_EXIT_CODE, SIGTERM_EXIT_CODE, PreemptionCheckpoint
 from lightning_offpolicy.rollout import HFEngine, RolloutCallback
 from lightning_offpolicy.tasks import PromptDataModule
 from lightning_offpolicy.tiny import build_tiny_llama
@@ -267,3 +268,111 @@ def test_sigterm_to_the_whole_process_group_with_a_synchronous_vllm_engine(tmp_p
     checkpoint = torch.load(path, weights_only=False)
     assert checkpoint["policy_version"] == checkpoint["global_step"] >= 1
     assert logged_policy_versions(tmp_path / "vllm", "vllm")[-1] == checkpoint["policy_version"]
+
+
+# ------------------------------------------------------------------------------ --ckpt_path last, a full disk
+@pytest.mark.slow
+def test_cli_sigterm_then_ckpt_path_last_resumes_from_the_preemption_checkpoint(tmp_path):
+    """The resumed run is a new logger version: `last` must look in the earlier versions' directories."""
+    status, log = run_cli(tmp_path, "run", "--trainer.max_steps=2000", sigterm_after="first rollout")
+    assert status == SIGTERM_EXIT_CODE, log[-3000:]
+    (path,) = (tmp_path / "run").rglob("preempted.ckpt")
+    step = torch.load(path, weights_only=False)["global_step"]
+    target = step + 2 * STEPS_PER_BATCH
+    status, log = run_cli(tmp_path, "run", f"--trainer.max_steps={target}", "--ckpt_path=last")
+    assert status == 0, log[-3000:]
+    assert f"--ckpt_path last: resuming from {path}" in log
+    events = EventAccumulator(str(tmp_path / "run" / "quickstart" / "version_1"))
+    events.Reload()
+    scalars = events.Scalars("train/policy_version")
+    assert [e.value for e in scalars] == [step + STEPS_PER_BATCH, target]
+    # The data position continues: the first batch logged is the one after the checkpoint's.
+    assert scalars[0].step == step // STEPS_PER_BATCH
+    # The periodic checkpoint of the resumed run holds its final step (target is not a multiple of 100).
+    last = tmp_path / "run" / "quickstart" / "version_1" / "checkpoints" / "last.ckpt"
+    assert torch.load(last, weights_only=False)["policy_version"] == target
+
+
+def full_disk_cli(tmp_path: Path, every: int, *, sigterm: bool, previous: bool) -> tuple[int, str, Path]:
+    """The CLI with its checkpoint directory on a real 6 MiB tmpfs, in a private mount namespace (``unshare``);
+    the directory is copied out when the fit ends. A checkpoint of the tiny model is just under 4 MiB: one
+    fits, a second beside it does not. ``previous``: a 4 MiB ``last.ckpt`` is there from the start, and must
+    come out byte-identical.
+
+    Returns (exit status, log text, the copy of the checkpoint directory).
+    """
+    if shutil.which("unshare") is None:
+        pytest.skip("needs unshare(1) to mount a size-limited tmpfs")
+    probe = subprocess.run(
+        ["unshare", "-Urm", "sh", "-c", f'mount -t tmpfs -o size=1M tmpfs "{tmp_path}"'], capture_output=True
+    )
+    if probe.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs in a user namespace here: {probe.stderr.decode().strip()}")
+    disk, out, before = tmp_path / "disk", tmp_path / "after", tmp_path / "previous.ckpt"
+    disk.mkdir()
+    out.mkdir()
+    before.write_bytes(os.urandom(4 << 20))
+    place = f'cp "{before}" "{disk}/last.ckpt" && ' if previous else ""
+    extra = tmp_path / "checkpoint.yaml"
+    extra.write_text(
+        "trainer:\n  callbacks:\n    - class_path: lightning_offpolicy.checkpointing.PeriodicCheckpoint\n"
+        f"      init_args: {{dirpath: {disk}, every_n_train_steps: {every}, save_last: true, save_top_k: 0}}\n"
+    )
+    command = [
+        sys.executable, "-m", "lightning_offpolicy.cli", "fit",
+        "--config", str(ROOT / "configs" / "quickstart.yaml"), "--config", str(extra),
+        f"--trainer.default_root_dir={tmp_path / 'run'}", f"--trainer.logger.init_args.save_dir={tmp_path / 'run'}",
+        "--trainer.enable_progress_bar=false", "--data.init_args.prompts_per_step=4", "--rollout.samples_per_prompt=2",
+        "--trainer.max_steps=2000",
+    ]  # fmt: skip
+    script = (
+        f'mount -t tmpfs -o size=6M tmpfs "{disk}" && {place}'
+        f'{{ "$@"; status=$?; cp -a "{disk}/." "{out}/"; exit $status; }}'
+    )
+    log_path = tmp_path / "fit.log"
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(
+            ["unshare", "-Urm", "sh", "-c", script, "sh", *command],
+            cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True,
+        )  # fmt: skip
+    try:
+        if sigterm:
+            deadline = time.monotonic() + 600
+            while "first rollout" not in log_path.read_text() and proc.poll() is None:
+                assert time.monotonic() < deadline, "the fit did not start in time"
+                time.sleep(0.5)
+            time.sleep(3.0)
+            (fit_process,) = [
+                p for p in psutil.Process(proc.pid).children(recursive=True) if "lightning_offpolicy.cli" in p.cmdline()
+            ]
+            fit_process.send_signal(signal.SIGTERM)
+        status = proc.wait(timeout=600)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    if previous:
+        assert (out / "last.ckpt").read_bytes() == before.read_bytes(), "the previous checkpoint changed"
+    return status, log_path.read_text(), out
+
+
+@pytest.mark.slow
+def test_cli_sigterm_with_a_full_disk_keeps_the_previous_checkpoint_and_does_not_exit_143(tmp_path):
+    status, log, after = full_disk_cli(tmp_path, every=1000, sigterm=True, previous=True)
+    assert status == SAVE_ERROR_EXIT_CODE == 74, log[-3000:]
+    assert sorted(os.listdir(after)) == ["last.ckpt"], "a truncated or temporary file was left"
+    assert f"No space left on device (ENOSPC) writing {tmp_path / 'disk' / 'preempted.ckpt'} after " in log
+    assert " free on " in log and "exiting with status 74 (not 143" in log
+
+
+@pytest.mark.slow
+def test_cli_periodic_save_on_a_full_disk_fails_naming_enospc_and_keeps_the_previous_checkpoint(tmp_path):
+    """The save at step 2 fits; the one at step 4 does not, beside it: last.ckpt must stay the step-2 one."""
+    status, log, after = full_disk_cli(tmp_path, every=2, sigterm=False, previous=False)
+    assert status == 1, log[-3000:]
+    assert sorted(os.listdir(after)) == ["last.ckpt"], "a truncated or temporary file was left"
+    assert torch.load(after / "last.ckpt", weights_only=False)["global_step"] == 2  # complete, and the previous one
+    assert (
+        f"CheckpointSaveError: Checkpoint not saved: No space left on device (ENOSPC) writing {tmp_path / 'disk'}"
+        in log
+    )
