@@ -45,6 +45,7 @@ import mismatch_study as study  # noqa: E402
 import torch  # noqa: E402
 from _report import code_line, cpu_model  # noqa: E402
 
+from lightning_offpolicy import step  # noqa: E402
 from lightning_offpolicy.batch import RolloutBatch  # noqa: E402
 from lightning_offpolicy.correction import PolicyLossConfig, preset  # noqa: E402
 from lightning_offpolicy.module import OffPolicyRLModule  # noqa: E402
@@ -53,7 +54,10 @@ from lightning_offpolicy.module import OffPolicyRLModule  # noqa: E402
 LEARNING_RATES = {"reverse": 3.5e-4, "letter": 7e-4}
 STALENESS = 4
 CORRECTION = "tis"
+#: The two ways to obtain pi_prox, compared: method -> the study's condition.
 METHODS = {"recompute": f"stale{STALENESS}-{CORRECTION}", "loglinear": f"stale{STALENESS}-{CORRECTION}-loglinear"}
+#: The training rows: both methods, and bypass mode (no pi_prox, no forward either) for reference.
+TRAINING = {**METHODS, "bypass (reference)": f"stale{STALENESS}-bypass"}
 #: Per-batch series kept in the JSON (the study's JSON has every key; these make the table).
 KEPT_SERIES = ("train/reward", "rollout_corr/kl", "perf/step_s", "staleness/mean")
 
@@ -75,8 +79,9 @@ def run_training(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
         "--corrections",
         CORRECTION,
         CORRECTION + study.LOGLINEAR,
+        "bypass",
         "--conditions",
-        *METHODS.values(),
+        *TRAINING.values(),
         "--workers",
         str(args.workers),
         "--lr",
@@ -91,9 +96,9 @@ def run_training(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
 
 
 def training_rows(payload: dict[str, Any], task: str) -> dict[str, dict[str, Any]]:
-    """Per method: the condition's runs and summary."""
+    """Per training row: the condition's runs and summary."""
     out = {}
-    for method, short in METHODS.items():
+    for method, short in TRAINING.items():
         name = f"{task}/{short}"
         out[method] = {
             "runs": [run for run in payload["runs"] if run["condition"] == name],
@@ -104,13 +109,30 @@ def training_rows(payload: dict[str, Any], task: str) -> dict[str, dict[str, Any
 
 # ------------------------------------------------------------------------------ 2. step time alone
 class StepTimes(L.Callback):
-    """``perf/step_s`` of every training batch."""
+    """``perf/step_s`` of every training batch, and the seconds it spent in the timed pieces."""
 
-    def __init__(self) -> None:
-        self.seconds: list[float] = []
+    def __init__(self, pieces: dict[str, float]) -> None:
+        self.pieces = pieces  # piece -> seconds since the last batch (filled by the timed wrappers)
+        self.seconds: dict[str, list[float]] = {"step_s": [], **{name: [] for name in pieces}}
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        self.seconds.append(float(trainer.callback_metrics["perf/step_s"]))
+        self.seconds["step_s"].append(float(trainer.callback_metrics["perf/step_s"]))
+        for name in self.pieces:
+            self.seconds[name].append(self.pieces[name])
+            self.pieces[name] = 0.0
+
+
+def timed(function: Any, pieces: dict[str, float], name: str) -> Any:
+    """``function``, adding its wall time to ``pieces[name]``."""
+
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        began = time.perf_counter()
+        try:
+            return function(*args, **kwargs)
+        finally:
+            pieces[name] += time.perf_counter() - began
+
+    return wrapper
 
 
 def task_model(task: str, workdir: Path) -> str:
@@ -138,17 +160,21 @@ def fixed_batch(policy: torch.nn.Module, spec: study.Task, pad_token_id: int, ve
         rollout_logprobs=[[0.0] * spec.max_new_tokens] * rows,
         pad_token_id=pad_token_id,
     )
-    from lightning_offpolicy import step
-
     with torch.no_grad():
         own = step.response_logprobs(policy, batch, temperature=1.0)
     noise = 0.05 * torch.randn(own.shape, generator=gen)
     return batch.with_fields(rollout_logprobs=(own + noise) * batch.response_mask)
 
 
-def time_steps(model: str, spec: study.Task, method: str, steps: int) -> tuple[list[float], int]:
-    """One fit of ``steps`` batches (the same batch) with ``prox_method=method``: per-step seconds and
-    the policy forwards per batch."""
+def time_steps(model: str, spec: study.Task, method: str, steps: int) -> tuple[dict[str, list[float]], int]:
+    """One fit of ``steps`` batches (the same batch) with ``prox_method=method``.
+
+    Returns:
+        Per batch: the step's seconds (``step_s``), those spent in the proximal forward
+        (``prox_forward_s``, what loglinear saves) and in the correction (``correction_s``: once per
+        batch with recompute, per micro-batch with the interpolation, which loglinear adds); and the
+        policy forwards per batch.
+    """
     L.seed_everything(0, verbose=False)
     module = OffPolicyRLModule(
         model=model,
@@ -163,7 +189,9 @@ def time_steps(model: str, spec: study.Task, method: str, steps: int) -> tuple[l
     batch = fixed_batch(module.policy, spec, module.tokenizer.pad_token_id, module.policy_version)
     forwards = []
     module.policy.base_model.register_forward_hook(lambda *_: forwards.append(1))
-    timer = StepTimes()
+    pieces = {"prox_forward_s": 0.0, "correction_s": 0.0}
+    module._no_grad_logprobs = timed(module._no_grad_logprobs, pieces, "prox_forward_s")
+    timer = StepTimes(pieces)
     trainer = L.Trainer(
         accelerator="cpu",
         max_steps=steps * spec.num_minibatches,
@@ -176,7 +204,14 @@ def time_steps(model: str, spec: study.Task, method: str, steps: int) -> tuple[l
     )
     from torch.utils.data import DataLoader
 
-    trainer.fit(module, DataLoader([batch] * steps, batch_size=None, collate_fn=lambda x: x))
+    originals = {name: getattr(step, name) for name in ("apply_correction", "loglinear_prox")}
+    try:  # the module calls them through the step module: wrapped there for the fit
+        for name, function in originals.items():
+            setattr(step, name, timed(function, pieces, "correction_s"))
+        trainer.fit(module, DataLoader([batch] * steps, batch_size=None, collate_fn=lambda x: x))
+    finally:
+        for name, function in originals.items():
+            setattr(step, name, function)
     return timer.seconds, len(forwards) // steps
 
 
@@ -184,19 +219,20 @@ def run_step_times(args: argparse.Namespace, models: dict[str, str]) -> dict[str
     out: dict[str, Any] = {}
     for task in args.tasks:
         spec = study.TASKS[task]
-        seconds: dict[str, list[float]] = {method: [] for method in METHODS}
+        seconds: dict[str, dict[str, list[float]]] = {method: {} for method in METHODS}
         forwards: dict[str, int] = {}
         for _ in range(args.rounds):
             for method in METHODS:
                 times, per_batch = time_steps(models[task], spec, method, args.steps)
-                seconds[method] += times[2:]  # the first steps warm the allocator and the caches
+                for piece, values in times.items():  # the first steps warm the allocator and the caches
+                    seconds[method].setdefault(piece, []).extend(values[2:])
                 forwards[method] = per_batch
         out[task] = {
             "rows": spec.prompts_per_step * spec.samples_per_prompt,
             "max_new_tokens": spec.max_new_tokens,
             "num_minibatches": spec.num_minibatches,
             "seconds": seconds,
-            "median_s": {m: statistics.median(s) for m, s in seconds.items()},
+            "median_s": {m: {piece: statistics.median(v) for piece, v in s.items()} for m, s in seconds.items()},
             "forwards_per_batch": forwards,
         }
         print(f"{task}: step time {out[task]['median_s']}, forwards {forwards}", flush=True)
@@ -211,34 +247,37 @@ def _mean_std(values: list[float]) -> str:
 
 def render(payload: dict[str, Any]) -> str:
     meta, training, steps = payload["meta"], payload["training"], payload["step_time"]
+    step_meta = payload["step_time_meta"]
     lines = [
         "# Log-linear pi_prox (AReaL's `prox_logp_method=loglinear`) against the recomputed one",
         "",
         f"- **Machine**: {meta['machine']}",
-        f"- **Date**: {meta['date']}",
-        f"- **Code**: {meta['code']}",
-        f"- **Command**: `{meta['command']}`",
-        f"- **Wall time**: {meta['wall_s'] / 60:.1f} min",
+        f"- **Training runs**: {meta['date']}, {meta['code']}, `{meta['command']}`, {meta['wall_s'] / 60:.1f} min",
+        f"- **Step time alone**: {step_meta['date']}, {step_meta['code']}, `{step_meta['command']}`, "
+        f"{step_meta['wall_s'] / 60:.1f} min",
         "",
         "Decoupled PPO + token TIS (cap 2) at `max_staleness` 4 on the mismatch study's two tasks "
         "(`benchmarks/mismatch_study.py`, its calibrated learning rates; docs/results.md has the method), "
-        f"seeds {', '.join(map(str, meta['seeds']))}, paired. The only difference between the rows of a "
-        "task is `OffPolicyCorrectionConfig.prox_method`. AUC: mean `train/reward` over the run; final: "
-        "over its last 10%; the paired difference is loglinear minus recompute with the same seed, mean "
+        f"seeds {', '.join(map(str, meta['seeds']))}, paired. The only difference between the recompute and "
+        "loglinear rows of a task is `OffPolicyCorrectionConfig.prox_method`; the bypass row "
+        "(`OffPolicyCorrectionConfig.bypass()`: no pi_prox, PPO clipped against pi_rollout, no weight) is the "
+        "other way to skip the proximal forward. AUC: mean `train/reward` over the run; final: "
+        "over its last 10%; the paired differences are the row minus recompute with the same seed, mean "
         "and 95% CI (Student t), bold where it excludes 0. `rollout_corr/kl` compares each row's own "
-        "pi_prox with pi_rollout (the recomputed one, or the interpolated one). `perf/step_s`: the "
+        "pi_prox with pi_rollout (the recomputed one, or the interpolated one; in bypass mode pi_theta, per "
+        "micro-batch). `perf/step_s`: the "
         "training step's mean wall time in those runs (generation runs beside it); the isolated step "
         "time below is the one to read for speed.",
         "",
         "## Training",
         "",
-        "| task | pi_prox | final reward | AUC reward | AUC loglinear - recompute (paired, 95% CI) "
-        "| final loglinear - recompute | rollout_corr/kl mean | perf/step_s mean | run wall (s) |",
+        "| task | pi_prox | final reward | AUC reward | AUC - recompute (paired, 95% CI) "
+        "| final - recompute (paired, 95% CI) | rollout_corr/kl mean | perf/step_s mean | run wall (s) |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
     for task, rows in training.items():
         base = rows["recompute"]["runs"]
-        for method in METHODS:
+        for method in rows:
             runs = rows[method]["runs"]
             summaries = [r["summary"] for r in runs]
             if method == "recompute":
@@ -258,26 +297,50 @@ def render(payload: dict[str, Any]) -> str:
         "## Step time alone",
         "",
         "| task | batch | optimizer steps per batch | policy forwards per batch (recompute / loglinear) "
-        "| median step s, recompute | median step s, loglinear | loglinear / recompute |",
-        "|---|---|---|---|---|---|---|",
+        "| step s, recompute | step s, loglinear | loglinear / recompute | proximal forward s (saved) "
+        "| correction s, recompute / loglinear |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for task, t in steps.items():
         rec, log = t["median_s"]["recompute"], t["median_s"]["loglinear"]
         lines.append(
             f"| `{task}` | {t['rows']} rows x <= {t['max_new_tokens']} tokens | {t['num_minibatches']} "
             f"| {t['forwards_per_batch']['recompute']} / {t['forwards_per_batch']['loglinear']} "
-            f"| {rec:.4f} | {log:.4f} | {log / rec:.2f} |"
+            f"| {rec['step_s']:.4f} | {log['step_s']:.4f} | {log['step_s'] / rec['step_s']:.2f} "
+            f"| {rec['prox_forward_s']:.4f} | {rec['correction_s']:.4f} / {log['correction_s']:.4f} |"
         )
     lines += [
         "",
-        f"{meta['rounds']} alternated fits per method and task, {meta['steps']} steps each, the first 2 of "
-        "each fit dropped. A batch that is one optimizer step in one micro-batch (`letter`) already takes "
-        "the recomputed pi_prox from that step's own forward (one forward per batch either way), so "
-        "loglinear saves nothing there.",
+        f"Medians per batch over {step_meta['rounds']} alternated fits per method and task, {step_meta['steps']} steps "
+        "each, the first 2 of each fit dropped. The proximal forward is the no-gradient pass recompute runs "
+        "(what loglinear saves); the correction is `compute_correction` with the interpolation, once per batch "
+        "with recompute and per micro-batch with loglinear (what it adds). A batch that is one optimizer step "
+        "in one micro-batch (`letter`) already takes the recomputed pi_prox from that step's own forward (one "
+        "forward per batch either way), so loglinear saves nothing there.",
     ]
     if payload.get("reading"):
         lines += ["", "## Reading", "", payload["reading"].strip()]
     return "\n".join(lines) + "\n"
+
+
+def _meta(command: str, **extra: Any) -> dict[str, Any]:
+    return {
+        "date": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "machine": f"{cpu_model()}, nproc={os.cpu_count()}, torch {torch.__version__}, intra-op threads=1, Python "
+        f"{platform.python_version()}",
+        "code": code_line(),
+        "command": command,
+        "began": time.perf_counter(),
+        **extra,
+    }
+
+
+def _kept(rows: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """``rows`` with each run's series cut to :data:`KEPT_SERIES`."""
+    for row in rows.values():
+        for run in row["runs"]:
+            run["series"] = {k: v for k, v in run["series"].items() if k in KEPT_SERIES}
+    return rows
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -292,6 +355,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--reading", type=Path, default=None, help="markdown appended as '## Reading'")
     parser.add_argument(
         "--render-only", action="store_true", help="rewrite the report from the JSON beside --output (no runs)"
+    )
+    parser.add_argument(
+        "--only",
+        choices=["training", "step_time"],
+        default=None,
+        help="run this part only; the other keeps its results from the JSON beside --output",
     )
     parser.add_argument("--quick", action="store_true", help="the study's --quick shape, 1 seed, 1 short round")
     args = parser.parse_args(argv)
@@ -308,35 +377,22 @@ def main(argv: list[str] | None = None) -> int:
         payload = json.loads(json_path.read_text())
     else:
         torch.set_num_threads(1)
-        code = code_line()
-        began = time.perf_counter()
+        # A part not run keeps its results (and their meta) from the JSON beside --output.
+        payload = json.loads(json_path.read_text()) if args.only else {}
+        command = " ".join(shlex.quote(a) for a in ["python", "benchmarks/prox_loglinear.py", *argv])
         with tempfile.TemporaryDirectory(prefix="prox_loglinear_") as tmp:
             workdir = Path(tmp)
             models = {task: task_model(task, workdir) for task in args.tasks}
-            step_time = run_step_times(args, models)
-            study_payload = run_training(args, workdir)
-        training = {}
-        for task in args.tasks:
-            rows = training_rows(study_payload, task)
-            for row in rows.values():
-                for run in row["runs"]:
-                    run["series"] = {k: v for k, v in run["series"].items() if k in KEPT_SERIES}
-            training[task] = rows
-        payload = {
-            "meta": {
-                "date": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-                "machine": f"{cpu_model()}, nproc={os.cpu_count()}, torch {torch.__version__} (intra-op threads=1 "
-                f"per run, {args.workers} runs in parallel), Python {platform.python_version()}",
-                "code": code,
-                "command": " ".join(shlex.quote(a) for a in ["python", "benchmarks/prox_loglinear.py", *argv]),
-                "wall_s": time.perf_counter() - began,
-                "seeds": args.seeds,
-                "rounds": args.rounds,
-                "steps": args.steps,
-            },
-            "training": training,
-            "step_time": step_time,
-        }
+            if args.only in (None, "step_time"):
+                meta = _meta(command, rounds=args.rounds, steps=args.steps)
+                payload["step_time"] = run_step_times(args, models)
+                payload["step_time_meta"] = {**meta, "wall_s": time.perf_counter() - meta.pop("began")}
+            if args.only in (None, "training"):
+                meta = _meta(command, seeds=args.seeds)
+                meta["machine"] += f" ({args.workers} runs in parallel)"
+                study_payload = run_training(args, workdir)
+                payload["training"] = {task: _kept(training_rows(study_payload, task)) for task in args.tasks}
+                payload["meta"] = {**meta, "wall_s": time.perf_counter() - meta.pop("began")}
         json_path.parent.mkdir(parents=True, exist_ok=True)
         json_path.write_text(json.dumps(study._jsonable(payload), separators=(",", ":")) + "\n")
         payload = json.loads(json_path.read_text())

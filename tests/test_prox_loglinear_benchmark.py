@@ -34,13 +34,18 @@ def test_quick_run_reports_both_methods_and_the_forward_it_saves(tmp_path):
     step = payload["step_time"]["reverse"]
     # Two optimizer steps per batch: recompute adds the forward without gradient to the two with it.
     assert step["forwards_per_batch"] == {"recompute": 3, "loglinear": 2}
-    assert all(seconds > 0 for values in step["seconds"].values() for seconds in values)
+    assert all(seconds > 0 for pieces in step["seconds"].values() for seconds in pieces["step_s"])
+    median = step["median_s"]
+    # What loglinear saves (the proximal forward: none of it left) and what it adds (the correction per micro-batch).
+    assert median["recompute"]["prox_forward_s"] > 0 and median["loglinear"]["prox_forward_s"] == 0
+    assert median["recompute"]["correction_s"] > 0 and median["loglinear"]["correction_s"] > 0
     training = payload["training"]["reverse"]
-    assert [len(training[m]["runs"]) for m in ("recompute", "loglinear")] == [1, 1]
-    for method in ("recompute", "loglinear"):
+    assert [len(training[m]["runs"]) for m in ("recompute", "loglinear", "bypass (reference)")] == [1, 1, 1]
+    for method in training:
         series = training[method]["runs"][0]["series"]
         assert set(series) == set(prox_loglinear.KEPT_SERIES)
         assert min(series["staleness/mean"][-2:]) > 0  # asynchronous: the tokens are stale
     text = output.read_text()
-    assert "| `reverse` | recompute |" in text and "| `reverse` | loglinear |" in text
+    for method in ("recompute", "loglinear", "bypass (reference)"):
+        assert f"| `reverse` | {method} |" in text
     assert "| 3 / 2 |" in text
