@@ -752,3 +752,32 @@ def test_wrong_shapes_get_the_kits_own_error():
         ValueError, match=r"correction was computed for a batch of shape \(1, 3\), response_mask is \(2, 3\)"
     ):
         policy_loss(lp, lp, lp, torch.ones(2), mask, correction=one_row)
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_prox_passed_as_pi_thetas_own_forward_trains_as_its_detached_copy(fused):
+    """pi_prox given with pi_theta's graph (the same tensor, not detached): before, the loss value was
+    the same but the gradient 0 (the ratio was exp(lp - lp)); now it is a constant, as detached."""
+    from lightning_offpolicy.correction.fused import FusedCorrectionStep
+
+    mask, _ = _small()
+    loss_cfg = PolicyLossConfig(ref_kl_coef=0.1)
+    grads = []
+    for detach in (True, False):
+        logprobs = torch.tensor([[-1.0, -2.0, 0.0], [-1.0, -0.5, -0.3]], requires_grad=True)
+        args = dict(
+            logprobs=logprobs,
+            prox_logprobs=logprobs.detach() if detach else logprobs,
+            rollout_logprobs=logprobs.detach() - 0.2,
+            advantages=torch.tensor([1.0, -1.0]),
+            response_mask=mask,
+            ref_logprobs=logprobs * 1.0 - 0.3,  # a graph too: no gradient may flow through it either
+        )
+        if fused:
+            loss = FusedCorrectionStep(OffPolicyCorrectionConfig(), loss_cfg, compiled=False)(**args).loss
+        else:
+            loss = policy_loss(loss_cfg=loss_cfg, **args)[0]
+        loss.backward()
+        grads.append(logprobs.grad)
+    assert bool(grads[0].abs().sum() > 0)
+    torch.testing.assert_close(grads[1], grads[0], atol=0, rtol=0)

@@ -46,6 +46,7 @@ from lightning_offpolicy.correction.losses import (
     _loss_scalars,
     _Objective,
     _policy_loss_terms,
+    constants_of_the_step,
     entropy_bonus,
     policy_loss,
 )
@@ -130,6 +131,9 @@ class FusedCorrectionStep:
                 tensor, or NaN at a response token, naming the tensor and the token).
         """
         cfg = self.config
+        prox_logprobs, rollout_logprobs, ref_logprobs = constants_of_the_step(
+            prox_logprobs, rollout_logprobs, ref_logprobs
+        )
         # In bypass mode with a mask, the correction compares the current policy with pi_rollout.
         prox = cfg.ratio_numerator(prox_logprobs, logprobs)
         _check_inputs(prox, rollout_logprobs, response_mask, cfg)

@@ -175,7 +175,9 @@ def policy_loss(
 
     Args:
         logprobs: ``[B, T]`` logprobs of the sampled tokens under ``pi_theta`` (with gradient).
-        prox_logprobs: ``[B, T]`` under ``pi_prox`` (no gradient); ignored in bypass mode.
+        prox_logprobs: ``[B, T]`` under ``pi_prox``; ignored in bypass mode. Like
+            ``rollout_logprobs`` and ``ref_logprobs`` it is a constant of the step: a graph it
+            carries is detached (:func:`constants_of_the_step`).
         rollout_logprobs: ``[B, T]`` under ``pi_rollout``; needed by bypass, pure IS, CISPO on the
             rollout and the rollout KL loss.
         advantages: ``[B, T]`` per-token advantages, or ``[B]`` per-sequence (broadcast).
@@ -264,6 +266,7 @@ def policy_loss(
             f"response_mask is {tuple(response_mask.shape)} (it would be broadcast silently): pass the "
             "compute_correction output of this batch."
         )
+    prox_logprobs, rollout_logprobs, ref_logprobs = constants_of_the_step(prox_logprobs, rollout_logprobs, ref_logprobs)
     advantages, read = _checked_loss_inputs(
         logprobs, prox_logprobs, rollout_logprobs, advantages, response_mask, loss_cfg, how, ref_logprobs,
         weights, mask, entropy,
@@ -286,6 +289,16 @@ def policy_loss(
             ref_logprobs = finite_logprobs(ref_logprobs) if "ref_logprobs" in infinite else ref_logprobs
             total, info = terms()
     return total, info
+
+
+def constants_of_the_step(*logprobs: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
+    """``pi_prox``, ``pi_rollout`` and the reference logprobs detached: constants of the step.
+
+    Passed with a graph (``prox_logprobs`` being pi_theta's own forward, not detached), the PPO
+    ratio would be 1 with a zero gradient, or the gradient would flow into them; only ``logprobs``
+    (pi_theta) is differentiated.
+    """
+    return tuple(None if t is None else t.detach() for t in logprobs)
 
 
 def _checked_loss_inputs(
