@@ -25,12 +25,13 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import os
 import statistics
 import sys
 import time
 from pathlib import Path
 
-from _report import header_bullets, mb, run_header
+from _report import header_bullets, load_bullet, mb, run_header
 from logprob_memory import _peak_bytes, _reset_peak, _rss_bytes
 
 FULL = {"vocab": 151936, "hidden": 896, "tokens": 1024, "widths": [0, 20, 64, 512], "repeats": 3}
@@ -121,11 +122,12 @@ def render(header: dict, settings: dict, rows: list[dict]) -> str:
         "# The cost of a sampling mask in the trainer's logprobs",
         "",
         *header_bullets(header),
+        *([load_bullet(*header["load"])] if "load" in header else []),
         f"- **Shape**: V = {settings['vocab']}, H = {settings['hidden']}, T = {settings['tokens']} response "
         f"tokens, float32, temperature 0.9, one thread; medians of {settings['repeats']} rounds, each round "
         "running every K back to back (a ratio is the median of its per-round ratios).",
         "",
-        "| path | kept ids per position (K) | forward + backward (median) | x plain | peak extra memory | x plain |",
+        "| path | kept ids per position (K) | forward + backward (median) | x plain | peak extra MiB | x plain |",
         "|---|---:|---:|---:|---:|---:|",
     ]
     for row in rows:
@@ -156,8 +158,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--output", type=Path, default=None, help="Markdown report (a .json next to it)")
     args = parser.parse_args(argv)
     settings = QUICK if args.quick else FULL
+    load_start = os.getloadavg()[0]
     rows = measure("fused", settings) + measure("lean", settings)
-    header = run_header("sampling_mask_cost.py", argv)
+    header = {**run_header("sampling_mask_cost.py", argv), "load": [load_start, os.getloadavg()[0]]}
     report = render(header, settings, rows)
     print(report)
     if args.output is not None:
