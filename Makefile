@@ -82,15 +82,20 @@ bench: $(VENV)/.dev
 	$(PY) benchmarks/summarize.py --docs docs --output docs/performance.md --started $$start --load-start $$load
 
 # top_p 0.9 on vs_trl's task: TRL and the kit with the sampling mask, the kit without it, and both at
-# top_p 1.0 (3 seeds each, ~25 min on one core), merged into one report.
+# top_p 1.0 (3 seeds each); the kit in bypass mode with and without the mask (5 seeds each). ~50 min
+# on one core, merged into one report.
 TOP_P_RUNS = /tmp/lightning_offpolicy_vs_trl_top_p
 vs-trl-top-p: $(VENV)/.dev
 	set -e; export OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1}; mkdir -p $(TOP_P_RUNS); \
 	$(PY) benchmarks/vs_trl.py --seeds 0,1,2 --top-p 0.9 --output $(TOP_P_RUNS)/mask.md; \
 	$(PY) benchmarks/vs_trl.py --seeds 0,1,2 --top-p 0.9 --sides kit --kit-sampling-mask off --output $(TOP_P_RUNS)/nomask.md; \
 	$(PY) benchmarks/vs_trl.py --seeds 0,1,2 --output $(TOP_P_RUNS)/full.md; \
+	$(PY) benchmarks/vs_trl.py --seeds 0,1,2,3,4 --top-p 0.9 --sides kit --kit-correction bypass \
+		--output $(TOP_P_RUNS)/bypass_mask.md; \
+	$(PY) benchmarks/vs_trl.py --seeds 0,1,2,3,4 --top-p 0.9 --sides kit --kit-correction bypass \
+		--kit-sampling-mask off --output $(TOP_P_RUNS)/bypass_nomask.md; \
 	$(PY) benchmarks/vs_trl.py --from-json $(TOP_P_RUNS)/mask.json $(TOP_P_RUNS)/nomask.json $(TOP_P_RUNS)/full.json \
-		--output docs/performance_vs_trl_top_p.md
+		$(TOP_P_RUNS)/bypass_mask.json $(TOP_P_RUNS)/bypass_nomask.json --output docs/performance_vs_trl_top_p.md
 
 # 8 calibration fits, then 118 short RL fits on two tasks, 2 at a time (one thread each), niced:
 # the report is docs/results.md, the per-batch series and the plots are in docs/results/ (the
