@@ -32,7 +32,7 @@ import traceback
 from typing import Any
 
 from lightning.pytorch import LightningDataModule, Trainer
-from lightning.pytorch.callbacks import ProgressBar
+from lightning.pytorch.callbacks import ModelCheckpoint, ProgressBar
 from lightning.pytorch.cli import LightningCLI
 
 from lightning_offpolicy.checkpointing import find_last_checkpoint, install_atomic_checkpoint_io
@@ -133,6 +133,15 @@ class OffPolicyCLI(LightningCLI):
 
     def instantiate_trainer(self, **kwargs: Any) -> Trainer:
         """The Trainer, with :class:`RLProgressBar` in place of Lightning's default bar, and atomic checkpoints."""
+        trainer_config = self._get(self.config_init, "trainer", default={})
+        callbacks = trainer_config.get("callbacks")
+        if trainer_config.get("enable_checkpointing") is False and isinstance(callbacks, list):
+            # `--trainer.enable_checkpointing=false` over a shipped config that lists its periodic
+            # checkpoint: the user asked for no checkpoints (Lightning would refuse the combination).
+            kept = [c for c in callbacks if not isinstance(c, ModelCheckpoint)]
+            if len(kept) != len(callbacks):
+                log.info("trainer.enable_checkpointing=false: the config's ModelCheckpoint callbacks are left out.")
+                trainer_config["callbacks"] = kept
         trainer = super().instantiate_trainer(**kwargs)
         # A full disk during a save must leave the previous checkpoint, not a truncated file under its name.
         install_atomic_checkpoint_io(trainer)
