@@ -29,12 +29,18 @@ def _load_study():
     spec = importlib.util.spec_from_file_location("mismatch_study", STUDY)
     study = importlib.util.module_from_spec(spec)
     sys.path.insert(0, str(STUDY.parent))  # the script imports its siblings _report and vs_trl
-    sys.modules["mismatch_study"] = study  # its dataclasses look their module up
+    # Its dataclasses look their module up; the module another test file imported stays registered
+    # afterwards (popping it made a later pickle of that module's functions fail).
+    previous = sys.modules.get("mismatch_study")
+    sys.modules["mismatch_study"] = study
     try:
         spec.loader.exec_module(study)
     finally:
         sys.path.remove(str(STUDY.parent))
-        sys.modules.pop("mismatch_study", None)
+        if previous is None:
+            sys.modules.pop("mismatch_study", None)
+        else:
+            sys.modules["mismatch_study"] = previous
     return study
 
 

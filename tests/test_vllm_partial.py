@@ -26,6 +26,27 @@ NEVER = [0]  # the padding id: the SFT-warmed checkpoint never samples it
 
 
 @contextlib.contextmanager
+def interrupt_after_steps(engine, steps: int):
+    """Inside: ``engine.interrupt()`` once vLLM has run ``steps`` engine steps of the next call (a
+    deterministic point inside the call, where a timer can land after it on a fast machine)."""
+    llm_engine = engine.llm.llm_engine
+    step = llm_engine.step
+    count = {"n": 0}
+
+    def counted():
+        count["n"] += 1
+        if count["n"] == steps:
+            engine.interrupt()
+        return step()
+
+    llm_engine.step = counted
+    try:
+        yield
+    finally:
+        del llm_engine.step  # the class's method again
+
+
+@contextlib.contextmanager
 def never_stopping(engine):
     saved = (engine.eos_token_id, engine.stop_token_ids)
     engine.eos_token_id, engine.stop_token_ids = NEVER[0], []
@@ -78,11 +99,13 @@ def test_a_continued_completion_has_the_version_and_logprobs_of_each_segment(vll
     @contextlib.contextmanager
     def turn():
         calls["n"] += 1
-        if calls["n"] == 1:  # interrupt the first call once it is under way
-            threading.Timer(0.3, vllm_engine.interrupt).start()
         if calls["n"] == 2:  # the push between the two segments
             vllm_engine.update_weights(new, 1)
-        yield
+        if calls["n"] == 1:  # interrupt the first call 20 engine steps in (about 20 tokens per row)
+            with interrupt_after_steps(vllm_engine, 20):
+                yield
+        else:
+            yield
 
     stats = PartialStats()
     try:

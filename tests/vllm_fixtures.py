@@ -53,6 +53,8 @@ class EngineHolder:
             self.engine = VLLMEngine(model=None, eos_token_id=2, **ENGINE_KWARGS)
             trainer = LlamaForCausalLM.from_pretrained(str(self.model), dtype=torch.float32).eval()
             self.engine.update_weights(trainer, 0)
+        # An interrupt a test sent after its last call ended would cut the next test's first call.
+        self.engine._interrupt.clear()
         return self.engine
 
     def close(self) -> None:
