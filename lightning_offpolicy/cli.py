@@ -141,12 +141,12 @@ class OffPolicyCLI(LightningCLI):
             kept = [c for c in callbacks if not isinstance(c, ModelCheckpoint)]
             if len(kept) != len(callbacks):
                 log.info("trainer.enable_checkpointing=false: the config's ModelCheckpoint callbacks are left out.")
-                trainer_config["callbacks"] = kept
+                trainer_config["callbacks"] = callbacks = kept
+        # The callbacks the config names, read now: Lightning extends the config's list in place.
+        configured = list(callbacks) if isinstance(callbacks, list) else [] if callbacks is None else [callbacks]
         trainer = super().instantiate_trainer(**kwargs)
         # A full disk during a save must leave the previous checkpoint, not a truncated file under its name.
         install_atomic_checkpoint_io(trainer)
-        configured = self._get(self.config_init, "trainer", default={}).get("callbacks") or []
-        configured = configured if isinstance(configured, list) else [configured]
         default_bar = trainer.progress_bar_callback
         if default_bar is not None and not any(isinstance(c, ProgressBar) for c in configured):
             # Lightning's default counts max_steps (optimizer steps) as batches: 2 per batch -> twice the batches.
