@@ -282,17 +282,7 @@ class OffPolicyCorrectionConfig:
             translation = translate(values, bypass_mode=self.bypass_mode)
         except PeerNameError as err:
             raise CorrectionConfigError(str(err)) from None
-        defaults = {f.name: f.default for f in fields(self)}
-        for name, value in translation.settings.items():
-            current = getattr(self, name)
-            if current != defaults[name] and current != value:
-                raise CorrectionConfigError(
-                    f"OffPolicyCorrectionConfig.{name}={current!r} conflicts with the peer setting that maps to "
-                    f"{name}={value!r}; give one of them."
-                )
-            setattr(self, name, value)
-        for message in translation.messages:
-            warnings.warn(message, PeerNameWarning, stacklevel=4)
+        _apply_peer_translation(self, translation, "OffPolicyCorrectionConfig")
         # Back to "not given": a copy (replace) or a config built from this one maps nothing again.
         for name in PEER_OF:
             setattr(self, name, PEER_DEFAULTS[name])
@@ -839,17 +829,7 @@ class PolicyLossConfig:
             translation = translate_loss(values)
         except PeerNameError as err:
             raise CorrectionConfigError(str(err)) from None
-        defaults = {f.name: f.default for f in fields(self)}
-        for name, value in translation.settings.items():
-            current = getattr(self, name)
-            if current != defaults[name] and current != value:
-                raise CorrectionConfigError(
-                    f"PolicyLossConfig.{name}={current!r} conflicts with the peer setting that maps to "
-                    f"{name}={value!r}; give one of them."
-                )
-            setattr(self, name, value)
-        for message in translation.messages:
-            warnings.warn(message, PeerNameWarning, stacklevel=4)
+        _apply_peer_translation(self, translation, "PolicyLossConfig")
         for name in LOSS_PEER_OF:
             setattr(self, name, None)
 
@@ -924,3 +904,23 @@ def preset(name: str, **kwargs: Any) -> OffPolicyCorrectionConfig:
 # that every `torch.load(weights_only=True)` that can name them rebuilds them: Lightning's resume and
 # `load_from_checkpoint` included, which load before any module hook runs.
 torch.serialization.add_safe_globals([OffPolicyCorrectionConfig, PolicyLossConfig])
+
+
+def _apply_peer_translation(config: Any, translation: Any, who: str) -> None:
+    """Set the fields a peer-name translation maps to on ``config`` and warn its messages.
+
+    Raises:
+        CorrectionConfigError: a field the caller set (not at its default) differs from the value a
+            peer setting maps to.
+    """
+    defaults = {f.name: f.default for f in fields(config)}
+    for name, value in translation.settings.items():
+        current = getattr(config, name)
+        if current != defaults[name] and current != value:
+            raise CorrectionConfigError(
+                f"{who}.{name}={current!r} conflicts with the peer setting that maps to {name}={value!r}; "
+                "give one of them."
+            )
+        setattr(config, name, value)
+    for message in translation.messages:
+        warnings.warn(message, PeerNameWarning, stacklevel=5)
