@@ -112,13 +112,19 @@ def test_a_continued_completion_has_the_version_and_logprobs_of_each_segment(vll
         with never_stopping(vllm_engine) as engine:
             completions = generate_resumable(engine, prompts, sampling, seed=2, turn=turn, stats=stats)
         assert stats.interrupted == 4 and stats.continuation_calls >= 1
-        assert all(len(c.token_ids) == 120 and c.finish_reason == "length" for c in completions)
+        # Ran to max_new_tokens, or stopped on NEVER in the continued segment: the checkpoint never
+        # samples the padding id, the perturbed weights now and then do.
+        assert all(
+            (c.finish_reason, len(c.token_ids)) == ("length", 120)
+            or (c.finish_reason == "stop" and c.token_ids[-1] == NEVER[0] and c.token_versions()[-1] == 1)
+            for c in completions
+        )
         old_lp = teacher_forced_logprobs(trainer_model, prompts, completions, 1.0)
         new_lp = teacher_forced_logprobs(new, prompts, completions, 1.0)
         for c, under_old, under_new in zip(completions, old_lp, new_lp, strict=True):
             versions = c.token_versions()
-            cut = versions.count(0)
-            assert 0 < cut < 120 and versions == [0] * cut + [1] * (120 - cut)
+            cut, length = versions.count(0), len(versions)
+            assert 0 < cut < length and versions == [0] * cut + [1] * (length - cut)
             lp = torch.tensor(c.logprobs)
             assert float((lp[:cut] - torch.tensor(under_old[:cut])).abs().max()) < 1e-3
             assert float((lp[cut:] - torch.tensor(under_new[cut:])).abs().max()) < 1e-3
