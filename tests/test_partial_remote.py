@@ -24,6 +24,7 @@ import torch
 from lightning_offpolicy.rollout.engine import INTERRUPTED, InterruptibleEngine, SamplingConfig
 from lightning_offpolicy.rollout.partial import PartialStats, generate_resumable
 from lightning_offpolicy.rollout.vllm import RemoteVLLMEngine, launch_local_server
+from lightning_offpolicy.rollout.vllm.streamed import StreamedChoices
 from tests.module_helpers import perturbed
 from tests.vllm_fixtures import requires_vllm, residuals, reverse_prompts, teacher_forced_logprobs
 
@@ -74,34 +75,61 @@ def _ran_to_the_end(c) -> bool:
     )
 
 
-class InterruptLater:
-    """Calls ``engine.interrupt()`` from another thread once the server has generated ``tokens`` more
-    tokens (its /metrics counter), so that the call is surely under way; records when.
-    :meth:`stop` (at the end of the call) ends the wait without interrupting."""
+class InterruptAfterTokens:
+    """Calls ``engine.interrupt()`` once the call in flight has received ``tokens`` streamed tokens (summed
+    over its requests) and, with ``requests``, at least one token of every sample of that many requests,
+    from the thread that read the last of them: the interrupt surely lands inside the call, at a known
+    point of it (no clock, no polling of the server). Records when and how many tokens had come.
 
-    def __init__(self, engine: RemoteVLLMEngine, base_url: str, tokens: float) -> None:
+    Installed on :class:`StreamedChoices` with ``monkeypatch``; fires once.
+    """
+
+    def __init__(
+        self, engine: RemoteVLLMEngine, monkeypatch: pytest.MonkeyPatch, tokens: int, requests: int = 0
+    ) -> None:
         self.at: float | None = None
-        self.generated_before = 0.0  # tokens the server had generated (since this object) at the interrupt
-        self._stop = threading.Event()
-        start = _metrics(base_url)["generated"]
+        self.received = 0  # tokens received when the interrupt was sent
+        lock, add = threading.Lock(), StreamedChoices.add
+        answers: list[StreamedChoices] = []  # the requests that have answered
 
-        def run() -> None:
-            while not self._stop.is_set():
-                generated = _metrics(base_url)["generated"] - start
-                if generated >= tokens:
-                    self.at, self.generated_before = time.perf_counter(), generated
-                    engine.interrupt()
+        def counting_add(choices: StreamedChoices, event) -> None:
+            add(choices, event)
+            with lock:
+                if self.at is not None:
                     return
-                time.sleep(0.02)
+                if not any(a is choices for a in answers):
+                    answers.append(choices)
+                received = sum(len(t) for a in answers for t in a.tokens)
+                started = sum(all(a.tokens) for a in answers)  # requests whose every sample has a token
+                if received >= tokens and started >= requests:
+                    self.at, self.received = time.perf_counter(), received
+                    engine.interrupt()
 
-        self.thread = threading.Thread(target=run, daemon=True)
-        self.thread.start()
+        monkeypatch.setattr(StreamedChoices, "add", counting_add)
 
-    def stop(self) -> float | None:
-        """End the wait; when the interrupt was sent (``None``: the call ended first)."""
-        self._stop.set()
-        self.thread.join(60)
-        return self.at
+
+class InterruptOnceSent:
+    """Calls ``engine.interrupt()`` right after the first ``/v1/completions`` request of the next call is
+    written to its socket, before its answer is read: for a request that does not stream (whose
+    answer comes whole at its end). Installed on the engine's HTTP client with ``monkeypatch``."""
+
+    def __init__(self, engine: RemoteVLLMEngine, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.at: float | None = None
+        send = engine._http._send
+
+        def interrupting_send(conn, method, path, body, accept):
+            if self.at is None and path.endswith("/v1/completions"):
+                getresponse = conn.getresponse
+
+                def interrupted_getresponse(*args, **kwargs):
+                    self.at = time.perf_counter()
+                    engine.interrupt()
+                    return getresponse(*args, **kwargs)
+
+                conn.getresponse = interrupted_getresponse
+            return send(conn, method, path, body, accept)
+
+        monkeypatch.setattr(engine._http, "_send", interrupting_send)
 
 
 # ---------------------------------------------------------------------- the module's real server
@@ -139,14 +167,12 @@ def engine(server, weights_dir):
     eng.close()
 
 
-# Timed against a real server on a shared 2-core machine: once in a full-suite run the interrupt
-# landed ~1.8 s late (not reproduced alone); rerun before failing. A real regression fails all runs.
-@pytest.mark.flaky(reruns=2)
 @requires_vllm
 @pytest.mark.slow
-def test_interrupt_returns_the_tokens_so_far_at_once_and_the_server_stops(engine, server, trainer_model):
-    """Test 1 and 2: a long call interrupted from another thread returns within a small fraction of
-    the full call's time, with the seeded draws so far and the trainer's logprobs; the server aborts."""
+def test_interrupt_returns_the_tokens_so_far_at_once_and_the_server_stops(engine, server, trainer_model, monkeypatch):
+    """Test 1 and 2: a long call interrupted once a fifth of its tokens have arrived returns within a small
+    fraction of the full call's time, with the seeded draws so far and the trainer's logprobs; the server
+    aborts (its own generated-token counter stays far below the full call's)."""
     assert isinstance(engine, InterruptibleEngine)
     prompts = reverse_prompts(8, seed=1)
     long = SamplingConfig(max_new_tokens=LONG, temperature=TEMPERATURE, samples_per_prompt=8)
@@ -159,44 +185,41 @@ def test_interrupt_returns_the_tokens_so_far_at_once_and_the_server_stops(engine
     full_tokens = _settled(server.base_url)["generated"] - before["generated"]
     assert all(_ran_to_the_end(c) for c in full)
     assert sum(c.finish_reason == "stop" for c in full) <= len(full) // 8
+    assert full_tokens == sum(len(c.token_ids) for c in full)
 
     before = _settled(server.base_url)
-    trigger = InterruptLater(engine, server.base_url, tokens=0.2 * full_tokens)
+    # Once a fifth of the tokens and a token of every sample have come.
+    trigger = InterruptAfterTokens(engine, monkeypatch, tokens=int(0.2 * full_tokens), requests=len(prompts))
     began = time.perf_counter()
     cut = engine.generate(prompts, long, seed=3)
     ended = time.perf_counter()
-    interrupted_at = trigger.stop()
-    assert interrupted_at is not None, "the call ended before the interrupt"
-    latency_s = ended - interrupted_at
-    after = _settled(server.base_url)
-    idle_s = time.perf_counter() - interrupted_at  # an upper bound: /metrics is polled every 50 ms
-    cut_tokens = after["generated"] - before["generated"]
+    assert trigger.at is not None, "the call ended before the interrupt"
+    latency_s = ended - trigger.at
+    cut_tokens = _settled(server.base_url)["generated"] - before["generated"]
     received = sum(len(c.token_ids) for c in cut)
     print(
-        f"\nfull call {full_s:.2f} s ({full_tokens:.0f} tokens); interrupted at {interrupted_at - began:.2f} s, "
-        f"returned {1000 * latency_s:.1f} ms later with {received} tokens; the server generated {cut_tokens:.0f} "
-        f"and had no request left {1000 * idle_s:.0f} ms after the interrupt"
+        f"\nfull call {full_s:.2f} s ({full_tokens:.0f} tokens); interrupted at {trigger.at - began:.2f} s with "
+        f"{trigger.received} tokens received, returned {1000 * latency_s:.1f} ms later with {received} tokens; "
+        f"the server generated {cut_tokens:.0f}"
     )
     assert latency_s < 0.25 * full_s, (latency_s, full_s)
     for c, f in zip(cut, full, strict=True):
         assert len(c.logprobs) == len(c.token_ids) and c.policy_version == 0
         assert c.token_ids == f.token_ids[: len(c.token_ids)]  # the same seeded draws, cut short
-        if c.finish_reason == INTERRUPTED:  # none kept when cut before its first streamed chunk (or still queued)
-            assert len(c.token_ids) < len(f.token_ids)
+        if c.finish_reason == INTERRUPTED:  # it keeps what it had sampled
+            assert 0 < len(c.token_ids) < len(f.token_ids)
         else:  # one that had stopped before the interrupt keeps its finish reason
             assert (c.finish_reason, c.token_ids) == ("stop", f.token_ids)
     assert sum(c.finish_reason == INTERRUPTED for c in cut) >= 0.8 * len(cut)
-    assert sum(len(c.token_ids) > 0 for c in cut) >= len(cut) // 2  # most kept what they had sampled
     # The logprobs of the partial tokens are those of the distribution sampled from (test 2).
     reference = teacher_forced_logprobs(trainer_model, prompts, cut, TEMPERATURE)
     res = residuals([c.logprobs for c in cut], reference)
     print(f"partial tokens: |server - trainer| logprob max {res.max():.3g} over {res.numel()} tokens")
     assert res.max() <= LOGPROB_MAX_TOL
-    # The server aborted the requests when their connections closed: no request is left running, and
-    # after the interrupt it generated a small part of the tokens the call still had to generate.
-    after_interrupt, left = cut_tokens - trigger.generated_before, full_tokens - trigger.generated_before
-    print(f"the server generated {after_interrupt:.0f} tokens after the interrupt, of {left:.0f} left")
-    assert received <= cut_tokens and after_interrupt < 0.5 * left
+    # The server aborted the requests when their connections closed: none is left running (_settled), and
+    # of the 80% the call still had to generate it generated well under half (a server that kept going
+    # generates all of it).
+    assert trigger.received <= received <= cut_tokens < trigger.received + 0.5 * (full_tokens - trigger.received)
 
     again = engine.generate(prompts[:2], SamplingConfig(max_new_tokens=16, temperature=TEMPERATURE), seed=3)
     assert all(c.finish_reason == "length" and len(c.token_ids) == 16 for c in again)  # consumed
@@ -227,40 +250,42 @@ def test_an_interrupt_with_no_call_in_flight_cuts_the_next_call_only(server, wei
     engine.close()
 
 
-# Timed against a real server on a shared 2-core machine: once in a full-suite run the interrupt
-# landed ~1.8 s late (not reproduced alone); rerun before failing. A real regression fails all runs.
-@pytest.mark.flaky(reruns=2)
 @requires_vllm
 @pytest.mark.slow
-def test_by_default_requests_stream_from_the_first_interrupt_on(server, weights_dir):
+def test_by_default_requests_stream_from_the_first_interrupt_on(server, weights_dir, monkeypatch):
     """stream=None: the call the first interrupt cuts short did not stream, so its unfinished completions
     keep no tokens (and the server aborts it all the same); the calls after it stream and keep theirs."""
     engine = _engine(server, weights_dir)
-    prompts = reverse_prompts(8, seed=3)  # a call long enough that /metrics polling under load still lands inside it
+    prompts = reverse_prompts(8, seed=3)
     cfg = SamplingConfig(max_new_tokens=LONG, temperature=TEMPERATURE, samples_per_prompt=4)
     engine.generate(prompts[:1], SamplingConfig(max_new_tokens=2), seed=0)  # connect, warm up
+    requested = len(prompts) * cfg.samples_per_prompt * LONG
     kept = []
-    for _ in range(2):
-        before = _settled(server.base_url)
-        trigger = InterruptLater(engine, server.base_url, tokens=len(prompts) * 4 * 30)
-        cut = engine.generate(prompts, cfg, seed=3)
-        assert trigger.stop() is not None, "the call ended before the interrupt"
+    for streaming in (False, True):
+        assert engine._streaming is streaming
+        with monkeypatch.context() as patch:
+            before = _settled(server.base_url)
+            if streaming:  # interrupt once every sample has streamed a token or more
+                trigger = InterruptAfterTokens(engine, patch, tokens=requested // 8, requests=len(prompts))
+            else:  # an answer that does not stream comes whole at its end: interrupt once the request is sent
+                trigger = InterruptOnceSent(engine, patch)
+            cut = engine.generate(prompts, cfg, seed=3)
+            assert trigger.at is not None, "the call ended before the interrupt"
         generated = _settled(server.base_url)["generated"] - before["generated"]
-        # Aborted on the disconnect: after the interrupt, the server generated a small part of what was left.
-        left = len(cut) * LONG - trigger.generated_before
-        assert generated - trigger.generated_before < 0.5 * left, (generated, trigger.generated_before, left)
+        # Aborted on the disconnect: the server generated well under what the call asked for (all of it
+        # when a server keeps going).
+        assert generated < 0.5 * requested, (generated, requested)
         assert sum(c.finish_reason == INTERRUPTED for c in cut) >= 0.8 * len(cut)
         kept.append([len(c.token_ids) for c in cut if c.finish_reason == INTERRUPTED])
     assert all(n == 0 for n in kept[0]) and all(n >= 1 for n in kept[1]), kept
     engine.close()
 
 
-# Timed against a real server on a shared 2-core machine: once in a full-suite run the interrupt
-# landed ~1.8 s late (not reproduced alone); rerun before failing. A real regression fails all runs.
-@pytest.mark.flaky(reruns=2)
 @requires_vllm
 @pytest.mark.slow
-def test_a_continued_completion_has_the_version_and_logprobs_of_each_segment(engine, server, trainer_model):
+def test_a_continued_completion_has_the_version_and_logprobs_of_each_segment(
+    engine, server, trainer_model, monkeypatch
+):
     """Test 3: generate_resumable, an interrupt in the first call and a push to perturbed weights before the
     continuation: each token has the logprob and the version of the weights that sampled it."""
     new = perturbed(trainer_model, 0.05)
@@ -283,14 +308,15 @@ def test_a_continued_completion_has_the_version_and_logprobs_of_each_segment(eng
     @contextlib.contextmanager
     def turn():
         calls["n"] += 1
-        trigger = None
         if calls["n"] == 1:  # interrupt the first call once it is under way
-            trigger = InterruptLater(engine, server.base_url, tokens=len(prompts) * 4 * 20)
+            trigger = InterruptAfterTokens(engine, monkeypatch, tokens=len(prompts) * 4 * 20)
+            yield
+            assert trigger.at is not None, "the first call ended before the interrupt"
+            monkeypatch.undo()
+            return
         if calls["n"] == 2:  # the push between the two segments
             engine.update_weights(new, 1)
         yield
-        if trigger is not None:
-            assert trigger.stop() is not None, "the first call ended before the interrupt"
 
     stats = PartialStats()
     try:
