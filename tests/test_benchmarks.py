@@ -10,6 +10,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from lightning_offpolicy.correction import PRESETS
 
 BENCH = Path(__file__).resolve().parent.parent / "benchmarks" / "correction_bench.py"
@@ -261,3 +263,67 @@ def test_summarize_names_each_engines_own_seeds_of_a_merged_vs_trl_report():
         seeds = sorted({s for r in data["summary"] if r["engine"] == engine for s in r["seeds"]})
         (line,) = [x for x in lines if x.startswith(f"{key}: ")]
         assert f"Means over seeds {', '.join(map(str, seeds))}, " in line
+
+
+# ------------------------------------------------------------------ gpu_check (its --cpu-smoke mode)
+GPU_CHECK = BENCH.parent / "gpu_check.py"
+
+
+@pytest.mark.slow
+def test_gpu_check_cpu_smoke_reports_finite_figures_for_every_part(tmp_path):
+    """The script another engineer runs once on a GPU, on CPU with a tiny model: every part runs in its
+    subprocess and the report holds finite figures for each (the fits: 2 batches of 2 optimizer steps)."""
+    import json
+
+    proc = subprocess.run(
+        [sys.executable, str(GPU_CHECK), "--cpu-smoke", "--output-dir", str(tmp_path), "--budget-s", "280"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    data = json.loads((tmp_path / "performance_gpu.json").read_text())
+    parts = data["parts"]
+    assert {name: p["status"] for name, p in parts.items()} == dict.fromkeys(
+        ("checkpoint", "fsdp", "lora", "logprobs"), "ok"
+    ), {name: p.get("error") for name, p in parts.items()}
+    assert data["header"]["smoke"] is True and data["header"]["torch_runtime"]
+
+    ck = parts["checkpoint"]
+    assert ck["tied_embeddings"] is True and ck["params"] > 0 and ck["checkpoint_bytes"] > 0
+    assert ck["config"]["vocab_size"] > ck["tokenizer_ids"]  # padded head rows, as Qwen2.5's
+    # Completions are text with some spread: the rewards of a group differ, so the loss has a gradient.
+    assert ck["next_token_entropy"] > 0.5 and ck["next_token_mass_in_tokenizer"] > 0.9
+
+    for name in ("fsdp", "lora"):
+        fit = parts[name]
+        assert fit["problems"] == [] and fit["batches_trained"] == 2, (name, fit["problems"])
+        assert fit["wall_s"] > 0 and fit["peak_allocated_bytes"] > 0
+        rows = fit["rows"]
+        assert [r["batch"] for r in rows] == [0, 1] and rows[-1]["policy_version"] == 4
+        for row in rows:
+            for key in ("loss", "reward", "grad_norm", "rollout_kl", "approx_kl", "step_s", "generate_s"):
+                assert math.isfinite(row[key]), (name, key, row)
+            assert row["grad_norm"] > 0 and row["step_s"] > 0
+        assert math.isfinite(rows[1]["batch_wall_s"]) and rows[1]["batch_wall_s"] > 0
+    fsdp_argv = " ".join(parts["fsdp"]["argv"])
+    assert "configs/fsdp.yaml" in fsdp_argv and "rollout.HFEngine" in fsdp_argv
+
+    lp = parts["logprobs"]
+    assert [(r["tokens"], r["method"]) for r in lp["rows"]] == [
+        (t, m) for t in (128, 256) for m in ("eager", "lean", "fused")
+    ]
+    for row in lp["rows"]:
+        assert "error" not in row, row
+        assert math.isfinite(row["time_s"]) and row["time_s"] > 0
+        assert math.isfinite(row["peak_extra_bytes"]) and math.isfinite(row["max_abs_diff_fp32"])
+        # The fused head computes float32 logits; the logits paths round them to bf16 first.
+        assert row["max_abs_diff_fp32"] < (1e-3 if row["method"] == "fused" else 0.5), row
+    for ratio in lp["ratios"]:
+        assert math.isfinite(ratio["eager_over_fused_time"]) and math.isfinite(ratio["lean_over_fused_time"])
+
+    text = (tmp_path / "performance_gpu.md").read_text()
+    for needed in ("## `configs/fsdp.yaml`", "## `configs/lora_single_gpu.yaml`", "## Token logprobs", "| fused |"):
+        assert needed in text, needed
+    for name in ("checkpoint", "fsdp", "lora", "logprobs"):
+        assert f"| {name} | ok |" in text, name
