@@ -681,9 +681,7 @@ def main(argv: list[str] | None = None) -> int:
         help="with --kit-max-staleness: the HF engine generates in its own process (HFProcessEngine, the "
         "default) or in the trainer's process (HFEngine(dtype='float32'), a producer thread)",
     )
-    parser.add_argument(
-        "--top-p", type=float, default=1.0, help="nucleus sampling on both sides (default 1.0: off)"
-    )
+    parser.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling on both sides (default 1.0: off)")
     parser.add_argument(
         "--kit-sampling-mask",
         choices=("on", "off"),

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -31,6 +32,7 @@ def test_two_rank_fsdp2_step_equals_single_process_step(tmp_path):
     assert proc.returncode == 0, proc.stderr[-4000:]
     result = torch.load(out, weights_only=False)
     assert result["sharded"] > 0  # the parameters really were DTensors
+    assert "cannot sample from a policy sharded over 2 ranks" in result["refused"]
 
     model = tiny_model()
     full = make_rollout(model, seed=3, rows=8)
@@ -47,3 +49,58 @@ def test_two_rank_fsdp2_step_equals_single_process_step(tmp_path):
         torch.testing.assert_close(exported, tensor, rtol=1e-5, atol=1e-6, msg=name)
     for key in ("rollout_corr/kl", "rollout_corr/chi2_seq", "ppo/clip_frac", "train/reward"):
         assert result["metrics"][key] == pytest.approx(float(single_trainer.callback_metrics[key]), rel=1e-5, abs=1e-7)
+
+
+@pytest.fixture
+def one_rank_group(tmp_path):
+    """A one-process gloo group (ModelParallelStrategy on one device), destroyed afterwards."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def _sharded_tiny_model():
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    model = tiny_model()
+    mesh = init_device_mesh("cpu", (1,))
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model
+
+
+@pytest.mark.parametrize("sampler", ["lean", "generate"])
+def test_hf_engine_samples_from_a_sharded_policy_on_one_device(one_rank_group, sampler):
+    """The default engine shares the (FSDP2-sharded) policy: it samples what the unsharded policy samples
+    (the lean loop runs under no_grad there: FSDP2's unshard fails on inference tensors)."""
+    from lightning_offpolicy.rollout.engine import SamplingConfig
+    from lightning_offpolicy.rollout.hf import HFEngine
+
+    plain, sharded = tiny_model(), _sharded_tiny_model()
+    assert any(hasattr(p, "full_tensor") for p in sharded.parameters())
+    cfg = SamplingConfig(max_new_tokens=6, temperature=1.0, samples_per_prompt=2)
+    out = []
+    for model in (plain, sharded):
+        engine = HFEngine(pad_token_id=0, eos_token_id=2, sampler=sampler)
+        engine.update_weights(model, 1)
+        out.append(engine.generate([[1, 5, 6, 7], [1, 9]], cfg, seed=4))
+    assert [c.token_ids for c in out[1]] == [c.token_ids for c in out[0]]
+    for a, b in zip(out[0], out[1], strict=True):
+        torch.testing.assert_close(torch.tensor(b.logprobs), torch.tensor(a.logprobs), rtol=1e-5, atol=1e-5)
+
+
+def test_engines_that_copy_the_policy_refuse_a_sharded_one_naming_what_works(one_rank_group):
+    from lightning_offpolicy.rollout.hf import HFEngine
+    from lightning_offpolicy.rollout.hf_process import HFProcessEngine
+
+    sharded = _sharded_tiny_model()
+    for engine, name in (
+        (HFEngine(dtype="float32"), "HFEngine(dtype='float32')"),
+        (HFProcessEngine(), "HFProcessEngine"),
+    ):
+        with pytest.raises(ValueError, match=rf"{re.escape(name)} keeps its own copy .* VLLMEngine"):
+            engine.update_weights(sharded, 0)

@@ -119,6 +119,7 @@ class HFEngine(SpecialTokens):
 
     def update_weights(self, source: torch.nn.Module | Mapping[str, torch.Tensor], version: int) -> None:
         if isinstance(source, torch.nn.Module):
+            check_shareable(source, f"HFEngine(dtype={self.dtype!r})", copies=not self.share_weights)
             if self.share_weights:
                 self.model = source
             elif self.model is None:
@@ -183,8 +184,9 @@ class HFEngine(SpecialTokens):
             attention_mask[r, width - len(prompt_ids[i]) :] = 1
         if lean:
             # inference_mode rather than no_grad: less dispatch per op (measured: benchmarks/generation.py).
-            # Nothing created inside outlives the call but lists of python numbers.
-            with torch.inference_mode(self._lean_inference_mode):
+            # Nothing created inside outlives the call but lists of python numbers. Not for a sharded
+            # (FSDP2) module: its unshard writes to parameters, which inference tensors refuse.
+            with torch.inference_mode(self._lean_inference_mode and not is_sharded(model)):
                 generated, logprobs, support = lean_sample(
                     model,
                     input_ids.to(device),
@@ -284,3 +286,33 @@ def _interrupt_criteria(event: Any) -> Any:
 def _rng_devices(model: torch.nn.Module) -> list[Any]:
     device = next(model.parameters()).device
     return [device] if device.type == "cuda" else []
+
+
+def is_sharded(module: torch.nn.Module) -> bool:
+    """Whether ``module`` holds DTensor (FSDP2-sharded) parameters."""
+    return any(hasattr(p, "full_tensor") for p in module.parameters())
+
+
+def check_shareable(source: torch.nn.Module, engine: str, copies: bool) -> None:
+    """Refuse a sharded (FSDP2) policy where an HF engine cannot sample from it.
+
+    Raises:
+        ValueError: ``copies`` (the engine keeps its own copy): a sharded module cannot be deep-copied.
+            Sampling from a module sharded over several ranks: every forward is a collective, and
+            ranks whose completions end at different steps would wait on each other for ever.
+    """
+    if not is_sharded(source):
+        return
+    if copies:
+        raise ValueError(
+            f"{engine} keeps its own copy of the policy, and a policy sharded by FSDP2 (ModelParallelStrategy) "
+            "cannot be copied. Use VLLMEngine (it receives the gathered weights), or HFEngine(dtype=None), which "
+            "samples from the sharded module itself on a single device."
+        )
+    world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+    if world > 1:
+        raise ValueError(
+            f"{engine} cannot sample from a policy sharded over {world} ranks: every forward gathers the shards "
+            "from all ranks, and ranks whose completions end at different steps would wait on each other for "
+            "ever. Use VLLMEngine (one engine per rank, fed the gathered weights)."
+        )

@@ -30,7 +30,7 @@ from typing import Any, Literal
 import torch
 
 from lightning_offpolicy.rollout.engine import Completion, SamplingConfig, checked_prompts
-from lightning_offpolicy.rollout.hf import HFEngine
+from lightning_offpolicy.rollout.hf import HFEngine, check_shareable
 
 #: What the error says when the child process could not start or died.
 MAIN_GUARD_HINT = (
@@ -95,6 +95,7 @@ class HFProcessEngine(HFEngine):
 
     def update_weights(self, source: torch.nn.Module | Mapping[str, torch.Tensor], version: int) -> None:
         if isinstance(source, torch.nn.Module) and self.model is None:
+            check_shareable(source, "HFProcessEngine", copies=True)
             model = copy.deepcopy(source).requires_grad_(False)
             if self.dtype is not None:
                 model = model.to(getattr(torch, self.dtype))

@@ -15,6 +15,7 @@ from lightning.pytorch.strategies import ModelParallelStrategy
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
+from lightning_offpolicy.rollout.hf import HFEngine  # noqa: E402
 from lightning_offpolicy.rollout.vllm.weight_sync import export_state_dict  # noqa: E402
 from tests.module_helpers import fit_on, make_rollout, tiny_model  # noqa: E402
 from tests.test_module_ddp import make_module  # noqa: E402
@@ -38,6 +39,14 @@ if __name__ == "__main__":
     # What a rollout engine receives from the sharded trainer (a collective: every rank calls it).
     exported = export_state_dict(module.policy, "fsdp2 test")
     sharded = sum(hasattr(p, "full_tensor") for p in module.policy.parameters())
+    try:  # an engine sampling from the policy sharded over both ranks would hang: refused
+        HFEngine().update_weights(module.policy, 2)
+        refused = ""
+    except ValueError as err:
+        refused = str(err)
     if trainer.global_rank == 0:
         metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
-        torch.save({"weights": weights, "exported": exported, "metrics": metrics, "sharded": sharded}, sys.argv[1])
+        torch.save(
+            {"weights": weights, "exported": exported, "metrics": metrics, "sharded": sharded, "refused": refused},
+            sys.argv[1],
+        )
