@@ -40,8 +40,10 @@ import torch
 from lightning.pytorch import LightningModule
 from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
 from lightning.pytorch.strategies import DDPStrategy
+from lightning.pytorch.utilities import rank_zero_warn
 from torchmetrics import MaxMetric, MeanMetric
 
+from lightning_offpolicy import checkpoint_identity as identity
 from lightning_offpolicy import policy as policy_building
 from lightning_offpolicy import step
 from lightning_offpolicy.argcheck import is_int
@@ -199,6 +201,7 @@ class OffPolicyRLModule(LightningModule):
         # Built on first use (compiled graphs do not pickle): with and without the metric sums.
         self._fused_steps: dict[bool, FusedCorrectionStep] = {}
         self.reference_model: torch.nn.Module | None = None
+        self._tokenizer_fingerprint: dict[str, Any] | None = None
         self.policy_version = 0
         self.automatic_optimization = False
         ignored = ["tokenizer", "optimizer", "lr_scheduler"] + (["model"] if self.policy is not None else [])
@@ -565,6 +568,40 @@ class OffPolicyRLModule(LightningModule):
     # ------------------------------------------------------------------------------ checkpoint
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         checkpoint["policy_version"] = self.policy_version
+        if self.policy is not None:
+            # Which policy these weights belong to: a resume into another model is refused (on_load_checkpoint).
+            checkpoint[identity.IDENTITY_KEY] = self.policy_identity()
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        """Refuse a checkpoint of another policy (before Lightning loads its weights), then restore the version.
+
+        Raises:
+            CheckpointMismatchError: The checkpoint was saved from another architecture, other shapes, other
+                LoRA adapters or another tokenizer (:mod:`lightning_offpolicy.checkpoint_identity`). Under
+                ``ModelParallelStrategy`` the strategy loads the weights before this hook, so a shape mismatch
+                there stops in ``torch.distributed.checkpoint``'s own error first.
+        """
+        if self.policy is not None:  # None: OffPolicyRLModule.load_from_checkpoint, before configure_model
+            state = self.state_dict() if identity.IDENTITY_KEY not in checkpoint else None
+            path = getattr(self._trainer, "ckpt_path", None)
+            current = self.policy_identity()
+            other = identity.check_checkpoint_matches(checkpoint, current, state, path)
+            if other is not None:
+                rank_zero_warn(
+                    f"The checkpoint {str(path)!r} was saved from a run of {other}, and this run trains "
+                    f"{identity.describe_model(current)}. Their architecture, shapes and tokenizer are the same, so "
+                    "training continues from the checkpoint's weights (this model's own weights are not used)."
+                )
         self.policy_version = int(checkpoint.get("policy_version", 0))
+
+    def policy_identity(self) -> dict[str, Any]:
+        """What a checkpoint records about this policy (:func:`.checkpoint_identity.policy_identity`)."""
+        if self._tokenizer_fingerprint is None:  # the vocabulary hash takes ~0.1 s at 150k tokens: once
+            self._tokenizer_fingerprint = identity.tokenizer_fingerprint(self.tokenizer)
+        return identity.policy_identity(
+            self.policy,
+            self.tokenizer,
+            self.model_name,
+            self._tokenizer_fingerprint,
+            from_instance=not isinstance(self.hparams.get("model"), str),
+        )

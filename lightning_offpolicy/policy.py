@@ -48,11 +48,12 @@ def load_policy(model: str, torch_dtype: str, tokenizer: Any = None) -> tuple[to
     from lightning_offpolicy.tokenizers import load_tokenizer
 
     path = resolve_model_path(model)
-    policy = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, torch_dtype))
+    # The tokenizer first: a directory without tokenizer files fails in a second, not after the weights loaded.
     if tokenizer is None:
         tokenizer = load_tokenizer(path)
     elif isinstance(tokenizer, HFTokenizer) and not tokenizer.loaded:
         tokenizer.load(path)  # options from the config, files from the model's directory
+    policy = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, torch_dtype))
     return policy, tokenizer
 
 

@@ -56,6 +56,27 @@ CHAR_TOKENIZER_FILE = "char_tokenizer.json"
 #: What :meth:`CharTokenizer.decode` writes for an id outside the tokenizer's vocabulary.
 UNKNOWN_CHAR = "\ufffd"
 
+#: The files ``save_pretrained`` writes for a Hugging Face tokenizer's vocabulary (fast, BPE, WordPiece,
+#: SentencePiece); a directory with none of them holds no vocabulary.
+TOKENIZER_VOCAB_FILES: tuple[str, ...] = (
+    "tokenizer.json",
+    "vocab.json",
+    "merges.txt",
+    "vocab.txt",
+    "tokenizer.model",
+    "spiece.model",
+    "sentencepiece.bpe.model",
+)
+#: Every file a saved tokenizer may consist of (settings and special tokens included).
+TOKENIZER_FILES: tuple[str, ...] = (
+    *TOKENIZER_VOCAB_FILES,
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+)
+#: Encoded once at load: a tokenizer without a vocabulary encodes it to no ids at all.
+_PROBE_TEXT = "Hello world 123"
+
 _PAD, _BOS, _EOS = "<pad>", "<bos>", "<eos>"
 _NUM_SPECIAL = 3
 
@@ -257,7 +278,25 @@ class HFTokenizer:
                 "not a Hugging Face tokenizer: leave `tokenizer` unset (it is loaded from the model's directory) or "
                 "use lightning_offpolicy.tokenizers.CharTokenizer."
             )
-        tokenizer = AutoTokenizer.from_pretrained(str(path), **self.load_kwargs)
+        local = Path(path).is_dir()
+        files = _tokenizer_files(Path(path)) if local else []
+        if local and not files:
+            raise FileNotFoundError(_missing_tokenizer_message(Path(path), "holds no tokenizer files"))
+        no_vocab = local and not _has_vocab_file(files)
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(str(path), **self.load_kwargs)
+        except (OSError, ValueError) as err:
+            if not no_vocab:
+                raise
+            what = f"has no vocabulary: transformers could not build a tokenizer from its settings ({err})"
+            raise ValueError(_missing_tokenizer_message(Path(path), what)) from err
+        if no_vocab and not tokenizer(_PROBE_TEXT)["input_ids"]:
+            # Settings without a vocabulary: transformers builds the model_type's tokenizer with special tokens only.
+            what = (
+                f"has no vocabulary: transformers built a tokenizer of {len(tokenizer)} ids that encodes "
+                f"{_PROBE_TEXT!r} to none"
+            )
+            raise ValueError(_missing_tokenizer_message(Path(path), what))
         if tokenizer.pad_token_id is None and tokenizer.eos_token_id is not None:
             tokenizer.pad_token = tokenizer.eos_token
         if self.add_bos is True and tokenizer.bos_token_id is None:
@@ -382,6 +421,37 @@ class HFTokenizer:
             f"HFTokenizer({self.path!r}, vocab_size={self.vocab_size}, add_bos={self.add_bos!r}, "
             f"chat_template={self.chat_template})"
         )
+
+
+def _tokenizer_files(directory: Path) -> list[str]:
+    """The tokenizer files (:data:`TOKENIZER_FILES`, ``*.tiktoken``) in ``directory``."""
+    found = [name for name in TOKENIZER_FILES if (directory / name).is_file()]
+    return found + sorted(p.name for p in directory.glob("*.tiktoken"))
+
+
+def _has_vocab_file(files: list[str]) -> bool:
+    return any(name in TOKENIZER_VOCAB_FILES or name.endswith(".tiktoken") for name in files)
+
+
+def _missing_tokenizer_message(directory: Path, what: str) -> str:
+    """Why the tokenizer at ``directory`` is unusable, which files are missing, and what to do."""
+    found = _tokenizer_files(directory)
+    missing = []
+    if not _has_vocab_file(found):
+        missing.append("tokenizer.json (or a vocabulary file: vocab.json + merges.txt, vocab.txt, tokenizer.model)")
+    if "tokenizer_config.json" not in found:
+        missing.append("tokenizer_config.json")
+    names = sorted(p.name for p in directory.iterdir()) if directory.is_dir() else []
+    listed = ", ".join(names[:8]) + (f" and {len(names) - 8} more" if len(names) > 8 else "")
+    holds = f"the directory holds {listed}" if names else "the directory is empty"
+    return (
+        f"HFTokenizer: {str(directory)!r} {what} (missing: {'; '.join(missing) or 'nothing known'}; {holds}), so "
+        "every prompt would encode to no tokens. Save the model's tokenizer beside its weights "
+        f"(tokenizer.save_pretrained({str(directory)!r}), with the tokenizer the model was trained with), or load "
+        "it from elsewhere: in YAML model.tokenizer: {class_path: lightning_offpolicy.tokenizers.HFTokenizer, "
+        "init_args: {path: <the tokenizer's directory or hub id>}}; in Python OffPolicyRLModule(tokenizer="
+        "HFTokenizer(<path>))."
+    )
 
 
 def checked_messages(prompt: Any, who: str) -> ChatMessages:

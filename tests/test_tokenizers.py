@@ -96,3 +96,92 @@ def test_hf_adapter_same_api(tmp_path):
     assert tok.vocab_size == 5
     tok.save_pretrained(tmp_path / "copy")
     assert HFTokenizer.from_pretrained(tmp_path / "copy", add_bos=True).encode_prompt("world") == [0, 3]
+
+
+# ------------------------------------------------------------------------------ a model directory without a tokenizer
+def _save_weights_only(directory):
+    """config.json + weights of a tiny Qwen2 and no tokenizer files: what `model.save_pretrained(dir)` alone writes."""
+    from transformers import AutoModelForCausalLM
+
+    from lightning_offpolicy.tiny_bpe import tiny_config
+
+    config = tiny_config("qwen2", vocab_size=64, pad_token_id=0, eos_token_id=2)
+    AutoModelForCausalLM.from_config(config).save_pretrained(str(directory))
+    return directory
+
+
+def test_a_model_directory_without_tokenizer_files_fails_at_load_naming_them(tmp_path):
+    """transformers builds an empty tokenizer from config.json alone; the fit used to fail at the first rollout
+    with "HFEngine.generate: every prompt needs at least one token"."""
+    import lightning as L
+
+    from lightning_offpolicy.module import OffPolicyRLModule
+    from lightning_offpolicy.rollout import HFEngine, RolloutCallback
+    from lightning_offpolicy.tasks import PromptDataModule
+
+    directory = _save_weights_only(tmp_path / "weights-only")
+    trainer = L.Trainer(
+        accelerator="cpu",
+        max_steps=1,
+        callbacks=[RolloutCallback(engine=HFEngine(), samples_per_prompt=2, max_new_tokens=4)],
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=tmp_path,
+    )
+    data = PromptDataModule(task="reverse", prompts_per_step=2, num_train_prompts=8)
+    with pytest.raises(FileNotFoundError) as error:
+        trainer.fit(OffPolicyRLModule(model=str(directory)), data)
+    message = str(error.value)
+    assert f"HFTokenizer: '{directory}' holds no tokenizer files" in message
+    assert "missing: tokenizer.json (or a vocabulary file" in message and "; tokenizer_config.json;" in message
+    assert "the directory holds config.json, generation_config.json, model.safetensors" in message
+    assert f"tokenizer.save_pretrained('{directory}')" in message
+    assert "model.tokenizer: {class_path: lightning_offpolicy.tokenizers.HFTokenizer" in message
+
+
+def test_tokenizer_settings_without_a_vocabulary_are_refused(tmp_path):
+    """tokenizer_config.json without tokenizer.json or a vocabulary file. Beside a model's config.json transformers
+    builds the model_type's tokenizer of special tokens only, which encodes every text to no ids; alone it fails
+    with "Couldn't instantiate the backend tokenizer"."""
+    from tests.tokenizer_builders import save_char_tokenizer
+
+    directory = save_char_tokenizer(tmp_path / "tok")
+    (directory / "tokenizer.json").unlink()
+    with pytest.raises(ValueError, match="has no vocabulary: transformers could not build a tokenizer") as error:
+        HFTokenizer(directory)
+    assert "missing: tokenizer.json (or a vocabulary file" in str(error.value)
+    _save_weights_only(directory)  # config.json (model_type qwen2) beside it
+    with pytest.raises(ValueError, match=r"has no vocabulary: transformers built a tokenizer of \d+ ids") as error:
+        HFTokenizer(directory)
+    assert "missing: tokenizer.json (or a vocabulary file" in str(error.value)
+    assert "tokenizer_config.json;" not in str(error.value)  # it is there
+
+
+def test_the_tokenizer_named_in_the_message_loads_beside_a_weights_only_directory(tmp_path):
+    """The remedy the message names: `model.tokenizer` with the tokenizer's own path (YAML / command line)."""
+    from lightning.pytorch import LightningDataModule
+
+    from lightning_offpolicy.cli import OffPolicyCLI
+    from lightning_offpolicy.module import OffPolicyRLModule
+    from tests.tokenizer_builders import save_char_tokenizer
+
+    weights = _save_weights_only(tmp_path / "weights-only")
+    tokenizer_dir = save_char_tokenizer(tmp_path / "tok")
+    cli = OffPolicyCLI(
+        OffPolicyRLModule,
+        LightningDataModule,
+        subclass_mode_data=True,
+        run=False,
+        auto_configure_optimizers=False,
+        args=[
+            "--data=lightning_offpolicy.tasks.PromptDataModule",
+            f"--model.model={weights}",
+            "--model.tokenizer=lightning_offpolicy.tokenizers.HFTokenizer",
+            f"--model.tokenizer.init_args.path={tokenizer_dir}",
+        ],
+    )
+    cli.model.configure_model()
+    assert cli.model.tokenizer.path == str(tokenizer_dir)
+    assert cli.model.tokenizer.encode("abc") == [13, 14, 15]
