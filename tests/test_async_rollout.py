@@ -49,6 +49,7 @@ def fit(
     ckpt_path=None,
     extra_callbacks=(),
     seed: int = 3,
+    **callback_kwargs,
 ):
     L.seed_everything(0)
     module = OffPolicyRLModule(
@@ -61,6 +62,7 @@ def fit(
         seed=seed,
         max_staleness=max_staleness,
         sync_every=sync_every,
+        **callback_kwargs,
     )
     callback._background = callback._background or force_background
     spy = VersionSpy()
@@ -168,6 +170,23 @@ def test_engine_failure_in_the_background_stops_the_fit_with_the_cause(tmp_path)
     assert isinstance(info.value.__cause__, ConnectionError)
     assert time.monotonic() - started < 120
     assert engine.closed
+    assert not [t for t in threading.enumerate() if t.name == "RolloutProducer"]
+
+
+def stuck_reward(prompts, completions, metadata):
+    while True:  # a reward that never returns (a Python loop: the abandoned call is stopped too)
+        time.sleep(0.01)
+
+
+def test_a_stuck_reward_in_the_background_stops_the_fit_at_reward_timeout_s(tmp_path):
+    started = time.monotonic()
+    with pytest.raises(
+        RuntimeError,
+        match=r"background rollout generation failed: RewardError: reward function tests\.test_async_rollout\."
+        r"stuck_reward did not return within reward_timeout_s=0\.5 s on a batch of 8 completions",
+    ):
+        fit(3, tmp_path, max_staleness=1, reward_fn=stuck_reward, reward_timeout_s=0.5)
+    assert time.monotonic() - started < 60
     assert not [t for t in threading.enumerate() if t.name == "RolloutProducer"]
 
 

@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+import logging
 import math
+import re
+import threading
+import time
 
 import pytest
 import reasoning_gym
+import torch
 
 from lightning_offpolicy.rewards import (
     MathAnswerReward,
@@ -17,6 +22,7 @@ from lightning_offpolicy.rewards import (
     resolve_reward,
     score_completions,
 )
+from lightning_offpolicy.rollout import RolloutCallback
 from tests import reward_fixtures
 
 
@@ -130,3 +136,147 @@ def test_reasoning_gym_score_uses_the_tasks_scorer_and_extracts_tagged_answers()
     assert expected[:2] == [1.0, 1.0] and expected[2] < 1.0
     with pytest.raises(KeyError, match="source_dataset"):
         reasoning_gym_score(["q"], ["1"], [{"answer": "1"}])
+
+
+# ------------------------------------------------------------------------------ limits: time, type, magnitude
+
+
+def hangs_on_xyz(prompts, completions, metadata):
+    rewards = []
+    for completion in completions:
+        while completion == "xyz":  # stuck on this input, as a reward stuck in a Python loop is
+            time.sleep(0.01)
+        rewards.append(1.0)
+    return rewards
+
+
+def slow_rows(prompts, completions, metadata):
+    threads.append(threading.get_ident())
+    rewards = []
+    for completion in completions:
+        time.sleep(0.4)
+        rewards.append(float(len(completion)))
+    return rewards
+
+
+threads: list[int] = []
+
+
+def test_a_hung_reward_is_abandoned_at_reward_timeout_s_naming_the_row():
+    started = time.monotonic()
+    with pytest.raises(
+        RewardError,
+        match=r"reward function tests\.test_rewards\.hangs_on_xyz did not return within reward_timeout_s=0\.5 s on a "
+        r"batch of 3 completions, and was abandoned; it was scoring row 2 \(prompt 'p2', completion 'xyz'\)",
+    ):
+        score_completions(hangs_on_xyz, ["p0", "p1", "p2"], ["a", "b", "xyz"], [{}] * 3, timeout_s=0.5)
+    assert time.monotonic() - started < 5
+    # The abandoned call is stopped too (an exception raised into its thread), not left spinning.
+    deadline = time.monotonic() + 5
+    while any(t.name.startswith("reward ") for t in threading.enumerate()) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not [t.name for t in threading.enumerate() if t.name.startswith("reward ")]
+    # Weighted: the part at fault is named, with the same limit.
+    reward = WeightedReward(["tests.reward_fixtures.length_bonus", {"fn": hangs_on_xyz, "name": "stuck"}])
+    with pytest.raises(RewardError, match=r"hangs_on_xyz did not return within reward_timeout_s=0\.3 s.*row 1"):
+        score_completions(reward, ["p0", "p1"], ["a", "xyz"], [{}] * 2, timeout_s=0.3)
+
+
+@pytest.mark.parametrize("timeout_s", [5.0, None], ids=["worker-thread", "no-limit"])
+def test_a_slow_reward_call_is_reported_while_it_runs(caplog, timeout_s):
+    threads.clear()
+    with caplog.at_level(logging.WARNING, logger="lightning_offpolicy.rewards.scoring"):
+        scored = score_completions(
+            slow_rows, ["p0", "p1", "p2"], ["a", "bb", "ccc"], [{}] * 3, timeout_s=timeout_s, report_every_s=0.1
+        )
+    assert scored.total.tolist() == [1.0, 2.0, 3.0]
+    reports = [r.getMessage() for r in caplog.records if "is still running after" in r.getMessage()]
+    assert reports, caplog.text
+    assert "tests.test_rewards.slow_rows is still running after" in reports[0]
+    assert "on a batch of 3 completions; now at row 0 (prompt 'p0', completion 'a')" in reports[0]
+    limit = "reward_timeout_s=5 s abandons it at 5 s" if timeout_s else "no reward_timeout_s is set"
+    assert limit in reports[0]
+    # Reports at 0.1, 0.2, 0.4, 0.8 s: doubling intervals, not one line per tick.
+    assert 2 <= len(reports) <= 5, reports
+    # No limit: the reward runs on the calling thread (for rewards that must).
+    assert (threads[0] == threading.get_ident()) is (timeout_s is None)
+
+
+def test_the_reward_thread_has_the_callers_grad_mode():
+    def grad_enabled(prompts, completions, metadata):
+        return [float(torch.is_grad_enabled())] * len(completions)
+
+    with torch.no_grad():
+        assert score_completions(grad_enabled, ["p"], ["c"], [{}]).total.tolist() == [0.0]
+    assert score_completions(grad_enabled, ["p"], ["c"], [{}]).total.tolist() == [1.0]
+
+
+def test_math_answer_keeps_its_timeout_off_the_main_thread():
+    # A continued fraction 18 levels deep: sympy's evalf in verify() takes minutes (exponential).
+    deep = "$" + "\\frac{1}{1+" * 18 + "1" + "}" * 18 + "$"
+    reward = MathAnswerReward(timeout_seconds=0.5)
+    out: list[list[float]] = []
+    worker = threading.Thread(target=lambda: out.append(reward([None] * 2, [deep, "$1$"], [{"answer": "1"}] * 2)))
+    started = time.monotonic()
+    worker.start()
+    worker.join(15)
+    assert not worker.is_alive(), "math_answer ran past its timeout_seconds off the main thread"
+    assert out == [[0.0, 1.0]]  # the one past the limit scores 0, as math-verify's own timeout does
+    assert time.monotonic() - started < 10
+    with pytest.raises(ValueError, match="timeout_seconds"):
+        MathAnswerReward(timeout_seconds=0)
+
+
+@pytest.mark.parametrize(
+    ("returned", "match"),
+    [
+        ("1.0", r"returned a str \('1\.0'\); expected a list of 2 floats \(one per completion, in order\)"),
+        (0.5, r"returned a float \(0\.5\); expected a list of 2 floats"),
+        ({"a": 1.0, "b": 0.0}, r"returned a dict \(\{'a': 1\.0, 'b': 0\.0\}\); expected a list of 2 floats"),
+        ([1.0, 0.0, 1.0], r"returned 3 rewards for 2 completions \(first value 1\.0 \(float\)\); expected a list of 2"),
+        ([None, 1.0], r"returned None \(a NoneType, not a number\) at row 0 .*; expected a list of 2 floats"),
+    ],
+    ids=["str", "float", "dict", "too-many", "none"],
+)
+def test_a_reward_of_the_wrong_type_names_what_it_returned_and_what_is_expected(returned, match):
+    with pytest.raises(RewardError, match=r"reward function tests\.test_rewards\.\S*<lambda> " + match):
+        score_completions(lambda p, c, m: returned, ["p0", "p1"], ["a", "b"], [{}, {}])
+
+
+@pytest.mark.parametrize("value", [1e30, -1e39, 2e6])
+def test_a_reward_too_large_for_float32_training_names_the_reward_row_and_value(value):
+    # 1e30 trained with grad_norm=inf and reward_std=nan; 1e39 failed later as "rewards holds NaN/inf".
+    shown = re.escape(f"{value:g}")
+    with pytest.raises(
+        RewardError,
+        match=rf"tests\.test_rewards\.\S*<lambda> returned {shown} at row 1 \(prompt 'p1', completion 'b'\); rewards "
+        r"must lie within \+-1e\+06",
+    ):
+        score_completions(lambda p, c, m: [0.5, value], ["p0", "p1"], ["a", "b"], [{}, {}])
+    assert score_completions(lambda p, c, m: [-1e6, 1e6], ["p0", "p1"], ["a", "b"], [{}, {}]).total.tolist() == [
+        -1e6,
+        1e6,
+    ]
+    # A weighted sum past the bound names the parts and their weights.
+    reward = WeightedReward([{"fn": "tests.reward_fixtures.Constant", "init_args": {"value": 100.0}, "weight": 1e5}])
+    with pytest.raises(RewardError, match=r"sums to 1e\+07 at row 0 .*\(Constant=100 x weight 100000\).*weights"):
+        reward(["p"], ["c"], [{}])
+
+
+def test_all_zero_reward_weights_are_refused_at_setup():
+    spec = [
+        {"fn": "tests.reward_fixtures.exact_match", "weight": 0},
+        {"fn": "tests.reward_fixtures.length_bonus", "weight": 0.0},
+    ]
+    with pytest.raises(ValueError, match=r"every reward weight is 0 \(exact_match=0, length_bonus=0\).*nothing"):
+        resolve_reward(spec)
+    with pytest.raises(ValueError, match="every reward weight is 0"):
+        RolloutCallback(reward_fn=spec)
+    # One non-zero weight is enough; a weight-0 part is only logged.
+    assert resolve_reward([spec[0], {**spec[1], "weight": 0.5}]).components[0].weight == 0.0
+
+
+@pytest.mark.parametrize("value", [0, -1, float("inf"), "60", True])
+def test_bad_reward_timeout_names_the_setting(value):
+    with pytest.raises(ValueError, match=r"RolloutCallback\.reward_timeout_s=.* must be > 0"):
+        RolloutCallback(reward_timeout_s=value)

@@ -1,7 +1,9 @@
 """Rewards: named by import path in a config, combined with weights, checked when called; built-in verifiers.
 
 A reward function maps ``(prompts, completions, metadata) -> list[float]`` (one float per
-completion; ``metadata`` is each row's dict of extra data columns).
+completion; ``metadata`` is each row's dict of extra data columns). Each call runs under a time
+limit (``reward_timeout_s``, in a worker thread; :mod:`~lightning_offpolicy.rewards.scoring`) and
+what it returns is checked: one finite number per completion, within ``MAX_ABS_REWARD``.
 
 >>> from lightning_offpolicy.rewards import resolve_reward
 >>> reward = resolve_reward([{"fn": "lightning_offpolicy.rewards.math_answer", "name": "acc"},
@@ -13,11 +15,19 @@ completion; ``metadata`` is each row's dict of extra data columns).
 
 from lightning_offpolicy.rewards.gym import ReasoningGymReward, reasoning_gym_score
 from lightning_offpolicy.rewards.resolve import RewardSpec, import_object, resolve_reward, reward_name
-from lightning_offpolicy.rewards.scoring import RewardError, ScoredRewards, score_completions
+from lightning_offpolicy.rewards.scoring import (
+    DEFAULT_REWARD_TIMEOUT_S,
+    MAX_ABS_REWARD,
+    RewardError,
+    ScoredRewards,
+    score_completions,
+)
 from lightning_offpolicy.rewards.verifiable import MathAnswerReward, RegexFormatReward, math_answer
 from lightning_offpolicy.rewards.weighted import RewardComponent, WeightedReward
 
 __all__ = [
+    "DEFAULT_REWARD_TIMEOUT_S",
+    "MAX_ABS_REWARD",
     "MathAnswerReward",
     "ReasoningGymReward",
     "RegexFormatReward",

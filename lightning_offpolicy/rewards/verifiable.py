@@ -2,11 +2,17 @@
 
 from __future__ import annotations
 
+import itertools
+import logging
 import re
-import threading
 from typing import Any
 
+from lightning_offpolicy.argcheck import is_number
+from lightning_offpolicy.rewards.deadline import Deadline
+
 __all__ = ["MathAnswerReward", "RegexFormatReward", "math_answer"]
+
+log = logging.getLogger(__name__)
 
 
 class MathAnswerReward:
@@ -21,22 +27,30 @@ class MathAnswerReward:
 
     Args:
         answer_key: The metadata key (data column) holding the reference answer.
-        timeout_seconds: math-verify's time limit per parse / comparison. It relies on
-            ``SIGALRM``, which only the main thread may use: in the asynchronous rollout thread
-            no limit applies.
+        timeout_seconds: Time limit of each parse and of each comparison, as math-verify's own:
+            an answer that takes longer scores 0.0 (math-verify logs "Timeout during parsing" /
+            "Timeout during comparison") and the next one is scored. It works on any thread
+            (the reward's worker thread, the asynchronous rollout thread): math-verify's
+            ``SIGALRM`` timer only works on the main thread, so this reward calls it without one
+            and raises math-verify's ``TimeoutException`` into the scoring thread itself at the
+            deadline (:class:`~lightning_offpolicy.rewards.deadline.Deadline`), where the alarm's
+            handler would raise it. ``None``: no limit.
     """
 
-    def __init__(self, answer_key: str = "answer", timeout_seconds: int = 5) -> None:
+    def __init__(self, answer_key: str = "answer", timeout_seconds: float | None = 5) -> None:
         if not isinstance(answer_key, str) or not answer_key:
             raise ValueError(f"MathAnswerReward: `answer_key` must be a non-empty string, got {answer_key!r}.")
+        if timeout_seconds is not None and not (is_number(timeout_seconds) and timeout_seconds > 0):
+            raise ValueError(
+                "MathAnswerReward: `timeout_seconds` must be > 0 (seconds) or None (no limit), got "
+                f"{timeout_seconds!r}."
+            )
         self.answer_key = answer_key
         self.timeout_seconds = timeout_seconds
         self.__name__ = "math_answer"
 
     def __call__(self, prompts: list[Any], completions: list[str], metadata: list[dict[str, Any]]) -> list[float]:
-        from math_verify import parse, verify
-
-        timeout = self.timeout_seconds if threading.current_thread() is threading.main_thread() else None
+        _quiet_math_verify_timeout_notice()
         rewards = []
         for completion, meta in zip(completions, metadata, strict=True):
             if self.answer_key not in meta:
@@ -44,17 +58,62 @@ class MathAnswerReward:
                     f"MathAnswerReward: the row's metadata has no {self.answer_key!r} (keys: {sorted(meta)}); set "
                     "`answer_key` to the column with the reference answer."
                 )
-            gold = parse(str(meta[self.answer_key]), parsing_timeout=timeout)
+            gold = self._parse(str(meta[self.answer_key]))
             if not gold:
                 raise ValueError(
                     f"MathAnswerReward: math-verify cannot parse the reference answer {meta[self.answer_key]!r}."
                 )
-            predicted = parse(completion, parsing_timeout=timeout)
-            rewards.append(1.0 if predicted and verify(gold, predicted, timeout_seconds=timeout) else 0.0)
+            predicted = self._parse(completion)
+            rewards.append(1.0 if predicted and self._verify(gold, predicted) else 0.0)
         return rewards
 
+    def _parse(self, text: str) -> list[Any]:
+        """``math_verify.parse`` within ``timeout_seconds`` (``[]`` past it, as math-verify's own timeout)."""
+        from math_verify import parse
+        from math_verify.errors import TimeoutException
+
+        try:
+            with Deadline(self.timeout_seconds, TimeoutException):
+                return parse(text, parsing_timeout=None)
+        except TimeoutException:  # arrived outside parse's own handler
+            log.warning("math_answer: parsing took longer than timeout_seconds=%g s: %.80r", self.timeout_seconds, text)
+            return []
+
+    def _verify(self, gold: list[Any], predicted: list[Any]) -> bool:
+        """``math_verify.verify``: any pair equal, each comparison within ``timeout_seconds`` (False past it)."""
+        from math_verify import verify
+        from math_verify.errors import TimeoutException
+
+        for expected, answer in itertools.product(gold, predicted):
+            try:
+                with Deadline(self.timeout_seconds, TimeoutException):
+                    equal = verify(expected, answer, timeout_seconds=None)
+            except TimeoutException:  # arrived outside verify's own handler
+                log.warning("math_answer: a comparison took longer than timeout_seconds=%g s", self.timeout_seconds)
+                equal = False
+            if equal:
+                return True
+        return False
+
     def __repr__(self) -> str:
-        return f"MathAnswerReward(answer_key={self.answer_key!r})"
+        return f"MathAnswerReward(answer_key={self.answer_key!r}, timeout_seconds={self.timeout_seconds!r})"
+
+
+class _DropTimeoutDisabledNotice(logging.Filter):
+    """math-verify warns "Timeout is disabled" when called without its signal timer; this reward has its own."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith("Timeout is disabled")
+
+
+_NOTICE_FILTER = _DropTimeoutDisabledNotice()
+
+
+def _quiet_math_verify_timeout_notice() -> None:
+    for name in ("math_verify.parser", "math_verify.grader"):
+        logger = logging.getLogger(name)
+        if _NOTICE_FILTER not in logger.filters:
+            logger.addFilter(_NOTICE_FILTER)
 
 
 #: ``MathAnswerReward()``: import path ``lightning_offpolicy.rewards.math_answer``.

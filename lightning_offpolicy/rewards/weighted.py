@@ -95,6 +95,13 @@ class WeightedReward:
                 f"WeightedReward: the reward names {duplicates} appear more than once; give each entry its own 'name' "
                 "(the log key reward/<name>)."
             )
+        if all(c.weight == 0 for c in self.components):
+            weights = ", ".join(f"{c.name}={c.weight:g}" for c in self.components)
+            raise ValueError(
+                f"WeightedReward: every reward weight is 0 ({weights}), so every completion's reward would be 0 and "
+                "every advantage 0: nothing would be trained. Give at least one entry a non-zero 'weight' (an "
+                "entry of weight 0 is only logged, as reward/<name>)."
+            )
 
     def __call__(self, prompts: list[Any], completions: list[str], metadata: list[dict[str, Any]]) -> list[float]:
         from lightning_offpolicy.rewards.scoring import score_completions

@@ -52,12 +52,12 @@ from lightning.pytorch.utilities import rank_zero_info
 from typing_extensions import override
 
 from lightning_offpolicy.advantages import ADVANTAGE_ESTIMATORS
-from lightning_offpolicy.argcheck import is_int, is_real
+from lightning_offpolicy.argcheck import is_int, is_number, is_real
 from lightning_offpolicy.batch import PromptBatch, RolloutBatch
 from lightning_offpolicy.evaluation import EvaluationBatch
 from lightning_offpolicy.log_steps import is_logging_step
 from lightning_offpolicy.preflight import check_context, check_group_size, check_vocab, context_limit
-from lightning_offpolicy.rewards import RewardSpec, resolve_reward
+from lightning_offpolicy.rewards import DEFAULT_REWARD_TIMEOUT_S, RewardSpec, resolve_reward
 from lightning_offpolicy.rollout.dapo import DAPOSettings
 from lightning_offpolicy.rollout.engine import RolloutEngine, SamplingConfig, generation_eos_ids
 from lightning_offpolicy.rollout.hf import HFEngine
@@ -79,6 +79,12 @@ class RolloutCallback(Callback):
             reward, each part logged as ``reward/<name>`` (see
             :func:`lightning_offpolicy.rewards.resolve_reward`). ``None`` takes the datamodule's
             ``reward_fn``.
+        reward_timeout_s: Longest one call of the reward function on a batch may take (each part
+            of a weighted reward is one call; seconds). The call runs in a worker thread; past the
+            limit it is abandoned and the fit stops with a ``RewardError`` naming the reward and
+            the row it was scoring. A call still running after 10 s (or half the limit, if
+            shorter) is reported in the log, again at 20 s, 40 s, ... ``None``: no limit, and the
+            reward runs on the calling thread (for rewards that must run on the main thread).
         max_new_tokens: Maximum tokens generated per completion.
         temperature: Sampling temperature (the module scores with its own ``temperature``: keep
             them equal).
@@ -144,6 +150,7 @@ class RolloutCallback(Callback):
         overlong_buffer: int = 0,
         overlong_penalty_factor: float = 1.0,
         partial_rollouts: bool = False,
+        reward_timeout_s: float | None = DEFAULT_REWARD_TIMEOUT_S,
     ) -> None:
         if advantage_estimator not in ADVANTAGE_ESTIMATORS:
             raise ValueError(
@@ -173,6 +180,11 @@ class RolloutCallback(Callback):
             raise ValueError(
                 "RolloutCallback.partial_rollouts=True needs max_staleness >= 1: synchronous rollouts never push "
                 "weights while a request is in flight, so there is nothing to interrupt."
+            )
+        if reward_timeout_s is not None and not (is_number(reward_timeout_s) and reward_timeout_s > 0):
+            raise ValueError(
+                f"RolloutCallback.reward_timeout_s={reward_timeout_s!r} must be > 0 (seconds per reward call) or "
+                "None (no limit)."
             )
         check_group_size(samples_per_prompt, advantage_estimator)
         self.dapo = DAPOSettings(
@@ -204,6 +216,7 @@ class RolloutCallback(Callback):
         self.sync_every = sync_every
         self.success_threshold = float(success_threshold)
         self.partial_rollouts = partial_rollouts
+        self.reward_timeout_s = None if reward_timeout_s is None else float(reward_timeout_s)
         # Policy version whose weights the current validation epoch pushed (None: not pushed yet).
         self._evaluated_version: int | None = None
         #: Batches handed to training so far (restored from checkpoints; numbers the seeds).
@@ -396,6 +409,7 @@ class RolloutCallback(Callback):
             dapo=self.dapo,
             more_prompts=None if self._refill_prompts is None else lambda: next(self._refill_prompts),
             turn=self.producer.generation_turn if self.producer is not None and self.producer.interrupts else None,
+            reward_timeout_s=self.reward_timeout_s,
         )
 
     def _produce(self, prompts: PromptBatch, index: int) -> tuple[RolloutBatch, float]:

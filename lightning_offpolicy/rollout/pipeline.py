@@ -22,7 +22,7 @@ from lightning_offpolicy.advantages import compute_advantages
 from lightning_offpolicy.batch import PromptBatch, RolloutBatch
 from lightning_offpolicy.evaluation import EvaluationBatch, prompt_seed
 from lightning_offpolicy.preflight import check_prompt_fits
-from lightning_offpolicy.rewards import score_completions
+from lightning_offpolicy.rewards import DEFAULT_REWARD_TIMEOUT_S, score_completions
 from lightning_offpolicy.rollout.dapo import DAPOSettings, informative_rows, overlong_penalty
 from lightning_offpolicy.rollout.engine import Completion, RolloutEngine, SamplingConfig
 from lightning_offpolicy.rollout.partial import PartialStats, generate_resumable
@@ -116,6 +116,9 @@ class Rollouter:
             interrupts are continued under the new weights
             (:func:`~lightning_offpolicy.rollout.partial.generate_resumable`). ``None``: the caller
             holds the engine for the whole rollout.
+        reward_timeout_s: Longest one call of the reward function (of each part of a weighted
+            reward) may take; past it the call is abandoned and a ``RewardError`` names the row it
+            was scoring (:func:`~lightning_offpolicy.rewards.score_completions`). ``None``: no limit.
 
     After each :meth:`rollout`, :attr:`last_stats` holds its counts (``groups_dropped``,
     ``refill_batches``, ``groups_short``, ``overlong_filtered``; with ``turn``: ``interrupted_frac``,
@@ -137,6 +140,7 @@ class Rollouter:
         dapo: DAPOSettings | None = None,
         more_prompts: Callable[[], PromptBatch] | None = None,
         turn: Callable[[], AbstractContextManager[object]] | None = None,
+        reward_timeout_s: float | None = DEFAULT_REWARD_TIMEOUT_S,
     ) -> None:
         self.engine = engine
         self.tokenizer = tokenizer
@@ -149,6 +153,7 @@ class Rollouter:
         self.dapo = dapo if dapo is not None else DAPOSettings()
         self.more_prompts = more_prompts
         self.turn = turn
+        self.reward_timeout_s = reward_timeout_s
         self._partial = PartialStats()
         self.last_stats: dict[str, float] = {}
 
@@ -310,5 +315,9 @@ class Rollouter:
     def _score(self, prompts: PromptBatch, owners: Sequence[int], completions: Sequence[Completion]) -> Any:
         texts = [self.tokenizer.decode(c.token_ids) for c in completions]
         return score_completions(
-            self.reward_fn, [prompts.prompts[i] for i in owners], texts, [prompts.metadata[i] for i in owners]
+            self.reward_fn,
+            [prompts.prompts[i] for i in owners],
+            texts,
+            [prompts.metadata[i] for i in owners],
+            timeout_s=self.reward_timeout_s,
         )

@@ -30,8 +30,13 @@ __all__ = [
     "parse_base_url",
 ]
 
-#: Longest wait for a TCP connection (a server that does not accept within this is down or unreachable).
-CONNECT_TIMEOUT_S = 10.0
+#: Default longest wait for a TCP connection, and for the first answers of a server at connect time
+#: (``RemoteVLLMEngine.connect_timeout_s``): a server that does not accept within it is down or
+#: unreachable, one that accepts but does not answer ``/v1/models`` / ``/server_info`` within it is
+#: hung. The first ``/server_info`` collects the server's environment (1.8-4.4 s measured on a
+#: loaded 2-core machine, docs/remote_vllm.md): 30 s leaves room for a busier one and is still 20x
+#: shorter than the default ``request_timeout_s``.
+CONNECT_TIMEOUT_S = 30.0
 
 #: Most bytes one read of a streamed answer takes (vLLM sends one chunk of some hundred bytes per event).
 _READ_SIZE = 1 << 16
@@ -92,8 +97,18 @@ class HTTPClient:
     a thread blocked on one wakes at once.
     """
 
-    def __init__(self, scheme: str, host: str, port: int, prefix: str, api_key: str | None, base_url: str) -> None:
+    def __init__(
+        self,
+        scheme: str,
+        host: str,
+        port: int,
+        prefix: str,
+        api_key: str | None,
+        base_url: str,
+        connect_timeout_s: float = CONNECT_TIMEOUT_S,
+    ) -> None:
         self.scheme, self.host, self.port, self.prefix = scheme, host, port, prefix
+        self.connect_timeout_s = connect_timeout_s
         self.api_key = api_key
         self.base_url = base_url
         # Watches the sockets of the requests in flight (taken right after connect: http.client drops
@@ -107,15 +122,28 @@ class HTTPClient:
     def _closed(self) -> bool:
         return self._closing.is_set()
 
-    def request(self, method: str, path: str, body: Any = None, *, timeout: float, what: str) -> Any:
-        """Send ``body`` as JSON, return the parsed JSON answer (``None`` for an empty one)."""
+    def request(
+        self,
+        method: str,
+        path: str,
+        body: Any = None,
+        *,
+        timeout: float,
+        what: str,
+        timeout_setting: str = "request_timeout_s",
+    ) -> Any:
+        """Send ``body`` as JSON, return the parsed JSON answer (``None`` for an empty one).
+
+        ``timeout`` bounds the connection (at most ``connect_timeout_s``) and then the answer;
+        ``timeout_setting`` is the setting that gave it, named when it passes.
+        """
         conn, sock = self._open(timeout, what)
         try:
             try:
                 response = self._send(conn, method, path, body, accept="application/json")
                 raw = response.read()
             except TimeoutError as err:
-                raise self._timed_out(what, timeout) from err
+                raise self._timed_out(what, timeout, timeout_setting) from err
             except (http.client.HTTPException, ConnectionError, OSError) as err:
                 raise self._dropped(what, err) from err
         finally:
@@ -198,7 +226,8 @@ class HTTPClient:
     def _open(self, timeout: float, what: str) -> tuple[http.client.HTTPConnection, socket.socket]:
         """A connection to the server (and its socket, registered for :meth:`close`), request deadline set."""
         cls = http.client.HTTPSConnection if self.scheme == "https" else http.client.HTTPConnection
-        conn = cls(self.host, self.port, timeout=min(CONNECT_TIMEOUT_S, timeout))
+        connect_s = min(self.connect_timeout_s, timeout)
+        conn = cls(self.host, self.port, timeout=connect_s)
         if self._closed:
             raise RuntimeError(f"RemoteVLLMEngine was closed before {what}.")
         try:
@@ -212,8 +241,8 @@ class HTTPClient:
         except TimeoutError as err:
             raise RuntimeError(
                 f"RemoteVLLMEngine: no connection to the vLLM server at {self.base_url} within "
-                f"{min(CONNECT_TIMEOUT_S, timeout):g} s during {what}: check the address, the network and any "
-                "firewall between this machine and the server."
+                f"{_setting(connect_s, self.connect_timeout_s, timeout)} during {what}: check the address, the "
+                "network and any firewall between this machine and the server."
             ) from err
         except OSError as err:  # unknown host, no route, ...
             raise RuntimeError(
@@ -307,7 +336,13 @@ class HTTPClient:
             status,
         )
 
-    def _timed_out(self, what: str, timeout: float) -> RuntimeError:
+    def _timed_out(self, what: str, timeout: float, setting: str = "request_timeout_s") -> RuntimeError:
+        if setting == "connect_timeout_s":
+            return RuntimeError(
+                f"RemoteVLLMEngine: {what}: the server at {self.base_url} accepted the connection but sent no answer "
+                f"within connect_timeout_s={timeout:g} s: it is hung (or that port is not a vLLM server's). Check the "
+                "server's log; raise RemoteVLLMEngine(connect_timeout_s=...) if it is only slow to answer."
+            )
         return RuntimeError(
             f"RemoteVLLMEngine: {what} got no answer from {self.base_url} within request_timeout_s={timeout:g} s "
             "(server overloaded or hung? raise request_timeout_s if the work is legitimately that long)."
@@ -320,6 +355,12 @@ class HTTPClient:
             f"RemoteVLLMEngine: the vLLM server at {self.base_url} dropped the connection during {what} "
             f"({type(err).__name__}: {err}): did it crash or restart? Check its log."
         )
+
+
+def _setting(seconds: float, connect_timeout_s: float, request_timeout_s: float) -> str:
+    """``connect_timeout_s=30 s`` (or ``request_timeout_s=...``): the setting that bounded a wait of ``seconds``."""
+    name = "connect_timeout_s" if connect_timeout_s <= request_timeout_s else "request_timeout_s"
+    return f"{name}={seconds:g} s"
 
 
 def _shutdown(sock: socket.socket) -> None:

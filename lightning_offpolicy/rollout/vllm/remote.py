@@ -27,9 +27,11 @@ Same guarantees as the in-process :class:`~lightning_offpolicy.rollout.VLLMEngin
   ``check_weight_sync`` it then compares the server's logprobs of a probe sequence
   (``prompt_logprobs``) with the trainer's (:class:`~lightning_offpolicy.rollout.vllm.weight_sync.SyncCheck`):
   a sync that silently never arrived raises instead of poisoning the run.
-* **No hangs.** Every request has a deadline (``request_timeout_s``); a refused connection, a
-  timeout, a dropped connection or an HTTP error raises a ``RuntimeError`` that names the server
-  and what to check. :meth:`RemoteVLLMEngine.close` wakes a request in flight in another thread.
+* **No hangs.** Every request has a deadline (``request_timeout_s``; the connection itself and the
+  connect-time checks the much shorter ``connect_timeout_s``, 30 s, so a hung server is reported
+  at once, not after a generation's allowance); a refused connection, a timeout, a dropped
+  connection or an HTTP error raises a ``RuntimeError`` that names the server and what to check.
+  :meth:`RemoteVLLMEngine.close` wakes a request in flight in another thread.
 * **Interruptible** (:class:`~lightning_offpolicy.rollout.engine.InterruptibleEngine`, partial
   rollouts). :meth:`RemoteVLLMEngine.interrupt` makes the ``generate`` call in flight (or the
   next one) return at once (2-3 ms on the test model): it shuts the call's connections down,
@@ -74,7 +76,7 @@ from typing import Any, TypeVar
 
 import torch
 
-from lightning_offpolicy.argcheck import is_int
+from lightning_offpolicy.argcheck import is_int, is_number
 from lightning_offpolicy.rollout.engine import (
     Completion,
     SamplingConfig,
@@ -82,6 +84,7 @@ from lightning_offpolicy.rollout.engine import (
 from lightning_offpolicy.rollout.vllm.base import SUPPORT_LOGPROBS, RawSample, VLLMEngineBase, support_request
 from lightning_offpolicy.rollout.vllm.errors import DEV_MODE_HINT
 from lightning_offpolicy.rollout.vllm.http import (
+    CONNECT_TIMEOUT_S,
     HTTPClient,
     HTTPStatusError,
     StreamInterrupt,
@@ -129,6 +132,10 @@ class RemoteVLLMEngine(VLLMEngineBase):
             same path).
         request_timeout_s: Longest one HTTP request (a generation of one prompt's samples, a
             weight reload) may take before a ``RuntimeError`` is raised.
+        connect_timeout_s: Longest wait for a TCP connection (and TLS handshake) to the server,
+            and for its answers to the connect-time checks (``/v1/models``, ``/server_info``),
+            which a working server gives at once: a server that accepts the connection but does
+            not answer is reported after this, not after ``request_timeout_s`` (at most that).
         max_concurrent_requests: Requests in flight at once from this client (one request per
             prompt, carrying its ``samples_per_prompt`` samples); the server batches them.
         check_weight_sync: After each ``update_weights`` from a module, check that the server's
@@ -200,6 +207,7 @@ class RemoteVLLMEngine(VLLMEngineBase):
         stream: bool | None = None,
         stream_interval: int = 8,
         support_logprobs: int = SUPPORT_LOGPROBS,
+        connect_timeout_s: float = CONNECT_TIMEOUT_S,
     ) -> None:
         scheme, host, port, prefix = parse_base_url(base_url)
         if model is not None and (not isinstance(model, str) or not model):
@@ -231,6 +239,11 @@ class RemoteVLLMEngine(VLLMEngineBase):
             raise ValueError(
                 f"RemoteVLLMEngine.stream={stream!r} must be True (always stream), False (never) or None (from the "
                 "first interrupt() on)."
+            )
+        if not (is_number(connect_timeout_s) and connect_timeout_s > 0):
+            raise ValueError(
+                f"RemoteVLLMEngine.connect_timeout_s={connect_timeout_s!r} must be > 0 (seconds to connect and get the "
+                "server's first answers)."
             )
         if not is_int(stream_interval) or stream_interval < 1:
             raise ValueError(
@@ -271,7 +284,8 @@ class RemoteVLLMEngine(VLLMEngineBase):
         self.last_reload_time_s: float | None = None
 
         self.share_weights_with_group = share_weights_with_group
-        self._http = HTTPClient(scheme, host, port, prefix, api_key, self.base_url)
+        self.connect_timeout_s = float(connect_timeout_s)
+        self._http = HTTPClient(scheme, host, port, prefix, api_key, self.base_url, self.connect_timeout_s)
         self._lock = threading.Lock()
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None
         self._pool_lock = threading.Lock()
@@ -354,7 +368,7 @@ class RemoteVLLMEngine(VLLMEngineBase):
         if self.connected:
             return
         begin = time.perf_counter()
-        listing = self._http.request("GET", "/v1/models", timeout=self.request_timeout_s, what="connect (/v1/models)")
+        listing = self._http.request("GET", "/v1/models", what="connect (/v1/models)", **self._connect_limit())
         served = [m for m in (listing or {}).get("data", []) if isinstance(m, dict) and "id" in m]
         names = [str(m["id"]) for m in served]
         if self.model is None:
@@ -506,11 +520,17 @@ class RemoteVLLMEngine(VLLMEngineBase):
 
     # ------------------------------------------------------------------ requests
 
+    def _connect_limit(self) -> dict[str, Any]:
+        """The time limit of a connect-time request: ``connect_timeout_s``, or ``request_timeout_s`` if shorter."""
+        if self.connect_timeout_s <= self.request_timeout_s:
+            return {"timeout": self.connect_timeout_s, "timeout_setting": "connect_timeout_s"}
+        return {"timeout": self.request_timeout_s, "timeout_setting": "request_timeout_s"}
+
     def _server_model_config(self) -> dict[str, Any] | None:
         """The server's model configuration (``/server_info``); ``None`` when it is not in dev mode."""
         try:
             info = self._http.request(
-                "GET", "/server_info?config_format=json", timeout=self.request_timeout_s, what="connect (/server_info)"
+                "GET", "/server_info?config_format=json", what="connect (/server_info)", **self._connect_limit()
             )
         except HTTPStatusError as err:
             if err.status == 404:
