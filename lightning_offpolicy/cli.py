@@ -27,6 +27,8 @@ from __future__ import annotations
 
 import logging
 import os
+import re
+import socket
 import sys
 import traceback
 from typing import Any
@@ -34,8 +36,11 @@ from typing import Any
 from lightning.pytorch import LightningDataModule, Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint, ProgressBar
 from lightning.pytorch.cli import LightningCLI
+from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
+from lightning.pytorch.utilities.rank_zero import rank_zero_only
 
 from lightning_offpolicy.checkpointing import find_last_checkpoint, install_atomic_checkpoint_io
+from lightning_offpolicy.correction.config import PRESETS, unknown_preset_message
 from lightning_offpolicy.data import DatasetDataModule  # noqa: F401  (a known data class for --data.help)
 from lightning_offpolicy.module import OffPolicyRLModule
 from lightning_offpolicy.preemption import PreemptionCheckpoint
@@ -59,6 +64,89 @@ MODEL_HELP = (
 )
 
 
+#: Held (``flock``) by the run writing a log directory, for as long as it runs.
+RUN_LOCK_FILE = ".run.lock"
+
+
+def claim_log_directory(trainer: Trainer) -> Any:
+    """Take this run's log directory for as long as it runs; the open lock file (``None``: nothing to hold).
+
+    Two runs started at the same moment with an automatic version (``version_N``) could both pick the
+    same ``N`` (Lightning lists the directory, then creates ``version_N`` later) and write their
+    ``config.yaml``, events and checkpoints over each other; two runs given the same fixed directory
+    always did. The run holds a lock on ``<log_dir>/.run.lock`` (``flock``: the operating system
+    drops it when the process ends, however it ends), and:
+
+    * a run whose version is picked automatically and finds it held moves on to the next free
+      ``version_N``, as it would have had it started a moment later;
+    * a run given that directory (a fixed ``version``, or no logger: ``default_root_dir``) gets a
+      ``RuntimeError`` before anything is written, naming the directory and the process holding it.
+
+    A directory whose run has ended is taken again (a resumed run rewrites its ``config.yaml``).
+    Called by the CLI before the subcommand runs, on global rank zero only (the other ranks use its
+    directory, as Lightning broadcasts it); remote paths and systems without ``flock`` are left alone.
+    """
+    try:
+        import fcntl
+    except ImportError:
+        return None
+    if trainer.global_rank != 0 or rank_zero_only.rank != 0:
+        return None
+    logger = trainer.loggers[0] if trainer.loggers else None
+    # Lightning creates the logger's experiment (and version_N) at the start of fit: the version is still open now.
+    automatic = (
+        isinstance(logger, (TensorBoardLogger, CSVLogger)) and logger._version is None and logger._experiment is None
+    )
+    taken: list[str] = []
+    for _ in range(1000):
+        log_dir = _local_log_dir(trainer)
+        if not log_dir or "://" in log_dir:
+            return None
+        try:
+            os.makedirs(log_dir, exist_ok=True)
+            handle = open(os.path.join(log_dir, RUN_LOCK_FILE), "a+")  # held until the run ends
+        except OSError:
+            return None  # not writable: Lightning's own writes report it
+        try:
+            fcntl.flock(handle.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            handle.seek(0)
+            holder = handle.read().strip() or "another process"
+            handle.close()
+            if not automatic:
+                what = (
+                    "leave trainer.logger's `version` unset (each run then gets the next version_N), or set another "
+                    "`version`, `name` or `save_dir`"
+                    if logger is not None
+                    else "set another trainer.default_root_dir"
+                )
+                raise RuntimeError(
+                    f"Another run ({holder}) is writing to the log directory {log_dir} now: two runs in one directory "
+                    f"overwrite each other's config.yaml, events and checkpoints. Give this run a directory of its "
+                    f"own: {what}."
+                ) from None
+            taken.append(f"{log_dir} ({holder})")
+            assert logger is not None
+            logger._version = None  # the next version_N after the taken one
+            continue
+        handle.seek(0)
+        handle.truncate()
+        handle.write(f"pid {os.getpid()} on {socket.gethostname()}\n")
+        handle.flush()
+        if taken:
+            log.warning("%s was taken by a run that started at the same time; this run logs to %s.", taken[-1], log_dir)
+        return handle
+    raise RuntimeError(f"No free log directory after {len(taken)} tries; the last: {taken[-1]}.")
+
+
+def _local_log_dir(trainer: Trainer) -> str | None:
+    """``trainer.log_dir`` without its broadcast (rank zero alone calls it, before the processes are joined)."""
+    if trainer.loggers:
+        logger = trainer.loggers[0]
+        return logger.log_dir if isinstance(logger, (TensorBoardLogger, CSVLogger)) else logger.save_dir
+    return trainer.default_root_dir
+
+
 class OffPolicyCLI(LightningCLI):
     """``LightningCLI`` with the rollout callback as a first-class config group."""
 
@@ -79,6 +167,7 @@ class OffPolicyCLI(LightningCLI):
         )
 
     def add_arguments_to_parser(self, parser) -> None:
+        _accept_correction_presets(parser)
         parser.add_lightning_class_args(RolloutCallback, "rollout")
         parser.link_arguments("rollout.temperature", "model.temperature")
         # SIGTERM (preemption): checkpoint at the next batch boundary, then exit 143, not 0.
@@ -96,6 +185,8 @@ class OffPolicyCLI(LightningCLI):
             raise cause from None
 
     def _run_subcommand(self, subcommand: str) -> None:
+        # One run per log directory at a time: taken before Lightning writes anything there.
+        lock = claim_log_directory(self.trainer)
         try:
             super()._run_subcommand(subcommand)
         except Exception as err:
@@ -111,6 +202,9 @@ class OffPolicyCLI(LightningCLI):
             message = f"SIGTERM: the run stopped with {type(err).__name__}{saved}; exit {preemption.status}"
             print(message, file=sys.stderr)
             raise SystemExit(preemption.status) from err
+        finally:
+            if lock is not None:
+                lock.close()  # the directory is free for a later run (a resumed one)
 
     def _preemption(self) -> PreemptionCheckpoint | None:
         return next((c for c in self.trainer.callbacks if isinstance(c, PreemptionCheckpoint)), None)
@@ -154,6 +248,51 @@ class OffPolicyCLI(LightningCLI):
         return trainer
 
 
+#: A bare word, as a preset name is (a config file has a dot or a slash, inline YAML a brace or a colon).
+_BARE_WORD = re.compile(r"[A-Za-z][A-Za-z0-9_-]*")
+
+CORRECTION_HELP = (
+    "A correction preset by name (e.g. token_tis, geo_mis, bypass; the list: docs/off_policy_correction.md), "
+    "or a YAML file / inline YAML of the fields below. A preset sets every field, as "
+    "configs/correction/<name>.yaml does; fields given after it change it."
+)
+
+
+def _accept_correction_presets(parser: Any) -> None:
+    """``--model.correction=token_tis`` (or ``correction: token_tis`` in YAML) takes the preset of that name.
+
+    jsonargparse reads a bare string given for a dataclass group as a config file and fails with
+    "Unable to load config 'token_tiss'"; an unknown name now gets the known presets and the close ones.
+    """
+    try:
+        from jsonargparse._actions import _ActionConfigLoad
+    except ImportError:  # jsonargparse moved its private class: no presets by name, nothing else changes
+        return
+    action = next((a for a in parser._actions if a.dest == "model.correction"), None)
+    if type(action) is not _ActionConfigLoad:
+        return
+
+    class CorrectionConfigLoad(_ActionConfigLoad):
+        def _load_config(self, value: Any, parser: Any) -> Any:
+            name = value.strip() if isinstance(value, str) else None
+            if name in PRESETS:
+                value = PRESETS[name]().to_dict()
+            try:
+                return super()._load_config(value, parser)
+            except TypeError:
+                if name is None or not _BARE_WORD.fullmatch(name):
+                    raise
+            raise TypeError(
+                f'Parser key "{self.dest}": '
+                + unknown_preset_message(name)
+                + " Give a preset name, a YAML file of OffPolicyCorrectionConfig fields, or single fields "
+                "(--model.correction.tis_level=token)."
+            ) from None
+
+    action.__class__ = CorrectionConfigLoad
+    action.help = CORRECTION_HELP
+
+
 def _constructor_error(err: BaseException) -> BaseException | None:
     """The error a constructor raised under jsonargparse's union wrapper, or ``None`` when ``err`` is not that."""
     if not str(err).startswith("Does not validate against any of the Union subtypes"):
@@ -178,6 +317,7 @@ def main(argv: list[str] | None = None) -> int:
         LightningDataModule,  # any data module: the kit's, or the user's own (class_path: mydata.MyPrompts)
         subclass_mode_data=True,
         args=argv,  # None: read sys.argv
+        # A resumed run rewrites its directory's config; concurrent runs never share one (claim_log_directory).
         save_config_kwargs={"overwrite": True},
         auto_configure_optimizers=False,
         parser_kwargs={"description": DESCRIPTION},

@@ -42,12 +42,14 @@ def load_policy(model: str, torch_dtype: str, tokenizer: Any = None) -> tuple[to
     Returns:
         ``(policy, tokenizer)``.
     """
-    from transformers import AutoModelForCausalLM
-
+    from lightning_offpolicy.preflight import check_hub_model
     from lightning_offpolicy.tiny import resolve_model_path
     from lightning_offpolicy.tokenizers import load_tokenizer
 
     path = resolve_model_path(model)
+    check_hub_model(path)  # a name that cannot be downloaded fails now, not after a minute of retries
+    from transformers import AutoModelForCausalLM
+
     # The tokenizer first: a directory without tokenizer files fails in a second, not after the weights loaded.
     if tokenizer is None:
         tokenizer = load_tokenizer(path)

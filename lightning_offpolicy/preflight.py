@@ -9,7 +9,9 @@ Each one turns a setting that would train nothing, or crash minutes into the run
 * :func:`check_context` / :func:`check_prompt_fits`: prompt + ``max_new_tokens`` longer than the
   model's context or the engine's ``max_model_len``;
 * :func:`check_model_path`: a local model directory that does not exist (the Hub's "Repo id must
-  be in the form ..." message otherwise).
+  be in the form ..." message otherwise);
+* :func:`check_hub_model`: a hub name that is neither a local directory nor cached, while the hub
+  is offline or out of reach (a misspelt name used to spend a minute on retries first).
 """
 
 from __future__ import annotations
@@ -126,3 +128,57 @@ def check_model_path(name: str, setting: str) -> None:
             "that holds config.json and the weights (save_pretrained output), a hub id such as 'org/name', or "
             "'tiny:<task>'."
         )
+
+
+#: Seconds the hub gets to answer one probe before a model name that is not cached is called unreachable.
+HUB_PROBE_TIMEOUT_S = 5.0
+
+
+def check_hub_model(
+    name: str, setting: str = "OffPolicyRLModule.model", timeout_s: float = HUB_PROBE_TIMEOUT_S
+) -> None:
+    """``OSError`` at once when ``name`` would have to be downloaded and cannot be.
+
+    Nothing to check for ``tiny:`` specs, local directories and names already in the Hugging Face
+    cache. Otherwise, with ``HF_HUB_OFFLINE`` set, or when one request to the hub's endpoint gets
+    no answer within ``timeout_s``, the name cannot be fetched: ``transformers`` would retry for
+    about a minute and then blame the connection, where the usual cause is a misspelt name.
+    """
+    if name.startswith("tiny:") or Path(name).expanduser().is_dir():
+        return
+    from huggingface_hub import constants, try_to_load_from_cache
+
+    try:
+        cached = try_to_load_from_cache(name, "config.json")
+    except Exception:  # not a valid repo id: transformers' own message says so, without retries
+        return
+    if isinstance(cached, str):
+        return
+    where = (
+        f"{setting}={name!r} is not a local directory (working directory: {os.getcwd()}) and not in the Hugging Face "
+        f"cache ({constants.HF_HUB_CACHE})"
+    )
+    todo = (
+        "Check the spelling (a hub id is 'org/name', e.g. 'Qwen/Qwen2.5-0.5B-Instruct'), give the directory of a "
+        "save_pretrained checkpoint, or download the model into the cache where there is network "
+        f"(`hf download {name}`)."
+    )
+    if constants.HF_HUB_OFFLINE:
+        raise OSError(f"{where}, and HF_HUB_OFFLINE is set, so it cannot be downloaded. {todo}")
+    error = _hub_unreachable(constants.ENDPOINT, timeout_s)
+    if error is not None:
+        raise OSError(
+            f"{where}, and the hub at {constants.ENDPOINT} cannot be reached ({error}; one request, {timeout_s:g} s "
+            f"timeout), so it cannot be downloaded. {todo} Without network, set HF_HUB_OFFLINE=1."
+        )
+
+
+def _hub_unreachable(endpoint: str, timeout_s: float) -> str | None:
+    """Why one HEAD request to ``endpoint`` got no answer (any HTTP status is an answer), or ``None``."""
+    from huggingface_hub.utils import get_session
+
+    try:
+        get_session().head(endpoint, timeout=timeout_s)
+    except Exception as err:  # connect / DNS / TLS / timeout: the hub's client has its own exception types
+        return f"{type(err).__name__}: {err}"
+    return None

@@ -26,7 +26,7 @@ from __future__ import annotations
 import json
 import os
 import string
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Literal
 
@@ -40,6 +40,7 @@ __all__ = [
     "HFTokenizer",
     "checked_messages",
     "encode_prompt",
+    "encode_prompts",
     "load_tokenizer",
 ]
 
@@ -374,6 +375,16 @@ class HFTokenizer:
             return self.encode(prompt)
         return self._render_chat(checked_messages(prompt, "HFTokenizer.encode_prompt"))
 
+    def encode_prompts(self, prompts: Sequence[Prompt]) -> list[list[int]]:
+        """:meth:`encode_prompt` of each prompt; plain texts are tokenized in one batched call."""
+        prompts = list(prompts)
+        if self.chat_template or self.system_prompt is not None or not all(isinstance(p, str) for p in prompts):
+            return [self.encode_prompt(p) for p in prompts]
+        if not prompts:
+            return []
+        batch = self.tokenizer(prompts, return_attention_mask=False, return_token_type_ids=False)["input_ids"]
+        return [self._with_bos(ids if isinstance(ids, list) else _ids_to_list(ids), self.add_bos) for ids in batch]
+
     def _render_chat(self, messages: ChatMessages) -> list[int]:
         tokenizer = self.tokenizer
         if not getattr(tokenizer, "chat_template", None):
@@ -500,6 +511,21 @@ def encode_prompt(tokenizer: Any, prompt: Prompt) -> list[int]:
     if is_hf:
         return _ids_to_list(tokenizer(prompt)["input_ids"])
     return list(tokenizer.encode(prompt))
+
+
+def encode_prompts(tokenizer: Any, prompts: Sequence[Prompt]) -> list[list[int]]:
+    """:func:`encode_prompt` of each prompt, batched where the tokenizer can (one call for many texts).
+
+    The ids are those :func:`encode_prompt` gives one prompt at a time.
+    """
+    batched = getattr(tokenizer, "encode_prompts", None)
+    if callable(batched):
+        return [list(ids) for ids in batched(prompts)]
+    prompts = list(prompts)
+    if prompts and hasattr(tokenizer, "apply_chat_template") and all(isinstance(p, str) for p in prompts):
+        batch = tokenizer(prompts, return_attention_mask=False, return_token_type_ids=False)["input_ids"]
+        return [_ids_to_list(ids) for ids in batch]
+    return [encode_prompt(tokenizer, p) for p in prompts]
 
 
 def load_tokenizer(path: str | os.PathLike, **kwargs: Any) -> CharTokenizer | HFTokenizer:

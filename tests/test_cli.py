@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
 import yaml
 from lightning.pytorch import LightningDataModule
+from lightning.pytorch.loggers import TensorBoardLogger
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from lightning_offpolicy.cli import OffPolicyCLI, main
+from lightning_offpolicy.cli import OffPolicyCLI, claim_log_directory, main
 from lightning_offpolicy.correction import PRESETS, OffPolicyCorrectionConfig
 from lightning_offpolicy.module import OffPolicyRLModule
 
@@ -206,3 +208,80 @@ rollout:
     assert callback.dapo.dynamic_sampling and callback.dapo.max_refill_batches == 3
     assert callback.dapo.overlong_filter and callback.dapo.overlong_buffer == 4
     assert callback.dapo.overlong_penalty_factor == 0.5
+
+
+# ---------------------------------------------------------------------------- correction presets by name
+QUICKSTART = str(ROOT / "configs" / "quickstart.yaml")
+
+
+def test_a_correction_preset_by_name_on_the_command_line_and_in_yaml(tmp_path):
+    assert parse("--config", QUICKSTART, "--model.correction=geo_mis").model.correction == PRESETS["geo_mis"]()
+    layered = parse("--config", QUICKSTART, "--model.correction=geo_mis", "--model.correction.geo_mask_low=0.98")
+    assert layered.model.correction == PRESETS["geo_mis"](low=0.98)
+    config = tmp_path / "preset.yaml"
+    config.write_text("model:\n  correction: cispo\n")
+    assert parse("--config", QUICKSTART, "--config", str(config)).model.correction == PRESETS["cispo"]()
+
+
+@pytest.mark.parametrize("where", ["command line", "yaml"])
+def test_a_misspelt_correction_preset_names_the_close_one_and_every_preset(tmp_path, capsys, where):
+    config = tmp_path / "typo.yaml"
+    config.write_text("model:\n  correction: token_tiss\n")
+    args = ["--model.correction=token_tiss"] if where == "command line" else ["--config", str(config)]
+    with pytest.raises(SystemExit):
+        parse("--config", QUICKSTART, *args)
+    err = capsys.readouterr().err
+    # Before: "Unable to load config 'token_tiss'", no preset named.
+    assert "Unknown correction preset 'token_tiss'. Did you mean 'token_tis'" in err
+    assert "Known presets: bypass, " in err and "cispo" in err
+    assert "Unable to load config" not in err
+
+
+# ---------------------------------------------------------------------------- one run per log directory
+def short_fit(tmp_path, seed: int, *extra: str) -> None:
+    main(
+        ["fit", "--config", QUICKSTART, f"--trainer.logger.init_args.save_dir={tmp_path}", f"--seed_everything={seed}"]
+        + ["--trainer.max_steps=2", "--trainer.enable_progress_bar=false", "--data.init_args.num_val_prompts=0"]
+        + list(extra)
+    )
+
+
+def run_holding(tmp_path, *extra: str):
+    """Run A: the CLI's trainer after it took its log directory (A is still running: the lock is held)."""
+    cli = parse("--config", QUICKSTART, f"--trainer.logger.init_args.save_dir={tmp_path}", *extra)
+    lock = claim_log_directory(cli.trainer)
+    (Path(cli.trainer.logger.log_dir) / "a.txt").write_text("run A")
+    return cli.trainer, lock
+
+
+def test_runs_started_together_with_automatic_versions_get_a_directory_each(tmp_path, monkeypatch):
+    trainer_a, lock_a = run_holding(tmp_path)
+    assert trainer_a.logger.version == 0
+    # Run B listed the log directory before A created version_0 (both started at the same moment): it picks 0 too.
+    stale, next_version = [0], TensorBoardLogger._get_next_version
+    monkeypatch.setattr(
+        TensorBoardLogger, "_get_next_version", lambda self: stale.pop() if stale else next_version(self)
+    )
+    short_fit(tmp_path, 2)
+    root = tmp_path / "quickstart"
+    # Before: B wrote its config.yaml, events and checkpoints into A's version_0.
+    assert sorted(p.name for p in (root / "version_0").iterdir()) == [".run.lock", "a.txt"]
+    assert "seed_everything: 2" in (root / "version_1" / "config.yaml").read_text()
+    assert (root / "version_1" / "checkpoints" / "last.ckpt").is_file()
+    lock_a.close()
+
+
+def test_a_second_run_in_a_fixed_log_directory_fails_before_writing_anything(tmp_path):
+    trainer_a, lock_a = run_holding(tmp_path, "--trainer.logger.init_args.version=fixed")
+    directory = tmp_path / "quickstart" / "fixed"
+    with pytest.raises(RuntimeError) as info:
+        short_fit(tmp_path, 2, "--trainer.logger.init_args.version=fixed")  # before: trained, writing over A's files
+    message = str(info.value)
+    assert f"Another run (pid {os.getpid()} on " in message
+    assert f"is writing to the log directory {directory} now" in message
+    assert "leave trainer.logger's `version` unset" in message
+    assert sorted(p.name for p in directory.iterdir()) == [".run.lock", "a.txt"]  # no config, events, checkpoint
+    # Once A has ended, the directory is free again: a resumed run writes there.
+    lock_a.close()
+    short_fit(tmp_path, 3, "--trainer.logger.init_args.version=fixed")
+    assert "seed_everything: 3" in (directory / "config.yaml").read_text()

@@ -10,7 +10,7 @@ import reasoning_gym
 import torch
 
 from lightning_offpolicy.batch import PromptBatch
-from lightning_offpolicy.data import DatasetDataModule, ResumableSampler
+from lightning_offpolicy.data import DatasetDataModule, PromptRows, ResumableSampler
 from lightning_offpolicy.rewards import ReasoningGymReward
 
 ROWS = [{"prompt": f"{i}+{i}=", "answer": str(2 * i), "level": i % 3} for i in range(12)]
@@ -162,6 +162,12 @@ def test_reward_fn_setting_overrides_the_default():
             ValueError,
             "unknown reasoning-gym task 'basic_arithmetc'.*basic_arithmetic",
         ),
+        (
+            # A typo late in the alphabet: no substring of any name, so only a spelling match finds it.
+            lambda tmp: DatasetDataModule("reasoning_gym:word_sortng"),
+            ValueError,
+            r"unknown reasoning-gym task 'word_sortng' .*\. Did you mean reasoning_gym:word_sorting\? Similar tasks",
+        ),
         (lambda tmp: DatasetDataModule(str(write_empty(tmp))), ValueError, "has no rows"),
         (
             lambda tmp: DatasetDataModule(str(write_jsonl(tmp / "rows.jsonl", ROWS)), val_size=1.5),
@@ -179,7 +185,18 @@ def test_reward_fn_setting_overrides_the_default():
             "`prompts_per_step` must be a positive int, got 0",
         ),
     ],
-    ids=["missing", "empty-glob", "extension", "prompt-field", "gym-task", "empty", "val-size", "too-few", "per-step"],
+    ids=[
+        "missing",
+        "empty-glob",
+        "extension",
+        "prompt-field",
+        "gym-task",
+        "gym-task-typo",
+        "empty",
+        "val-size",
+        "too-few",
+        "per-step",
+    ],
 )
 def test_bad_input_fails_at_construction_naming_the_setting(tmp_path, make, error, match):
     with pytest.raises(error, match=match):
@@ -193,6 +210,10 @@ def write_empty(tmp):
 
 def test_a_bad_prompt_cell_names_its_row(tmp_path):
     rows = [{"prompt": "ok", "answer": "1"}, {"prompt": "", "answer": "2"}]
-    data = DatasetDataModule(str(write_jsonl(tmp_path / "rows.jsonl", rows)), prompts_per_step=1)
+    path = write_jsonl(tmp_path / "rows.jsonl", rows)
+    # At construction, not when the row's batch comes up (tests/test_data_checks.py: every case of issue 28 item 9).
+    with pytest.raises(ValueError, match=rf"`source` row 1 \({path} line 2\): prompt_field 'prompt' is an empty text"):
+        DatasetDataModule(str(path), prompts_per_step=1)
+    # Rows handed to PromptRows some other way are still checked when served.
     with pytest.raises(ValueError, match="row 1 has prompt_field 'prompt' = ''"):
-        data.train_dataset[1]
+        PromptRows(rows, "prompt")[1]

@@ -2,6 +2,12 @@
 
 from __future__ import annotations
 
+import os
+import socket
+import subprocess
+import sys
+import time
+
 import lightning as L
 import pytest
 import torch
@@ -170,6 +176,53 @@ def test_hub_ids_and_tiny_specs_are_not_taken_for_local_paths(tmp_path, monkeypa
     assert not looks_local("Qwen/Qwen2.5-1.5B-Instruct") and not looks_local("gpt2")
     assert not looks_local("tiny:reverse")
     OffPolicyRLModule(model="Qwen/Qwen2.5-1.5B-Instruct")  # not loaded before configure_model
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def test_a_misspelt_hub_name_without_network_fails_at_once(tmp_path):
+    # A hub that refuses connections and an empty cache: huggingface_hub read both at import, hence a subprocess.
+    env = {
+        **os.environ,
+        "HF_ENDPOINT": f"http://127.0.0.1:{_free_port()}",
+        "HF_HOME": str(tmp_path / "hf"),
+        "HF_HUB_OFFLINE": "0",
+    }
+    code = "from lightning_offpolicy.policy import load_policy; load_policy('Qwen/Qwen2.5-0.5B-Instrcut', 'float32')"
+    begin = time.monotonic()
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=180)
+    elapsed = time.monotonic() - begin
+    assert done.returncode != 0
+    message = done.stderr.strip().splitlines()[-1]
+    assert message.startswith("OSError: OffPolicyRLModule.model='Qwen/Qwen2.5-0.5B-Instrcut' is not a local directory")
+    assert "cannot be reached (ConnectError" in message and "Check the spelling" in message
+    assert "Without network, set HF_HUB_OFFLINE=1" in message
+    assert "Retrying" not in done.stderr
+    assert elapsed < 30, elapsed  # before: ~60 s of retries (5 tries, 1+2+4+8+8 s back-off), then a generic OSError
+
+
+def test_hub_names_offline_cached_or_local_are_judged_without_the_network(tmp_path, monkeypatch):
+    from huggingface_hub import constants
+
+    from lightning_offpolicy import preflight
+
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setattr(preflight, "_hub_unreachable", lambda *a: pytest.fail("the hub was asked"))
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    with pytest.raises(OSError, match=r"'org/missing' is not a local directory .* and HF_HUB_OFFLINE is set"):
+        preflight.check_hub_model("org/missing")
+    snapshot = tmp_path / "hub" / "models--org--cached" / "snapshots" / "abc"
+    snapshot.mkdir(parents=True)
+    (snapshot / "config.json").write_text("{}")
+    (tmp_path / "hub" / "models--org--cached" / "refs").mkdir()
+    (tmp_path / "hub" / "models--org--cached" / "refs" / "main").write_text("abc")
+    preflight.check_hub_model("org/cached")  # in the cache: transformers loads it offline
+    preflight.check_hub_model(str(tmp_path))  # a local directory
+    preflight.check_hub_model("tiny:reverse")
 
 
 def test_cli_names_the_missing_model_directory(tmp_path):

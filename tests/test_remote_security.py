@@ -151,6 +151,22 @@ def test_write_safetensors_ignores_the_umask_and_leftovers(tmp_path, umask_000):
     assert _mode(tmp_path / "new") == 0o700
 
 
+@pytest.mark.parametrize(("share", "dir_mode"), [(False, 0o700), (True, 0o750)])
+def test_missing_parents_of_weights_dir_are_created_private_under_umask_000(tmp_path, umask_000, share, dir_mode):
+    before = _mode(tmp_path)
+    weights = tmp_path / "jobs" / "run1" / "weights"
+    engine = RemoteVLLMEngine("http://127.0.0.1:9", weights_dir=str(weights), share_weights_with_group=share)
+    sync_dir = engine._ensure_sync_dir()
+    # Before: `mkdir -p` made jobs/ and run1/ 0777 under umask 000, so any local user could rename weights/ away
+    # and put a directory of their own in its place before the server reloads from it.
+    created = [tmp_path / "jobs", tmp_path / "jobs" / "run1", weights, sync_dir]
+    assert [oct(_mode(d)) for d in created] == [oct(dir_mode)] * 4
+    assert _mode(tmp_path) == before  # an existing directory is left as it is
+    engine.close()
+    path = write_safetensors({"w": torch.ones(1)}, tmp_path / "direct" / "sync")
+    assert [_mode(d) for d in (tmp_path / "direct", path.parent, path)] == [0o700, 0o700, 0o600]
+
+
 def test_world_writable_weights_dir_without_sticky_bit_warns(tmp_path, monkeypatch):
     root = tmp_path / "shared"
     root.mkdir()

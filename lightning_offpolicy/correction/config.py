@@ -896,8 +896,21 @@ def check_objective_compatible(objective: Objective, loss: PolicyLossConfig) -> 
 def preset(name: str, **kwargs: Any) -> OffPolicyCorrectionConfig:
     """Build a preset by name, e.g. ``preset("geo_mis", low=0.98)``."""
     if name not in PRESETS:
-        raise CorrectionConfigError(f"Unknown correction preset {name!r}; known: {', '.join(sorted(PRESETS))}.")
+        raise CorrectionConfigError(unknown_preset_message(name))
     return PRESETS[name](**kwargs)
+
+
+def unknown_preset_message(name: Any, setting: str = "correction preset") -> str:
+    """``Unknown correction preset 'x'. Did you mean 'y'? Known presets: ...`` (close matches by ``difflib``)."""
+    import difflib
+
+    text = str(name)
+    close = difflib.get_close_matches(text.lower().replace("-", "_"), sorted(PRESETS), n=3, cutoff=0.6)
+    hint = ""
+    if close:
+        also = f" (or {', '.join(repr(c) for c in close[1:])})" if close[1:] else ""
+        hint = f" Did you mean {close[0]!r}{also}?"
+    return f"Unknown {setting} {text!r}.{hint} Known presets: {', '.join(sorted(PRESETS))}."
 
 
 # Checkpoints keep both configs in their hyperparameters. Registered here, next to the classes, so

@@ -11,6 +11,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from lightning_offpolicy.argcheck import is_int, is_real
 from lightning_offpolicy.batch import PromptBatch
+from lightning_offpolicy.data.checks import RowLocator, check_prompt_lengths, check_rows, is_prompt
 from lightning_offpolicy.data.sampler import ResumableTrainLoader
 from lightning_offpolicy.data.sources import REASONING_GYM_PREFIX, load_source, reasoning_gym_rows
 from lightning_offpolicy.rewards.resolve import RewardSpec
@@ -38,23 +39,13 @@ class PromptRows(Dataset):
     def __getitem__(self, index: int) -> tuple[Any, dict[str, Any]]:
         row = dict(self.rows[self.indices[index]])
         prompt = row.pop(self.prompt_field)
-        if not _is_prompt(prompt):
+        if not is_prompt(prompt):  # DatasetDataModule checked every row at load: rows given some other way
             raise ValueError(
                 f"DatasetDataModule: row {self.indices[index]} has prompt_field {self.prompt_field!r} = "
                 f"{str(prompt)[:80]!r}; expected non-empty text or a chat messages list of "
                 '{"role": ..., "content": ...}.'
             )
         return prompt, row
-
-
-def _is_prompt(value: Any) -> bool:
-    if isinstance(value, str):
-        return bool(value)
-    return (
-        isinstance(value, list)
-        and bool(value)
-        and all(isinstance(m, dict) and "role" in m and "content" in m for m in value)
-    )
 
 
 def collate_rows(items: list[tuple[Any, dict[str, Any]]]) -> PromptBatch:
@@ -69,6 +60,11 @@ class DatasetDataModule(ResumableTrainLoader, LightningDataModule):
     and every other column of each row as its metadata dict, which reaches the reward function.
     The order depends only on ``seed`` and the epoch; a resumed run continues at the next batch it
     has not trained.
+
+    Every row is checked when the data is loaded (text cells valid UTF-8; each prompt a non-empty text
+    or a chat ``messages`` list), and, before the first step, that every prompt + the rollout's
+    ``max_new_tokens`` fits the context (:meth:`check_prompt_lengths`, called by ``RolloutCallback``):
+    a bad row anywhere in the data fails the run at its start, named by its row, file and line.
 
     Examples (YAML)::
 
@@ -149,6 +145,8 @@ class DatasetDataModule(ResumableTrainLoader, LightningDataModule):
 
         #: The reasoning-gym dataset object when ``source`` is ``reasoning_gym:<task>``, else None.
         self.procedural: Any = None
+        #: ``(rows, prompt field, locator)`` of each loaded source, for the checks of every row.
+        self._checked: list[tuple[Any, str, RowLocator]] = []
         rows, self.procedural = self._load(source, "source", seed, reasoning_gym_size)
         train_indices = list(range(len(rows)))
         self.val_dataset: PromptRows | None = None
@@ -184,6 +182,7 @@ class DatasetDataModule(ResumableTrainLoader, LightningDataModule):
             procedural, rows = reasoning_gym_rows(
                 source[len(REASONING_GYM_PREFIX) :], size, seed, self.reasoning_gym_config
             )
+            self._checked.append((rows, "question", RowLocator(setting)))
             return rows, procedural
         rows = load_source(source, self.split, setting)
         if len(rows) == 0:
@@ -193,7 +192,28 @@ class DatasetDataModule(ResumableTrainLoader, LightningDataModule):
                 f"{name}: `prompt_field`={self.prompt_field!r} is not a column of `{setting}`={_describe(source)}; "
                 f"its columns: {', '.join(rows.column_names)}. Set `prompt_field` to the column with the prompts."
             )
+        locate = RowLocator.for_source(source, setting)
+        check_rows(rows, self.prompt_field, locate, name)  # every row now, not when its batch comes up
+        self._checked.append((rows, self.prompt_field, locate))
         return rows, None
+
+    def check_prompt_lengths(self, tokenizer: Any, max_new_tokens: int, limit: tuple[int, str] | None) -> None:
+        """``ValueError`` naming the rows whose prompt + ``max_new_tokens`` does not fit ``limit``.
+
+        ``RolloutCallback`` calls it before the first step, with the module's tokenizer and the
+        context of the model and the engine; every prompt of every source is tokenized once, in
+        batches.
+
+        Args:
+            tokenizer: the tokenizer the rollouts encode prompts with.
+            max_new_tokens: ``rollout.max_new_tokens``.
+            limit: ``(tokens, description)`` of the context
+                (:func:`lightning_offpolicy.preflight.context_limit`); ``None``: not known, nothing checked.
+        """
+        if limit is None:
+            return
+        for rows, field, locate in self._checked:
+            check_prompt_lengths(rows, field, locate, tokenizer, max_new_tokens, limit, type(self).__name__)
 
     # ------------------------------------------------------------------------------ loaders
     def train_dataloader(self) -> DataLoader:

@@ -11,7 +11,7 @@ import glob
 import os
 from typing import Any
 
-__all__ = ["REASONING_GYM_PREFIX", "load_source", "reasoning_gym_rows", "file_builder"]
+__all__ = ["REASONING_GYM_PREFIX", "close_task_names", "file_builder", "load_source", "reasoning_gym_rows"]
 
 #: ``source: reasoning_gym:<task>`` generates the task's prompts with reasoning-gym.
 REASONING_GYM_PREFIX = "reasoning_gym:"
@@ -76,10 +76,28 @@ def load_source(source: Any, split: str = "train", setting: str = "source") -> A
     except Exception as error:
         if "corresponds to no data" in str(error):
             raise ValueError(f"DatasetDataModule: `{setting}`={source!r} has no rows.") from error
+        if _caused_by(error, UnicodeDecodeError):
+            from lightning_offpolicy.data.checks import UTF8_ADVICE, find_invalid_utf8_line
+
+            where = find_invalid_utf8_line(files)
+            if where is not None:
+                raise ValueError(f"DatasetDataModule: `{setting}`={source!r}: {where}. {UTF8_ADVICE}") from error
         raise ValueError(
             f"DatasetDataModule: reading `{setting}`={source!r} ({len(files)} file(s)) failed: "
             f"{type(error).__name__}: {error}"
         ) from error
+
+
+def _caused_by(error: BaseException, kind: type[BaseException]) -> bool:
+    """Whether ``error`` or an exception it was raised from / during is a ``kind``."""
+    seen: set[int] = set()
+    current: BaseException | None = error
+    while current is not None and id(current) not in seen:
+        if isinstance(current, kind):
+            return True
+        seen.add(id(current))
+        current = current.__cause__ or current.__context__
+    return False
 
 
 def _pick_split(dataset_dict: Any, split: str, setting: str) -> Any:
@@ -89,6 +107,16 @@ def _pick_split(dataset_dict: Any, split: str, setting: str) -> Any:
             f"{', '.join(dataset_dict)}. Set `split`."
         )
     return dataset_dict[split]
+
+
+def close_task_names(task: str, names: Any, limit: int = 8) -> list[str]:
+    """Task names close to ``task``: spelling matches (``difflib``) first, then names containing it (or contained)."""
+    import difflib
+
+    lowered = task.lower().replace("-", "_").replace(" ", "_")
+    spelled = difflib.get_close_matches(lowered, sorted(names), n=limit, cutoff=0.75)
+    contained = [name for name in sorted(names) if lowered in name or name in lowered]
+    return list(dict.fromkeys([*spelled, *contained]))[:limit]
 
 
 def reasoning_gym_rows(task: str, size: int, seed: int, config: dict[str, Any] | None = None) -> tuple[Any, list]:
@@ -101,10 +129,11 @@ def reasoning_gym_rows(task: str, size: int, seed: int, config: dict[str, Any] |
     from reasoning_gym.factory import DATASETS
 
     if task not in DATASETS:
-        close = [name for name in sorted(DATASETS) if task.lower() in name or name in task.lower()][:8]
+        close = close_task_names(task, DATASETS)
         examples = close or sorted(DATASETS)[:12]
+        hint = f"Did you mean {REASONING_GYM_PREFIX}{close[0]}? " if close else ""
         raise ValueError(
-            f"DatasetDataModule: unknown reasoning-gym task {task!r} (source: {REASONING_GYM_PREFIX}{task}). "
+            f"DatasetDataModule: unknown reasoning-gym task {task!r} (source: {REASONING_GYM_PREFIX}{task}). {hint}"
             f"{'Similar' if close else 'Some'} tasks: {', '.join(examples)} ({len(DATASETS)} in all; "
             "list them with `python -c 'from reasoning_gym.factory import DATASETS; print(sorted(DATASETS))'`)."
         )

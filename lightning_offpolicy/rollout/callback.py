@@ -292,6 +292,10 @@ class RolloutCallback(Callback):
         check_vocab(policy, pl_module.tokenizer)
         self._context_limit = context_limit(policy, self.engine)
         check_context(self.sampling.max_new_tokens, self._context_limit)
+        # Every prompt of the data, before the first step (DatasetDataModule: each row named by file and line).
+        check_lengths = getattr(trainer.datamodule, "check_prompt_lengths", None)
+        if callable(check_lengths) and self._context_limit is not None:
+            check_lengths(pl_module.tokenizer, self.sampling.max_new_tokens, self._context_limit)
 
     def _engine(self, pl_module: LightningModule) -> RolloutEngine:
         if self.engine is None:

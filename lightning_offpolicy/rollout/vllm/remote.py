@@ -96,6 +96,7 @@ from lightning_offpolicy.rollout.vllm.streamed import StreamedChoices
 from lightning_offpolicy.rollout.vllm.weight_sync import (
     PROBE_LENGTH,
     full_state_dict,
+    make_private_dirs,
     probe_ids,
     write_safetensors,
 )
@@ -630,7 +631,7 @@ class RemoteVLLMEngine(VLLMEngineBase):
             root = Path(self.weights_dir)
             dir_mode = 0o750 if self.share_weights_with_group else 0o700
             try:
-                root.mkdir(parents=True, exist_ok=True, mode=dir_mode)
+                make_private_dirs(root, dir_mode)  # the parents too: 0777 under umask 000 otherwise
                 # Private to this engine (mkdtemp: 0700, whatever the umask): the server loads every
                 # *.safetensors file of the directory it is given, so no other user may write there.
                 path = Path(tempfile.mkdtemp(prefix=f"lightning_offpolicy_sync_{socket.gethostname()}_", dir=root))

@@ -182,6 +182,33 @@ def sync_tolerance(engine_dtype: torch.dtype | None, module: torch.nn.Module, at
     return SyncTolerance(atol=1.0 if atol is None else float(atol), rtol=_RTOL_EPS_FACTOR * eps)
 
 
+def make_private_dirs(directory: Path, mode: int = 0o700) -> list[Path]:
+    """Create ``directory`` and each missing parent with exactly ``mode``, whatever the umask; the ones created.
+
+    ``Path.mkdir(parents=True, mode=...)`` gives the parents it creates the umask's default
+    (``0777`` under umask 000) and the leaf ``mode`` less the umask. Existing directories are
+    left as they are.
+    """
+    missing: list[Path] = []
+    current = Path(os.path.abspath(directory))
+    while not current.is_dir():
+        missing.append(current)
+        if current.parent == current:
+            break
+        current = current.parent
+    created = []
+    for path in reversed(missing):
+        try:
+            path.mkdir(mode=mode)
+        except FileExistsError:  # another process made it in between: not ours to change
+            if not path.is_dir():
+                raise
+            continue
+        os.chmod(path, mode)
+        created.append(path)
+    return created
+
+
 def write_safetensors(
     tensors: Mapping[str, torch.Tensor], directory: Path, filename: str = "model.safetensors", mode: int = 0o600
 ) -> Path:
@@ -190,11 +217,11 @@ def write_safetensors(
     The partial file's name does not end in ``.safetensors``, so a loader globbing the directory
     never picks it up. The file gets exactly ``mode`` (default owner-only) before it takes its
     name, whatever the umask: the engine loads what it finds there, so no other user may write it.
-    A missing ``directory`` is created ``0700``.
+    A missing ``directory`` (and each missing parent) is created ``0700``, whatever the umask.
     """
     from safetensors.torch import save_file
 
-    directory.mkdir(parents=True, exist_ok=True, mode=0o700)
+    make_private_dirs(directory, 0o700)
     target = directory / filename
     partial = directory / (filename + ".partial")
     save_file(dict(tensors), str(partial))
