@@ -1,24 +1,100 @@
-"""Suite-wide set-up: tiny checkpoints are built once per test session into a private cache."""
+"""Suite-wide set-up: tiny checkpoints are built once per test session into a private cache; under
+pytest-xdist, the tests that start a vLLM engine or server run on one worker, one after another."""
 
 from __future__ import annotations
 
 import os
+import re
 
 import pytest
 
 # The real-vLLM fixtures, registered here once for the whole suite: a session-scoped fixture
 # imported into several test modules would be a separate fixture per module (one engine and one
 # checkpoint each). Test modules import only the constants and markers of tests/vllm_fixtures.py.
-from tests.vllm_fixtures import tiny_ckpt, trainer_model, vllm_engine, vllm_engine_holder  # noqa: F401
+from tests.vllm_fixtures import (  # noqa: F401
+    VLLM_MISSING,
+    tiny_ckpt,
+    trainer_model,
+    vllm_engine,
+    vllm_engine_holder,
+    vllm_server,
+    vllm_server_holder,
+)
+
+#: Fixtures that start (or hold) a vLLM engine or server.
+_VLLM_FIXTURES = {"vllm_engine", "vllm_engine_holder", "vllm_server", "vllm_server_holder"}
+_VLLM_NAME = re.compile(r"vllm|remote", re.IGNORECASE)
+_VLLM_SERVER_TESTS = re.compile(r"^tests/test_(partial_remote|remote_vllm)\.py::")
+
+
+def _uses_vllm(item: pytest.Item) -> bool:
+    """Whether a test starts vLLM: it needs vLLM installed, holds an engine or server, or names it."""
+    needs_vllm = any(m.kwargs.get("reason") == VLLM_MISSING for m in item.iter_markers("skipif"))
+    return needs_vllm or bool(_VLLM_FIXTURES & set(item.fixturenames)) or bool(_VLLM_NAME.search(item.nodeid))
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    # Under `-n N --dist loadgroup` (`make test`) a group is one worker's unit of work:
+    # - every test that starts vLLM is in one group: two engines starting at once on 2 cores slow
+    #   both by far more than running them in turn (and each holds its own KV cache), and the
+    #   session's shared engine and server stay one copy; it is the longest unit, so it goes first;
+    # - every other test is grouped by its module, so a module's fixtures are set up once.
+    vllm = [item for item in items if _uses_vllm(item)]
+    chosen = set(vllm)
+    for item in items:
+        group = "vllm" if item in chosen else item.nodeid.split("::", 1)[0]
+        item.add_marker(pytest.mark.xdist_group(group))
+    if hasattr(config, "workerinput"):  # an xdist worker
+        # The tests on the session's shared engine first: several later ones close it (one engine at a
+        # time), and each test on the shared engine after such a one starts it again. Then those on
+        # the shared server, in a row: it stays up from the first of them to the last.
+        vllm.sort(
+            key=lambda item: (_VLLM_SERVER_TESTS.search(item.nodeid) is not None) - ("vllm_engine" in item.fixturenames)
+        )
+        items[:] = vllm + [item for item in items if item not in chosen]
 
 
 @pytest.fixture(scope="session", autouse=True)
-def tiny_checkpoint_cache(tmp_path_factory):
-    """Point ``tiny:<task>`` checkpoints at one cache for the session (never the user's home)."""
+def tiny_checkpoint_cache(tmp_path_factory, request):
+    """Point ``tiny:<task>`` checkpoints at one cache for the session, shared by the xdist workers
+    (builds are atomic and locked), and never the user's home."""
     if "LIGHTNING_OFFPOLICY_CACHE" in os.environ:
         yield os.environ["LIGHTNING_OFFPOLICY_CACHE"]
         return
-    path = str(tmp_path_factory.mktemp("tiny_cache"))
-    os.environ["LIGHTNING_OFFPOLICY_CACHE"] = path
-    yield path
+    root = tmp_path_factory.getbasetemp()
+    if hasattr(request.config, "workerinput"):  # an xdist worker's basetemp is a folder of the run's one
+        root = root.parent
+    path = root / "tiny_cache"
+    path.mkdir(exist_ok=True)
+    os.environ["LIGHTNING_OFFPOLICY_CACHE"] = str(path)
+    yield str(path)
     os.environ.pop("LIGHTNING_OFFPOLICY_CACHE", None)
+
+
+#: A test that takes longer (setup + call + teardown, on a 2-core machine) carries ``@pytest.mark.long(why)``.
+LONG_S = 30.0
+_unmarked_long: list[tuple[float, str]] = []
+_phase_seconds: dict[str, float] = {}  # a test's setup (+ call) so far
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line(
+        "markers",
+        f"long(why): a test over {LONG_S:.0f} s on 2 cores; `why` says what it proves that a shorter one cannot",
+    )
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    # Runs on the xdist controller too, where a report carries its test's marker names in `keywords`.
+    seconds = _phase_seconds.pop(report.nodeid, 0.0) + report.duration
+    if report.when != "teardown":
+        _phase_seconds[report.nodeid] = seconds
+    elif seconds > LONG_S and "long" not in report.keywords:
+        _unmarked_long.append((seconds, report.nodeid))
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Config) -> None:
+    if _unmarked_long:
+        terminalreporter.section(f"tests over {LONG_S:.0f} s without @pytest.mark.long(why)")
+        for seconds, nodeid in sorted(_unmarked_long, reverse=True):
+            terminalreporter.write_line(f"{seconds:6.1f} s  {nodeid}")

@@ -156,6 +156,10 @@ def _quick_docs(tmp_path_factory) -> Path:
     return _QUICK_DOCS["docs"]
 
 
+@pytest.mark.long(
+    "the first of the module's tests to read the quick outputs of end_to_end.py and trainer_memory.py "
+    "runs them (once for the module)"
+)
 def test_end_to_end_quick(tmp_path_factory):
     import json
 
@@ -222,6 +226,7 @@ def test_trainer_memory_quick(tmp_path_factory):
         assert needed in text, needed
 
 
+@pytest.mark.long("reads the quick outputs of end_to_end.py and trainer_memory.py, which it runs when it comes first")
 def test_summarize_quick_outputs(tmp_path_factory):
     import re
     import time

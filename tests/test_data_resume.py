@@ -117,6 +117,7 @@ def test_dataset_datamodule_resumes_twice_from_checkpoints_saved_after_fit(tmp_p
 
 
 @pytest.mark.slow
+@pytest.mark.long("a real 2-process DDP fit stopped and resumed: each rank's data position and reward parts")
 def test_two_rank_ddp_resume_and_exact_reward_parts(tmp_path):
     make = lambda: PromptDataModule(task="copy", prompts_per_step=2, num_train_prompts=12, seed=9)  # noqa: E731
     reward = [

@@ -82,6 +82,9 @@ def test_parse_errors_name_what_is_expected():
 
 
 @pytest.mark.slow
+@pytest.mark.long(
+    "docs_check re-runs a documented fit and selfcheck and compares their tables: the re-run is the feature"
+)
 def test_check_end_to_end_on_a_short_fit_and_a_small_selfcheck(tmp_path, capsys):
     fit = (
         "lightning-offpolicy fit --config configs/quickstart.yaml --trainer.max_steps=8 "

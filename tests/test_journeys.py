@@ -24,6 +24,9 @@ def documented_command(doc: Path, heading: str) -> list[str]:
 
 @requires_vllm
 @pytest.mark.slow
+@pytest.mark.long(
+    "the CPU command docs/journeys.md gives for the LoRA recipe, run as written: a fit with vLLM's adapter sync"
+)
 def test_lora_single_gpu_recipe_runs_on_cpu_with_the_tiny_model(tmp_path, vllm_engine_holder):
     vllm_engine_holder.close()  # one engine at a time on a small machine
     # The command docs/journeys.md gives for CPU (the model, the dtypes, the sizes overridden), as

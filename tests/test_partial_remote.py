@@ -1,6 +1,6 @@
 """Partial rollouts on RemoteVLLMEngine: ``interrupt()`` cuts a streamed generate short, the server aborts.
 
-Against a real vLLM server (``launch_local_server``, one for this module, float32, as in
+Against a real vLLM server (``launch_local_server``, the session's shared one, float32, as in
 tests/test_remote_vllm.py) and, for the stream protocol's edge cases, a small stand-in server
 that streams server-sent events. References: an uninterrupted call with the same seed, the
 trainer's float32 teacher-forced logprobs under each weight set, and the server's own
@@ -23,7 +23,7 @@ import torch
 
 from lightning_offpolicy.rollout.engine import INTERRUPTED, InterruptibleEngine, SamplingConfig
 from lightning_offpolicy.rollout.partial import PartialStats, generate_resumable
-from lightning_offpolicy.rollout.vllm import RemoteVLLMEngine, launch_local_server
+from lightning_offpolicy.rollout.vllm import RemoteVLLMEngine
 from lightning_offpolicy.rollout.vllm.streamed import StreamedChoices
 from tests.module_helpers import perturbed
 from tests.vllm_fixtures import requires_vllm, residuals, reverse_prompts, teacher_forced_logprobs
@@ -135,12 +135,10 @@ class InterruptOnceSent:
 # ---------------------------------------------------------------------- the module's real server
 
 
-@pytest.fixture(scope="module")
-def server(tiny_ckpt):
-    srv = launch_local_server(tiny_ckpt, dtype="float32", kv_cache_space_gib=1, startup_timeout_s=600)
-    print(f"\nvLLM server started in {srv.start_time_s:.1f} s at {srv.base_url}")
-    yield srv
-    srv.close()
+@pytest.fixture
+def server(vllm_server):
+    """The session's shared vLLM server (tests/vllm_fixtures.py)."""
+    return vllm_server
 
 
 @pytest.fixture(scope="module")

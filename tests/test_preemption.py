@@ -235,12 +235,14 @@ def test_cli_sigterm_mid_fit_exits_143_with_a_checkpoint_that_resumes(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.long("a real SIGTERM to a 2-rank DDP CLI fit, then its resume")
 def test_cli_sigterm_under_two_rank_ddp(tmp_path):
     check_preempt_and_resume(tmp_path, "--trainer.strategy=ddp", "--trainer.devices=2")
 
 
 @requires_vllm
 @pytest.mark.slow
+@pytest.mark.long("a real SIGTERM to an asynchronous CLI fit with vLLM: its engine processes must end")
 def test_cli_sigterm_with_async_vllm_stops_the_engine_processes(tmp_path, vllm_engine_holder):
     vllm_engine_holder.close()  # one engine at a time on a small machine
     status, log = run_cli(
@@ -255,6 +257,10 @@ def test_cli_sigterm_with_async_vllm_stops_the_engine_processes(tmp_path, vllm_e
 
 @requires_vllm
 @pytest.mark.slow
+@pytest.mark.long(
+    "a real SIGTERM to the process group of a CLI fit with vLLM (its EngineCore stops too), "
+    "then the checkpoint's resume"
+)
 def test_sigterm_to_the_whole_process_group_with_a_synchronous_vllm_engine(tmp_path, vllm_engine_holder):
     """scancel signals every process of the job: vLLM's EngineCore stops too, and the batch being generated
     fails with the engine's error. Still a preemption: status 143 and a checkpoint of the last completed batch."""

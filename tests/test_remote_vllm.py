@@ -29,7 +29,7 @@ import torch
 from lightning_offpolicy.rollout.engine import Completion, RolloutEngine, SamplingConfig
 from lightning_offpolicy.rollout.vllm import LocalVLLMServer, RemoteVLLMEngine, launch_local_server
 from tests.engine_contract import VLLMEngineContract
-from tests.vllm_fixtures import requires_vllm, residuals, reverse_prompts, teacher_forced_logprobs
+from tests.vllm_fixtures import alive, requires_vllm, residuals, reverse_prompts, teacher_forced_logprobs
 
 #: Largest |server - trainer| per-token logprob residual accepted at equal float32 weights.
 LOGPROB_MAX_TOL = 1e-4
@@ -52,17 +52,6 @@ def _running_requests(base_url: str) -> float:
     values = [float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(gauges)]
     assert values, "no request gauges on /metrics"
     return sum(values)
-
-
-def _alive(procs: list[psutil.Process]) -> list[psutil.Process]:
-    out = []
-    for p in procs:
-        try:
-            if p.is_running() and p.status() != psutil.STATUS_ZOMBIE:
-                out.append(p)
-        except psutil.Error:
-            continue
-    return out
 
 
 # ---------------------------------------------------------------------- stand-in servers
@@ -319,7 +308,7 @@ def test_launch_failure_raises_with_the_log_tail(tmp_path):
         launch_local_server(tmp_path, startup_timeout_s=300)
     print(f"\nfailed start detected after {time.perf_counter() - begin:.1f} s")
     left = [p for p in psutil.Process().children(recursive=True) if p.pid not in before]
-    assert _alive(left) == []
+    assert alive(left) == []
 
 
 def test_launcher_argument_checks(tmp_path):
@@ -340,20 +329,13 @@ def test_launcher_argument_checks(tmp_path):
 # ---------------------------------------------------------------------- the module's real server
 
 
-@pytest.fixture(scope="module")
-def server(tiny_ckpt):
-    """One vLLM server for the module (float32), stopped at its end; no process of it may be left.
-
-    ``max_model_len`` is left at its default: the model's own context (256), which the engine's
-    connect reads back (a default of 512 made the server refuse to start with this model).
-    """
-    srv = launch_local_server(tiny_ckpt, dtype="float32", kv_cache_space_gib=1, startup_timeout_s=600)
-    MEASURED["server_start_s"] = srv.start_time_s
-    print(f"\nvLLM server started in {srv.start_time_s:.1f} s at {srv.base_url}")
-    procs = srv.processes()
-    yield srv
-    srv.close()
-    assert _alive(procs) == [], [p.name() for p in _alive(procs)]
+@pytest.fixture
+def server(vllm_server):
+    """The session's shared vLLM server (tests/vllm_fixtures.py: float32, ``max_model_len`` left at its
+    default, the model's own context of 256, which the engine's connect reads back; a default of 512
+    made the server refuse to start with this model)."""
+    MEASURED["server_start_s"] = vllm_server.start_time_s
+    return vllm_server
 
 
 @pytest.fixture(scope="module")
@@ -591,7 +573,7 @@ def test_server_close_leaves_no_processes(server):
     begin = time.perf_counter()
     server.close()
     MEASURED["server_close_s"] = time.perf_counter() - begin
-    assert _alive(procs) == [] and not server.alive
+    assert alive(procs) == [] and not server.alive
     server.close()  # idempotent
     with pytest.raises(RuntimeError, match="connection refused"):
         RemoteVLLMEngine(server.base_url, eos_token_id=2).connect()

