@@ -564,7 +564,7 @@ def main(argv: list[str] | None = None) -> int:
     def stop(signum: int, frame: Any) -> None:
         raise KeyboardInterrupt(f"signal {signum}")
 
-    signal.signal(signal.SIGTERM, stop)  # a scheduler's stop: the same clean exit as Ctrl-C
+    previous = signal.signal(signal.SIGTERM, stop)  # a scheduler's stop: the same clean exit as Ctrl-C
     try:
         for spec in runnable:
             for condition in conditions:
@@ -595,6 +595,8 @@ def main(argv: list[str] | None = None) -> int:
         write_report()
         print(f"soak: stopped; {len(results)} run(s) in {args.output}; --resume goes on from there", flush=True)
         return 130
+    finally:  # called as a function (tests), the caller's SIGTERM handling comes back
+        signal.signal(signal.SIGTERM, previous)
     write_report()  # with the earlier passed runs outside this invocation's plan (another condition, configs)
     print(f"soak: {sum(r.ok for r in results)}/{len(results)} runs passed; report in {args.output}")
     return 0 if all(r.ok for r in results) else 1

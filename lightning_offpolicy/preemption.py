@@ -232,9 +232,23 @@ class PreemptionCheckpoint(Callback):
         torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
         return bool(flag.item() > 0)
 
+    def _at_batch_boundary(self, trainer: Trainer) -> bool:
+        """Whether the trainer's state is that of a completed batch: no batch is between its optimizer steps.
+
+        Either the failing batch had not stepped yet (``global_step`` is the last boundary's), or its training
+        step had finished and a hook after it failed (asynchronous rollouts push the weights to the engine in
+        ``on_train_batch_end``, where an engine stopped by the same SIGTERM fails): Lightning then counts the
+        batch processed but not completed, and a resume from that state counts it completed, as for a
+        checkpoint saved in ``on_train_batch_end``.
+        """
+        if trainer.global_step == self._boundary_step:
+            return True
+        progress = trainer.fit_loop.epoch_loop.batch_progress.total
+        return progress.processed == progress.completed + 1
+
     def _save_after_failure(self, trainer: Trainer, exception: BaseException) -> None:
         """A SIGTERM, then an error (the signal also stopped the engine): save if the state is a batch boundary."""
-        consistent = trainer.global_step == self._boundary_step and trainer.global_step > 0
+        consistent = self._at_batch_boundary(trainer) and trainer.global_step > 0
         if self.saved_path is not None or not consistent or trainer.world_size > 1:
             why = (
                 "already saved" if self.saved_path is not None
@@ -258,7 +272,7 @@ class PreemptionCheckpoint(Callback):
         if isinstance(exception, CheckpointSaveError) or trainer.global_step == 0:
             return  # the disk that just refused a checkpoint would refuse this one; nothing trained yet
         name = type(exception).__name__
-        if trainer.world_size > 1 or trainer.global_step != self._boundary_step:
+        if trainer.world_size > 1 or not self._at_batch_boundary(trainer):
             why = (
                 "several ranks: the other ranks may never reach the save"
                 if trainer.world_size > 1

@@ -186,8 +186,10 @@ def test_interrupt_returns_the_tokens_so_far_at_once_and_the_server_stops(engine
     assert full_tokens == sum(len(c.token_ids) for c in full)
 
     before = _settled(server.base_url)
-    # Once a fifth of the tokens and a token of every sample have come.
-    trigger = InterruptAfterTokens(engine, monkeypatch, tokens=int(0.2 * full_tokens), requests=len(prompts))
+    # Once a fifth of the tokens have come. (Not "and a token of every sample": the requests start a
+    # little apart, and waiting for the last lets the first run to their end in a batch other than the
+    # full call's, where vLLM's CPU kernels, not batch-invariant, can sample other tokens.)
+    trigger = InterruptAfterTokens(engine, monkeypatch, tokens=int(0.2 * full_tokens))
     began = time.perf_counter()
     cut = engine.generate(prompts, long, seed=3)
     ended = time.perf_counter()
@@ -204,11 +206,12 @@ def test_interrupt_returns_the_tokens_so_far_at_once_and_the_server_stops(engine
     for c, f in zip(cut, full, strict=True):
         assert len(c.logprobs) == len(c.token_ids) and c.policy_version == 0
         assert c.token_ids == f.token_ids[: len(c.token_ids)]  # the same seeded draws, cut short
-        if c.finish_reason == INTERRUPTED:  # it keeps what it had sampled
-            assert 0 < len(c.token_ids) < len(f.token_ids)
+        if c.finish_reason == INTERRUPTED:  # none kept when cut before its first streamed chunk
+            assert len(c.token_ids) < len(f.token_ids)
         else:  # one that had stopped before the interrupt keeps its finish reason
             assert (c.finish_reason, c.token_ids) == ("stop", f.token_ids)
     assert sum(c.finish_reason == INTERRUPTED for c in cut) >= 0.8 * len(cut)
+    assert sum(len(c.token_ids) > 0 for c in cut) >= len(cut) // 2  # most kept what they had sampled
     # The logprobs of the partial tokens are those of the distribution sampled from (test 2).
     reference = teacher_forced_logprobs(trainer_model, prompts, cut, TEMPERATURE)
     res = residuals([c.logprobs for c in cut], reference)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import signal
 import subprocess
 import sys
 import time
@@ -150,9 +151,12 @@ def test_report_only_rewrites_the_report_and_lists_what_is_still_to_run(tmp_path
     passed = soak.RunResult(config="quickstart", condition="quiet", exit_code=0, wall_s=90.0, batches=150)
     payload = {"meta": {"quick": False, "wall_s": 90.0}, "runs": [{**soak.asdict(passed), "ok": True}]}
     output.with_suffix(".json").write_text(json.dumps(payload))
-    started = time.monotonic()
+    started, handler = time.monotonic(), signal.getsignal(signal.SIGTERM)
     assert soak.main(["--only", "quickstart", "--report-only", "--output", str(output)]) == 0
     assert time.monotonic() - started < 30  # nothing ran
+    # Its SIGTERM handler (a clean stop) is the caller's again: left in place, a later SIGTERM in the same
+    # process (a test's preemption) raised KeyboardInterrupt, which Lightning turns into exit status 1.
+    assert signal.getsignal(signal.SIGTERM) is handler
     report = json.loads(output.with_suffix(".json").read_text())
     assert [(r["config"], r["condition"]) for r in report["runs"]] == [("quickstart", "quiet")]
     assert report["meta"]["pending"] == [["quickstart", "hog"]]

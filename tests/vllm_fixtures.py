@@ -105,6 +105,8 @@ class ServerHolder:
         from lightning_offpolicy.rollout.vllm import launch_local_server
 
         if self.server is None or not self.server.alive:
+            if self.server is not None:  # a test closed it, or it died (say why: a restart costs ~25 s)
+                print(f"\nthe shared vLLM server is gone (exit status {self.server.process.poll()}): starting another")
             self.server = launch_local_server(self.model, dtype="float32", kv_cache_space_gib=1, startup_timeout_s=600)
             self.processes += self.server.processes()
             print(f"\nvLLM server started in {self.server.start_time_s:.1f} s at {self.server.base_url}")
