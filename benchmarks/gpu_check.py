@@ -96,15 +96,12 @@ SMOKE_SHAPE: dict[str, Any] = dict(
 LOGIT_STD = 5.0
 
 #: configs/fsdp.yaml asks for vLLM, asynchronous (max_staleness 2). Without vLLM, the engine that runs
-#: with FSDP2 is the HFEngine that shares the trainer's (sharded) module, through transformers'
-#: ``generate``, synchronously: HFEngine(dtype=...) and HFProcessEngine deepcopy the module, which
-#: FSDP2 refuses ("FSDP does not support deepcopy"), and the lean sampling loop runs under
-#: ``torch.inference_mode``, where FSDP2's unshard fails ("Inference tensors do not track version
-#: counter"); both seen on CPU with one gloo rank.
+#: with FSDP2 on one device is the HFEngine that shares the trainer's (sharded) module (its lean loop,
+#: under no_grad there), synchronously: engines with their own copy refuse a sharded module, which
+#: cannot be deep-copied.
 FSDP_ENGINE = [
     "--rollout.engine.class_path=lightning_offpolicy.rollout.HFEngine",
     "--rollout.engine.init_args.dtype=null",
-    "--rollout.engine.init_args.sampler=generate",
     "--rollout.max_staleness=0",
     "--rollout.sync_every=1",
 ]
@@ -753,10 +750,9 @@ def main(argv: list[str] | None = None) -> int:
             "`lightning-offpolicy fit --config configs/fsdp.yaml` with `"
             + " ".join(specs["fsdp"]["args"])
             + "`: ModelParallelStrategy on one device (FSDP2 `fully_shard` per decoder layer), bf16, gradient "
-            "checkpointing. The engine is `HFEngine` sharing the sharded module through `generate`, "
-            "synchronously, instead of the config's asynchronous vLLM engine: `HFEngine(dtype=...)` / "
-            "`HFProcessEngine` deepcopy the module, which FSDP2 refuses, and the lean sampling loop's "
-            "`inference_mode` breaks FSDP2's unshard (both seen on CPU)."
+            "checkpointing. The engine is `HFEngine` sharing the sharded module (its lean sampling loop), "
+            "synchronously, instead of the config's asynchronous vLLM engine: engines with their own copy "
+            "(`HFEngine(dtype=...)`, `HFProcessEngine`) refuse a sharded module, which cannot be deep-copied."
         ),
         "lora": (
             "`lightning-offpolicy fit --config configs/lora_single_gpu.yaml` with `"

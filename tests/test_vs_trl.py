@@ -141,6 +141,7 @@ def run_quick(tmp_path: Path, *args: str, timeout: float) -> tuple[Path, dict]:
     return out, json.loads(out.with_suffix(".json").read_text())
 
 
+@pytest.mark.long("TRL's GRPOTrainer and the kit, each a real 3-step fit in its own process on the same seed")
 def test_vs_trl_quick(tmp_path):
     pytest.importorskip("trl")
     out, data = run_quick(tmp_path, "--seeds", "3", timeout=600)

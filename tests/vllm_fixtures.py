@@ -8,6 +8,7 @@ start a fresh one if a later test asks for it again.
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 
 import pytest
@@ -51,6 +52,8 @@ class EngineHolder:
             from transformers import LlamaForCausalLM
 
             if self.engine is not None:
+                why = "closed" if self.engine._closed else f"failed ({self.engine._failure})"
+                warnings.warn(f"the shared vLLM engine was {why}: starting another", stacklevel=2)
                 self.engine.close()
             # model=None: the engine starts from the trainer's module at the first update_weights.
             self.engine = VLLMEngine(model=None, eos_token_id=2, **ENGINE_KWARGS)
@@ -105,8 +108,11 @@ class ServerHolder:
         from lightning_offpolicy.rollout.vllm import launch_local_server
 
         if self.server is None or not self.server.alive:
-            if self.server is not None:  # a test closed it, or it died (say why: a restart costs ~25 s)
-                print(f"\nthe shared vLLM server is gone (exit status {self.server.process.poll()}): starting another")
+            if self.server is not None:  # a test closed it, or it died: say so (a restart costs ~25 s)
+                warnings.warn(
+                    f"the shared vLLM server is gone (exit status {self.server.process.poll()}): starting another",
+                    stacklevel=2,
+                )
             self.server = launch_local_server(self.model, dtype="float32", kv_cache_space_gib=1, startup_timeout_s=600)
             self.processes += self.server.processes()
             print(f"\nvLLM server started in {self.server.start_time_s:.1f} s at {self.server.base_url}")
