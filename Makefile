@@ -60,11 +60,11 @@ demo: $(VENV)/.base
 selfcheck: $(VENV)/.base
 	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} $(VENV)/bin/lightning-offpolicy selfcheck
 
-# Two workers (pytest-xdist): on 2 cores the suite takes ~40% less wall time than in one process.
-# tests/conftest.py keeps every test that starts vLLM on one worker, the rest grouped by module;
-# the 25 slowest tests are printed (one over 30 s carries a comment saying why). TEST_WORKERS=0:
-# one process.
-TEST_WORKERS ?= 2
+# One process by default (~19 min on 2 cores). TEST_WORKERS=2 runs two pytest-xdist workers (~13.5
+# min), where two timing-sensitive tests still fail now and then (CHANGELOG, docs/getting_started.md):
+# not the default until they are fixed. The 25 slowest tests are printed (one over 30 s carries
+# @pytest.mark.long(why)).
+TEST_WORKERS ?= 0
 test: $(VENV)/.dev
 	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} $(PY) -m pytest tests -n $(TEST_WORKERS) --dist loadgroup --durations=25
 
