@@ -48,6 +48,17 @@ def code_line() -> str:
 MB = 1e6
 
 
+def status_kib(field: str) -> int | None:
+    """A ``kB`` field of this process's /proc/self/status (``VmRSS``, ``VmHWM``); ``None`` where unreadable."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    except OSError:
+        return None
+    return None
+
+
 def mem_total_bytes() -> int | None:
     """The machine's RAM from /proc/meminfo (``None`` where it cannot be read)."""
     try:

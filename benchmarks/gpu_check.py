@@ -49,6 +49,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from _report import status_kib  # benchmarks/ is the script's own folder
+
 ROOT = Path(__file__).resolve().parent.parent
 PARTS = ("checkpoint", "fsdp", "lora", "logprobs")
 
@@ -170,16 +172,6 @@ def _device_info(device: str) -> dict:
     return info
 
 
-def _status_kib(field: str) -> int | None:
-    try:
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    except OSError:
-        return None
-    return None
-
-
 class PeakMemory:
     """Peak bytes allocated since :meth:`reset`: CUDA's allocator counter, or on CPU the process's
     peak RSS (``VmHWM``, reset through ``/proc/self/clear_refs`` where Linux allows; else lifetime)."""
@@ -193,7 +185,7 @@ class PeakMemory:
 
         if self.device == "cuda":
             return torch.cuda.memory_allocated()
-        return (_status_kib("VmRSS") or 0) * 1024
+        return (status_kib("VmRSS") or 0) * 1024
 
     def reset(self) -> None:
         import torch
@@ -214,7 +206,7 @@ class PeakMemory:
         if self.device == "cuda":
             torch.cuda.synchronize()
             return torch.cuda.max_memory_allocated()
-        hwm = _status_kib("VmHWM")
+        hwm = status_kib("VmHWM")
         if hwm is None:
             import resource
 
@@ -338,7 +330,7 @@ def worker_fit(spec: dict) -> dict:
         torch.cuda.synchronize()
         peak, peak_reserved = torch.cuda.max_memory_allocated(), torch.cuda.max_memory_reserved()
     else:
-        peak = (_status_kib("VmHWM") or 0) * 1024
+        peak = (status_kib("VmHWM") or 0) * 1024
     (run_dir,) = [p for p in (work / "runs" / spec["name"]).iterdir() if p.is_dir()]
     scalars = _read_scalars(run_dir)
     losses = [sum(b["micro_losses"]) / max(b["optimizer_steps"], 1) for b in batches]

@@ -36,7 +36,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from _report import code_line, machine_line, mb
+from _report import code_line, machine_line, mb, status_kib
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -130,18 +130,8 @@ tensors whatever `chunk_size` is passed."""
 # --------------------------------------------------------------------------- worker (subprocess)
 
 
-def _status_kib(field: str) -> int | None:
-    try:
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    except OSError:
-        return None
-    return None
-
-
 def _rss_bytes() -> int:
-    kib = _status_kib("VmRSS")
+    kib = status_kib("VmRSS")
     if kib is None:  # non-Linux: psutil if present
         import psutil  # type: ignore[import-not-found]
 
@@ -153,14 +143,14 @@ def _reset_peak() -> bool:
     try:
         with open("/proc/self/clear_refs", "w") as f:
             f.write("5")
-        return _status_kib("VmHWM") is not None
+        return status_kib("VmHWM") is not None
     except OSError:
         return False
 
 
 def _peak_bytes(reset_ok: bool) -> int:
     if reset_ok:
-        return _status_kib("VmHWM") * 1024
+        return status_kib("VmHWM") * 1024
     ru = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return ru if sys.platform == "darwin" else ru * 1024
 
