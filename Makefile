@@ -60,11 +60,10 @@ demo: $(VENV)/.base
 selfcheck: $(VENV)/.base
 	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} $(VENV)/bin/lightning-offpolicy selfcheck
 
-# One process by default (~19 min on 2 cores). TEST_WORKERS=2 runs two pytest-xdist workers (~13.5
-# min), where two timing-sensitive tests still fail now and then (CHANGELOG, docs/getting_started.md):
-# not the default until they are fixed. The 25 slowest tests are printed (one over 30 s carries
-# @pytest.mark.long(why)).
-TEST_WORKERS ?= 0
+# Two pytest-xdist workers (~11 min on 2 cores; tests/conftest.py keeps every vLLM test on one of
+# them); TEST_WORKERS=0 runs one process (~19 min). The 25 slowest tests are printed (one over 30 s
+# carries @pytest.mark.long(why)).
+TEST_WORKERS ?= 2
 test: $(VENV)/.dev
 	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} $(PY) -m pytest tests -n $(TEST_WORKERS) --dist loadgroup --durations=25
 

@@ -1,9 +1,9 @@
 """Suite-wide set-up: tiny checkpoints are built once per test session into a private cache; xdist groups.
 
-The groups (every test that starts vLLM in one, the others by module) are meant to keep the vLLM
-tests on one worker under ``--dist loadgroup``; with xdist 3.8 and pytest 9 they do not reach the
-scheduler yet (the ``@group`` suffix of the test ids is missing on the workers, and tests are handed
-out one by one), which is still to be fixed.
+The groups (every test that starts vLLM in one, the others by module) keep the vLLM tests on one
+worker under ``--dist loadgroup``. pytest-xdist sends a group to the scheduler as an ``@group`` suffix
+of the test id; a pytest that ignores it (9.2, pytest-dev/pytest-xdist#1386) would spread the groups
+silently, so the run stops with an error instead.
 """
 
 from __future__ import annotations
@@ -38,6 +38,8 @@ def _uses_vllm(item: pytest.Item) -> bool:
     return needs_vllm or bool(_VLLM_FIXTURES & set(item.fixturenames)) or bool(_VLLM_NAME.search(item.nodeid))
 
 
+# tryfirst: the groups must be marked before pytest-xdist's own hook reads them into the test ids.
+@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     # Under `-n N --dist loadgroup` (`make test`) a group is one worker's unit of work:
     # - every test that starts vLLM is in one group: two engines starting at once on 2 cores slow
@@ -57,6 +59,21 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             key=lambda item: (_VLLM_SERVER_TESTS.search(item.nodeid) is not None) - ("vllm_engine" in item.fixturenames)
         )
         items[:] = vllm + [item for item in items if item not in chosen]
+
+
+def pytest_xdist_node_collection_finished(node, ids: list[str]) -> None:
+    # On the xdist controller, with the test ids a worker collected.
+    if node.config.getvalue("dist") != "loadgroup":
+        return
+    ungrouped = [nodeid for nodeid in ids if "@" not in nodeid.rpartition("]")[2]]
+    if ungrouped:
+        pytest.exit(
+            f"--dist loadgroup: {len(ungrouped)} test ids lack their xdist group suffix (first: {ungrouped[0]}), "
+            "so vLLM tests would run on several workers at once. This pytest / pytest-xdist pair does not "
+            "support groups (pytest-dev/pytest-xdist#1386): install the versions the dev extra of pyproject.toml "
+            "pins (`make venv-dev`), or run one process (`make test TEST_WORKERS=0`).",
+            returncode=pytest.ExitCode.USAGE_ERROR,
+        )
 
 
 @pytest.fixture(scope="session", autouse=True)
