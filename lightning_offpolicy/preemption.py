@@ -18,6 +18,12 @@ and the process exits with status **0**: the scheduler reads success, and nothin
   rollout producer and the engine are shut down by the usual exception path, and the process exits
   with ``exit_code`` (143 = 128 + SIGTERM, what a shell reports for a process killed by SIGTERM).
 
+A SIGTERM that arrives while the engine generates (a long generation, a remote request that hangs)
+cuts that generation short (single process): the callbacks with a ``preempt()`` method
+(:meth:`~lightning_offpolicy.rollout.callback.RolloutCallback.preempt`) are called from a new thread,
+which interrupts the engine; the batch whose rollout was cut is not trained, and the state saved is
+that of the last completed batch. Under several ranks the ranks stop at the batch boundary they agree on.
+
 A scheduler that signals the whole process group (``scancel``, a container stop) also stops the
 engine's processes (vLLM's ``EngineCore``): the batch being generated then fails with the engine's
 error before Lightning's flag is seen. When that error follows a SIGTERM and no optimizer step ran
@@ -131,6 +137,7 @@ class PreemptionCheckpoint(Callback):
         self._installed = False
         # global_step at the last batch boundary: a save from the exception path is consistent only there.
         self._boundary_step: int | None = None
+        self._rollouts: list[Any] = []  # callbacks with preempt() (RolloutCallback): cut short on SIGTERM
 
     @property
     def signalled(self) -> bool:
@@ -160,8 +167,13 @@ class PreemptionCheckpoint(Callback):
 
     # ------------------------------------------------------------------------------ signal
     def _on_sigterm(self, signum: int, frame: Any) -> None:
-        # Only a flag here: no I/O and no collective inside a signal handler.
+        # Only a flag here, and threads started: no I/O, no lock and no collective inside a signal handler.
+        first = not self._signalled
         self._signalled = True
+        for callback in self._rollouts if first else ():
+            # A rollout in flight (a remote request that hangs, a long generation) is cut short from
+            # another thread: the interrupt takes locks the interrupted main thread may hold.
+            threading.Thread(target=callback.preempt, name="preempt-rollout", daemon=True).start()
 
     def _install(self) -> None:
         # Signal handlers can only be set from the main thread (a Trainer run from another thread keeps Lightning's).
@@ -181,6 +193,11 @@ class PreemptionCheckpoint(Callback):
     # ------------------------------------------------------------------------------ hooks
     @override
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        # Single process only: under several ranks a rank that stops generating early would leave the
+        # others in the next collective; they stop at the batch boundary they agree on instead.
+        self._rollouts = [c for c in trainer.callbacks if callable(getattr(c, "preempt", None))]
+        if trainer.world_size > 1:
+            self._rollouts = []
         self._signalled = False
         self.saved_path = None
         self.save_error = None

@@ -26,6 +26,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from lightning_offpolicy.module import OffPolicyRLModule
 from lightning_offpolicy.preemption import SAVE_ERROR_EXIT_CODE, SIGTERM_EXIT_CODE, PreemptionCheckpoint
 from lightning_offpolicy.rollout import HFEngine, RolloutCallback
+from lightning_offpolicy.rollout.engine import INTERRUPTED
 from lightning_offpolicy.tasks import PromptDataModule
 from lightning_offpolicy.tiny import build_tiny_llama
 from lightning_offpolicy.tokenizers import CharTokenizer
@@ -46,14 +47,14 @@ class SendSigterm(L.Callback):
             os.kill(os.getpid(), signal.SIGTERM)
 
 
-def build(tmp_path, max_steps: int, callbacks, **rollout):
+def build(tmp_path, max_steps: int, callbacks, max_new_tokens: int = 7, **rollout):
     module = OffPolicyRLModule(
         model=build_tiny_llama(),
         tokenizer=CharTokenizer(),
         optimizer=partial(torch.optim.AdamW, lr=1e-3),
         num_minibatches=STEPS_PER_BATCH,
     )
-    rollout_callback = RolloutCallback(samples_per_prompt=2, max_new_tokens=7, seed=1, **rollout)
+    rollout_callback = RolloutCallback(samples_per_prompt=2, max_new_tokens=max_new_tokens, seed=1, **rollout)
     trainer = L.Trainer(
         accelerator="cpu",
         max_steps=max_steps,
@@ -106,6 +107,37 @@ def test_sigterm_saves_at_the_batch_boundary_exits_143_and_resumes(tmp_path):
         torch.testing.assert_close(seen["weights"][name], value, rtol=0, atol=0)
     assert resumed.policy_version == resumed_trainer.global_step == 4 * STEPS_PER_BATCH
     assert resumed_rollout.generated_batches == 4
+
+
+def test_sigterm_during_a_generation_cuts_it_short_and_saves_the_last_completed_batch(tmp_path):
+    """A scheduler's SIGTERM while the engine generates (a long generation; a remote request that hangs): the
+    generation returns at once, interrupted, its batch is not trained, and the last completed batch is saved."""
+    engine = HFEngine()
+    calls, generate = [], engine.generate
+    engine.generate = lambda *args, **kwargs: calls.append(generate(*args, **kwargs)) or calls[-1]
+    steps = {"second call": 0}
+
+    class SigtermInTheSecondGeneration(threading.Event):
+        """The engine's interrupt event: the generation asks it once per decoding step."""
+
+        def is_set(self) -> bool:
+            if len(calls) == 1:  # the second call is under way
+                steps["second call"] += 1
+                if steps["second call"] == 3:
+                    os.kill(os.getpid(), signal.SIGTERM)  # as a scheduler, three steps into it
+            return super().is_set()
+
+    engine._interrupt = SigtermInTheSecondGeneration()
+    preemption = PreemptionCheckpoint(dirpath=str(tmp_path))
+    module, _, trainer, data = build(tmp_path, 40, [preemption], max_new_tokens=200, engine=engine)
+    with pytest.raises(SystemExit) as info:
+        trainer.fit(module, data)
+    assert info.value.code == 143
+    assert len(calls) == 2  # the generation the signal landed in was the last: cut short, its batch not trained
+    assert any(c.finish_reason == INTERRUPTED for c in calls[1]), [c.finish_reason for c in calls[1]]
+    assert steps["second call"] < 200 and max(len(c.token_ids) for c in calls[1]) < 200
+    assert module.policy_version == trainer.global_step == STEPS_PER_BATCH
+    assert torch.load(preemption.saved_path, weights_only=False)["global_step"] == STEPS_PER_BATCH
 
 
 def test_sigterm_during_the_last_batch_still_saves_and_exits_143(tmp_path):

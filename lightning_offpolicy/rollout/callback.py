@@ -49,6 +49,7 @@ import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.loggers import TensorBoardLogger
 from lightning.pytorch.utilities import rank_zero_info
+from lightning.pytorch.utilities.exceptions import SIGTERMException
 from typing_extensions import override
 
 from lightning_offpolicy.advantages import ADVANTAGE_ESTIMATORS
@@ -59,8 +60,9 @@ from lightning_offpolicy.log_steps import is_logging_step
 from lightning_offpolicy.preflight import check_context, check_group_size, check_vocab, context_limit
 from lightning_offpolicy.rewards import DEFAULT_REWARD_TIMEOUT_S, RewardSpec, resolve_reward
 from lightning_offpolicy.rollout.dapo import DAPOSettings
-from lightning_offpolicy.rollout.engine import RolloutEngine, SamplingConfig, generation_eos_ids
+from lightning_offpolicy.rollout.engine import InterruptibleEngine, RolloutEngine, SamplingConfig, generation_eos_ids
 from lightning_offpolicy.rollout.hf import HFEngine
+from lightning_offpolicy.rollout.partial import RolloutStopped
 from lightning_offpolicy.rollout.pipeline import Rollouter
 from lightning_offpolicy.rollout.producer import RolloutProducer
 from lightning_offpolicy.rollout.prompt_source import prompt_batches
@@ -226,6 +228,7 @@ class RolloutCallback(Callback):
         self.dropped_samples = 0
         self.last_timing: dict[str, float] = {}
         self.producer: RolloutProducer | None = None
+        self._preempted = False  # preempt() was called: the next batch start stops the fit
         # Asynchronous machinery for max_staleness=0 too: the tests use it to prove both modes agree.
         self._background = max_staleness > 0
         self._tokenizer: Any = None
@@ -316,6 +319,7 @@ class RolloutCallback(Callback):
     # ------------------------------------------------------------------------------ the step
     @override
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._preempted = False
         if self.dapo.dynamic_sampling:
             refill_source = trainer.fit_loop._data_source.dataloader()
             self._refill_prompts = prompt_batches(
@@ -353,11 +357,22 @@ class RolloutCallback(Callback):
                 f"RolloutCallback expects the train dataloader to yield PromptBatch; got {type(batch).__name__}."
             )
         if not self._background:
-            batch.rollout = self.generate(pl_module, batch, trainer.global_rank)
+            try:
+                batch.rollout = self.generate(pl_module, batch, trainer.global_rank)
+            except RolloutStopped:
+                self._stop_if_preempted()
+                raise
+            self._stop_if_preempted()  # a rollout that finished as the signal came: not trained either
             return
         version = int(pl_module.policy_version)
         self._version_at_batch_start = version
-        produced, wait_s = self.producer.take(version)
+        self._stop_if_preempted()
+        try:
+            produced, wait_s = self.producer.take(version)
+        except RuntimeError:
+            self._stop_if_preempted()  # preempt() stopped the producer: not a failure
+            raise
+        self._stop_if_preempted()
         # The loader's batch only paces the steps: train what the producer generated.
         batch.prompts, batch.metadata = produced.prompts.prompts, produced.prompts.metadata
         batch.rollout = produced.rollout
@@ -373,6 +388,24 @@ class RolloutCallback(Callback):
         }
         if is_logging_step(trainer, batch_idx, _steps_per_batch(pl_module)):
             self._log_staleness_histogram(trainer, version, produced.rollout)
+
+    def preempt(self) -> None:
+        """Cut the rollout in flight short for a preemption (thread-safe; PreemptionCheckpoint calls it on SIGTERM).
+
+        The engine's ``generate`` call in flight returns at once where the engine is interruptible
+        (a remote request that hangs too), the background producer starts no new request, and the batch
+        whose rollout was cut is not trained: its ``on_train_batch_start`` raises Lightning's
+        ``SIGTERMException``, so the state saved is that of the last completed batch.
+        """
+        self._preempted = True
+        if self.producer is not None:
+            self.producer.request_stop()  # with partial rollouts this interrupts the request in flight too
+        if isinstance(self.engine, InterruptibleEngine):
+            self.engine.interrupt()
+
+    def _stop_if_preempted(self) -> None:
+        if self._preempted:
+            raise SIGTERMException()
 
     def generate(self, pl_module: LightningModule, prompts: PromptBatch, rank: int = 0) -> RolloutBatch:
         """Sample, score and build the rollout batch of ``prompts`` with the module's current weights."""
@@ -414,6 +447,7 @@ class RolloutCallback(Callback):
             more_prompts=None if self._refill_prompts is None else lambda: next(self._refill_prompts),
             turn=self.producer.generation_turn if self.producer is not None and self.producer.interrupts else None,
             reward_timeout_s=self.reward_timeout_s,
+            stop=lambda: self._preempted,
         )
 
     def _produce(self, prompts: PromptBatch, index: int) -> tuple[RolloutBatch, float]:

@@ -23,7 +23,7 @@ from contextlib import AbstractContextManager
 
 from lightning_offpolicy.rollout.engine import INTERRUPTED, Completion, RolloutEngine, SamplingConfig
 
-__all__ = ["PartialStats", "continuation_seed", "generate_resumable"]
+__all__ = ["PartialStats", "RolloutStopped", "continuation_seed", "generate_resumable"]
 
 
 @dataclasses.dataclass
@@ -53,6 +53,15 @@ def continuation_seed(seed: int | None, round_: int, budget: int) -> int | None:
     return (seed * 1_000_003 + round_ * 7_919 + budget * 104_729) % (2**31 - 1)
 
 
+class RolloutStopped(RuntimeError):
+    """A rollout was stopped while it generated (a preemption): its completions are not continued."""
+
+
+def _check_not_stopped(stop: Callable[[], bool] | None) -> None:
+    if stop is not None and stop():
+        raise RolloutStopped("the rollout was stopped while it generated (a preemption)")
+
+
 def generate_resumable(
     engine: RolloutEngine,
     prompt_ids: list[list[int]],
@@ -60,6 +69,7 @@ def generate_resumable(
     seed: int | None = None,
     turn: Callable[[], AbstractContextManager[object]] | None = None,
     stats: PartialStats | None = None,
+    stop: Callable[[], bool] | None = None,
 ) -> list[Completion]:
     """``engine.generate(prompt_ids, sampling, seed)``, with every interrupted completion continued.
 
@@ -69,10 +79,15 @@ def generate_resumable(
     interruptions come; rows with the same budget share a call (seeded by
     :func:`continuation_seed`). The result has the order and the ``prompt_index`` of the first call;
     a continued completion has one ``policy_version`` per token. ``stats``, when given, is added to.
+
+    Raises:
+        RolloutStopped: ``stop()`` returned ``True`` after a ``generate`` call (a preemption cut it short):
+            nothing is continued.
     """
     guard = turn if turn is not None else contextlib.nullcontext
     with guard():
         completions = engine.generate(prompt_ids, sampling, seed=seed)
+    _check_not_stopped(stop)
     pending = [i for i, c in enumerate(completions) if c.finish_reason == INTERRUPTED]
     counts = PartialStats(interrupted=len(pending), interruptions=len(pending))
     round_ = 0
@@ -83,6 +98,7 @@ def generate_resumable(
             more_sampling = dataclasses.replace(sampling, samples_per_prompt=1, max_new_tokens=budget)
             with guard():
                 continued = engine.generate(prefixes, more_sampling, seed=continuation_seed(seed, round_, budget))
+            _check_not_stopped(stop)
             counts.continuation_calls += 1
             if len(continued) != len(rows):
                 raise RuntimeError(

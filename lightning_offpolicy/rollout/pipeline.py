@@ -119,6 +119,9 @@ class Rollouter:
         reward_timeout_s: Longest one call of the reward function (of each part of a weighted
             reward) may take; past it the call is abandoned and a ``RewardError`` names the row it
             was scoring (:func:`~lightning_offpolicy.rewards.score_completions`). ``None``: no limit.
+        stop: Returns ``True`` once the rollout must stop (a preemption): a ``generate`` call it cut
+            short is not continued, and :meth:`rollout` raises
+            :class:`~lightning_offpolicy.rollout.partial.RolloutStopped`. ``None``: never.
 
     After each :meth:`rollout`, :attr:`last_stats` holds its counts (``groups_dropped``,
     ``refill_batches``, ``groups_short``, ``overlong_filtered``; with ``turn``: ``interrupted_frac``,
@@ -141,6 +144,7 @@ class Rollouter:
         more_prompts: Callable[[], PromptBatch] | None = None,
         turn: Callable[[], AbstractContextManager[object]] | None = None,
         reward_timeout_s: float | None = DEFAULT_REWARD_TIMEOUT_S,
+        stop: Callable[[], bool] | None = None,
     ) -> None:
         self.engine = engine
         self.tokenizer = tokenizer
@@ -154,6 +158,7 @@ class Rollouter:
         self.more_prompts = more_prompts
         self.turn = turn
         self.reward_timeout_s = reward_timeout_s
+        self.stop = stop
         self._partial = PartialStats()
         self.last_stats: dict[str, float] = {}
 
@@ -216,7 +221,7 @@ class Rollouter:
         started = time.perf_counter()
         check_prompt_fits(max(map(len, prompt_ids), default=0), self.sampling.max_new_tokens, self.context_limit)
         completions = generate_resumable(
-            self.engine, prompt_ids, self.sampling, seed=seed, turn=self.turn, stats=self._partial
+            self.engine, prompt_ids, self.sampling, seed=seed, turn=self.turn, stats=self._partial, stop=self.stop
         )
         generate_s = time.perf_counter() - started
         scored = self._score(prompts, [c.prompt_index for c in completions], completions)
