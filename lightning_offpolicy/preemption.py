@@ -72,6 +72,42 @@ SIGTERM_EXIT_CODE = 128 + int(signal.SIGTERM)
 SAVE_ERROR_EXIT_CODE = 74
 
 
+def _forget_unstarted_batch(trainer: Trainer) -> None:
+    """Count a batch that was fetched but never started as not fetched, so that the checkpoint is the last boundary.
+
+    A batch stopped in ``on_train_batch_start`` leaves Lightning's progress at "ready" one past
+    "started"; a run resumed from that state counts one batch more than it trained (its logged steps
+    shift by one). Its data position (:func:`~lightning_offpolicy.data.sampler.trained_position`,
+    batches processed) already excludes it, so the resumed run fetches the same prompts again.
+    """
+    progress = trainer.fit_loop.epoch_loop.batch_progress
+    unstarted = [
+        counts
+        for counts in (progress.total, progress.current)
+        if counts.ready == counts.started + 1 and counts.started == counts.processed == counts.completed
+    ]
+    for counts in unstarted:
+        counts.ready -= 1
+    if unstarted:
+        progress.is_last_batch = False  # the epoch's last batch, if it was, is still to come
+
+
+def _resume_replays_the_batch_end(trainer: Trainer) -> bool:
+    """Whether a run resumed from the trainer's current state would run the last batch's end again.
+
+    Lightning resumes a checkpoint whose last batch was a validation batch (all its progress counts
+    equal) by running that batch's end once more (``on_advance_end``, validation skipped), which
+    counts the batch as stepped again. That suits a checkpoint saved during the validation, before
+    the batch was counted (as ``ModelCheckpoint`` saves on validation end); a save from the exception
+    path after the batch's end was counted would log every later step one too far.
+    """
+    loop = trainer.fit_loop.epoch_loop
+    total = loop.batch_progress.total
+    at_the_end_of_a_batch = total.ready == total.started == total.processed == total.completed > 0
+    counted = loop._batches_that_stepped == total.completed  # the last batch's end ran (once per batch)
+    return at_the_end_of_a_batch and counted and loop._should_check_val_fx(trainer.fit_loop._data_fetcher)
+
+
 class PreemptionCheckpoint(Callback):
     """On SIGTERM: save a checkpoint at the next batch boundary, then exit with a non-zero status.
 
@@ -137,6 +173,8 @@ class PreemptionCheckpoint(Callback):
         self._installed = False
         # global_step at the last batch boundary: a save from the exception path is consistent only there.
         self._boundary_step: int | None = None
+        # Set while this callback saves: the checkpoint must not count the last batch twice on resume.
+        self._uncount_the_last_batch = False
         self._rollouts: list[Any] = []  # callbacks with preempt() (RolloutCallback): cut short on SIGTERM
 
     @property
@@ -230,7 +268,9 @@ class PreemptionCheckpoint(Callback):
                 self._save_on_exception(trainer, exception)
             return
         if self.saved_path is None and self.save_error is None and trainer.global_step > 0:
-            # Lightning raises it between two batches (every rank at the same one), after the batch's logging.
+            # Lightning raises it between two batches (every rank at the same one), after the batch's logging;
+            # RolloutCallback raises it at the start of a batch whose rollout a preemption stopped.
+            _forget_unstarted_batch(trainer)
             self._save(trainer)
         if not exception.code or self.save_error is not None:
             # Lightning raises it with no code (the process would exit 0); a failed save is not a preemption.
@@ -239,6 +279,11 @@ class PreemptionCheckpoint(Callback):
     @override
     def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         self._restore()
+
+    @override
+    def on_save_checkpoint(self, trainer: Trainer, pl_module: LightningModule, checkpoint: dict[str, Any]) -> None:
+        if self._uncount_the_last_batch:  # see _resume_replays_the_batch_end
+            checkpoint["loops"]["fit_loop"]["epoch_loop.state_dict"]["_batches_that_stepped"] -= 1
 
     # ------------------------------------------------------------------------------ helpers
     def _any_rank_signalled(self, trainer: Trainer) -> bool:
@@ -315,12 +360,15 @@ class PreemptionCheckpoint(Callback):
         callbacks' ``on_exception``.
         """
         error: OSError | None = None
+        self._uncount_the_last_batch = _resume_replays_the_batch_end(trainer)
         try:
             trainer.save_checkpoint(path)  # every rank calls it (a collective under sharded strategies)
         except OSError as err:
             error = err
             if trainer.world_size > 1:
                 trainer.strategy.barrier("Trainer.save_checkpoint")  # the other ranks wait there
+        finally:
+            self._uncount_the_last_batch = False
         if trainer.world_size > 1 and trainer.strategy.reduce_boolean_decision(error is not None, all=False):
             error = error or OSError(f"the checkpoint {path} could not be saved on another rank")
         if error is None:

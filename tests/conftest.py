@@ -51,14 +51,15 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         group = "vllm" if item in chosen else item.nodeid.split("::", 1)[0]
         item.add_marker(pytest.mark.xdist_group(group))
-    if hasattr(config, "workerinput"):  # an xdist worker
-        # The tests on the session's shared engine first: several later ones close it (one engine at a
-        # time), and each test on the shared engine after such a one starts it again. Then those on
-        # the shared server, in a row: it stays up from the first of them to the last.
-        vllm.sort(
-            key=lambda item: (_VLLM_SERVER_TESTS.search(item.nodeid) is not None) - ("vllm_engine" in item.fixturenames)
-        )
-        items[:] = vllm + [item for item in items if item not in chosen]
+    # The tests on the session's shared engine first: several later ones close it (one engine at a
+    # time), and each test on the shared engine after such a one starts it again. Those on the
+    # shared server last, in a row: it stays up from the first of them to the end of the session
+    # (and tests that check no vLLM process is left would see its processes). In one process as on
+    # the xdist workers, where this order is the vLLM group's.
+    vllm.sort(
+        key=lambda item: (_VLLM_SERVER_TESTS.search(item.nodeid) is not None) - ("vllm_engine" in item.fixturenames)
+    )
+    items[:] = vllm + [item for item in items if item not in chosen]
 
 
 def pytest_xdist_node_collection_finished(node, ids: list[str]) -> None:

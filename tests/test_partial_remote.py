@@ -77,16 +77,17 @@ def _ran_to_the_end(c) -> bool:
 
 class InterruptAfterTokens:
     """Calls ``engine.interrupt()`` once the call in flight has received ``tokens`` streamed tokens (summed
-    over its requests) and, with ``requests``, at least one token of every sample of that many requests,
-    from the thread that read the last of them: the interrupt surely lands inside the call, at a known
-    point of it (no clock, no polling of the server). Records when and how many tokens had come.
+    over its requests), from the thread that read the last of them: the interrupt surely lands inside the
+    call, at a known point of it (no clock, no polling of the server). Records when and how many tokens
+    had come.
+
+    Not "and a token of every sample": the requests are sent a little apart (more so on a loaded machine),
+    and waiting for the last one's first token lets the first ones run to their end.
 
     Installed on :class:`StreamedChoices` with ``monkeypatch``; fires once.
     """
 
-    def __init__(
-        self, engine: RemoteVLLMEngine, monkeypatch: pytest.MonkeyPatch, tokens: int, requests: int = 0
-    ) -> None:
+    def __init__(self, engine: RemoteVLLMEngine, monkeypatch: pytest.MonkeyPatch, tokens: int) -> None:
         self.at: float | None = None
         self.received = 0  # tokens received when the interrupt was sent
         lock, add = threading.Lock(), StreamedChoices.add
@@ -100,8 +101,7 @@ class InterruptAfterTokens:
                 if not any(a is choices for a in answers):
                     answers.append(choices)
                 received = sum(len(t) for a in answers for t in a.tokens)
-                started = sum(all(a.tokens) for a in answers)  # requests whose every sample has a token
-                if received >= tokens and started >= requests:
+                if received >= tokens:
                     self.at, self.received = time.perf_counter(), received
                     engine.interrupt()
 
@@ -186,9 +186,7 @@ def test_interrupt_returns_the_tokens_so_far_at_once_and_the_server_stops(engine
     assert full_tokens == sum(len(c.token_ids) for c in full)
 
     before = _settled(server.base_url)
-    # Once a fifth of the tokens have come. (Not "and a token of every sample": the requests start a
-    # little apart, and waiting for the last lets the first run to their end in a batch other than the
-    # full call's, where vLLM's CPU kernels, not batch-invariant, can sample other tokens.)
+    # Once a fifth of the tokens have come.
     trigger = InterruptAfterTokens(engine, monkeypatch, tokens=int(0.2 * full_tokens))
     began = time.perf_counter()
     cut = engine.generate(prompts, long, seed=3)
@@ -255,7 +253,8 @@ def test_an_interrupt_with_no_call_in_flight_cuts_the_next_call_only(server, wei
 @pytest.mark.slow
 def test_by_default_requests_stream_from_the_first_interrupt_on(server, weights_dir, monkeypatch):
     """stream=None: the call the first interrupt cuts short did not stream, so its unfinished completions
-    keep no tokens (and the server aborts it all the same); the calls after it stream and keep theirs."""
+    keep no tokens (and the server aborts it all the same); the calls after it stream and keep theirs: every
+    token received before the interrupt, and any that came as it landed."""
     engine = _engine(server, weights_dir)
     prompts = reverse_prompts(8, seed=3)
     cfg = SamplingConfig(max_new_tokens=LONG, temperature=TEMPERATURE, samples_per_prompt=4)
@@ -266,8 +265,8 @@ def test_by_default_requests_stream_from_the_first_interrupt_on(server, weights_
         assert engine._streaming is streaming
         with monkeypatch.context() as patch:
             before = _settled(server.base_url)
-            if streaming:  # interrupt once every sample has streamed a token or more
-                trigger = InterruptAfterTokens(engine, patch, tokens=requested // 8, requests=len(prompts))
+            if streaming:  # interrupt once an eighth of the tokens asked for have streamed
+                trigger = InterruptAfterTokens(engine, patch, tokens=requested // 8)
             else:  # an answer that does not stream comes whole at its end: interrupt once the request is sent
                 trigger = InterruptOnceSent(engine, patch)
             cut = engine.generate(prompts, cfg, seed=3)
@@ -277,8 +276,9 @@ def test_by_default_requests_stream_from_the_first_interrupt_on(server, weights_
         # when a server keeps going).
         assert generated < 0.5 * requested, (generated, requested)
         assert sum(c.finish_reason == INTERRUPTED for c in cut) >= 0.8 * len(cut)
-        kept.append([len(c.token_ids) for c in cut if c.finish_reason == INTERRUPTED])
-    assert all(n == 0 for n in kept[0]) and all(n >= 1 for n in kept[1]), kept
+        kept.append(sum(len(c.token_ids) for c in cut if c.finish_reason == INTERRUPTED))
+    streamed = sum(len(c.token_ids) for c in cut)  # of the streaming call (a sample that stopped early keeps its own)
+    assert kept[0] == 0 and streamed >= trigger.received >= requested // 8, (kept, streamed, trigger.received)
     engine.close()
 
 

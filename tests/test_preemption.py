@@ -47,7 +47,20 @@ class SendSigterm(L.Callback):
             os.kill(os.getpid(), signal.SIGTERM)
 
 
-def build(tmp_path, max_steps: int, callbacks, max_new_tokens: int = 7, **rollout):
+class BatchProbe(L.Callback):
+    """Records (batch index, batches Lightning counts as stepped) as each training batch starts."""
+
+    def __init__(self) -> None:
+        self.batches: list[tuple[int, int]] = []
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        # `_batches_that_stepped`: the step the batch's values are logged at.
+        self.batches.append((batch_idx, trainer.fit_loop.epoch_loop._batches_that_stepped))
+
+
+def build(tmp_path, max_steps: int, callbacks, max_new_tokens: int = 7, val_every: int | None = None, **rollout):
+    """The module, its RolloutCallback, a Trainer and the data; ``val_every``: a held-out evaluation (one
+    batch of 2 prompts) every that many training batches."""
     module = OffPolicyRLModule(
         model=build_tiny_llama(),
         tokenizer=CharTokenizer(),
@@ -64,8 +77,11 @@ def build(tmp_path, max_steps: int, callbacks, max_new_tokens: int = 7, **rollou
         enable_progress_bar=False,
         enable_model_summary=False,
         enable_checkpointing=False,
+        **({} if val_every is None else dict(val_check_interval=val_every, check_val_every_n_epoch=None)),
+        num_sanity_val_steps=0,
     )
-    data = PromptDataModule(task="reverse", prompts_per_step=2, num_train_prompts=32)
+    held_out = {} if val_every is None else dict(num_val_prompts=2, val_prompts_per_step=2)
+    data = PromptDataModule(task="reverse", prompts_per_step=2, num_train_prompts=32, **held_out)
     return module, rollout_callback, trainer, data
 
 
@@ -113,8 +129,10 @@ def test_sigterm_during_a_generation_cuts_it_short_and_saves_the_last_completed_
     """A scheduler's SIGTERM while the engine generates (a long generation; a remote request that hangs): the
     generation returns at once, interrupted, its batch is not trained, and the last completed batch is saved."""
     engine = HFEngine()
-    calls, generate = [], engine.generate
-    engine.generate = lambda *args, **kwargs: calls.append(generate(*args, **kwargs)) or calls[-1]
+    calls, prompts, generate = [], [], engine.generate
+    engine.generate = lambda ids, *args, **kwargs: (
+        prompts.append(ids) or calls.append(generate(ids, *args, **kwargs)) or calls[-1]
+    )
     steps = {"second call": 0}
 
     class SigtermInTheSecondGeneration(threading.Event):
@@ -138,6 +156,73 @@ def test_sigterm_during_a_generation_cuts_it_short_and_saves_the_last_completed_
     assert steps["second call"] < 200 and max(len(c.token_ids) for c in calls[1]) < 200
     assert module.policy_version == trainer.global_step == STEPS_PER_BATCH
     assert torch.load(preemption.saved_path, weights_only=False)["global_step"] == STEPS_PER_BATCH
+
+    # The resumed run starts with the batch whose rollout was cut: its prompts, at batch index 1, counted
+    # as the second batch (its values are logged at step 1, not 2).
+    resumed_engine = HFEngine()
+    resumed_prompts, generate_again = [], resumed_engine.generate
+    resumed_engine.generate = lambda ids, *args, **kwargs: (
+        resumed_prompts.append(ids) or generate_again(ids, *args, **kwargs)
+    )
+    resumed_module, _, resumed_trainer, data = build(
+        tmp_path, 2 * STEPS_PER_BATCH, [resumed := BatchProbe()], engine=resumed_engine
+    )
+    resumed_trainer.fit(resumed_module, data, ckpt_path=preemption.saved_path)
+    assert resumed.batches == [(1, 1)]
+    assert resumed_prompts == [prompts[1]]
+    assert resumed_module.policy_version == 2 * STEPS_PER_BATCH
+
+
+class SigtermAfterTheEvaluation(L.Callback):
+    """Sends SIGTERM to this process as the first held-out evaluation ends."""
+
+    def on_validation_end(self, trainer, pl_module):
+        if not getattr(self, "sent", False):
+            self.sent = True
+            os.kill(os.getpid(), signal.SIGTERM)
+
+
+def test_a_resume_after_a_sigterm_at_a_validation_batch_logs_at_the_next_step(tmp_path):
+    """Lightning resumes a checkpoint whose last batch ran a validation by running that batch's end again,
+    which counts it as stepped twice; the preemption checkpoint is saved after the first count (here the
+    next batch's generation is stopped, and the state saved is that of the batch before)."""
+    preemption = PreemptionCheckpoint(dirpath=str(tmp_path))
+    module, _, trainer, data = build(tmp_path, 40, [SigtermAfterTheEvaluation(), preemption], val_every=3)
+    with pytest.raises(SystemExit) as info:
+        trainer.fit(module, data)
+    assert info.value.code == 143
+    assert torch.load(preemption.saved_path, weights_only=False)["global_step"] == 3 * STEPS_PER_BATCH
+
+    module, _, trainer, data = build(tmp_path, 5 * STEPS_PER_BATCH, [resumed := BatchProbe()], val_every=3)
+    trainer.fit(module, data, ckpt_path=preemption.saved_path)
+    assert resumed.batches == [(3, 3), (4, 4)]  # (batch index, the step its values are logged at)
+
+
+def test_sigterm_during_an_evaluation_stops_it_unlogged_and_the_resume_continues(tmp_path):
+    """A validation's generation is cut short too; its completions, cut, are not scored as if whole."""
+    engine = HFEngine()
+    calls, generate = [], engine.generate
+
+    def sigterm_in_the_first_evaluation(ids, sampling, *args, **kwargs):
+        calls.append(sampling.greedy)
+        if sampling.greedy:  # the held-out evaluation's first call (training samples)
+            os.kill(os.getpid(), signal.SIGTERM)
+        return generate(ids, sampling, *args, **kwargs)
+
+    engine.generate = sigterm_in_the_first_evaluation
+    preemption = PreemptionCheckpoint(dirpath=str(tmp_path))
+    module, _, trainer, data = build(tmp_path, 40, [preemption], val_every=2, engine=engine)
+    with pytest.raises(SystemExit) as info:
+        trainer.fit(module, data)
+    assert info.value.code == 143
+    assert calls == [False, False, True]  # two training batches, then the evaluation's greedy call: stopped
+    assert not [name for name in trainer.callback_metrics if name.startswith("val/")]
+    assert torch.load(preemption.saved_path, weights_only=False)["global_step"] == 2 * STEPS_PER_BATCH
+
+    module, _, trainer, data = build(tmp_path, 4 * STEPS_PER_BATCH, [resumed := BatchProbe()], val_every=2)
+    trainer.fit(module, data, ckpt_path=preemption.saved_path)
+    assert resumed.batches == [(2, 2), (3, 3)]
+    assert module.policy_version == 4 * STEPS_PER_BATCH
 
 
 def test_sigterm_during_the_last_batch_still_saves_and_exits_143(tmp_path):

@@ -356,13 +356,14 @@ class RolloutCallback(Callback):
             raise TypeError(
                 f"RolloutCallback expects the train dataloader to yield PromptBatch; got {type(batch).__name__}."
             )
+        # A rollout that preempt() stopped is not trained (the checkpoint counts its batch as never
+        # started); one that had finished generating when the signal came is, and Lightning stops after it.
         if not self._background:
             try:
                 batch.rollout = self.generate(pl_module, batch, trainer.global_rank)
             except RolloutStopped:
                 self._stop_if_preempted()
                 raise
-            self._stop_if_preempted()  # a rollout that finished as the signal came: not trained either
             return
         version = int(pl_module.policy_version)
         self._version_at_batch_start = version
@@ -372,7 +373,6 @@ class RolloutCallback(Callback):
         except RuntimeError:
             self._stop_if_preempted()  # preempt() stopped the producer: not a failure
             raise
-        self._stop_if_preempted()
         # The loader's batch only paces the steps: train what the producer generated.
         batch.prompts, batch.metadata = produced.prompts.prompts, produced.prompts.metadata
         batch.rollout = produced.rollout
@@ -539,7 +539,11 @@ class RolloutCallback(Callback):
                 "RolloutCallback evaluates validation batches of PromptBatch (prompts and reward metadata); "
                 f"val_dataloader() yielded {type(batch).__name__}."
             )
-        batch.evaluation = self.evaluate(pl_module, batch)
+        try:
+            batch.evaluation = self.evaluate(pl_module, batch)
+        except RolloutStopped:
+            self._stop_if_preempted()
+            raise
 
     def evaluate(self, pl_module: LightningModule, prompts: PromptBatch) -> EvaluationBatch:
         """Greedy and sampled completions of ``prompts`` with the module's current weights, scored.
