@@ -5,7 +5,7 @@
 #   make bench  run the benchmarks under benchmarks/ (including the side-by-side against TRL)
 #   make vs-trl-top-p  the TRL side-by-side at top_p 0.9, with and without the sampling mask (part of bench)
 #   make study  the mismatch study: correction vs staleness / engine mismatch, two tasks (~65 min on 2 cores)
-#   make soak   every shipped config to its max_steps, quiet and beside a CPU hog (~3 h on 2 cores)
+#   make soak   every shipped config to its max_steps, quiet and beside a CPU hog, then its fault runs (~3.5 h)
 #   make docs-check  re-run the cheap figures of README.md / docs/ and compare (~3-5 min; not in `make test`)
 PYTHON ?= python3
 VENV   ?= .venv
@@ -109,10 +109,13 @@ study: $(VENV)/.dev
 		--reading docs/results/reading.md
 
 # Every config under configs/ to its full max_steps, once quiet and once beside a busy-loop process:
-# exit 0, reward rises, staleness bound, no leftover process, the last checkpoint resumes.
-# Writes docs/soak.md and docs/soak.json. Not part of `make test` (about 3 h on 2 cores).
+# exit 0, reward rises, staleness bound, no leftover process, the last checkpoint resumes. Then the
+# fault runs: SIGTERM to the process group (every config), the vLLM engine killed mid-fit, a full
+# disk at a save; each resumes from what it saved. Writes docs/soak.md and docs/soak_faults.md (+
+# .json). Not part of `make test` (about 3.5 h on 2 cores).
 soak: $(VENV)/.dev
 	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} $(PY) benchmarks/soak.py --output docs/soak.md
+	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} $(PY) benchmarks/soak_faults.py --output docs/soak_faults.md
 
 # The figures of README.md and docs/*.md marked `<!-- docs-check: ... -->` (the quickstart reward
 # table, the selfcheck table), re-run with the command the docs state and compared within the

@@ -35,6 +35,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -229,11 +230,20 @@ def stop_hog(hogs: list[subprocess.Popen]) -> None:
 
 
 def run_fit(
-    configs: list[str], args: list[str], save_dir: Path, timeout_s: float
+    configs: list[str],
+    args: list[str],
+    save_dir: Path,
+    timeout_s: float,
+    during: Callable[[subprocess.Popen, Path], None] | None = None,
+    prefix: Sequence[str] = (),
 ) -> tuple[int | None, float, str, list[str]]:
-    """One ``lightning-offpolicy fit`` in its own session: (exit status, wall s, log tail, leftover processes)."""
+    """One ``lightning-offpolicy fit`` in its own session: (exit status, wall s, log tail, leftover processes).
+
+    ``during(process, log_path)`` runs once the fit has started (benchmarks/soak_faults.py stops it
+    there); ``prefix`` goes before the command (a wrapper that runs it, e.g. in a mount namespace).
+    """
     save_dir.mkdir(parents=True, exist_ok=True)
-    command = [sys.executable, "-m", "lightning_offpolicy.cli", "fit"]
+    command = [*prefix, sys.executable, "-m", "lightning_offpolicy.cli", "fit"]
     for config in configs:
         command += ["--config", str(ROOT / config)]
     command += [
@@ -252,6 +262,8 @@ def run_fit(
             command, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
         )
         try:
+            if during is not None:
+                during(proc, log_path)
             status: int | None = proc.wait(timeout=timeout_s)
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)

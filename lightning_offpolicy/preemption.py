@@ -270,7 +270,6 @@ class PreemptionCheckpoint(Callback):
         if self.saved_path is None and self.save_error is None and trainer.global_step > 0:
             # Lightning raises it between two batches (every rank at the same one), after the batch's logging;
             # RolloutCallback raises it at the start of a batch whose rollout a preemption stopped.
-            _forget_unstarted_batch(trainer)
             self._save(trainer)
         if not exception.code or self.save_error is not None:
             # Lightning raises it with no code (the process would exit 0); a failed save is not a preemption.
@@ -360,6 +359,8 @@ class PreemptionCheckpoint(Callback):
         callbacks' ``on_exception``.
         """
         error: OSError | None = None
+        # Every save here is on the way out of the fit: its loop state may be set as a resume needs it.
+        _forget_unstarted_batch(trainer)  # a batch stopped before it started (its rollout failed or was cut)
         self._uncount_the_last_batch = _resume_replays_the_batch_end(trainer)
         try:
             trainer.save_checkpoint(path)  # every rank calls it (a collective under sharded strategies)

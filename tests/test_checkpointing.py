@@ -17,6 +17,7 @@ import pytest
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import TensorBoardLogger
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from lightning_offpolicy.checkpointing import (
     AtomicCheckpointIO,
@@ -151,6 +152,7 @@ def fit(root, max_steps: int, *extra, every: int = 4, ckpt_path=None, record=Non
         callbacks=callbacks,
         default_root_dir=root,
         logger=TensorBoardLogger(save_dir=root, name="run"),
+        log_every_n_steps=1,
         enable_progress_bar=False,
         enable_model_summary=False,
         plugins=plugins if plugins is not None else [AtomicCheckpointIO()],
@@ -210,6 +212,11 @@ def test_an_exception_between_batches_saves_and_ckpt_path_last_resumes_at_the_ne
     assert resumed.seen == full.seen[3:]  # ... on the prompts the uninterrupted run trained there
     assert module.policy_version == trainer.global_step == 12
     assert rollout.generated_batches == 6
+    # ... and its batches are logged at their own steps, 3 to 5 as in the uninterrupted run (the batch
+    # stopped at its start is not counted as stepped).
+    events = EventAccumulator(str(tmp_path / "run" / "run" / "version_1"))
+    events.Reload()
+    assert [(e.step, e.value) for e in events.Scalars("train/policy_version")] == [(3, 8.0), (4, 10.0), (5, 12.0)]
 
 
 def test_an_exception_inside_a_batch_saves_no_on_exception_checkpoint(tmp_path, caplog):

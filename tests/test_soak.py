@@ -1,4 +1,4 @@
-"""benchmarks/soak.py: its readers and checks on real files and processes, and its quick mode end to end."""
+"""benchmarks/soak.py and soak_faults.py: their readers and checks on real files and processes, quick runs."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 import soak  # noqa: E402
+import soak_faults  # noqa: E402
 
 from tests.vllm_fixtures import requires_vllm  # noqa: E402
 
@@ -195,3 +196,31 @@ def test_a_stopped_soak_takes_its_run_and_hog_down_and_keeps_its_report(tmp_path
     assert left == [], left
     report = json.loads(output.with_suffix(".json").read_text())
     assert report["runs"] == [] and report["meta"]["pending"] == [["quickstart", "hog"]]
+
+
+# ------------------------------------------------------------------------------ benchmarks/soak_faults.py
+
+def test_every_fault_applies_where_it_can_happen():
+    specs = {s.name: s for s in soak.shipped_configs()}
+    assert soak_faults.applies("sigterm-group", specs["quickstart"])
+    assert soak_faults.applies("engine-killed", specs["vllm_async"])
+    assert not soak_faults.applies("engine-killed", specs["quickstart"])  # no engine process to kill
+    assert [name for name, s in specs.items() if soak_faults.applies("full-disk", s)] == ["quickstart"]
+
+
+@pytest.mark.slow
+@pytest.mark.long("a real quickstart fit SIGTERMed as a process group, then its resume: what the fault run checks")
+def test_quick_fault_run_sigterm_to_the_group_then_resume(tmp_path):
+    output = tmp_path / "faults.md"
+    status = soak_faults.main(
+        ["--quick", "--only", "quickstart", "--faults", "sigterm-group", "--workdir", str(tmp_path / "runs"),
+         "--output", str(output)]
+    )  # fmt: skip
+    report = json.loads(output.with_suffix(".json").read_text())
+    (run,) = report["runs"]
+    assert status == 0 and run["ok"], run
+    assert run["exit_code"] == 143 and run["checkpoint"].endswith("preempted.ckpt")
+    saved = run["saved_version"]
+    assert saved >= 2 and run["resumed_versions"] == [saved + 2.0, saved + 4.0]  # 2 optimizer steps per batch
+    assert run["resumed_first_step"] == saved // 2
+    assert "| quickstart | sigterm-group | 143 |" in output.read_text()
