@@ -168,6 +168,23 @@ def shipped_configs() -> list[SoakConfig]:
     return out
 
 
+def select_configs(parser: argparse.ArgumentParser, only: list[str] | None) -> list[SoakConfig]:
+    """The shipped configs ``--only`` names (all of them for ``None``); an unknown name is a usage error."""
+    specs = shipped_configs()
+    if only is None:
+        return specs
+    names = {s.name.split(" (")[0] for s in specs}
+    missing = sorted(set(only) - names)
+    if missing:
+        parser.error(f"--only: unknown config(s) {missing}; known: {sorted(names)}")
+    return [s for s in specs if s.name.split(" (")[0] in only]
+
+
+def run_slug(name: str) -> str:
+    """A config's name as a directory name (``correction/cispo`` -> ``correction__cispo``)."""
+    return name.replace("/", "__").replace(" ", "_").replace("(", "").replace(")", "")
+
+
 def vllm_installed() -> bool:
     import importlib.util
 
@@ -330,8 +347,7 @@ def soak_one(
     import torch
 
     result = RunResult(spec.name, condition)
-    slug = spec.name.replace("/", "__").replace(" ", "_").replace("(", "").replace(")", "")
-    save_dir = workdir / f"{slug}__{condition}"
+    save_dir = workdir / f"{run_slug(spec.name)}__{condition}"
     args = list(spec.args)
     if quick_steps is not None:
         # val_check_interval=1: with a validation loop (quickstart, reasoning_gym) Lightning's default
@@ -526,13 +542,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.quick_steps < 1 or args.resume_batches < 1 or args.hog_processes < 1:
         parser.error("--quick-steps, --resume-batches and --hog-processes must be >= 1")
 
-    specs = shipped_configs()
-    if args.only is not None:
-        names = {s.name.split(" (")[0] for s in specs}
-        missing = sorted(set(args.only) - names)
-        if missing:
-            parser.error(f"--only: unknown config(s) {missing}; known: {sorted(names)}")
-        specs = [s for s in specs if s.name.split(" (")[0] in args.only]
+    specs = select_configs(parser, args.only)
     has_vllm = vllm_installed()
     for spec in specs:
         if spec.skip_reason is None and spec.uses_vllm and not has_vllm:

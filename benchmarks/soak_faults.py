@@ -43,8 +43,9 @@ from soak import (  # noqa: E402  (a script beside this one)
     prepare_tiny_models,
     run_dir,
     run_fit,
+    run_slug,
     saved_run_config,
-    shipped_configs,
+    select_configs,
     vllm_installed,
 )
 
@@ -158,8 +159,7 @@ def fault_one(spec: SoakConfig, fault: str, workdir: Path, quick: bool, resume_b
     import torch
 
     result = FaultResult(spec.name, fault)
-    slug = spec.name.replace("/", "__").replace(" ", "_").replace("(", "").replace(")", "")
-    save_dir = workdir / f"{slug}__{fault}"
+    save_dir = workdir / f"{run_slug(spec.name)}__{fault}"
     shutil.rmtree(save_dir, ignore_errors=True)
     args = [*spec.args, "--trainer.max_steps=100000"]
     if quick:
@@ -283,12 +283,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.resume_batches < 1:
         parser.error("--resume-batches must be >= 1")
-    specs = shipped_configs()
-    if args.only is not None:
-        names = {s.name.split(" (")[0] for s in specs}
-        if missing := sorted(set(args.only) - names):
-            parser.error(f"--only: unknown config(s) {missing}; known: {sorted(names)}")
-        specs = [s for s in specs if s.name.split(" (")[0] in args.only]
+    specs = select_configs(parser, args.only)
     has_vllm, no_tmpfs = vllm_installed(), can_mount_tmpfs(args.workdir / ".probe")
     plan, skipped = [], []
     for spec in specs:

@@ -200,6 +200,7 @@ def test_a_stopped_soak_takes_its_run_and_hog_down_and_keeps_its_report(tmp_path
 
 # ------------------------------------------------------------------------------ benchmarks/soak_faults.py
 
+
 def test_every_fault_applies_where_it_can_happen():
     specs = {s.name: s for s in soak.shipped_configs()}
     assert soak_faults.applies("sigterm-group", specs["quickstart"])

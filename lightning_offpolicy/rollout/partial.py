@@ -23,7 +23,7 @@ from contextlib import AbstractContextManager
 
 from lightning_offpolicy.rollout.engine import INTERRUPTED, Completion, RolloutEngine, SamplingConfig
 
-__all__ = ["PartialStats", "RolloutStopped", "continuation_seed", "generate_resumable"]
+__all__ = ["PartialStats", "RolloutStopped", "check_not_stopped", "continuation_seed", "generate_resumable"]
 
 
 @dataclasses.dataclass
@@ -57,9 +57,10 @@ class RolloutStopped(RuntimeError):
     """A rollout was stopped while it generated (a preemption): its completions are not continued."""
 
 
-def _check_not_stopped(stop: Callable[[], bool] | None) -> None:
+def check_not_stopped(stop: Callable[[], bool] | None, what: str = "rollout") -> None:
+    """Raise :class:`RolloutStopped` (naming ``what``) when ``stop`` is given and returns ``True``."""
     if stop is not None and stop():
-        raise RolloutStopped("the rollout was stopped while it generated (a preemption)")
+        raise RolloutStopped(f"the {what} was stopped while it generated (a preemption)")
 
 
 def generate_resumable(
@@ -87,7 +88,7 @@ def generate_resumable(
     guard = turn if turn is not None else contextlib.nullcontext
     with guard():
         completions = engine.generate(prompt_ids, sampling, seed=seed)
-    _check_not_stopped(stop)
+    check_not_stopped(stop)
     pending = [i for i, c in enumerate(completions) if c.finish_reason == INTERRUPTED]
     counts = PartialStats(interrupted=len(pending), interruptions=len(pending))
     round_ = 0
@@ -98,7 +99,7 @@ def generate_resumable(
             more_sampling = dataclasses.replace(sampling, samples_per_prompt=1, max_new_tokens=budget)
             with guard():
                 continued = engine.generate(prefixes, more_sampling, seed=continuation_seed(seed, round_, budget))
-            _check_not_stopped(stop)
+            check_not_stopped(stop)
             counts.continuation_calls += 1
             if len(continued) != len(rows):
                 raise RuntimeError(

@@ -25,7 +25,7 @@ from lightning_offpolicy.preflight import check_prompt_fits
 from lightning_offpolicy.rewards import DEFAULT_REWARD_TIMEOUT_S, score_completions
 from lightning_offpolicy.rollout.dapo import DAPOSettings, informative_rows, overlong_penalty
 from lightning_offpolicy.rollout.engine import Completion, RolloutEngine, SamplingConfig
-from lightning_offpolicy.rollout.partial import PartialStats, RolloutStopped, generate_resumable
+from lightning_offpolicy.rollout.partial import PartialStats, check_not_stopped, generate_resumable
 from lightning_offpolicy.tokenizers import encode_prompt
 
 __all__ = ["Rollouter", "batch_seed"]
@@ -303,11 +303,12 @@ class Rollouter:
         prompt_ids = self.encode(prompts)
         greedy_sampling = SamplingConfig(max_new_tokens=self.sampling.max_new_tokens, samples_per_prompt=1, greedy=True)
         greedy = self.engine.generate(prompt_ids, greedy_sampling)
-        self._check_not_stopped()
+        # Completions a preemption cut short would be scored as if whole: the evaluation stops instead.
+        check_not_stopped(self.stop, "evaluation")
         sampled: list[Completion] = []
         for text, ids in zip(prompts.prompts, prompt_ids, strict=True):
             sampled += self.engine.generate([ids], self.sampling, seed=prompt_seed(self.seed, text))
-            self._check_not_stopped()
+            check_not_stopped(self.stop, "evaluation")
         k, num = self.sampling.samples_per_prompt, len(prompts)
         owners = list(range(num)) + [i for i in range(num) for _ in range(k)]
         rewards = self._score(prompts, owners, [*greedy, *sampled]).total.tolist()
@@ -318,11 +319,6 @@ class Rollouter:
             sampled_lengths=[[len(c.token_ids) for c in sampled[i * k : (i + 1) * k]] for i in range(num)],
             success_threshold=self.success_threshold,
         )
-
-    def _check_not_stopped(self) -> None:
-        # Completions a preemption cut short would be scored as if whole: the evaluation stops instead.
-        if self.stop is not None and self.stop():
-            raise RolloutStopped("the evaluation was stopped while it generated (a preemption)")
 
     def _score(self, prompts: PromptBatch, owners: Sequence[int], completions: Sequence[Completion]) -> Any:
         texts = [self.tokenizer.decode(c.token_ids) for c in completions]

@@ -603,10 +603,9 @@ class VLLMEngine(VLLMEngineBase):
         write_safetensors(tensors, self._sync_dir)
         del tensors
         self._reload_weights(str(self._sync_dir))
-        llm = self._llm
         # Watched too: vLLM waits for the answer without a timeout, and a core that dies just after
         # the request was sent never gives one.
-        if not self._watched(llm.reset_prefix_cache, "reset_prefix_cache"):
+        if not self._watched(self._llm.reset_prefix_cache, "reset_prefix_cache"):
             raise RuntimeError(
                 "VLLMEngine: vLLM refused to reset its prefix cache after the weight sync (requests still running?): "
                 "cached KV of the old weights could serve new requests."
