@@ -134,10 +134,18 @@ def kill_the_engine_core(after_s: float):
     return during
 
 
-def full_disk_wrapper(disk: Path, out: Path) -> list[str]:
-    """A command prefix: run the fit with ``disk`` a private ``DISK_MIB`` MiB tmpfs, copy it to ``out`` after."""
+def full_disk_wrapper(disk: Path, out: Path, prepare: str = "") -> list[str]:
+    """A command prefix: run the fit with ``disk`` a private ``DISK_MIB`` MiB tmpfs (in a user and mount
+    namespace of its own, so no privilege is needed and nothing outside sees it), copy it to ``out`` after.
+
+    Args:
+        disk: The directory the tmpfs is mounted on (it exists).
+        out: Where the tmpfs's files are copied once the command ends (it exists).
+        prepare: Shell commands run on the mounted tmpfs before the command (e.g. a ``cp`` of an earlier
+            checkpoint), each followed by ``&&``.
+    """
     script = (
-        f'mount -t tmpfs -o size={DISK_MIB}M tmpfs "{disk}" && '
+        f'mount -t tmpfs -o size={DISK_MIB}M tmpfs "{disk}" && {prepare}'
         f'{{ "$@"; status=$?; cp -a "{disk}/." "{out}/"; exit $status; }}'
     )
     return ["unshare", "-Urm", "sh", "-c", script, "sh"]

@@ -29,6 +29,7 @@ directory, which is empty, and does not know the preemption checkpoint).
 from __future__ import annotations
 
 import errno
+import functools
 import glob
 import io
 import logging
@@ -54,6 +55,7 @@ __all__ = [
     "atomic_write",
     "find_last_checkpoint",
     "install_atomic_checkpoint_io",
+    "save_on_every_rank",
 ]
 
 log = logging.getLogger(__name__)
@@ -269,6 +271,35 @@ def find_last_checkpoint(
     return max(found)[1] if found else None
 
 
+def save_on_every_rank(trainer: Trainer, save: Callable[[], None], path: str) -> OSError | None:
+    """Run ``save`` (a ``trainer.save_checkpoint`` call) on every rank; a failed write, on any rank, is returned
+    on every rank.
+
+    Under DDP, ``trainer.save_checkpoint`` writes on rank 0 and then waits at a barrier on every rank: a rank 0
+    whose write raises skips that barrier, and the other ranks would wait at it for good. Here the failing rank
+    joins the barrier, and then every rank learns whether any rank failed.
+
+    Args:
+        trainer: The Trainer saving.
+        save: The save, called once on each rank.
+        path: The checkpoint's path, for the error of the ranks whose own save did not fail.
+
+    Returns:
+        The ``OSError`` of this rank's save, an ``OSError`` naming ``path`` when only another rank failed, or
+        ``None`` when the checkpoint was saved.
+    """
+    error: OSError | None = None
+    try:
+        save()
+    except OSError as err:
+        error = err
+        if trainer.world_size > 1:
+            trainer.strategy.barrier("Trainer.save_checkpoint")  # where the other ranks wait
+    if trainer.world_size > 1 and trainer.strategy.reduce_boolean_decision(error is not None, all=False):
+        error = error or OSError(f"the checkpoint {path} could not be saved on another rank (see its log)")
+    return error
+
+
 def _free_bytes(directory: str) -> int | None:
     try:
         return shutil.disk_usage(directory or ".").free
@@ -315,6 +346,12 @@ class PeriodicCheckpoint(ModelCheckpoint):
         super().on_train_end(trainer, pl_module)
         if self.save_last and trainer.global_step > 0 and not self._should_skip_saving_checkpoint(trainer):
             self._save_last_checkpoint(trainer, self._monitor_candidates(trainer))
+
+    @override
+    def _save_checkpoint(self, trainer: Trainer, filepath: str) -> None:
+        error = save_on_every_rank(trainer, functools.partial(super()._save_checkpoint, trainer, filepath), filepath)
+        if error is not None:
+            raise error
 
     @staticmethod
     def _link_checkpoint(trainer: Trainer, filepath: str, linkpath: str) -> None:

@@ -49,6 +49,7 @@ loading, engine start) still ends the run through Lightning's or Python's own ha
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import signal
@@ -61,7 +62,7 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 from typing_extensions import override
 
 from lightning_offpolicy.argcheck import is_int
-from lightning_offpolicy.checkpointing import CheckpointSaveError
+from lightning_offpolicy.checkpointing import CheckpointSaveError, save_on_every_rank
 
 log = logging.getLogger(__name__)
 
@@ -358,20 +359,14 @@ class PreemptionCheckpoint(Callback):
         Raising here would skip Lightning's teardown (the engine's and the producer's shutdown) and the other
         callbacks' ``on_exception``.
         """
-        error: OSError | None = None
         # Every save here is on the way out of the fit: its loop state may be set as a resume needs it.
         _forget_unstarted_batch(trainer)  # a batch stopped before it started (its rollout failed or was cut)
         self._uncount_the_last_batch = _resume_replays_the_batch_end(trainer)
         try:
-            trainer.save_checkpoint(path)  # every rank calls it (a collective under sharded strategies)
-        except OSError as err:
-            error = err
-            if trainer.world_size > 1:
-                trainer.strategy.barrier("Trainer.save_checkpoint")  # the other ranks wait there
+            # Every rank calls it (a collective under sharded strategies).
+            error = save_on_every_rank(trainer, functools.partial(trainer.save_checkpoint, path), path)
         finally:
             self._uncount_the_last_batch = False
-        if trainer.world_size > 1 and trainer.strategy.reduce_boolean_decision(error is not None, all=False):
-            error = error or OSError(f"the checkpoint {path} could not be saved on another rank")
         if error is None:
             self.saved_path = path
             return True

@@ -239,7 +239,33 @@ def _read_marker(directory: Path) -> dict[str, Any] | None:
 
 def _is_complete(directory: Path, spec: dict[str, Any]) -> bool:
     marker = _read_marker(directory)
-    return marker is not None and marker.get("spec") == spec
+    # The weights too: a build on a DDP rank other than 0 used to leave the marker without them.
+    return marker is not None and marker.get("spec") == spec and _has_weights(directory)
+
+
+def _has_weights(directory: Path) -> bool:
+    return (directory / "config.json").is_file() and any(directory.glob("*.safetensors"))
+
+
+def _save_model(model: Any, directory: Path) -> None:
+    """``model.save_pretrained(directory)`` on whichever process builds the cache.
+
+    transformers writes a model only on rank 0 once ``torch.distributed`` is initialized; the cache is
+    built by the first rank to take its lock, any rank.
+
+    Raises:
+        RuntimeError: The weights were not written.
+    """
+    model.should_save_on_this_rank = lambda is_main_process: True  # this instance only
+    try:
+        model.save_pretrained(directory)  # safetensors: the only format transformers 5 writes
+    finally:
+        del model.should_save_on_this_rank
+    if not _has_weights(directory):
+        raise RuntimeError(
+            f"prepare_tiny_checkpoint: transformers wrote no config.json or *.safetensors to {directory}; build the "
+            "tiny checkpoint in one process first (a run of the same `tiny:` model on one device builds it)."
+        )
 
 
 @contextlib.contextmanager
@@ -368,7 +394,7 @@ def prepare_tiny_checkpoint(
                 model = build_tiny_llama(vocab_size=64, seed=seed)
                 losses = warmup_sft(model, tokenizer, task_obj, steps=steps, lr=lr, seed=seed)
                 reward = greedy_reward(model, tokenizer, task_obj)
-            model.save_pretrained(tmp)  # safetensors: the only format transformers 5 writes
+            _save_model(model, tmp)
             tokenizer.save_pretrained(tmp)
             marker = {
                 "spec": spec,

@@ -8,7 +8,6 @@ process itself); the slow ones run ``python -m lightning_offpolicy.cli fit`` as 
 from __future__ import annotations
 
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -33,6 +32,9 @@ from lightning_offpolicy.tokenizers import CharTokenizer
 from tests.vllm_fixtures import requires_vllm
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+import soak_faults  # noqa: E402
+
 STEPS_PER_BATCH = 2  # num_minibatches below, and in configs/quickstart.yaml
 
 
@@ -428,21 +430,32 @@ def test_cli_sigterm_then_ckpt_path_last_resumes_from_the_preemption_checkpoint(
     assert torch.load(last, weights_only=False)["policy_version"] == target
 
 
-def full_disk_cli(tmp_path: Path, every: int, *, sigterm: bool, previous: bool) -> tuple[int, str, Path]:
-    """The CLI with its checkpoint directory on a real 6 MiB tmpfs, in a private mount namespace (``unshare``);
+def _alive_in_session(session: int) -> list[psutil.Process]:
+    """The processes of ``session`` that have not exited (zombies have)."""
+
+    def session_of(pid: int) -> int | None:
+        try:
+            return os.getsid(pid)
+        except OSError:  # gone, or not ours to ask about
+            return None
+
+    return [
+        p
+        for p in psutil.process_iter(["status", "cmdline"])
+        if p.info["status"] != psutil.STATUS_ZOMBIE and session_of(p.pid) == session
+    ]
+
+
+def full_disk_cli(tmp_path: Path, every: int, *extra_args: str, sigterm: bool, previous: bool) -> tuple[int, str, Path]:
+    """The CLI with its checkpoint directory on a real 6 MiB tmpfs (``soak_faults.full_disk_wrapper``);
     the directory is copied out when the fit ends. A checkpoint of the tiny model is just under 4 MiB: one
     fits, a second beside it does not. ``previous``: a 4 MiB ``last.ckpt`` is there from the start, and must
     come out byte-identical.
 
     Returns (exit status, log text, the copy of the checkpoint directory).
     """
-    if shutil.which("unshare") is None:
-        pytest.skip("needs unshare(1) to mount a size-limited tmpfs")
-    probe = subprocess.run(
-        ["unshare", "-Urm", "sh", "-c", f'mount -t tmpfs -o size=1M tmpfs "{tmp_path}"'], capture_output=True
-    )
-    if probe.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs in a user namespace here: {probe.stderr.decode().strip()}")
+    if (why := soak_faults.can_mount_tmpfs(tmp_path / "probe")) is not None:
+        pytest.skip(why)
     disk, out, before = tmp_path / "disk", tmp_path / "after", tmp_path / "previous.ckpt"
     disk.mkdir()
     out.mkdir()
@@ -458,17 +471,13 @@ def full_disk_cli(tmp_path: Path, every: int, *, sigterm: bool, previous: bool) 
         "--config", str(ROOT / "configs" / "quickstart.yaml"), "--config", str(extra),
         f"--trainer.default_root_dir={tmp_path / 'run'}", f"--trainer.logger.init_args.save_dir={tmp_path / 'run'}",
         "--trainer.enable_progress_bar=false", "--data.init_args.prompts_per_step=4", "--rollout.samples_per_prompt=2",
-        "--trainer.max_steps=2000",
+        "--trainer.max_steps=2000", *extra_args,
     ]  # fmt: skip
-    script = (
-        f'mount -t tmpfs -o size=6M tmpfs "{disk}" && {place}'
-        f'{{ "$@"; status=$?; cp -a "{disk}/." "{out}/"; exit $status; }}'
-    )
     log_path = tmp_path / "fit.log"
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
     with open(log_path, "w") as log:
         proc = subprocess.Popen(
-            ["unshare", "-Urm", "sh", "-c", script, "sh", *command],
+            [*soak_faults.full_disk_wrapper(disk, out, prepare=place), *command],
             cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True,
         )  # fmt: skip
     try:
@@ -483,8 +492,11 @@ def full_disk_cli(tmp_path: Path, every: int, *, sigterm: bool, previous: bool) 
             ]
             fit_process.send_signal(signal.SIGTERM)
         status = proc.wait(timeout=600)
+        # Every process of the fit ends with it (a DDP rank left waiting at a barrier would wait for good).
+        _, alive = psutil.wait_procs(_alive_in_session(proc.pid), timeout=120)
+        assert alive == [], f"processes of the fit left running: {[p.info['cmdline'] for p in alive]}"
     finally:
-        if proc.poll() is None:
+        if proc.poll() is None or _alive_in_session(proc.pid):
             os.killpg(proc.pid, signal.SIGKILL)
     if previous:
         assert (out / "last.ckpt").read_bytes() == before.read_bytes(), "the previous checkpoint changed"
@@ -501,10 +513,16 @@ def test_cli_sigterm_with_a_full_disk_keeps_the_previous_checkpoint_and_does_not
 
 
 @pytest.mark.slow
-def test_cli_periodic_save_on_a_full_disk_fails_naming_enospc_and_keeps_the_previous_checkpoint(tmp_path):
-    """The save at step 2 fits; the one at step 4 does not, beside it: last.ckpt must stay the step-2 one."""
-    status, log, after = full_disk_cli(tmp_path, every=2, sigterm=False, previous=False)
+@pytest.mark.parametrize("ddp", [(), ("--trainer.strategy=ddp", "--trainer.devices=2")], ids=["1-rank", "ddp"])
+def test_cli_periodic_save_on_a_full_disk_fails_naming_enospc_and_keeps_the_previous_checkpoint(tmp_path, ddp):
+    """The save at step 2 fits; the one at step 4 does not, beside it: last.ckpt must stay the step-2 one. Under
+    DDP rank 0 writes while rank 1 waits at the save's barrier: rank 1 learns of the failure and stops too (with
+    NCCL a rank that only sees its peer gone waits for the collective's timeout)."""
+    status, log, after = full_disk_cli(tmp_path, 2, *ddp, sigterm=False, previous=False)
     assert status == 1, log[-3000:]
+    if ddp:  # rank 1 stops on rank 0's failure, named, not on its connection closing when rank 0 exits
+        assert "OSError: the checkpoint " in log and " could not be saved on another rank (see its log)" in log
+        assert "Connection closed by peer" not in log
     assert sorted(os.listdir(after)) == ["last.ckpt"], "a truncated or temporary file was left"
     assert torch.load(after / "last.ckpt", weights_only=False)["global_step"] == 2  # complete, and the previous one
     assert (

@@ -203,3 +203,30 @@ def test_prepare_checkpoint_argument_errors():
     with pytest.raises(ValueError, match="sft_lr"):
         prepare_tiny_checkpoint("copy", sft_steps=0, sft_lr=0.0)
     assert tiny.DEFAULT_SFT_STEPS.keys() == tiny.DEFAULT_SFT_LR.keys()
+
+
+def _build_on_rank_1(rank: int, port: int, directory: str) -> None:
+    torch.distributed.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    try:
+        if rank == 1:
+            prepare_tiny_checkpoint("copy", sft_steps=1, directory=directory)
+        torch.distributed.barrier()
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+def test_a_build_on_a_ddp_rank_other_than_0_writes_the_weights(tmp_path):
+    """transformers writes a model only on rank 0 once torch.distributed is up; the cache is built by whichever
+    rank takes its lock first. A marker without weights used to be left (and kept for good: it read as built)."""
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    target = tmp_path / "ckpt"
+    torch.multiprocessing.spawn(_build_on_rank_1, args=(port, str(target)), nprocs=2)
+    assert (target / "config.json").is_file() and (target / "model.safetensors").is_file()
+    # The marker without the weights (what the bug left) is rebuilt, not taken for a finished build.
+    (target / "model.safetensors").unlink()
+    assert prepare_tiny_checkpoint("copy", sft_steps=1, directory=target) == target.absolute()
+    assert (target / "model.safetensors").is_file()
