@@ -19,10 +19,11 @@ and the process exits with status **0**: the scheduler reads success, and nothin
   with ``exit_code`` (143 = 128 + SIGTERM, what a shell reports for a process killed by SIGTERM).
 
 A SIGTERM that arrives while the engine generates (a long generation, a remote request that hangs)
-cuts that generation short (single process): the callbacks with a ``preempt()`` method
+cuts that generation short: the callbacks with a ``preempt()`` method
 (:meth:`~lightning_offpolicy.rollout.callback.RolloutCallback.preempt`) are called from a new thread,
 which interrupts the engine; the batch whose rollout was cut is not trained, and the state saved is
-that of the last completed batch. Under several ranks the ranks stop at the batch boundary they agree on.
+that of the last completed batch. Under several ranks the ranks stop at the batch boundary they agree on:
+a rank whose generation was cut stops every rank at that batch.
 
 A scheduler that signals the whole process group (``scancel``, a container stop) also stops the
 engine's processes (vLLM's ``EngineCore``): the batch being generated then fails with the engine's
@@ -107,6 +108,23 @@ def _resume_replays_the_batch_end(trainer: Trainer) -> bool:
     at_the_end_of_a_batch = total.ready == total.started == total.processed == total.completed > 0
     counted = loop._batches_that_stepped == total.completed  # the last batch's end ran (once per batch)
     return at_the_end_of_a_batch and counted and loop._should_check_val_fx(trainer.fit_loop._data_fetcher)
+
+
+def on_any_rank(trainer: Trainer, flag: bool) -> bool:
+    """Whether ``flag`` is set on any rank (a collective: every rank calls it at the same point).
+
+    Args:
+        trainer: The running Trainer.
+        flag: This rank's value.
+
+    Returns:
+        ``flag`` in a single process; else whether any rank passed ``True``.
+    """
+    if trainer.world_size <= 1 or not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        return flag
+    value = torch.tensor([1.0 if flag else 0.0], device=trainer.strategy.root_device)
+    torch.distributed.all_reduce(value, op=torch.distributed.ReduceOp.MAX)
+    return bool(value.item() > 0)
 
 
 class PreemptionCheckpoint(Callback):
@@ -231,12 +249,21 @@ class PreemptionCheckpoint(Callback):
 
     # ------------------------------------------------------------------------------ hooks
     @override
+    def on_sanity_check_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        # From here on rather than from on_train_start: Lightning's own SIGTERM handler, registered just before
+        # the sanity check, runs a broadcast inside the handler, and under DDP a signal to the process group
+        # (which rank 0's handler forwards to the other ranks once more) leaves a rank waiting in it for good.
+        self._start(trainer)
+
+    @override
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        # Single process only: under several ranks a rank that stops generating early would leave the
-        # others in the next collective; they stop at the batch boundary they agree on instead.
+        if not self._installed:  # no sanity check ran (num_sanity_val_steps=0)
+            self._start(trainer)
+        self._boundary_step = trainer.global_step
+
+    def _start(self, trainer: Trainer) -> None:
+        # Under several ranks the rollout callback stops every rank at the batch one of them was cut in.
         self._rollouts = [c for c in trainer.callbacks if callable(getattr(c, "preempt", None))]
-        if trainer.world_size > 1:
-            self._rollouts = []
         self._signalled = False
         self.saved_path = None
         self.save_error = None
@@ -287,12 +314,7 @@ class PreemptionCheckpoint(Callback):
 
     # ------------------------------------------------------------------------------ helpers
     def _any_rank_signalled(self, trainer: Trainer) -> bool:
-        local = self._signalled or bool(trainer.received_sigterm)
-        if trainer.world_size <= 1 or not (torch.distributed.is_available() and torch.distributed.is_initialized()):
-            return local
-        flag = torch.tensor([1.0 if local else 0.0], device=trainer.strategy.root_device)
-        torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
-        return bool(flag.item() > 0)
+        return on_any_rank(trainer, self._signalled or bool(trainer.received_sigterm))
 
     def _at_batch_boundary(self, trainer: Trainer) -> bool:
         """Whether the trainer's state is that of a completed batch: no batch is between its optimizer steps.

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import re
+import time
 
 import pytest
 
@@ -17,6 +18,7 @@ import pytest
 # imported into several test modules would be a separate fixture per module (one engine and one
 # checkpoint each). Test modules import only the constants and markers of tests/vllm_fixtures.py.
 from tests.vllm_fixtures import (  # noqa: F401
+    SHARED_SETUP,
     VLLM_MISSING,
     tiny_ckpt,
     trainer_model,
@@ -95,9 +97,27 @@ def tiny_checkpoint_cache(tmp_path_factory, request):
 
 
 #: A test that takes longer (setup + call + teardown, on a 2-core machine) carries ``@pytest.mark.long(why)``.
+#: The start of a module- or session-wide fixture, and of the shared vLLM engine and server, is not counted:
+#: it is paid once, by whichever test of its users comes first.
 LONG_S = 30.0
 _unmarked_long: list[tuple[float, str]] = []
 _phase_seconds: dict[str, float] = {}  # a test's setup (+ call) so far
+_running: list[pytest.Item] = []  # the test being set up, on this process
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_setup(item: pytest.Item):
+    _running[:] = [item]
+    yield
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_fixture_setup(fixturedef, request):
+    started = time.perf_counter()
+    yield
+    if fixturedef.scope in ("module", "package", "session") and _running:
+        # Carried to the report (and to the xdist controller) with the test's user properties.
+        _running[0].user_properties.append((SHARED_SETUP, time.perf_counter() - started))
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -110,6 +130,8 @@ def pytest_configure(config: pytest.Config) -> None:
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:
     # Runs on the xdist controller too, where a report carries its test's marker names in `keywords`.
     seconds = _phase_seconds.pop(report.nodeid, 0.0) + report.duration
+    if report.when == "setup":
+        seconds -= sum(value for name, value in report.user_properties if name == SHARED_SETUP)
     if report.when != "teardown":
         _phase_seconds[report.nodeid] = seconds
     elif seconds > LONG_S and "long" not in report.keywords:

@@ -276,12 +276,14 @@ def run_cli(
     tmp_path: Path,
     name: str,
     *args: str,
-    sigterm_after: str | None = None,
+    sigterm_after: str | tuple[str, ...] | None = None,
+    sigterm_delay_s: float = 3.0,
     timeout: float = 600,
     config: str = "quickstart.yaml",
     whole_group: bool = False,
 ):
-    """``python -m lightning_offpolicy.cli fit`` on ``config``; SIGTERM once ``sigterm_after`` is logged.
+    """``python -m lightning_offpolicy.cli fit`` on ``config``; SIGTERM ``sigterm_delay_s`` after ``sigterm_after``
+    (a line, or each of several lines) is logged.
 
     Returns (exit status, log text). Asserts that no process of its session outlives it.
     """
@@ -304,10 +306,12 @@ def run_cli(
     try:
         deadline = time.monotonic() + timeout
         if sigterm_after is not None:
-            while sigterm_after not in log_path.read_text() and proc.poll() is None:
+            wanted = (sigterm_after,) if isinstance(sigterm_after, str) else sigterm_after
+            while not all(line in log_path.read_text() for line in wanted) and proc.poll() is None:
                 assert time.monotonic() < deadline, "the fit did not start in time"
                 time.sleep(0.5)
-            time.sleep(3.0)  # a few optimizer steps in
+            time.sleep(sigterm_delay_s)
+            assert proc.poll() is None, f"the fit ended before the signal:\n{log_path.read_text()[-3000:]}"
             if whole_group:  # as scancel / a container stop: the engine's processes get it too
                 os.killpg(proc.pid, signal.SIGTERM)
             else:
@@ -357,6 +361,62 @@ def test_cli_sigterm_mid_fit_exits_143_with_a_checkpoint_that_resumes(tmp_path):
 @pytest.mark.long("a real SIGTERM to a 2-rank DDP CLI fit, then its resume")
 def test_cli_sigterm_under_two_rank_ddp(tmp_path):
     check_preempt_and_resume(tmp_path, "--trainer.strategy=ddp", "--trainer.devices=2")
+
+
+def sigterm_while_both_ranks_generate(tmp_path: Path, *args: str) -> str:
+    """A 2-rank DDP CLI fit whose second generation (engine call) is slow, and SIGTERM to its process group
+    once both ranks are in it: both generations are cut short, none comes after, and the fit exits 143.
+
+    Returns the fit's log.
+    """
+    engine = tmp_path / "engine.yaml"
+    engine.write_text(
+        "rollout:\n  engine:\n    class_path: tests.marked_engine.MarkedHFEngine\n"
+        "    init_args: {dtype: bfloat16, slow_from: 2, step_delay_s: 2.0}\n"
+    )
+    started = tuple(f"MarkedHFEngine: rank {rank} generation 2 started" for rank in (0, 1))
+    status, log = run_cli(
+        tmp_path, "first", "--config", str(engine), "--trainer.max_steps=2000", *TWO_RANKS, *args,
+        sigterm_after=started, sigterm_delay_s=1.0, whole_group=True,
+    )  # fmt: skip
+    assert status == SIGTERM_EXIT_CODE, log[-3000:]
+    for rank in (0, 1):  # cut short (its eight decoding steps would take 16 s)
+        assert f"MarkedHFEngine: rank {rank} generation 2 ended " in log, log[-3000:]
+        ended = log.split(f"MarkedHFEngine: rank {rank} generation 2 ended ", 1)[1].splitlines()[0]
+        assert INTERRUPTED in ended, ended
+    assert "generation 3 started" not in log
+    return log
+
+
+TWO_RANKS = ("--trainer.strategy=ddp", "--trainer.devices=2")
+
+
+@pytest.mark.slow
+@pytest.mark.long("a real SIGTERM to a 2-rank DDP CLI fit while both ranks generate, then its resume")
+def test_cli_sigterm_under_two_rank_ddp_cuts_the_generations_short(tmp_path):
+    """SIGTERM to the process group while both ranks generate their second batch: each rank's generation
+    returns at once, no rank trains that batch (a rank that went on would wait in the step's collectives for
+    the other), and the checkpoint is that of the first batch, which the resume continues."""
+    sigterm_while_both_ranks_generate(tmp_path, "--trainer.num_sanity_val_steps=0", "--trainer.limit_val_batches=0")
+    (path,) = (tmp_path / "first").rglob("preempted.ckpt")
+    checkpoint = torch.load(path, weights_only=False)
+    assert checkpoint["global_step"] == checkpoint["policy_version"] == STEPS_PER_BATCH  # the first batch only
+    assert logged_policy_versions(tmp_path / "first") == [STEPS_PER_BATCH]
+
+    target = 3 * STEPS_PER_BATCH
+    status, log = run_cli(tmp_path, "resumed", f"--trainer.max_steps={target}", f"--ckpt_path={path}", *TWO_RANKS)
+    assert status == 0, log[-3000:]
+    assert logged_policy_versions(tmp_path / "resumed") == [2 * STEPS_PER_BATCH, target]
+
+
+@pytest.mark.slow
+def test_cli_sigterm_under_two_rank_ddp_during_the_sanity_check_stops(tmp_path):
+    """Before training, in the sanity check's evaluation: Lightning's own SIGTERM handler (a broadcast inside
+    the handler, run twice on rank 1: the group's signal, then rank 0's forward of it) left rank 1 waiting in
+    that broadcast for good. The kit's handler is in place from the sanity check on: the run stops, nothing
+    trained, no checkpoint."""
+    log = sigterm_while_both_ranks_generate(tmp_path)
+    assert not list((tmp_path / "first").rglob("*.ckpt")), log[-3000:]
 
 
 @requires_vllm

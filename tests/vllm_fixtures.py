@@ -8,6 +8,7 @@ start a fresh one if a later test asks for it again.
 
 from __future__ import annotations
 
+import time
 import warnings
 from pathlib import Path
 
@@ -40,15 +41,29 @@ def trainer_model(tiny_ckpt):
     return LlamaForCausalLM.from_pretrained(str(tiny_ckpt), dtype=torch.float32).eval()
 
 
+#: A test's report carries, under this name in its user properties, the seconds its setup spent starting a
+#: resource shared by the session (an engine, a server): not the test's own time (tests/conftest.py).
+SHARED_SETUP = "shared_fixture_setup_s"
+
+
+def charge_shared_start(request: pytest.FixtureRequest, started_at: float | None) -> None:
+    """Record on the test the time since ``started_at`` (a shared resource's start; ``None``: none started)."""
+    if started_at is not None:
+        request.node.user_properties.append((SHARED_SETUP, time.perf_counter() - started_at))
+
+
 class EngineHolder:
     """Hands out the shared engine; starts a new one if the previous was closed."""
 
     def __init__(self, model: Path) -> None:
         self.model = model
         self.engine: VLLMEngine | None = None
+        self.started_at: float | None = None  # when the last get() began starting an engine (None: it started none)
 
     def get(self) -> VLLMEngine:
+        self.started_at = None
         if self.engine is None or self.engine._closed or self.engine._failure is not None:
+            self.started_at = time.perf_counter()
             from transformers import LlamaForCausalLM
 
             if self.engine is not None:
@@ -76,9 +91,11 @@ def vllm_engine_holder(tiny_ckpt):
 
 
 @pytest.fixture
-def vllm_engine(vllm_engine_holder) -> VLLMEngine:
+def vllm_engine(vllm_engine_holder, request) -> VLLMEngine:
     """The session's shared engine (float32, eos id 2), started from the tiny checkpoint's module."""
-    return vllm_engine_holder.get()
+    engine = vllm_engine_holder.get()
+    charge_shared_start(request, vllm_engine_holder.started_at)
+    return engine
 
 
 def alive(procs: list) -> list:
@@ -103,11 +120,14 @@ class ServerHolder:
         self.model = model
         self.server = None
         self.processes: list = []
+        self.started_at: float | None = None  # when the last get() began starting a server (None: it started none)
 
     def get(self):
         from lightning_offpolicy.rollout.vllm import launch_local_server
 
+        self.started_at = None
         if self.server is None or not self.server.alive:
+            self.started_at = time.perf_counter()
             if self.server is not None:  # a test closed it, or it died: say so (a restart costs ~25 s)
                 warnings.warn(
                     f"the shared vLLM server is gone (exit status {self.server.process.poll()}): starting another",
@@ -134,9 +154,11 @@ def vllm_server_holder(tiny_ckpt):
 
 
 @pytest.fixture
-def vllm_server(vllm_server_holder):
+def vllm_server(vllm_server_holder, request):
     """The session's shared ``vllm serve`` of the tiny checkpoint (float32, max_model_len 256)."""
-    return vllm_server_holder.get()
+    server = vllm_server_holder.get()
+    charge_shared_start(request, vllm_server_holder.started_at)
+    return server
 
 
 # ---------------------------------------------------------------------- shared references

@@ -43,7 +43,8 @@ What it needs from the LightningModule (``OffPolicyRLModule`` has all of it):
 from __future__ import annotations
 
 import time
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
@@ -57,6 +58,7 @@ from lightning_offpolicy.argcheck import is_int, is_number, is_real
 from lightning_offpolicy.batch import PromptBatch, RolloutBatch
 from lightning_offpolicy.evaluation import EvaluationBatch
 from lightning_offpolicy.log_steps import is_logging_step
+from lightning_offpolicy.preemption import on_any_rank
 from lightning_offpolicy.preflight import check_context, check_group_size, check_vocab, context_limit
 from lightning_offpolicy.rewards import DEFAULT_REWARD_TIMEOUT_S, RewardSpec, resolve_reward
 from lightning_offpolicy.rollout.dapo import DAPOSettings
@@ -66,6 +68,8 @@ from lightning_offpolicy.rollout.partial import RolloutStopped
 from lightning_offpolicy.rollout.pipeline import Rollouter
 from lightning_offpolicy.rollout.producer import RolloutProducer
 from lightning_offpolicy.rollout.prompt_source import prompt_batches
+
+_T = TypeVar("_T")
 
 
 class RolloutCallback(Callback):
@@ -287,6 +291,7 @@ class RolloutCallback(Callback):
 
     @override
     def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._preempted = False  # a preemption during the sanity check still stops the training that follows
         # Here, not in setup: configure_model (which loads a model given by name) runs in between.
         # Checks of what would otherwise crash inside generate, after the training started.
         policy = getattr(pl_module, "policy", None)
@@ -319,7 +324,6 @@ class RolloutCallback(Callback):
     # ------------------------------------------------------------------------------ the step
     @override
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        self._preempted = False
         if self.dapo.dynamic_sampling:
             refill_source = trainer.fit_loop._data_source.dataloader()
             self._refill_prompts = prompt_batches(
@@ -359,20 +363,12 @@ class RolloutCallback(Callback):
         # A rollout that preempt() stopped is not trained (the checkpoint counts its batch as never
         # started); one that had finished generating when the signal came is, and Lightning stops after it.
         if not self._background:
-            try:
-                batch.rollout = self.generate(pl_module, batch, trainer.global_rank)
-            except RolloutStopped:
-                self._stop_if_preempted()
-                raise
+            rank = trainer.global_rank
+            batch.rollout = self._unless_preempted(trainer, lambda: self.generate(pl_module, batch, rank))
             return
         version = int(pl_module.policy_version)
         self._version_at_batch_start = version
-        self._stop_if_preempted()
-        try:
-            produced, wait_s = self.producer.take(version)
-        except RuntimeError:
-            self._stop_if_preempted()  # preempt() stopped the producer: not a failure
-            raise
+        produced, wait_s = self._unless_preempted(trainer, lambda: self._take(version))
         # The loader's batch only paces the steps: train what the producer generated.
         batch.prompts, batch.metadata = produced.prompts.prompts, produced.prompts.metadata
         batch.rollout = produced.rollout
@@ -403,9 +399,36 @@ class RolloutCallback(Callback):
         if isinstance(self.engine, InterruptibleEngine):
             self.engine.interrupt()
 
-    def _stop_if_preempted(self) -> None:
-        if self._preempted:
+    def _unless_preempted(self, trainer: Trainer, work: Callable[[], _T]) -> _T:
+        """What ``work`` (the batch's generation) returns; if :meth:`preempt` cut it short, raise Lightning's
+        ``SIGTERMException`` instead (the batch is not trained, nothing of it logged).
+
+        Under several ranks every rank stops at the same batch: a rank whose generation was cut would
+        otherwise leave the others waiting in the training step's collectives. A rank the signal did not
+        reach finishes its generation first.
+        """
+        try:
+            result = work()
+        except RolloutStopped:
+            if not self._preempted:
+                raise
+            on_any_rank(trainer, True)
+            raise SIGTERMException() from None
+        if on_any_rank(trainer, False):
             raise SIGTERMException()
+        return result
+
+    def _take(self, version: int) -> tuple[Any, float]:
+        """The producer's next rollout for weights of ``version``, and the time waited for it."""
+        stopped = RolloutStopped("the rollout producer was stopped (a preemption)")
+        if self._preempted:
+            raise stopped
+        try:
+            return self.producer.take(version)
+        except RuntimeError as err:
+            if self._preempted:  # preempt() stopped the producer: not a failure
+                raise stopped from err
+            raise
 
     def generate(self, pl_module: LightningModule, prompts: PromptBatch, rank: int = 0) -> RolloutBatch:
         """Sample, score and build the rollout batch of ``prompts`` with the module's current weights."""
@@ -539,11 +562,7 @@ class RolloutCallback(Callback):
                 "RolloutCallback evaluates validation batches of PromptBatch (prompts and reward metadata); "
                 f"val_dataloader() yielded {type(batch).__name__}."
             )
-        try:
-            batch.evaluation = self.evaluate(pl_module, batch)
-        except RolloutStopped:
-            self._stop_if_preempted()
-            raise
+        batch.evaluation = self._unless_preempted(trainer, lambda: self.evaluate(pl_module, batch))
 
     def evaluate(self, pl_module: LightningModule, prompts: PromptBatch) -> EvaluationBatch:
         """Greedy and sampled completions of ``prompts`` with the module's current weights, scored.
