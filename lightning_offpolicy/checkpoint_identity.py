@@ -150,7 +150,7 @@ def policy_identity(
 
     Args:
         policy: The policy as trained (after LoRA and sharding: names and global shapes are the same).
-        tokenizer: Its tokenizer.
+        tokenizer: Its tokenizer (``None``: not known; not recorded, nor compared).
         model_name: The model as configured (``OffPolicyRLModule(model=...)``: a path, hub name or ``tiny:`` spec).
         tokenizer_print: :func:`tokenizer_fingerprint` of ``tokenizer``, when already computed.
         from_instance: The policy was passed as a module instance (``model_name`` is then its class name).
@@ -158,6 +158,8 @@ def policy_identity(
     base = policy.get_base_model() if callable(getattr(policy, "get_base_model", None)) else policy
     config = getattr(base, "config", None)
     shapes = [[name, list(param.shape)] for name, param in policy.named_parameters()]
+    if tokenizer_print is None and tokenizer is not None:
+        tokenizer_print = tokenizer_fingerprint(tokenizer)
     return {
         "format": IDENTITY_FORMAT,
         "model": str(model_name),
@@ -171,7 +173,7 @@ def policy_identity(
             "values": int(sum(torch.Size(shape).numel() for _, shape in shapes)),
             "sha256": _digest(shapes),
         },
-        "tokenizer": tokenizer_print if tokenizer_print is not None else tokenizer_fingerprint(tokenizer),
+        "tokenizer": tokenizer_print,
     }
 
 

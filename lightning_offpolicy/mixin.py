@@ -55,6 +55,7 @@ from typing import Any
 
 import torch
 
+from lightning_offpolicy import checkpoint_identity as identity
 from lightning_offpolicy import step
 from lightning_offpolicy.batch import PromptBatch, RolloutBatch
 from lightning_offpolicy.correction import (
@@ -153,11 +154,24 @@ class OffPolicyMixin:
 
     def _save_policy_version(self, checkpoint: dict[str, Any], *args: Any, **kwargs: Any) -> tuple[bool, Any]:
         checkpoint["policy_version"] = self.policy_version
+        # Which policy these weights belong to: a resume into another one is refused (_load_policy_version).
+        checkpoint[identity.IDENTITY_KEY] = self._policy_identity()
         return False, None
 
     def _load_policy_version(self, checkpoint: dict[str, Any], *args: Any, **kwargs: Any) -> tuple[bool, Any]:
+        # Before Lightning loads the weights: another architecture, other shapes or another tokenizer is
+        # refused naming both (CheckpointMismatchError) rather than by a list of missing keys, or not at all.
+        trainer = getattr(self, "_trainer", None)
+        identity.check_checkpoint_matches(checkpoint, self._policy_identity(), path=getattr(trainer, "ckpt_path", None))
         self.policy_version = int(checkpoint.get("policy_version", 0))
         return False, None
+
+    def _policy_identity(self) -> dict[str, Any]:
+        """What a checkpoint records about the policy (:func:`.checkpoint_identity.policy_identity`); the
+        tokenizer when the module has one as ``tokenizer``."""
+        return identity.policy_identity(
+            self.policy, getattr(self, "tokenizer", None), type(self.policy).__name__, from_instance=True
+        )
 
     def _log_off_policy(
         self, rollout: RolloutBatch, stats: CorrectionStats, info: PolicyLossInfo, entropy: torch.Tensor

@@ -109,6 +109,7 @@ def identity(x):
 
 
 def fit_on(module: L.LightningModule, batches: list, max_steps: int, **trainer_kwargs) -> L.Trainer:
+    ckpt_path = trainer_kwargs.pop("ckpt_path", None)  # for fit; the rest are the Trainer's
     trainer = L.Trainer(
         accelerator="cpu",
         devices=trainer_kwargs.pop("devices", 1),
@@ -119,7 +120,7 @@ def fit_on(module: L.LightningModule, batches: list, max_steps: int, **trainer_k
         enable_model_summary=False,
         **trainer_kwargs,
     )
-    trainer.fit(module, DataLoader(batches, batch_size=None, collate_fn=identity))
+    trainer.fit(module, DataLoader(batches, batch_size=None, collate_fn=identity), ckpt_path=ckpt_path)
     return trainer
 
 

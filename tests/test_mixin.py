@@ -9,9 +9,13 @@ import lightning as L
 import pytest
 import torch
 
+from lightning_offpolicy import checkpoint_identity as identity
+from lightning_offpolicy.checkpoint_identity import CheckpointMismatchError
 from lightning_offpolicy.correction import OffPolicyCorrectionConfig, PolicyLossConfig
 from lightning_offpolicy.mixin import OffPolicyMixin
 from lightning_offpolicy.module import OffPolicyRLModule
+from lightning_offpolicy.tiny import build_tiny_llama
+from lightning_offpolicy.tokenizers import CharTokenizer
 from tests.module_helpers import TOKENIZER, fit_on, make_rollout, tiny_model
 
 CORRECTION = OffPolicyCorrectionConfig.geo_mis_token_tis(low=0.8, high=1.25, clip_high=1.5)
@@ -79,6 +83,32 @@ def test_mixin_passes_other_batches_to_the_users_training_step_and_checkpoints_t
     restored = RLModule(tiny_model())
     restored.on_load_checkpoint({"policy_version": 3})
     assert restored.policy_version == 3
+
+
+def test_mixin_resume_refuses_a_checkpoint_of_another_policy_naming_both(tmp_path):
+    """The identity the module records is checked before Lightning loads the weights: other shapes are named
+    (not a list of size mismatches), and another tokenizer of the same size, which would load silently, is
+    refused too. The same policy resumes."""
+    module = RLModule(tiny_model())
+    trainer = fit_on(module, [torch.tensor([[1, 5, 6, 7]])] * 2, max_steps=2)
+    trainer.save_checkpoint(tmp_path / "sft.ckpt")
+    saved = torch.load(tmp_path / "sft.ckpt", weights_only=True)[identity.IDENTITY_KEY]
+    assert saved["architecture"] == "LlamaForCausalLM" and saved["tokenizer"]["class"] == "CharTokenizer"
+
+    wider = RLModule(build_tiny_llama(vocab_size=80))
+    with pytest.raises(CheckpointMismatchError) as error:
+        fit_on(wider, [torch.tensor([[1, 5, 6, 7]])], max_steps=3, ckpt_path=tmp_path / "sft.ckpt")
+    assert error.value.differences[0] == "vocab_size: 64 vs 80", error.value.differences
+    assert "a LlamaForCausalLM instance passed from Python" in str(error.value)
+
+    other_letters = RLModule(tiny_model())
+    other_letters.tokenizer = CharTokenizer(TOKENIZER.alphabet[::-1])
+    with pytest.raises(CheckpointMismatchError, match="another vocabulary of the same size"):
+        fit_on(other_letters, [torch.tensor([[1, 5, 6, 7]])], max_steps=3, ckpt_path=tmp_path / "sft.ckpt")
+
+    same = RLModule(tiny_model(seed=1))
+    fit_on(same, [torch.tensor([[1, 5, 6, 7]])], max_steps=3, ckpt_path=tmp_path / "sft.ckpt")
+    assert same.policy_version == 3
 
 
 def test_mixin_names_what_is_missing():

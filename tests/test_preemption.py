@@ -335,8 +335,9 @@ def logged_policy_versions(run_dir: Path, name: str = "quickstart") -> list[floa
     return [e.value for e in events.Scalars("train/policy_version")]
 
 
-def check_preempt_and_resume(tmp_path: Path, *extra: str) -> None:
-    status, log = run_cli(tmp_path, "first", "--trainer.max_steps=2000", *extra, sigterm_after="first rollout")
+@pytest.mark.slow
+def test_cli_sigterm_mid_fit_exits_143_with_a_checkpoint_that_resumes(tmp_path):
+    status, log = run_cli(tmp_path, "first", "--trainer.max_steps=2000", sigterm_after="first rollout")
     assert status == SIGTERM_EXIT_CODE, log[-3000:]
     (path,) = (tmp_path / "first").rglob("preempted.ckpt")
     assert path.parent.name == "checkpoints"  # the ModelCheckpoint's directory
@@ -346,21 +347,10 @@ def check_preempt_and_resume(tmp_path: Path, *extra: str) -> None:
     assert logged_policy_versions(tmp_path / "first")[-1] == step  # nothing trained after the checkpoint
 
     target = step + 2 * STEPS_PER_BATCH
-    status, log = run_cli(tmp_path, "resumed", f"--trainer.max_steps={target}", f"--ckpt_path={path}", *extra)
+    status, log = run_cli(tmp_path, "resumed", f"--trainer.max_steps={target}", f"--ckpt_path={path}")
     assert status == 0, log[-3000:]
     # The resumed run's first step is version step + 2: it continued, it did not restart from 0.
     assert logged_policy_versions(tmp_path / "resumed") == [step + STEPS_PER_BATCH, target]
-
-
-@pytest.mark.slow
-def test_cli_sigterm_mid_fit_exits_143_with_a_checkpoint_that_resumes(tmp_path):
-    check_preempt_and_resume(tmp_path)
-
-
-@pytest.mark.slow
-@pytest.mark.long("a real SIGTERM to a 2-rank DDP CLI fit, then its resume")
-def test_cli_sigterm_under_two_rank_ddp(tmp_path):
-    check_preempt_and_resume(tmp_path, "--trainer.strategy=ddp", "--trainer.devices=2")
 
 
 def sigterm_while_both_ranks_generate(tmp_path: Path, *args: str) -> str:
@@ -393,12 +383,14 @@ TWO_RANKS = ("--trainer.strategy=ddp", "--trainer.devices=2")
 
 @pytest.mark.slow
 @pytest.mark.long("a real SIGTERM to a 2-rank DDP CLI fit while both ranks generate, then its resume")
-def test_cli_sigterm_under_two_rank_ddp_cuts_the_generations_short(tmp_path):
+def test_cli_sigterm_under_two_rank_ddp_cuts_the_generations_short_and_resumes(tmp_path):
     """SIGTERM to the process group while both ranks generate their second batch: each rank's generation
     returns at once, no rank trains that batch (a rank that went on would wait in the step's collectives for
-    the other), and the checkpoint is that of the first batch, which the resume continues."""
+    the other), every rank exits 143, and the checkpoint is that of the first batch (step, policy version and
+    logged steps), which the resume continues (it does not restart from 0)."""
     sigterm_while_both_ranks_generate(tmp_path, "--trainer.num_sanity_val_steps=0", "--trainer.limit_val_batches=0")
     (path,) = (tmp_path / "first").rglob("preempted.ckpt")
+    assert path.parent.name == "checkpoints"  # the ModelCheckpoint's directory
     checkpoint = torch.load(path, weights_only=False)
     assert checkpoint["global_step"] == checkpoint["policy_version"] == STEPS_PER_BATCH  # the first batch only
     assert logged_policy_versions(tmp_path / "first") == [STEPS_PER_BATCH]
