@@ -44,8 +44,9 @@ process, it saves ``<dirpath>/<exception_filename>.ckpt`` (``save_on_exception``
 Resume with ``lightning-offpolicy fit ... --ckpt_path last`` (the newest of ``last.ckpt``, ``preempted.ckpt``
 and ``on_exception.ckpt``; :func:`~lightning_offpolicy.checkpointing.find_last_checkpoint`), or name the file
 (``trainer.fit(..., ckpt_path=...)`` from Python). ``lightning-offpolicy fit`` always adds it (``--preemption.*``);
-add it yourself to a Python ``Trainer``. A SIGTERM that arrives before training starts (model
-loading, engine start) still ends the run through Lightning's or Python's own handling.
+add it yourself to a Python ``Trainer``. It handles SIGTERM from the sanity check on (a signal during the
+sanity check's evaluation stops it, and the run exits with ``exit_code`` having trained nothing); one that
+arrives earlier (model loading, engine start) ends the run through Lightning's or Python's own handling.
 """
 
 from __future__ import annotations

@@ -482,22 +482,6 @@ def test_cli_sigterm_then_ckpt_path_last_resumes_from_the_preemption_checkpoint(
     assert torch.load(last, weights_only=False)["policy_version"] == target
 
 
-def _alive_in_session(session: int) -> list[psutil.Process]:
-    """The processes of ``session`` that have not exited (zombies have)."""
-
-    def session_of(pid: int) -> int | None:
-        try:
-            return os.getsid(pid)
-        except OSError:  # gone, or not ours to ask about
-            return None
-
-    return [
-        p
-        for p in psutil.process_iter(["status", "cmdline"])
-        if p.info["status"] != psutil.STATUS_ZOMBIE and session_of(p.pid) == session
-    ]
-
-
 def full_disk_cli(tmp_path: Path, every: int, *extra_args: str, sigterm: bool, previous: bool) -> tuple[int, str, Path]:
     """The CLI with its checkpoint directory on a real 6 MiB tmpfs (``soak_faults.full_disk_wrapper``);
     the directory is copied out when the fit ends. A checkpoint of the tiny model is just under 4 MiB: one
@@ -545,10 +529,10 @@ def full_disk_cli(tmp_path: Path, every: int, *extra_args: str, sigterm: bool, p
             fit_process.send_signal(signal.SIGTERM)
         status = proc.wait(timeout=600)
         # Every process of the fit ends with it (a DDP rank left waiting at a barrier would wait for good).
-        _, alive = psutil.wait_procs(_alive_in_session(proc.pid), timeout=120)
-        assert alive == [], f"processes of the fit left running: {[p.info['cmdline'] for p in alive]}"
+        _, alive = psutil.wait_procs(session_processes(proc.pid), timeout=120)
+        assert alive == [], f"processes of the fit left running: {[p.pid for p in alive]}"
     finally:
-        if proc.poll() is None or _alive_in_session(proc.pid):
+        if proc.poll() is None or session_processes(proc.pid):
             os.killpg(proc.pid, signal.SIGKILL)
     if previous:
         assert (out / "last.ckpt").read_bytes() == before.read_bytes(), "the previous checkpoint changed"
