@@ -17,8 +17,11 @@ previous checkpoint under that name is untouched. ``lightning-offpolicy fit`` in
 strategy's ``CheckpointIO``: ``ModelCheckpoint``'s (``save_last: true`` writes ``last.ckpt`` as a copy,
 so through it too), the preemption and on-exception saves of
 :class:`~lightning_offpolicy.preemption.PreemptionCheckpoint`, ``trainer.save_checkpoint``. Not
-covered: ``ModelCheckpoint(save_last="link")``'s symlink (Lightning removes, then re-creates it) and a
-sharded strategy's distributed checkpoint (a directory written by ``torch.distributed.checkpoint``).
+covered: ``ModelCheckpoint(save_last="link")``'s symlink (Lightning removes, then re-creates it;
+:class:`PeriodicCheckpoint` replaces it in one rename). A ``ModelParallelStrategy``'s distributed checkpoint
+(a directory written by ``torch.distributed.checkpoint``, every rank its shard) bypasses the ``CheckpointIO``:
+:func:`make_sharded_saves_atomic` (which :func:`install_atomic_checkpoint_io` calls) writes it to a hidden
+staging directory and renames it onto the final name once every rank has written its shard.
 
 :func:`find_last_checkpoint` is what ``--ckpt_path last`` resolves to in ``lightning-offpolicy fit``:
 the newest ``last*.ckpt``, ``preempted.ckpt`` or ``on_exception.ckpt`` in the checkpoint directories of
@@ -55,6 +58,7 @@ __all__ = [
     "atomic_write",
     "find_last_checkpoint",
     "install_atomic_checkpoint_io",
+    "make_sharded_saves_atomic",
     "save_on_every_rank",
 ]
 
@@ -206,11 +210,97 @@ def install_atomic_checkpoint_io(trainer: Trainer) -> bool:
         Whether the plugin was installed (``False``: the user's own ``CheckpointIO`` is kept).
     """
     strategy = trainer.strategy
+    make_sharded_saves_atomic(strategy)
     current = strategy.checkpoint_io
     if type(current) is not TorchCheckpointIO:  # noqa: E721 (a subclass is the user's own choice)
         return isinstance(current, AtomicCheckpointIO)
     strategy.checkpoint_io = AtomicCheckpointIO()
     return True
+
+
+def make_sharded_saves_atomic(strategy: Any) -> bool:
+    """Make a ``ModelParallelStrategy``'s sharded (distributed) checkpoints replace the previous one atomically.
+
+    Lightning writes a distributed checkpoint into the directory of its final name, over the previous one,
+    shard file by shard file: a save that fails on any rank (a full disk) leaves that directory a mix of both
+    saves. Here every rank writes into a hidden staging directory beside it; once every shard is written
+    (and fsynced), rank 0 moves the previous directory aside, renames the staging directory onto the final
+    name and removes the previous one. A failed save removes the staging directory and leaves the previous
+    checkpoint whole. Single-file saves (``save_distributed_checkpoint=False``) go through the
+    ``CheckpointIO`` (:class:`AtomicCheckpointIO`).
+
+    Args:
+        strategy: The Trainer's strategy; anything but a ``ModelParallelStrategy`` is left as it is.
+
+    Returns:
+        Whether its saves are atomic now.
+    """
+    from lightning.pytorch.strategies import ModelParallelStrategy
+
+    if not isinstance(strategy, ModelParallelStrategy):
+        return False
+    if "save_checkpoint" not in vars(strategy):  # not twice
+        strategy.save_checkpoint = functools.partial(_save_sharded_atomically, strategy, strategy.save_checkpoint)
+    return True
+
+
+def _save_sharded_atomically(
+    strategy: Any, save: Callable[..., None], checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any = None
+) -> None:
+    if not strategy._save_distributed_checkpoint or not _is_local_file_protocol(filepath):
+        save(checkpoint, filepath, storage_options)
+        return
+    final = os.path.abspath(strategy.broadcast(os.fspath(filepath)))
+    token = strategy.broadcast(uuid.uuid4().hex[:12])  # one staging directory for every rank
+    staging = os.path.join(os.path.dirname(final), f".{os.path.basename(final)}.{token}.tmp")
+    try:
+        save(checkpoint, staging, storage_options)  # a collective: an error on one rank is raised on every rank
+        if strategy.global_rank == 0:
+            _fsync_tree(staging)
+        strategy.barrier("atomic sharded save")
+        if strategy.global_rank == 0:
+            _replace_directory(staging, final, token)
+    except BaseException as err:
+        if strategy.global_rank == 0:
+            shutil.rmtree(staging, ignore_errors=True)
+        failures = getattr(err, "failures", None)  # torch.distributed.checkpoint's CheckpointException: per rank
+        if not isinstance(failures, dict) or not failures:
+            raise
+        causes = {rank: cause[0] if isinstance(cause, tuple) else cause for rank, cause in failures.items()}
+        code = next((c.errno for c in causes.values() if isinstance(c, OSError) and c.errno), None)
+        named = "; ".join(f"rank {rank}: {cause}" for rank, cause in sorted(causes.items()))
+        raise OSError(
+            code,
+            f"Checkpoint not saved: writing the sharded checkpoint {final} failed ({named}). The previous checkpoint "
+            "under that name is unchanged and no partial directory is left.",
+        ) from err
+    strategy.barrier("atomic sharded save")
+
+
+def _fsync_tree(directory: str) -> None:
+    for root, _, files in os.walk(directory):
+        for name in files:
+            fd = os.open(os.path.join(root, name), os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        _fsync_directory(root)
+
+
+def _replace_directory(new: str, final: str, token: str) -> None:
+    """Rename ``new`` onto ``final``; a previous ``final`` (directory or file) is moved aside, then removed."""
+    previous = os.path.join(os.path.dirname(final), f".{os.path.basename(final)}.{token}.old")
+    had_previous = os.path.lexists(final)
+    if had_previous:
+        os.replace(final, previous)
+    os.replace(new, final)
+    _fsync_directory(os.path.dirname(final))
+    if had_previous:
+        if os.path.isdir(previous) and not os.path.islink(previous):
+            shutil.rmtree(previous, ignore_errors=True)
+        else:
+            os.unlink(previous)
 
 
 def checkpoint_directories(trainer: Trainer, extra: Iterable[str | None] = ()) -> list[str]:

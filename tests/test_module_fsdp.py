@@ -7,6 +7,7 @@ across the ranks, forwards all-gather them, gradients are reduce-scattered.
 from __future__ import annotations
 
 import copy
+import json
 import os
 import re
 import subprocess
@@ -104,3 +105,30 @@ def test_engines_that_copy_the_policy_refuse_a_sharded_one_naming_what_works(one
     ):
         with pytest.raises(ValueError, match=rf"{re.escape(name)} keeps its own copy .* VLLMEngine"):
             engine.update_weights(sharded, 0)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("atomic", [True, False], ids=["atomic", "lightning-alone"])
+def test_a_sharded_checkpoint_that_fails_on_one_rank_leaves_the_previous_one_whole(tmp_path, atomic):
+    """Three distributed checkpoints to one path under FSDP2, the second failing on rank 1 (a full disk while it
+    writes its shard). Lightning alone writes over the previous directory: rank 0's new shard beside rank 1's
+    old one, a checkpoint of neither save. With ``make_sharded_saves_atomic`` the previous one stays whole."""
+    out = tmp_path / "saves.json"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    script = Path(__file__).resolve().parent / "scripts" / "fsdp2_atomic_save.py"
+    command = [sys.executable, str(script), str(out), *([] if atomic else ["plain"])]
+    proc = subprocess.run(command, capture_output=True, text=True, timeout=600, env=env, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    first, failed, third = json.loads(out.read_text())["saves"]
+    assert first["raised"] == third["raised"] == ""
+    assert set(first["files"]) == set(third["files"]) == {".metadata", "__0_0.distcp", "__1_0.distcp", "meta.pt"}
+    assert third["files"]["__0_0.distcp"] != first["files"]["__0_0.distcp"]  # other weights: a new checkpoint
+    if not atomic:  # what the wrapper prevents: a mix of the two saves under the final name
+        assert failed["raised"].startswith("CheckpointException")
+        assert failed["files"]["__0_0.distcp"] != first["files"]["__0_0.distcp"]
+        assert failed["files"]["__1_0.distcp"] == first["files"]["__1_0.distcp"]
+        return
+    assert failed["raised"].startswith("OSError: [Errno 28] Checkpoint not saved: writing the sharded checkpoint ")
+    assert "(rank 1: [Errno 28] No space left on device)" in failed["raised"]
+    assert failed["files"] == first["files"]  # the previous checkpoint, byte for byte
+    assert all(save["hidden"] == ["last.ckpt"] for save in (first, failed, third))  # no staging directory left
