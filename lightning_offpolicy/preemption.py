@@ -260,7 +260,6 @@ class PreemptionCheckpoint(Callback):
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if not self._installed:  # no sanity check ran (num_sanity_val_steps=0)
             self._start(trainer)
-        self._boundary_step = trainer.global_step
 
     def _start(self, trainer: Trainer) -> None:
         # Under several ranks the rollout callback stops every rank at the batch one of them was cut in.

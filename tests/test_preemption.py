@@ -272,6 +272,12 @@ def session_processes(sid: int) -> list[psutil.Process]:
     return out
 
 
+def assert_session_ends(sid: int, timeout_s: float) -> None:
+    """Wait up to ``timeout_s`` for every process of session ``sid`` to end; fail naming those left."""
+    _, alive = psutil.wait_procs(session_processes(sid), timeout=timeout_s)
+    assert alive == [], f"processes of the run left running: {[p.pid for p in alive]}"
+
+
 def run_cli(
     tmp_path: Path,
     name: str,
@@ -317,11 +323,7 @@ def run_cli(
             else:
                 proc.send_signal(signal.SIGTERM)
         status = proc.wait(timeout=max(deadline - time.monotonic(), 1))
-        for _ in range(60):  # DDP ranks and engine processes exit right after the main one
-            if not session_processes(proc.pid):
-                break
-            time.sleep(0.5)
-        assert not session_processes(proc.pid), [p.cmdline() for p in session_processes(proc.pid)]
+        assert_session_ends(proc.pid, timeout_s=30)  # DDP ranks and engine processes exit right after the main one
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
@@ -529,8 +531,7 @@ def full_disk_cli(tmp_path: Path, every: int, *extra_args: str, sigterm: bool, p
             fit_process.send_signal(signal.SIGTERM)
         status = proc.wait(timeout=600)
         # Every process of the fit ends with it (a DDP rank left waiting at a barrier would wait for good).
-        _, alive = psutil.wait_procs(session_processes(proc.pid), timeout=120)
-        assert alive == [], f"processes of the fit left running: {[p.pid for p in alive]}"
+        assert_session_ends(proc.pid, timeout_s=120)
     finally:
         if proc.poll() is None or session_processes(proc.pid):
             os.killpg(proc.pid, signal.SIGKILL)

@@ -46,10 +46,13 @@ def trainer_model(tiny_ckpt):
 SHARED_SETUP = "shared_fixture_setup_s"
 
 
-def charge_shared_start(request: pytest.FixtureRequest, started_at: float | None) -> None:
-    """Record on the test the time since ``started_at`` (a shared resource's start; ``None``: none started)."""
-    if started_at is not None:
-        request.node.user_properties.append((SHARED_SETUP, time.perf_counter() - started_at))
+def shared_from(holder: EngineHolder | ServerHolder, request: pytest.FixtureRequest):
+    """``holder.get()``, its time recorded on the test as a shared start (it starts the engine or server
+    only when there is none; otherwise it takes no time)."""
+    started = time.perf_counter()
+    shared = holder.get()
+    request.node.user_properties.append((SHARED_SETUP, time.perf_counter() - started))
+    return shared
 
 
 class EngineHolder:
@@ -58,12 +61,9 @@ class EngineHolder:
     def __init__(self, model: Path) -> None:
         self.model = model
         self.engine: VLLMEngine | None = None
-        self.started_at: float | None = None  # when the last get() began starting an engine (None: it started none)
 
     def get(self) -> VLLMEngine:
-        self.started_at = None
         if self.engine is None or self.engine._closed or self.engine._failure is not None:
-            self.started_at = time.perf_counter()
             from transformers import LlamaForCausalLM
 
             if self.engine is not None:
@@ -93,9 +93,7 @@ def vllm_engine_holder(tiny_ckpt):
 @pytest.fixture
 def vllm_engine(vllm_engine_holder, request) -> VLLMEngine:
     """The session's shared engine (float32, eos id 2), started from the tiny checkpoint's module."""
-    engine = vllm_engine_holder.get()
-    charge_shared_start(request, vllm_engine_holder.started_at)
-    return engine
+    return shared_from(vllm_engine_holder, request)
 
 
 def alive(procs: list) -> list:
@@ -120,14 +118,11 @@ class ServerHolder:
         self.model = model
         self.server = None
         self.processes: list = []
-        self.started_at: float | None = None  # when the last get() began starting a server (None: it started none)
 
     def get(self):
         from lightning_offpolicy.rollout.vllm import launch_local_server
 
-        self.started_at = None
         if self.server is None or not self.server.alive:
-            self.started_at = time.perf_counter()
             if self.server is not None:  # a test closed it, or it died: say so (a restart costs ~25 s)
                 warnings.warn(
                     f"the shared vLLM server is gone (exit status {self.server.process.poll()}): starting another",
@@ -156,9 +151,7 @@ def vllm_server_holder(tiny_ckpt):
 @pytest.fixture
 def vllm_server(vllm_server_holder, request):
     """The session's shared ``vllm serve`` of the tiny checkpoint (float32, max_model_len 256)."""
-    server = vllm_server_holder.get()
-    charge_shared_start(request, vllm_server_holder.started_at)
-    return server
+    return shared_from(vllm_server_holder, request)
 
 
 # ---------------------------------------------------------------------- shared references

@@ -70,6 +70,7 @@ from lightning_offpolicy.rollout.producer import RolloutProducer
 from lightning_offpolicy.rollout.prompt_source import prompt_batches
 
 _T = TypeVar("_T")
+_PRODUCER_STOPPED = "the rollout producer was stopped (a preemption)"
 
 
 class RolloutCallback(Callback):
@@ -420,14 +421,13 @@ class RolloutCallback(Callback):
 
     def _take(self, version: int) -> tuple[Any, float]:
         """The producer's next rollout for weights of ``version``, and the time waited for it."""
-        stopped = RolloutStopped("the rollout producer was stopped (a preemption)")
         if self._preempted:
-            raise stopped
+            raise RolloutStopped(_PRODUCER_STOPPED)
         try:
             return self.producer.take(version)
         except RuntimeError as err:
             if self._preempted:  # preempt() stopped the producer: not a failure
-                raise stopped from err
+                raise RolloutStopped(_PRODUCER_STOPPED) from err
             raise
 
     def generate(self, pl_module: LightningModule, prompts: PromptBatch, rank: int = 0) -> RolloutBatch:
