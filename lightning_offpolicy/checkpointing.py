@@ -303,6 +303,37 @@ def _replace_directory(new: str, final: str, token: str) -> None:
             os.unlink(previous)
 
 
+def restore_interrupted_replacements(directory: str) -> list[str]:
+    """Finish what a crash between the two renames of an atomic sharded save left in ``directory``.
+
+    :func:`_replace_directory` moves the previous checkpoint aside to ``.<name>.<token>.old`` before it renames
+    the new one onto ``<name>``. A crash in between leaves no ``<name>``: the hidden previous checkpoint is whole,
+    so it is renamed back. A crash after both renames leaves ``<name>`` and the hidden copy: the copy is removed.
+
+    Args:
+        directory: A checkpoint directory.
+
+    Returns:
+        The paths restored under their final name.
+    """
+    restored = []
+    for entry in os.scandir(directory):
+        name, _, token = entry.name[1:-len(".old")].rpartition(".")
+        if not (entry.name.startswith(".") and entry.name.endswith(".old") and name and token):
+            continue
+        final = os.path.join(directory, name)
+        try:
+            if os.path.lexists(final):
+                shutil.rmtree(entry.path) if entry.is_dir(follow_symlinks=False) else os.unlink(entry.path)
+            else:
+                os.replace(entry.path, final)
+                _fsync_directory(directory)
+                restored.append(final)
+        except FileNotFoundError:  # another rank of the same run got there first
+            continue
+    return restored
+
+
 def checkpoint_directories(trainer: Trainer, extra: Iterable[str | None] = ()) -> list[str]:
     """The directories where this run's earlier versions wrote checkpoints, as Lightning lays them out.
 
@@ -340,7 +371,9 @@ def find_last_checkpoint(
 
     Searches :func:`checkpoint_directories` for ``last*.ckpt`` (``ModelCheckpoint(save_last=True)``) and
     ``<name>.ckpt`` for each of ``names`` (the preemption and on-exception checkpoints), and picks the one
-    written last (modification time). Temporary files of an interrupted save are never candidates.
+    written last (modification time). Temporary files of an interrupted save are never candidates; a previous
+    checkpoint an atomic sharded save had moved aside when it was cut short is first restored
+    (:func:`restore_interrupted_replacements`).
 
     Args:
         trainer: The Trainer of the new run, before ``fit``.
@@ -353,6 +386,7 @@ def find_last_checkpoint(
     wanted = {f"{name}.ckpt" for name in names}
     found: list[tuple[int, str]] = []
     for directory in checkpoint_directories(trainer, extra_directories):
+        restore_interrupted_replacements(directory)
         for entry in os.scandir(directory):
             is_last = entry.name.startswith(ModelCheckpoint.CHECKPOINT_NAME_LAST) and entry.name.endswith(".ckpt")
             # A directory too: a sharded strategy's distributed checkpoint is one.

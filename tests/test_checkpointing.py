@@ -164,6 +164,25 @@ def fit(root, max_steps: int, *extra, every: int = 4, ckpt_path=None, record=Non
     return trainer, module, rollout
 
 
+def test_find_last_checkpoint_restores_a_previous_checkpoint_a_sharded_save_moved_aside_when_cut_short(tmp_path):
+    directory = tmp_path / "checkpoints"
+    aside = directory / ".last.ckpt.0a1b2c.old"  # a crash between _replace_directory's two renames
+    (aside / "shards").mkdir(parents=True)
+    (aside / "shards" / "__0_0.distcp").write_bytes(b"rank 0 shard")
+    (directory / ".last.ckpt.0a1b2c.tmp").mkdir()  # the staging directory: never a candidate, left as it is
+    trainer = L.Trainer(default_root_dir=tmp_path, logger=False, accelerator="cpu")
+    assert find_last_checkpoint(trainer) == str(directory / "last.ckpt")
+    assert (directory / "last.ckpt" / "shards" / "__0_0.distcp").read_bytes() == b"rank 0 shard"
+    assert sorted(p.name for p in directory.iterdir()) == [".last.ckpt.0a1b2c.tmp", "last.ckpt"]
+
+    # A crash after both renames: the new checkpoint is in place, the hidden previous one is removed.
+    (directory / ".last.ckpt.9f8e7d.old").mkdir()
+    (directory / ".preempted.ckpt.9f8e7d.old").write_bytes(b"previous")  # a file, restored as one
+    assert find_last_checkpoint(trainer) in {str(directory / "last.ckpt"), str(directory / "preempted.ckpt")}
+    assert sorted(p.name for p in directory.iterdir()) == [".last.ckpt.0a1b2c.tmp", "last.ckpt", "preempted.ckpt"]
+    assert (directory / "preempted.ckpt").read_bytes() == b"previous"
+
+
 def test_lightning_model_checkpoint_misses_the_last_steps_and_periodic_checkpoint_saves_them(tmp_path):
     """every_n_train_steps=4 and max_steps=10: Lightning's last.ckpt stops at step 8."""
 
