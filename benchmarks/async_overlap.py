@@ -53,9 +53,9 @@ ROOT = Path(__file__).resolve().parent.parent
 import lightning as L  # noqa: E402
 import torch  # noqa: E402
 
-from lightning_offpolicy.module import OffPolicyRLModule  # noqa: E402
+from lightning_offpolicy.data.tasks import PromptDataModule  # noqa: E402
+from lightning_offpolicy.lightning.module import OffPolicyRLModule  # noqa: E402
 from lightning_offpolicy.rollout import HFEngine, HFProcessEngine, RolloutCallback  # noqa: E402
-from lightning_offpolicy.tasks import PromptDataModule  # noqa: E402
 
 
 class StepClock(L.Callback):

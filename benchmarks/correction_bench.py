@@ -63,7 +63,7 @@ from torch.utils._pytree import tree_flatten
 
 from lightning_offpolicy.correction import PRESETS, PolicyLossConfig, compute_correction, policy_loss
 from lightning_offpolicy.correction.fused import FusedCorrectionStep
-from lightning_offpolicy.metrics import CorrectionMetrics, PolicyLossMetrics
+from lightning_offpolicy.metrics.correction import CorrectionMetrics, PolicyLossMetrics
 
 MiB = 1024.0 * 1024.0
 

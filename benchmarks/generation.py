@@ -40,9 +40,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _report import header_bullets, load_bullet, run_header  # noqa: E402
 
+from lightning_offpolicy.demo.tiny import build_tiny_llama  # noqa: E402
 from lightning_offpolicy.rollout.engine import SamplingConfig  # noqa: E402
-from lightning_offpolicy.rollout.hf import HFEngine  # noqa: E402
-from lightning_offpolicy.tiny import build_tiny_llama  # noqa: E402
+from lightning_offpolicy.rollout.hf.engine import HFEngine  # noqa: E402
 
 PAD, EOS = 0, 2
 
@@ -61,8 +61,8 @@ def vs_trl_shape() -> dict[str, Any]:
 
 
 def quickstart_shape() -> dict[str, Any]:
-    from lightning_offpolicy.tasks import get_task
-    from lightning_offpolicy.tokenizers import CharTokenizer
+    from lightning_offpolicy.data.tasks import get_task
+    from lightning_offpolicy.data.tokenizers import CharTokenizer
 
     task, tokenizer, rng = get_task("reverse"), CharTokenizer(), random.Random(0)
     prompts = [tokenizer.encode_prompt(task.sample(rng)[0]) for _ in range(16)]

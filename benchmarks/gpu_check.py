@@ -6,7 +6,7 @@ failing part leaves its error in the report and the next part still runs:
 
 * ``checkpoint``: a random-weight checkpoint shaped like Qwen2.5-1.5B-Instruct (Qwen2, hidden 1536,
   28 layers, 12 heads, 2 KV heads, MLP 8960, vocabulary 151936, tied embeddings), with a byte-level
-  BPE tokenizer and the ChatML chat template of :mod:`lightning_offpolicy.tiny_bpe` saved beside it.
+  BPE tokenizer and the ChatML chat template of :mod:`lightning_offpolicy.demo.tiny_bpe` saved beside it.
   Nothing is downloaded.
 * ``fsdp``: ``lightning-offpolicy fit --config configs/fsdp.yaml`` on that checkpoint, one GPU
   (ModelParallelStrategy, FSDP2 ``fully_shard`` per decoder layer, bf16, gradient checkpointing), with
@@ -218,7 +218,7 @@ def _reverse_texts(n: int = 2000) -> list[str]:
     """Prompts and answers of the reverse task (the configs' task): the tokenizer's training corpus."""
     import random
 
-    from lightning_offpolicy.tasks import PromptDataModule
+    from lightning_offpolicy.data.tasks import PromptDataModule
 
     task = PromptDataModule(task="reverse").task
     rng = random.Random(0)
@@ -234,7 +234,7 @@ def worker_checkpoint(spec: dict) -> dict:
     import torch
     from transformers import AutoModelForCausalLM, Qwen2Config
 
-    from lightning_offpolicy.tiny_bpe import SPECIAL_TOKENS, chat_prompt_ids, train_bpe_tokenizer
+    from lightning_offpolicy.demo.tiny_bpe import SPECIAL_TOKENS, chat_prompt_ids, train_bpe_tokenizer
 
     device = _device(spec)
     started = time.perf_counter()
@@ -297,8 +297,8 @@ def worker_fit(spec: dict) -> dict:
     import torch
 
     from lightning_offpolicy import cli
-    from lightning_offpolicy import step as step_functions
-    from lightning_offpolicy.module import OffPolicyRLModule
+    from lightning_offpolicy.lightning.module import OffPolicyRLModule
+    from lightning_offpolicy.train import step as step_functions
 
     device = _device(spec)
     batches: list[dict] = []  # per training batch: its optimizer steps and micro-batch losses
@@ -377,8 +377,8 @@ def worker_fit(spec: dict) -> dict:
 def _logprob_step(method: str, hidden, weight, targets):
     import torch
 
-    from lightning_offpolicy.fused_logprobs import fused_linear_token_logprobs
     from lightning_offpolicy.logprobs import token_logprobs
+    from lightning_offpolicy.logprobs.fused import fused_linear_token_logprobs
 
     if method == "fused":
         return fused_linear_token_logprobs(hidden, weight, targets, temperature=TEMPERATURE, chunk_size=LOGPROB_CHUNK)
@@ -575,7 +575,7 @@ def render(data: dict) -> str:
         "machinery (memory, time, finite numbers), not about learning.",
         "",
         "In the fit tables, `loss` is the mean over a batch's optimizer steps of the sum of their micro-batch "
-        "losses (the module logs no loss: a wrapper around `lightning_offpolicy.step.corrected_loss` records "
+        "losses (the module logs no loss: a wrapper around `lightning_offpolicy.train.step.corrected_loss` records "
         "it). GRPO advantages have zero mean per group and the PPO ratio starts at 1, so the loss is near 0 "
         "by construction; the gradient norm shows that the backward ran. The other columns are the logged "
         "`train/*`, `rollout_corr/kl`, `ppo/*`, `perf/step_s` (the training step), `rollout/generate_s` "

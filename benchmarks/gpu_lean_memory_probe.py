@@ -22,7 +22,7 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from lightning_offpolicy.rollout.engine import SamplingConfig  # noqa: E402
-from lightning_offpolicy.rollout.hf import HFEngine  # noqa: E402
+from lightning_offpolicy.rollout.hf.engine import HFEngine  # noqa: E402
 
 
 def build(shard: bool) -> torch.nn.Module:

@@ -117,7 +117,7 @@ METHOD = """\
 """
 
 EXPECTED = """\
-What to expect (see the `lightning_offpolicy/logprobs.py` docstring): the lean peak is the gradient
+What to expect (see the `lightning_offpolicy/logprobs/__init__.py` docstring): the lean peak is the gradient
 (1 logits tensor, which every method returns) plus float32 `[chunk, V]` temporaries, i.e. about
 `1 + 4 * chunk / (s * T)` logits tensors for `s`-byte logits in the backward (float32 logits are
 processed in place in the gradient: `1.0`), and only `N` floats are kept between forward and
@@ -171,7 +171,7 @@ def _step_fn(method: str, temperature: float, chunk_size: int):
             return torch.log_softmax(logits.float() / temperature, -1).gather(-1, targets[..., None]).squeeze(-1)
 
     elif method == "fused":
-        from lightning_offpolicy.fused_logprobs import fused_linear_token_logprobs
+        from lightning_offpolicy.logprobs.fused import fused_linear_token_logprobs
 
         def fwd(hidden, weight, targets):
             return fused_linear_token_logprobs(hidden, weight, targets, temperature=temperature, chunk_size=chunk_size)
@@ -185,7 +185,7 @@ def fused_worker(args: argparse.Namespace) -> dict:
     """The fused head: hidden [1, T, H] and weight [V, H] leaves -> logprobs -> backward."""
     import torch
 
-    from lightning_offpolicy.fused_logprobs import chunk_rows
+    from lightning_offpolicy.logprobs.fused import chunk_rows
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -494,7 +494,7 @@ def render_fused(fused: list[dict], others: list[dict]) -> list[str]:
         )
     out += [
         "",
-        'What to expect (`lightning_offpolicy/fused_logprobs.py`, "Memory"): the chunk is '
+        'What to expect (`lightning_offpolicy/logprobs/fused.py`, "Memory"): the chunk is '
         "`c = min(chunk_size, max(64, T // 32))` rows; its temporaries are a float32 `[c, V]` chunk "
         "plus, in the bf16 backward, a `[c, V]` bf16 copy (on CUDA) or a float32 block of the weight "
         "of at most that size (on CPU, where bf16 weights are multiplied in float32 blocks because "

@@ -1,8 +1,8 @@
 #!/usr/bin/env python
 """Does the off-policy correction keep RL stable when the rollouts are stale or mismatched?
 
-One command runs the same RL fits (the real :class:`~lightning_offpolicy.rollout.RolloutCallback`
-and :class:`~lightning_offpolicy.module.OffPolicyRLModule`) on two tasks, under several conditions,
+One command runs the same RL fits (the real :class:`~lightning_offpolicy.lightning.callback.RolloutCallback`
+and :class:`~lightning_offpolicy.lightning.module.OffPolicyRLModule`) on two tasks, under several conditions,
 each with several seeds:
 
 * **tasks**: ``reverse`` (the SFT-warmed tiny Llama ``tiny:reverse``) and ``letter`` (copy the
@@ -65,9 +65,9 @@ import lightning as L  # noqa: E402
 import torch  # noqa: E402
 
 from lightning_offpolicy.correction import PolicyLossConfig, preset  # noqa: E402
-from lightning_offpolicy.module import OffPolicyRLModule  # noqa: E402
+from lightning_offpolicy.data.tasks import PromptDataModule  # noqa: E402
+from lightning_offpolicy.lightning.module import OffPolicyRLModule  # noqa: E402
 from lightning_offpolicy.rollout import HFEngine, RolloutCallback  # noqa: E402
-from lightning_offpolicy.tasks import PromptDataModule  # noqa: E402
 
 #: Per-batch keys recorded besides the ``rollout_corr/*`` keys below.
 SERIES_KEYS = (
@@ -420,7 +420,7 @@ def task_data(task: str, settings: dict[str, Any], seed: int) -> tuple[Any, Any]
     from torch.utils.data import DataLoader
     from vs_trl import kit_reward, make_prompts
 
-    from lightning_offpolicy.tasks.datamodule import PromptDataset, collate_prompts
+    from lightning_offpolicy.data.tasks.datamodule import PromptDataset, collate_prompts
 
     # As in vs_trl: a fresh prompt for every row of every batch, in a seed-dependent order.
     prompts = make_prompts(settings["batches"] * settings["prompts_per_step"], seed=seed)
@@ -1047,7 +1047,7 @@ def task_settings(args: argparse.Namespace, task: str, model: str, lr: float | N
 def prepare_model(task: str, workdir: Path) -> str:
     """The checkpoint every run of ``task`` starts from (built once, here, not raced for in the workers)."""
     if task == "reverse":
-        from lightning_offpolicy.tiny import resolve_model_path
+        from lightning_offpolicy.demo.tiny import resolve_model_path
 
         resolve_model_path("tiny:reverse")
         return "tiny:reverse"

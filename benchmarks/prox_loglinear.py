@@ -45,10 +45,10 @@ import mismatch_study as study  # noqa: E402
 import torch  # noqa: E402
 from _report import code_line, cpu_model  # noqa: E402
 
-from lightning_offpolicy import step  # noqa: E402
 from lightning_offpolicy.batch import RolloutBatch  # noqa: E402
 from lightning_offpolicy.correction import PolicyLossConfig, preset  # noqa: E402
-from lightning_offpolicy.module import OffPolicyRLModule  # noqa: E402
+from lightning_offpolicy.lightning.module import OffPolicyRLModule  # noqa: E402
+from lightning_offpolicy.train import step  # noqa: E402
 
 #: The study's calibrated learning rates (docs/results.md), so no calibration runs here.
 LEARNING_RATES = {"reverse": 3.5e-4, "letter": 7e-4}

@@ -54,8 +54,8 @@ def step(path: str, inputs: dict, targets, support, temperature: float = 0.9):
     """Forward + backward of the summed response logprobs (renormalized over ``support`` when given)."""
     import torch
 
-    from lightning_offpolicy.fused_logprobs import fused_linear_token_logprobs
     from lightning_offpolicy.logprobs import _over_support, token_logprobs
+    from lightning_offpolicy.logprobs.fused import fused_linear_token_logprobs
 
     columns = targets if support is None else torch.cat([targets[:, None], support], dim=-1)
     if path == "fused":

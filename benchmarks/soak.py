@@ -493,7 +493,7 @@ def machine() -> str:
 
 def prepare_tiny_models(specs: list[SoakConfig]) -> None:
     """Build the tiny and the example checkpoints first, so that no run's wall time includes a warm-up."""
-    from lightning_offpolicy.tiny import resolve_model_path
+    from lightning_offpolicy.demo.tiny import resolve_model_path
 
     names = set()
     for spec in specs:

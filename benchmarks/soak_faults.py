@@ -185,7 +185,7 @@ def fault_one(spec: SoakConfig, fault: str, workdir: Path, quick: bool, resume_b
         checkpoints.mkdir()
         overlay = save_dir / "checkpoint_on_a_small_disk.yaml"
         overlay.write_text(
-            "trainer:\n  callbacks:\n    - class_path: lightning_offpolicy.checkpointing.PeriodicCheckpoint\n"
+            "trainer:\n  callbacks:\n    - class_path: lightning_offpolicy.lightning.checkpointing.PeriodicCheckpoint\n"
             f"      init_args: {{dirpath: {disk}, every_n_train_steps: 2, save_last: true, save_top_k: 0}}\n"
         )
         spec = SoakConfig(spec.name, [*spec.configs, str(overlay)], spec.args, spec.uses_vllm)

@@ -60,7 +60,7 @@ class ModelSpec:
     """A Llama built from a config (random weights) and the rollout batch one step trains on."""
 
     name: str
-    config: dict[str, int]  # overrides of lightning_offpolicy.tiny.tiny_llama_config
+    config: dict[str, int]  # overrides of lightning_offpolicy.demo.tiny.tiny_llama_config
     rows: int
     prompt_len: int
     response_len: int
@@ -196,7 +196,7 @@ def _build_model(spec: ModelSpec, seed: int = 0) -> Any:
     import torch
     from transformers import LlamaForCausalLM
 
-    from lightning_offpolicy.tiny import tiny_llama_config
+    from lightning_offpolicy.demo.tiny import tiny_llama_config
 
     torch.manual_seed(seed)
     return LlamaForCausalLM(tiny_llama_config(**spec.config)).to(torch.float32).eval()
@@ -230,8 +230,8 @@ def _make_module(model: Any, case: Case) -> Any:
     import torch
 
     from lightning_offpolicy.correction import OffPolicyCorrectionConfig, PolicyLossConfig
-    from lightning_offpolicy.module import OffPolicyRLModule
-    from lightning_offpolicy.tokenizers import CharTokenizer
+    from lightning_offpolicy.data.tokenizers import CharTokenizer
+    from lightning_offpolicy.lightning.module import OffPolicyRLModule
 
     with_ref = case.reference != "none"
     return OffPolicyRLModule(

@@ -128,7 +128,7 @@ def build_checkpoint(directory: Path, seed: int) -> Path:
     import torch
     from transformers import LlamaForCausalLM
 
-    from lightning_offpolicy.tiny import tiny_llama_config
+    from lightning_offpolicy.demo.tiny import tiny_llama_config
 
     tokenizer = build_char_tokenizer()
     config = tiny_llama_config(
@@ -277,10 +277,11 @@ def run_kit(
     import torch
     from torch.utils.data import DataLoader
 
-    from lightning_offpolicy.log_steps import is_logging_step
-    from lightning_offpolicy.module import OffPolicyRLModule
-    from lightning_offpolicy.rollout import HFEngine, RolloutCallback
-    from lightning_offpolicy.tasks.datamodule import PromptDataset, collate_prompts
+    from lightning_offpolicy.data.tasks.datamodule import PromptDataset, collate_prompts
+    from lightning_offpolicy.lightning.callback import RolloutCallback
+    from lightning_offpolicy.lightning.log_steps import is_logging_step
+    from lightning_offpolicy.lightning.module import OffPolicyRLModule
+    from lightning_offpolicy.rollout import HFEngine
 
     prompts = json.loads((workdir / "prompts.json").read_text())
     starts: list[float] = []

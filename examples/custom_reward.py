@@ -16,9 +16,10 @@ import lightning as L
 import torch
 
 from lightning_offpolicy.correction import OffPolicyCorrectionConfig
-from lightning_offpolicy.module import OffPolicyRLModule
-from lightning_offpolicy.rollout import HFEngine, RolloutCallback
-from lightning_offpolicy.tasks import PromptDataModule
+from lightning_offpolicy.data.tasks import PromptDataModule
+from lightning_offpolicy.lightning.callback import RolloutCallback
+from lightning_offpolicy.lightning.module import OffPolicyRLModule
+from lightning_offpolicy.rollout import HFEngine
 
 
 def exact_match_reward(prompts: list[str], completions: list[str], metadata: list[dict]) -> list[float]:

@@ -4,7 +4,7 @@
    task locally (no download) and scores completions with the task's own scorer. The task is set to
    its simplest form (one term of 1-3 digits, so ``"Calculate 482."`` -> ``"482"``), which a tiny
    model learns on a CPU in seconds; raise ``min_terms`` / ``max_terms`` for real arithmetic.
-2. **Model and tokenizer**: :func:`lightning_offpolicy.tiny_bpe.build_bpe_checkpoint` writes an
+2. **Model and tokenizer**: :func:`lightning_offpolicy.demo.tiny_bpe.build_bpe_checkpoint` writes an
    ordinary Hugging Face directory: a tiny Qwen2 built from a config, a byte-level BPE tokenizer
    trained on the task's text, a ChatML chat template, a generation config that stops on
    ``<|im_end|>`` and ``<|endoftext|>``; then a short supervised warm-up teaches it the answer
@@ -28,10 +28,11 @@ import lightning as L
 import torch
 
 from lightning_offpolicy.data import DatasetDataModule
-from lightning_offpolicy.module import OffPolicyRLModule
-from lightning_offpolicy.rollout import HFEngine, RolloutCallback
-from lightning_offpolicy.tiny_bpe import build_bpe_checkpoint
-from lightning_offpolicy.tokenizers import HFTokenizer
+from lightning_offpolicy.data.tokenizers import HFTokenizer
+from lightning_offpolicy.demo.tiny_bpe import build_bpe_checkpoint
+from lightning_offpolicy.lightning.callback import RolloutCallback
+from lightning_offpolicy.lightning.module import OffPolicyRLModule
+from lightning_offpolicy.rollout import HFEngine
 
 #: basic_arithmetic at its simplest: one term of 1-3 digits, no sign, no parentheses.
 TASK_CONFIG = {"min_terms": 1, "max_terms": 1, "min_digits": 1, "max_digits": 3}

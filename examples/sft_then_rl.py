@@ -20,11 +20,12 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import DataLoader, IterableDataset
 
-from lightning_offpolicy.mixin import OffPolicyMixin
-from lightning_offpolicy.rollout import HFEngine, RolloutCallback
-from lightning_offpolicy.tasks import PromptDataModule, get_task
-from lightning_offpolicy.tiny import build_tiny_llama, greedy_reward
-from lightning_offpolicy.tokenizers import CharTokenizer
+from lightning_offpolicy.data.tasks import PromptDataModule, get_task
+from lightning_offpolicy.data.tokenizers import CharTokenizer
+from lightning_offpolicy.demo.tiny import build_tiny_llama, greedy_reward
+from lightning_offpolicy.lightning.callback import RolloutCallback
+from lightning_offpolicy.lightning.mixin import OffPolicyMixin
+from lightning_offpolicy.rollout import HFEngine
 
 
 class ReverseLM(OffPolicyMixin, L.LightningModule):

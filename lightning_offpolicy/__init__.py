@@ -23,14 +23,14 @@ except PackageNotFoundError:  # a source tree on sys.path, not installed
 #: Public name -> the module that defines it.
 _EXPORTS: dict[str, str] = {
     # Training
-    "OffPolicyRLModule": "lightning_offpolicy.module",
-    "OffPolicyMixin": "lightning_offpolicy.mixin",
+    "OffPolicyRLModule": "lightning_offpolicy.lightning.module",
+    "OffPolicyMixin": "lightning_offpolicy.lightning.mixin",
     "PromptBatch": "lightning_offpolicy.batch",
     "RolloutBatch": "lightning_offpolicy.batch",
-    "PreemptionCheckpoint": "lightning_offpolicy.preemption",
-    "RLProgressBar": "lightning_offpolicy.progress",
+    "PreemptionCheckpoint": "lightning_offpolicy.lightning.preemption",
+    "RLProgressBar": "lightning_offpolicy.lightning.progress",
     # Rollout
-    "RolloutCallback": "lightning_offpolicy.rollout",
+    "RolloutCallback": "lightning_offpolicy.lightning.callback",
     "RolloutEngine": "lightning_offpolicy.rollout",
     "SamplingConfig": "lightning_offpolicy.rollout",
     "Completion": "lightning_offpolicy.rollout",
@@ -43,14 +43,14 @@ _EXPORTS: dict[str, str] = {
     "compute_correction": "lightning_offpolicy.correction",
     "policy_loss": "lightning_offpolicy.correction",
     # Metrics (torchmetrics)
-    "CorrectionMetrics": "lightning_offpolicy.metrics",
-    "PolicyLossMetrics": "lightning_offpolicy.metrics",
+    "CorrectionMetrics": "lightning_offpolicy.metrics.correction",
+    "PolicyLossMetrics": "lightning_offpolicy.metrics.correction",
     # Data, tokenizers, rewards
     "DatasetDataModule": "lightning_offpolicy.data",
-    "PromptDataModule": "lightning_offpolicy.tasks",
-    "CharTokenizer": "lightning_offpolicy.tokenizers",
-    "HFTokenizer": "lightning_offpolicy.tokenizers",
-    "WeightedReward": "lightning_offpolicy.rewards",
+    "PromptDataModule": "lightning_offpolicy.data.tasks",
+    "CharTokenizer": "lightning_offpolicy.data.tokenizers",
+    "HFTokenizer": "lightning_offpolicy.data.tokenizers",
+    "WeightedReward": "lightning_offpolicy.data.rewards",
 }
 
 __all__ = [
@@ -103,20 +103,20 @@ if TYPE_CHECKING:  # for type checkers and IDEs: the same names, imported eagerl
         policy_loss,
     )
     from lightning_offpolicy.data import DatasetDataModule
-    from lightning_offpolicy.metrics import CorrectionMetrics, PolicyLossMetrics
-    from lightning_offpolicy.mixin import OffPolicyMixin
-    from lightning_offpolicy.module import OffPolicyRLModule
-    from lightning_offpolicy.preemption import PreemptionCheckpoint
-    from lightning_offpolicy.progress import RLProgressBar
-    from lightning_offpolicy.rewards import WeightedReward
+    from lightning_offpolicy.data.rewards import WeightedReward
+    from lightning_offpolicy.data.tasks import PromptDataModule
+    from lightning_offpolicy.data.tokenizers import CharTokenizer, HFTokenizer
+    from lightning_offpolicy.lightning.callback import RolloutCallback
+    from lightning_offpolicy.lightning.mixin import OffPolicyMixin
+    from lightning_offpolicy.lightning.module import OffPolicyRLModule
+    from lightning_offpolicy.lightning.preemption import PreemptionCheckpoint
+    from lightning_offpolicy.lightning.progress import RLProgressBar
+    from lightning_offpolicy.metrics.correction import CorrectionMetrics, PolicyLossMetrics
     from lightning_offpolicy.rollout import (
         Completion,
         HFEngine,
         RemoteVLLMEngine,
-        RolloutCallback,
         RolloutEngine,
         SamplingConfig,
         VLLMEngine,
     )
-    from lightning_offpolicy.tasks import PromptDataModule
-    from lightning_offpolicy.tokenizers import CharTokenizer, HFTokenizer

@@ -8,25 +8,25 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 if TYPE_CHECKING:
-    from lightning_offpolicy.evaluation import EvaluationBatch
+    from lightning_offpolicy.metrics.evaluation import EvaluationBatch
 
 
 @dataclass
 class PromptBatch:
     """One step's prompts, as the prompt DataLoader yields them.
 
-    The :class:`~lightning_offpolicy.rollout.RolloutCallback` attaches the generated, scored
+    The :class:`~lightning_offpolicy.lightning.callback.RolloutCallback` attaches the generated, scored
     :class:`RolloutBatch` to ``rollout`` in ``on_train_batch_start``, with the weights of that
     very step, before ``training_step`` receives the batch.
 
     Attributes:
         prompts: prompt texts, or chat ``messages`` lists (``[{"role": ..., "content": ...}, ...]``,
             rendered by the tokenizer's chat template; see
-            :meth:`~lightning_offpolicy.tokenizers.HFTokenizer.encode_prompt`).
+            :meth:`~lightning_offpolicy.data.tokenizers.HFTokenizer.encode_prompt`).
         metadata: one dict per prompt for the reward function (e.g. the expected answer).
         rollout: the rollouts of these prompts, filled in by the callback.
         evaluation: in a validation batch, the scored greedy and sampled completions
-            (:class:`~lightning_offpolicy.evaluation.EvaluationBatch`), filled in by the callback.
+            (:class:`~lightning_offpolicy.metrics.evaluation.EvaluationBatch`), filled in by the callback.
     """
 
     prompts: list[str | list[dict[str, Any]]]

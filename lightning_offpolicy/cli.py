@@ -5,22 +5,22 @@
     lightning-offpolicy fit --print_config
     lightning-offpolicy selfcheck          # every correction preset on a real tiny model, no training
 
-Config groups: ``model`` (:class:`~lightning_offpolicy.module.OffPolicyRLModule`), ``data``
+Config groups: ``model`` (:class:`~lightning_offpolicy.lightning.module.OffPolicyRLModule`), ``data``
 (any LightningDataModule yielding ``PromptBatch``, given by ``class_path``:
-:class:`~lightning_offpolicy.tasks.PromptDataModule`,
+:class:`~lightning_offpolicy.data.tasks.PromptDataModule`,
 :class:`~lightning_offpolicy.data.DatasetDataModule`, or your own), ``rollout``
-(:class:`~lightning_offpolicy.rollout.RolloutCallback`, always added), ``trainer``.
+(:class:`~lightning_offpolicy.lightning.callback.RolloutCallback`, always added), ``trainer``.
 ``model.temperature`` is linked to ``rollout.temperature``: the trainer scores tokens with the
 temperature the engine samples with. On the command line ``model.model`` is a string (a path, a hub
 name or ``tiny:<task>``); a module instance is for Python callers of ``OffPolicyRLModule``, and
 typing it as ``torch.nn.Module`` here would list every ``torch.nn`` class in ``fit --help``. Unless
 the config names a progress bar, the training bar is
-:class:`~lightning_offpolicy.progress.RLProgressBar` (batches, with the optimizer step in the postfix).
+:class:`~lightning_offpolicy.lightning.progress.RLProgressBar` (batches, with the optimizer step in the postfix).
 
-Checkpoints are written atomically (:class:`~lightning_offpolicy.checkpointing.AtomicCheckpointIO`, unless
+Checkpoints are written atomically (:class:`~lightning_offpolicy.lightning.checkpointing.AtomicCheckpointIO`, unless
 the config names another ``CheckpointIO`` plugin), and ``--ckpt_path last`` resumes from the newest
 checkpoint any earlier run of the same logger name wrote (``last.ckpt``, ``preempted.ckpt``,
-``on_exception.ckpt``; :func:`~lightning_offpolicy.checkpointing.find_last_checkpoint`).
+``on_exception.ckpt``; :func:`~lightning_offpolicy.lightning.checkpointing.find_last_checkpoint`).
 """
 
 from __future__ import annotations
@@ -39,14 +39,14 @@ from lightning.pytorch.cli import LightningCLI
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 
-from lightning_offpolicy.checkpointing import find_last_checkpoint, install_atomic_checkpoint_io
 from lightning_offpolicy.correction.config import PRESETS, unknown_preset_message
 from lightning_offpolicy.data import DatasetDataModule  # noqa: F401  (a known data class for --data.help)
-from lightning_offpolicy.module import OffPolicyRLModule
-from lightning_offpolicy.preemption import PreemptionCheckpoint
-from lightning_offpolicy.progress import RLProgressBar
-from lightning_offpolicy.rollout.callback import RolloutCallback
-from lightning_offpolicy.tasks import PromptDataModule  # noqa: F401
+from lightning_offpolicy.data.tasks import PromptDataModule  # noqa: F401
+from lightning_offpolicy.lightning.callback import RolloutCallback
+from lightning_offpolicy.lightning.checkpointing import find_last_checkpoint, install_atomic_checkpoint_io
+from lightning_offpolicy.lightning.module import OffPolicyRLModule
+from lightning_offpolicy.lightning.preemption import PreemptionCheckpoint
+from lightning_offpolicy.lightning.progress import RLProgressBar
 
 log = logging.getLogger(__name__)
 

@@ -19,10 +19,10 @@ import torch
 
 from lightning_offpolicy.batch import RolloutBatch
 from lightning_offpolicy.correction import PRESETS, PolicyLossConfig, compute_correction, policy_loss
+from lightning_offpolicy.demo.tiny import build_tiny_llama
 from lightning_offpolicy.logprobs import causal_lm_token_logprobs
-from lightning_offpolicy.metrics import CorrectionMetrics, PolicyLossMetrics
+from lightning_offpolicy.metrics.correction import CorrectionMetrics, PolicyLossMetrics
 from lightning_offpolicy.rollout import HFEngine, SamplingConfig
-from lightning_offpolicy.tiny import build_tiny_llama
 
 PAD_ID, EOS_ID = 0, 2
 

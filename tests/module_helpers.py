@@ -10,8 +10,8 @@ import torch
 from torch.utils.data import DataLoader
 
 from lightning_offpolicy.batch import RolloutBatch
-from lightning_offpolicy.tiny import build_tiny_llama
-from lightning_offpolicy.tokenizers import CharTokenizer
+from lightning_offpolicy.data.tokenizers import CharTokenizer
+from lightning_offpolicy.demo.tiny import build_tiny_llama
 
 TOKENIZER = CharTokenizer()
 

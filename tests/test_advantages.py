@@ -11,7 +11,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from lightning_offpolicy.advantages import (
+from lightning_offpolicy.rollout.advantages import (
     ADVANTAGE_ESTIMATORS,
     AdvantageEstimator,
     compute_advantages,

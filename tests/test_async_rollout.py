@@ -16,10 +16,11 @@ import pytest
 import torch
 
 from lightning_offpolicy.batch import PromptBatch
-from lightning_offpolicy.module import OffPolicyRLModule
-from lightning_offpolicy.rollout import HFEngine, RolloutCallback
+from lightning_offpolicy.data.tasks import PromptDataModule
+from lightning_offpolicy.lightning.callback import RolloutCallback
+from lightning_offpolicy.lightning.module import OffPolicyRLModule
+from lightning_offpolicy.rollout import HFEngine
 from lightning_offpolicy.rollout.producer import RolloutProducer
-from lightning_offpolicy.tasks import PromptDataModule
 
 
 class VersionSpy(L.Callback):

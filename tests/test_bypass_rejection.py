@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from lightning_offpolicy.correction import PRESETS, PolicyLossConfig, compute_correction, policy_loss
-from lightning_offpolicy.metrics import CorrectionMetrics
+from lightning_offpolicy.metrics.correction import CorrectionMetrics
 
 BYPASS_PRESETS = [name for name in PRESETS if name.startswith("bypass_")]
 

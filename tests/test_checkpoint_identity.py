@@ -17,13 +17,13 @@ import lightning as L
 import pytest
 import torch
 
-from lightning_offpolicy.checkpoint_identity import IDENTITY_KEY, CheckpointMismatchError, policy_identity
-from lightning_offpolicy.module import OffPolicyRLModule
-from lightning_offpolicy.rollout import RolloutCallback
-from lightning_offpolicy.tasks import PromptDataModule
-from lightning_offpolicy.tiny import build_tiny_llama
-from lightning_offpolicy.tiny_bpe import build_bpe_checkpoint
-from lightning_offpolicy.tokenizers import CharTokenizer
+from lightning_offpolicy.data.tasks import PromptDataModule
+from lightning_offpolicy.data.tokenizers import CharTokenizer
+from lightning_offpolicy.demo.tiny import build_tiny_llama
+from lightning_offpolicy.demo.tiny_bpe import build_bpe_checkpoint
+from lightning_offpolicy.lightning.callback import RolloutCallback
+from lightning_offpolicy.lightning.checkpoint_identity import IDENTITY_KEY, CheckpointMismatchError, policy_identity
+from lightning_offpolicy.lightning.module import OffPolicyRLModule
 from tests.module_helpers import tiny_model
 from tests.tokenizer_builders import save_char_tokenizer
 

@@ -19,16 +19,16 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import TensorBoardLogger
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from lightning_offpolicy.checkpointing import (
+from lightning_offpolicy.data.tasks import PromptDataModule
+from lightning_offpolicy.lightning.callback import RolloutCallback
+from lightning_offpolicy.lightning.checkpointing import (
     AtomicCheckpointIO,
     CheckpointSaveError,
     PeriodicCheckpoint,
     find_last_checkpoint,
 )
-from lightning_offpolicy.module import OffPolicyRLModule
-from lightning_offpolicy.preemption import SAVE_ERROR_EXIT_CODE, PreemptionCheckpoint
-from lightning_offpolicy.rollout import RolloutCallback
-from lightning_offpolicy.tasks import PromptDataModule
+from lightning_offpolicy.lightning.module import OffPolicyRLModule
+from lightning_offpolicy.lightning.preemption import SAVE_ERROR_EXIT_CODE, PreemptionCheckpoint
 from tests.module_helpers import TOKENIZER, tiny_model
 
 
@@ -291,7 +291,7 @@ def test_bad_settings_are_refused():
 def test_the_cli_installs_atomic_checkpoints_and_keeps_a_configured_checkpoint_io():
     from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 
-    from lightning_offpolicy.checkpointing import install_atomic_checkpoint_io
+    from lightning_offpolicy.lightning.checkpointing import install_atomic_checkpoint_io
 
     trainer = L.Trainer(accelerator="cpu", logger=False)
     assert install_atomic_checkpoint_io(trainer) and isinstance(trainer.strategy.checkpoint_io, AtomicCheckpointIO)

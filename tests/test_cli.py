@@ -13,7 +13,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 from lightning_offpolicy.cli import OffPolicyCLI, claim_log_directory, main
 from lightning_offpolicy.correction import PRESETS, OffPolicyCorrectionConfig
-from lightning_offpolicy.module import OffPolicyRLModule
+from lightning_offpolicy.lightning.module import OffPolicyRLModule
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = sorted((ROOT / "configs").glob("*.yaml"))

@@ -13,8 +13,8 @@ from torch.utils.data import DataLoader
 from lightning_offpolicy.batch import PromptBatch
 from lightning_offpolicy.cli import OffPolicyCLI, main
 from lightning_offpolicy.data import DatasetDataModule
-from lightning_offpolicy.module import OffPolicyRLModule
-from lightning_offpolicy.rewards import WeightedReward
+from lightning_offpolicy.data.rewards import WeightedReward
+from lightning_offpolicy.lightning.module import OffPolicyRLModule
 from tests import reward_fixtures
 
 ROOT = Path(__file__).resolve().parents[1]

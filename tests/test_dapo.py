@@ -9,17 +9,17 @@ import lightning as L
 import pytest
 import torch
 
-from lightning_offpolicy.advantages import compute_advantages
 from lightning_offpolicy.batch import PromptBatch
-from lightning_offpolicy.module import OffPolicyRLModule
-from lightning_offpolicy.rollout import RolloutCallback
+from lightning_offpolicy.data.tasks import PromptDataModule
+from lightning_offpolicy.data.tokenizers import CharTokenizer
+from lightning_offpolicy.demo.tiny import build_tiny_llama
+from lightning_offpolicy.lightning.callback import RolloutCallback
+from lightning_offpolicy.lightning.module import OffPolicyRLModule
+from lightning_offpolicy.rollout.advantages import compute_advantages
 from lightning_offpolicy.rollout.dapo import DAPOSettings, informative_rows, overlong_penalty
 from lightning_offpolicy.rollout.engine import SamplingConfig
-from lightning_offpolicy.rollout.hf import HFEngine
-from lightning_offpolicy.rollout.pipeline import Rollouter
-from lightning_offpolicy.tasks import PromptDataModule
-from lightning_offpolicy.tiny import build_tiny_llama
-from lightning_offpolicy.tokenizers import CharTokenizer
+from lightning_offpolicy.rollout.hf.engine import HFEngine
+from lightning_offpolicy.rollout.rollouter import Rollouter
 
 TOKENIZER = CharTokenizer()
 SAMPLES = 4

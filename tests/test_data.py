@@ -11,7 +11,7 @@ import torch
 
 from lightning_offpolicy.batch import PromptBatch
 from lightning_offpolicy.data import DatasetDataModule, PromptRows, ResumableSampler
-from lightning_offpolicy.rewards import ReasoningGymReward
+from lightning_offpolicy.data.rewards import ReasoningGymReward
 
 ROWS = [{"prompt": f"{i}+{i}=", "answer": str(2 * i), "level": i % 3} for i in range(12)]
 
@@ -137,7 +137,7 @@ def test_reward_fn_setting_overrides_the_default():
         "reasoning_gym:basic_arithmetic",
         reasoning_gym_size=4,
         prompts_per_step=2,
-        reward_fn="lightning_offpolicy.rewards.math_answer",
+        reward_fn="lightning_offpolicy.data.rewards.math_answer",
     )
     assert type(data.reward_fn).__name__ == "MathAnswerReward"
 

@@ -15,9 +15,9 @@ import lightning as L
 import pytest
 
 from lightning_offpolicy.data import DatasetDataModule
-from lightning_offpolicy.module import OffPolicyRLModule
-from lightning_offpolicy.rollout import RolloutCallback
-from lightning_offpolicy.tokenizers import HFTokenizer, encode_prompt, encode_prompts
+from lightning_offpolicy.data.tokenizers import HFTokenizer, encode_prompt, encode_prompts
+from lightning_offpolicy.lightning.callback import RolloutCallback
+from lightning_offpolicy.lightning.module import OffPolicyRLModule
 from tests.module_helpers import TOKENIZER, tiny_model
 from tests.tokenizer_builders import CHAT_TEMPLATE, save_char_tokenizer
 

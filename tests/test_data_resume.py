@@ -15,9 +15,9 @@ import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from lightning_offpolicy.data import DatasetDataModule
-from lightning_offpolicy.module import OffPolicyRLModule
-from lightning_offpolicy.rollout import RolloutCallback
-from lightning_offpolicy.tasks import PromptDataModule
+from lightning_offpolicy.data.tasks import PromptDataModule
+from lightning_offpolicy.lightning.callback import RolloutCallback
+from lightning_offpolicy.lightning.module import OffPolicyRLModule
 from tests.module_helpers import TOKENIZER, tiny_model
 
 

@@ -42,7 +42,7 @@ from lightning_offpolicy.correction import (
 )
 from lightning_offpolicy.correction.dppo import binary_divergence, dppo_mask
 from lightning_offpolicy.correction.peer_names import PeerNameWarning
-from lightning_offpolicy.module import OffPolicyRLModule
+from lightning_offpolicy.lightning.module import OffPolicyRLModule
 from tests.module_helpers import TOKENIZER, fit_on, make_rollout, tiny_model
 
 RTOL, ATOL = 1e-12, 1e-15

@@ -15,11 +15,12 @@ import pytest
 import torch
 
 from lightning_offpolicy.batch import PromptBatch
-from lightning_offpolicy.evaluation import EvaluationBatch, EvaluationMetrics, prompt_seed
-from lightning_offpolicy.module import OffPolicyRLModule
-from lightning_offpolicy.rollout import HFEngine, RolloutCallback
+from lightning_offpolicy.data.tasks import TASKS, CopyTask, PromptDataModule
+from lightning_offpolicy.lightning.callback import RolloutCallback
+from lightning_offpolicy.lightning.module import OffPolicyRLModule
+from lightning_offpolicy.metrics.evaluation import EvaluationBatch, EvaluationMetrics, prompt_seed
+from lightning_offpolicy.rollout import HFEngine
 from lightning_offpolicy.rollout.engine import SamplingConfig
-from lightning_offpolicy.tasks import TASKS, CopyTask, PromptDataModule
 from tests.module_helpers import argmax_completion, tiny_model
 
 SAMPLES, NEW_TOKENS, SEED, THRESHOLD = 3, 7, 3, 0.75
@@ -310,5 +311,5 @@ def test_validation_needs_prompt_batches_and_the_callback(tmp_path):
         default_root_dir=tmp_path,
     )
     data = PromptDataModule(task="reverse", prompts_per_step=4, num_train_prompts=8, num_val_prompts=4)
-    with pytest.raises(RuntimeError, match="Add\\s+lightning_offpolicy.rollout.RolloutCallback"):
+    with pytest.raises(RuntimeError, match="Add\\s+lightning_offpolicy.lightning.callback.RolloutCallback"):
         trainer.validate(module, data)

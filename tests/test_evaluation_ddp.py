@@ -10,9 +10,9 @@ from __future__ import annotations
 import lightning as L
 import pytest
 
-from lightning_offpolicy.module import OffPolicyRLModule
-from lightning_offpolicy.rollout import RolloutCallback
-from lightning_offpolicy.tasks import PromptDataModule
+from lightning_offpolicy.data.tasks import PromptDataModule
+from lightning_offpolicy.lightning.callback import RolloutCallback
+from lightning_offpolicy.lightning.module import OffPolicyRLModule
 
 
 def validate(devices: int) -> dict[str, float]:

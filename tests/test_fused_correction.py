@@ -19,7 +19,7 @@ from lightning_offpolicy.correction import (
     policy_loss,
 )
 from lightning_offpolicy.correction.fused import FusedCorrectionStep
-from lightning_offpolicy.metrics import CorrectionMetrics, PolicyLossMetrics
+from lightning_offpolicy.metrics.correction import CorrectionMetrics, PolicyLossMetrics
 
 RTOL, ATOL = 1e-5, 1e-7
 

@@ -9,9 +9,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lightning_offpolicy.fused_logprobs import fused_head_parts, fused_linear_token_logprobs
+from lightning_offpolicy.demo.tiny import tiny_llama_config
 from lightning_offpolicy.logprobs import causal_lm_token_logprobs, token_logprobs
-from lightning_offpolicy.tiny import tiny_llama_config
+from lightning_offpolicy.logprobs.fused import fused_head_parts, fused_linear_token_logprobs
 
 
 def _inputs(n, h, v, dtype, bias, seed=0):
@@ -473,8 +473,8 @@ def test_trainer_step_takes_the_fused_head_by_default(monkeypatch, lora_targets)
 
     from transformers import LlamaForCausalLM
 
-    import lightning_offpolicy.fused_logprobs as fl
-    from lightning_offpolicy.module import OffPolicyRLModule
+    import lightning_offpolicy.logprobs.fused as fl
+    from lightning_offpolicy.lightning.module import OffPolicyRLModule
     from tests.module_helpers import TOKENIZER, fit_on, make_rollout, tiny_model
 
     model = tiny_model()

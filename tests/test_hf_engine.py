@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from lightning_offpolicy.rollout.engine import RolloutEngine, SamplingConfig
-from lightning_offpolicy.rollout.hf import HFEngine
+from lightning_offpolicy.rollout.hf.engine import HFEngine
 from tests.engine_contract import EngineContract
 from tests.module_helpers import tiny_model
 

@@ -13,9 +13,10 @@ import lightning as L
 import pytest
 import torch
 
-from lightning_offpolicy.module import OffPolicyRLModule
-from lightning_offpolicy.rollout import HFEngine, HFProcessEngine, RolloutCallback, SamplingConfig
-from lightning_offpolicy.tasks import PromptDataModule
+from lightning_offpolicy.data.tasks import PromptDataModule
+from lightning_offpolicy.lightning.callback import RolloutCallback
+from lightning_offpolicy.lightning.module import OffPolicyRLModule
+from lightning_offpolicy.rollout import HFEngine, HFProcessEngine, SamplingConfig
 from tests.engine_contract import EngineContract
 from tests.module_helpers import tiny_model
 

@@ -7,10 +7,10 @@ import logging
 import pytest
 import torch
 
+from lightning_offpolicy.demo.tiny import build_tiny_llama
 from lightning_offpolicy.rollout.engine import SamplingConfig
-from lightning_offpolicy.rollout.hf import HFEngine
-from lightning_offpolicy.rollout.hf_sampling import lean_unsupported
-from lightning_offpolicy.tiny import build_tiny_llama
+from lightning_offpolicy.rollout.hf.engine import HFEngine
+from lightning_offpolicy.rollout.hf.sampling import lean_unsupported
 from tests.module_helpers import tiny_model
 
 # Varying lengths: left padding, and position ids that differ per row.
@@ -131,7 +131,7 @@ def test_unsupported_models_fall_back_to_generate(caplog):
     model.generation_config.repetition_penalty = 1.2
     assert "repetition_penalty" in lean_unsupported(model)
     sampling = SamplingConfig(max_new_tokens=6, samples_per_prompt=2)
-    with caplog.at_level(logging.DEBUG, logger="lightning_offpolicy.rollout.hf"):
+    with caplog.at_level(logging.DEBUG, logger="lightning_offpolicy.rollout.hf.engine"):
         lean = _run(model, "lean", sampling)
     assert "repetition_penalty" in caplog.text
     _assert_same(lean, _run(model, "generate", sampling))

@@ -157,7 +157,7 @@ def test_bad_arguments():
 
 @pytest.fixture(scope="module")
 def tiny_llama():
-    from lightning_offpolicy.tiny import build_tiny_llama
+    from lightning_offpolicy.demo.tiny import build_tiny_llama
 
     return build_tiny_llama(vocab_size=64, seed=0).eval()
 

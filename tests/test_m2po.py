@@ -35,7 +35,7 @@ from lightning_offpolicy.correction import (  # noqa: E402
     policy_loss,
 )
 from lightning_offpolicy.correction.peer_names import PeerNameWarning  # noqa: E402
-from lightning_offpolicy.metrics import CorrectionMetrics  # noqa: E402
+from lightning_offpolicy.metrics.correction import CorrectionMetrics  # noqa: E402
 
 C = OffPolicyCorrectionConfig
 RTOL = 2e-5

@@ -14,7 +14,7 @@ from lightning_offpolicy.correction import (
     compute_correction,
     policy_loss,
 )
-from lightning_offpolicy.metrics import (
+from lightning_offpolicy.metrics.correction import (
     ChiSquared,
     CorrectionMetrics,
     EffectiveSampleSize,

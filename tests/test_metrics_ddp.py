@@ -22,7 +22,7 @@ from lightning_offpolicy.correction import (
     compute_correction,
     policy_loss,
 )
-from lightning_offpolicy.metrics import CorrectionMetrics, PolicyLossMetrics
+from lightning_offpolicy.metrics.correction import CorrectionMetrics, PolicyLossMetrics
 
 WORLD_SIZE = 2
 CONFIGS = {

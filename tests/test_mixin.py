@@ -9,13 +9,13 @@ import lightning as L
 import pytest
 import torch
 
-from lightning_offpolicy import checkpoint_identity as identity
-from lightning_offpolicy.checkpoint_identity import CheckpointMismatchError
 from lightning_offpolicy.correction import OffPolicyCorrectionConfig, PolicyLossConfig
-from lightning_offpolicy.mixin import OffPolicyMixin
-from lightning_offpolicy.module import OffPolicyRLModule
-from lightning_offpolicy.tiny import build_tiny_llama
-from lightning_offpolicy.tokenizers import CharTokenizer
+from lightning_offpolicy.data.tokenizers import CharTokenizer
+from lightning_offpolicy.demo.tiny import build_tiny_llama
+from lightning_offpolicy.lightning import checkpoint_identity as identity
+from lightning_offpolicy.lightning.checkpoint_identity import CheckpointMismatchError
+from lightning_offpolicy.lightning.mixin import OffPolicyMixin
+from lightning_offpolicy.lightning.module import OffPolicyRLModule
 from tests.module_helpers import TOKENIZER, fit_on, make_rollout, tiny_model
 
 CORRECTION = OffPolicyCorrectionConfig.geo_mis_token_tis(low=0.8, high=1.25, clip_high=1.5)
@@ -134,7 +134,7 @@ def dropout_model() -> torch.nn.Module:
     """The issue's model: a Llama with attention dropout, in training mode as a user's SFT left it."""
     from transformers import LlamaForCausalLM
 
-    from lightning_offpolicy.tiny import tiny_llama_config
+    from lightning_offpolicy.demo.tiny import tiny_llama_config
 
     torch.manual_seed(0)
     model = LlamaForCausalLM(tiny_llama_config(attention_dropout=0.3))
@@ -148,8 +148,9 @@ class PlainRL(OffPolicyMixin, SFTModule):
 
 
 def test_mixin_trains_a_dropout_model_without_dropout_and_gives_its_modes_back():
-    from lightning_offpolicy.rollout import HFEngine, RolloutCallback
-    from lightning_offpolicy.tasks import PromptDataModule
+    from lightning_offpolicy.data.tasks import PromptDataModule
+    from lightning_offpolicy.lightning.callback import RolloutCallback
+    from lightning_offpolicy.rollout import HFEngine
 
     module = PlainRL(dropout_model())
     seen_training = []  # per forward of the policy (generation and training): any submodule in training mode?
@@ -252,7 +253,7 @@ def test_the_documented_mixin_snippet_writes_train_scalars_in_20_steps(tmp_path,
     monkeypatch.chdir(tmp_path)
     sft_data = torch.utils.data.DataLoader([torch.tensor([[1, 5, 6, 7, 2]])] * 2, batch_size=None)
     namespace = {"sft_data": sft_data, "torch": torch, "CharTokenizer": type(TOKENIZER)}
-    exec("from lightning_offpolicy.tiny import build_tiny_llama\n" + code, namespace)
+    exec("from lightning_offpolicy.demo.tiny import build_tiny_llama\n" + code, namespace)
 
     rl_run = sorted((tmp_path / "lightning_logs").iterdir())[-1]  # the second fit's version
     events = EventAccumulator(str(rl_run))

@@ -11,7 +11,7 @@ import torch
 
 from lightning_offpolicy.batch import PromptBatch
 from lightning_offpolicy.correction import OffPolicyCorrectionConfig, PolicyLossConfig
-from lightning_offpolicy.module import OffPolicyRLModule
+from lightning_offpolicy.lightning.module import OffPolicyRLModule
 from tests.module_helpers import TOKENIZER, fit_on, make_rollout, reference_decoupled_sgd, rows_of, tiny_model
 
 LR = 0.002

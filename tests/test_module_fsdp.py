@@ -79,7 +79,7 @@ def test_hf_engine_samples_from_a_sharded_policy_on_one_device(one_rank_group, s
     """The default engine shares the (FSDP2-sharded) policy: it samples what the unsharded policy samples
     (the lean loop runs under no_grad there: FSDP2's unshard fails on inference tensors)."""
     from lightning_offpolicy.rollout.engine import SamplingConfig
-    from lightning_offpolicy.rollout.hf import HFEngine
+    from lightning_offpolicy.rollout.hf.engine import HFEngine
 
     plain, sharded = tiny_model(), _sharded_tiny_model()
     assert any(hasattr(p, "full_tensor") for p in sharded.parameters())
@@ -95,8 +95,8 @@ def test_hf_engine_samples_from_a_sharded_policy_on_one_device(one_rank_group, s
 
 
 def test_engines_that_copy_the_policy_refuse_a_sharded_one_naming_what_works(one_rank_group):
-    from lightning_offpolicy.rollout.hf import HFEngine
-    from lightning_offpolicy.rollout.hf_process import HFProcessEngine
+    from lightning_offpolicy.rollout.hf.engine import HFEngine
+    from lightning_offpolicy.rollout.hf.process import HFProcessEngine
 
     sharded = _sharded_tiny_model()
     for engine, name in (

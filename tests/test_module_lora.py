@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from lightning_offpolicy.correction import PolicyLossConfig
-from lightning_offpolicy.module import OffPolicyRLModule
+from lightning_offpolicy.lightning.module import OffPolicyRLModule
 from tests.module_helpers import TOKENIZER, fit_on, make_rollout, tiny_model
 
 

@@ -42,7 +42,7 @@ from lightning_offpolicy.correction import (  # noqa: E402
 )
 from lightning_offpolicy.correction.masks import off_policy_sequence_mask  # noqa: E402
 from lightning_offpolicy.correction.peer_names import PeerNameWarning  # noqa: E402
-from lightning_offpolicy.metrics import PolicyLossMetrics  # noqa: E402
+from lightning_offpolicy.metrics.correction import PolicyLossMetrics  # noqa: E402
 
 C = OffPolicyCorrectionConfig
 RTOL = 2e-5

@@ -17,11 +17,12 @@ import lightning as L
 import pytest
 import torch
 
-from lightning_offpolicy.module import OffPolicyRLModule
-from lightning_offpolicy.rollout import HFEngine, HFProcessEngine, RolloutCallback
+from lightning_offpolicy.data.tasks import PromptDataModule
+from lightning_offpolicy.lightning.callback import RolloutCallback
+from lightning_offpolicy.lightning.module import OffPolicyRLModule
+from lightning_offpolicy.rollout import HFEngine, HFProcessEngine
 from lightning_offpolicy.rollout.engine import INTERRUPTED, Completion, InterruptibleEngine, SamplingConfig
 from lightning_offpolicy.rollout.partial import PartialStats, generate_resumable
-from lightning_offpolicy.tasks import PromptDataModule
 from tests.module_helpers import perturbed, tiny_model
 from tests.test_async_rollout import VersionSpy
 

@@ -1,4 +1,4 @@
-"""lightning_offpolicy.policy: building the policy (LoRA, reference, checkpointing) outside the module."""
+"""lightning_offpolicy.train.policy: building the policy (LoRA, reference, checkpointing) outside the module."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from lightning_offpolicy import policy as policy_building
-from lightning_offpolicy.tiny import build_tiny_llama
+from lightning_offpolicy.demo.tiny import build_tiny_llama
+from lightning_offpolicy.train import policy as policy_building
 
 PACKAGE = Path(__file__).resolve().parents[1] / "lightning_offpolicy"
 
@@ -66,10 +66,10 @@ def test_importing_the_module_changes_no_global_state():
     code = """
 import warnings, torch
 import lightning.pytorch, torchmetrics
-import lightning_offpolicy.correction, lightning_offpolicy.policy, lightning_offpolicy.step
-import lightning_offpolicy.evaluation, lightning_offpolicy.metrics, lightning_offpolicy.preflight
+import lightning_offpolicy.correction, lightning_offpolicy.train.policy, lightning_offpolicy.train.step
+import lightning_offpolicy.metrics.evaluation, lightning_offpolicy.metrics.correction, lightning_offpolicy.preflight
 filters, safe = list(warnings.filters), list(torch.serialization.get_safe_globals())
-import lightning_offpolicy.module
+import lightning_offpolicy.lightning.module
 assert list(warnings.filters) == filters, "warning filters changed"
 assert list(torch.serialization.get_safe_globals()) == safe, "safe globals changed"
 assert lightning_offpolicy.correction.OffPolicyCorrectionConfig in safe

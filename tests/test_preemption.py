@@ -22,13 +22,14 @@ import pytest
 import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from lightning_offpolicy.module import OffPolicyRLModule
-from lightning_offpolicy.preemption import SAVE_ERROR_EXIT_CODE, SIGTERM_EXIT_CODE, PreemptionCheckpoint
-from lightning_offpolicy.rollout import HFEngine, RolloutCallback
+from lightning_offpolicy.data.tasks import PromptDataModule
+from lightning_offpolicy.data.tokenizers import CharTokenizer
+from lightning_offpolicy.demo.tiny import build_tiny_llama
+from lightning_offpolicy.lightning.callback import RolloutCallback
+from lightning_offpolicy.lightning.module import OffPolicyRLModule
+from lightning_offpolicy.lightning.preemption import SAVE_ERROR_EXIT_CODE, SIGTERM_EXIT_CODE, PreemptionCheckpoint
+from lightning_offpolicy.rollout import HFEngine
 from lightning_offpolicy.rollout.engine import INTERRUPTED
-from lightning_offpolicy.tasks import PromptDataModule
-from lightning_offpolicy.tiny import build_tiny_llama
-from lightning_offpolicy.tokenizers import CharTokenizer
 from tests.vllm_fixtures import requires_vllm
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -501,7 +502,7 @@ def full_disk_cli(tmp_path: Path, every: int, *extra_args: str, sigterm: bool, p
     place = f'cp "{before}" "{disk}/last.ckpt" && ' if previous else ""
     extra = tmp_path / "checkpoint.yaml"
     extra.write_text(
-        "trainer:\n  callbacks:\n    - class_path: lightning_offpolicy.checkpointing.PeriodicCheckpoint\n"
+        "trainer:\n  callbacks:\n    - class_path: lightning_offpolicy.lightning.checkpointing.PeriodicCheckpoint\n"
         f"      init_args: {{dirpath: {disk}, every_n_train_steps: {every}, save_last: true, save_top_k: 0}}\n"
     )
     command = [

@@ -12,14 +12,15 @@ import lightning as L
 import pytest
 import torch
 
-from lightning_offpolicy.advantages import compute_advantages
 from lightning_offpolicy.cli import _constructor_error
-from lightning_offpolicy.module import OffPolicyRLModule
+from lightning_offpolicy.data.tasks import PromptDataModule
+from lightning_offpolicy.data.tokenizers import CharTokenizer
+from lightning_offpolicy.demo.tiny import build_tiny_llama
+from lightning_offpolicy.lightning.callback import RolloutCallback
+from lightning_offpolicy.lightning.module import OffPolicyRLModule
 from lightning_offpolicy.preflight import GROUP_ESTIMATORS, looks_local
-from lightning_offpolicy.rollout import HFEngine, RolloutCallback
-from lightning_offpolicy.tasks import PromptDataModule
-from lightning_offpolicy.tiny import build_tiny_llama
-from lightning_offpolicy.tokenizers import CharTokenizer
+from lightning_offpolicy.rollout import HFEngine
+from lightning_offpolicy.rollout.advantages import compute_advantages
 from tests.test_cli import ROOT, parse
 
 
@@ -192,7 +193,9 @@ def test_a_misspelt_hub_name_without_network_fails_at_once(tmp_path):
         "HF_HOME": str(tmp_path / "hf"),
         "HF_HUB_OFFLINE": "0",
     }
-    code = "from lightning_offpolicy.policy import load_policy; load_policy('Qwen/Qwen2.5-0.5B-Instrcut', 'float32')"
+    code = (
+        "from lightning_offpolicy.train.policy import load_policy; load_policy('Qwen/Qwen2.5-0.5B-Instrcut', 'float32')"
+    )
     begin = time.monotonic()
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=180)
     elapsed = time.monotonic() - begin

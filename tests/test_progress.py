@@ -9,9 +9,9 @@ import pytest
 from lightning.pytorch.callbacks import TQDMProgressBar
 
 from lightning_offpolicy.cli import OffPolicyCLI
-from lightning_offpolicy.module import OffPolicyRLModule
-from lightning_offpolicy.progress import RLProgressBar, remaining_batches
-from lightning_offpolicy.tasks import PromptDataModule
+from lightning_offpolicy.data.tasks import PromptDataModule
+from lightning_offpolicy.lightning.module import OffPolicyRLModule
+from lightning_offpolicy.lightning.progress import RLProgressBar, remaining_batches
 
 ROOT = Path(__file__).resolve().parents[1]
 

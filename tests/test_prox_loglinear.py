@@ -20,8 +20,8 @@ from lightning_offpolicy.correction import CorrectionConfigError, PolicyLossConf
 from lightning_offpolicy.correction import OffPolicyCorrectionConfig as C
 from lightning_offpolicy.correction.peer_names import PEER_DEFAULTS, PEER_OF, PeerNameWarning
 from lightning_offpolicy.correction.prox import loglinear_alpha, loglinear_prox_logprobs
+from lightning_offpolicy.lightning.module import OffPolicyRLModule
 from lightning_offpolicy.logprobs import causal_lm_token_logprobs
-from lightning_offpolicy.module import OffPolicyRLModule
 from tests.module_helpers import TOKENIZER, fit_on, make_rollout, reference_logprobs, rows_of, tiny_model
 
 LR = 0.002

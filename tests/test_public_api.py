@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import importlib
-import json
 import subprocess
 import sys
 
@@ -40,53 +39,3 @@ def test_importing_the_package_or_the_correction_core_loads_no_lightning():
 
 def test_all_lists_exactly_the_exports():
     assert lightning_offpolicy.__all__ == sorted(lightning_offpolicy._EXPORTS)
-
-
-MOVED = {
-    "lightning_offpolicy.rollout.vllm_engine": ("lightning_offpolicy.rollout.vllm.inprocess", "VLLMEngine"),
-    "lightning_offpolicy.rollout.remote_vllm": ("lightning_offpolicy.rollout.vllm", "launch_local_server"),
-    "lightning_offpolicy.rollout.vllm_errors": ("lightning_offpolicy.rollout.vllm.errors", "INSTALL_HINT"),
-    "lightning_offpolicy.rollout.vllm_process": ("lightning_offpolicy.rollout.vllm.process", "__name__"),
-    "lightning_offpolicy.rollout.weight_sync": ("lightning_offpolicy.rollout.vllm.weight_sync", "SyncCheck"),
-    "lightning_offpolicy.rollout.hf_engine": ("lightning_offpolicy.rollout.hf", "HFEngine"),
-}
-
-
-@pytest.fixture(scope="module")
-def moved_imports() -> dict[str, str]:
-    """One fresh interpreter imports every new module, then each old path in turn: per old path, the
-    warning its first import raised (or the error of the check that failed)."""
-    code = (
-        "import importlib, json, sys, warnings\n"
-        f"moved = {MOVED!r}\n"
-        "for new, _ in moved.values():\n"
-        "    importlib.import_module(new)\n"
-        "out = {}\n"
-        "for old, (new, name) in moved.items():\n"
-        "    try:\n"
-        "        with warnings.catch_warnings():\n"
-        "            warnings.simplefilter('error')\n"
-        "            try:\n"
-        "                importlib.import_module(old)\n"
-        "                out[old] = 'no warning'\n"
-        "            except DeprecationWarning as w:\n"
-        "                out[old] = str(w)\n"
-        "        with warnings.catch_warnings():\n"
-        "            warnings.simplefilter('ignore')\n"
-        "            module = importlib.import_module(old)\n"
-        "        assert module is sys.modules[new] and getattr(module, name) is getattr(sys.modules[new], name)\n"
-        "        assert sys.modules[old] is sys.modules[new]\n"
-        "    except Exception as err:\n"
-        "        out[old] = f'failed: {err!r}'\n"
-        "print(json.dumps(out))\n"
-    )
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0, done.stderr
-    return json.loads(done.stdout.strip().splitlines()[-1])
-
-
-@pytest.mark.parametrize("old", sorted(MOVED))
-def test_a_moved_module_still_imports_for_one_release_with_a_deprecation_warning(old, moved_imports):
-    """A fresh interpreter: the warning fires at the first import, and the old path is the new module."""
-    new, _ = MOVED[old]
-    assert moved_imports[old] == f"{old} moved to {new}; the old path is removed in 0.2: import from {new} instead."

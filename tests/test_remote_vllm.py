@@ -490,10 +490,10 @@ def test_fit_with_remote_rollouts(server, weights_dir, tiny_ckpt, trainer_model,
     from lightning.pytorch.loggers import TensorBoardLogger
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    from lightning_offpolicy.module import OffPolicyRLModule
+    from lightning_offpolicy.data.tasks import PromptDataModule
+    from lightning_offpolicy.lightning.callback import RolloutCallback
+    from lightning_offpolicy.lightning.module import OffPolicyRLModule
     from lightning_offpolicy.rollout import RemoteVLLMEngine as Exported
-    from lightning_offpolicy.rollout import RolloutCallback
-    from lightning_offpolicy.tasks import PromptDataModule
 
     engine = Exported(server.base_url, weights_dir=str(weights_dir), request_timeout_s=300)
     seen: list[Completion] = []

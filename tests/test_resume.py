@@ -7,9 +7,10 @@ from functools import partial
 import lightning as L
 import torch
 
-from lightning_offpolicy.module import OffPolicyRLModule
-from lightning_offpolicy.rollout import HFEngine, RolloutCallback
-from lightning_offpolicy.tasks import PromptDataModule
+from lightning_offpolicy.data.tasks import PromptDataModule
+from lightning_offpolicy.lightning.callback import RolloutCallback
+from lightning_offpolicy.lightning.module import OffPolicyRLModule
+from lightning_offpolicy.rollout import HFEngine
 
 
 def build(max_steps: int, root):

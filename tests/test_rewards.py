@@ -12,7 +12,7 @@ import pytest
 import reasoning_gym
 import torch
 
-from lightning_offpolicy.rewards import (
+from lightning_offpolicy.data.rewards import (
     MathAnswerReward,
     RegexFormatReward,
     RewardError,
@@ -22,7 +22,7 @@ from lightning_offpolicy.rewards import (
     resolve_reward,
     score_completions,
 )
-from lightning_offpolicy.rollout import RolloutCallback
+from lightning_offpolicy.lightning.callback import RolloutCallback
 from tests import reward_fixtures
 
 
@@ -185,7 +185,7 @@ def test_a_hung_reward_is_abandoned_at_reward_timeout_s_naming_the_row():
 @pytest.mark.parametrize("timeout_s", [5.0, None], ids=["worker-thread", "no-limit"])
 def test_a_slow_reward_call_is_reported_while_it_runs(caplog, timeout_s):
     threads.clear()
-    with caplog.at_level(logging.WARNING, logger="lightning_offpolicy.rewards.scoring"):
+    with caplog.at_level(logging.WARNING, logger="lightning_offpolicy.data.rewards.scoring"):
         scored = score_completions(
             slow_rows, ["p0", "p1", "p2"], ["a", "bb", "ccc"], [{}] * 3, timeout_s=timeout_s, report_every_s=0.1
         )

@@ -14,14 +14,14 @@ import pytest
 import torch
 
 from lightning_offpolicy.batch import RolloutBatch
+from lightning_offpolicy.data.tokenizers import CharTokenizer
+from lightning_offpolicy.demo.tiny import build_tiny_llama
 from lightning_offpolicy.logprobs import causal_lm_token_logprobs
 from lightning_offpolicy.rollout import HFEngine, HFProcessEngine, SamplingConfig
 from lightning_offpolicy.rollout.engine import Completion
-from lightning_offpolicy.rollout.hf_sampling import kept_support
+from lightning_offpolicy.rollout.hf.sampling import kept_support
 from lightning_offpolicy.rollout.partial import _joined
-from lightning_offpolicy.rollout.pipeline import Rollouter
-from lightning_offpolicy.tiny import build_tiny_llama
-from lightning_offpolicy.tokenizers import CharTokenizer
+from lightning_offpolicy.rollout.rollouter import Rollouter
 from tests.engine_contract import batch_of
 
 PAD, EOS = 0, 2

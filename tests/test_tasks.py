@@ -7,7 +7,7 @@ import random
 import pytest
 
 from lightning_offpolicy.batch import PromptBatch
-from lightning_offpolicy.tasks import (
+from lightning_offpolicy.data.tasks import (
     TASKS,
     AdditionTask,
     CopyTask,
@@ -18,7 +18,7 @@ from lightning_offpolicy.tasks import (
     TaskReward,
     get_task,
 )
-from lightning_offpolicy.tokenizers import CharTokenizer
+from lightning_offpolicy.data.tokenizers import CharTokenizer
 
 
 def test_registry_and_errors():

@@ -9,9 +9,10 @@ import time
 import pytest
 import torch
 
-import lightning_offpolicy.tiny as tiny
-from lightning_offpolicy.tasks import get_task
-from lightning_offpolicy.tiny import (
+import lightning_offpolicy.demo.tiny as tiny
+from lightning_offpolicy.data.tasks import get_task
+from lightning_offpolicy.data.tokenizers import CharTokenizer, load_tokenizer
+from lightning_offpolicy.demo.tiny import (
     MARKER_FILE,
     build_tiny_llama,
     greedy_completions,
@@ -21,7 +22,6 @@ from lightning_offpolicy.tiny import (
     tiny_llama_config,
     warmup_sft,
 )
-from lightning_offpolicy.tokenizers import CharTokenizer, load_tokenizer
 
 
 @pytest.fixture(autouse=True)

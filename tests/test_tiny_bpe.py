@@ -1,4 +1,4 @@
-"""lightning_offpolicy.tiny_bpe: a real-format checkpoint (Qwen2 / Llama, byte-level BPE, ChatML) built locally."""
+"""lightning_offpolicy.demo.tiny_bpe: a real-format checkpoint (Qwen2 / Llama, byte-level BPE, ChatML) built locally."""
 
 from __future__ import annotations
 
@@ -7,14 +7,14 @@ import json
 import pytest
 import torch
 
-from lightning_offpolicy.tiny_bpe import (
+from lightning_offpolicy.data.tokenizers import HFTokenizer, load_tokenizer
+from lightning_offpolicy.demo.tiny_bpe import (
     CHATML_TEMPLATE,
     build_bpe_checkpoint,
     chat_prompt_ids,
     sft_on_pairs,
     train_bpe_tokenizer,
 )
-from lightning_offpolicy.tokenizers import HFTokenizer, load_tokenizer
 
 CORPUS = [f"Calculate {a} + {b}." for a in range(10) for b in range(10)] + [str(n) for n in range(19)]
 
@@ -73,7 +73,7 @@ def test_checkpoint_is_an_ordinary_hf_directory(tmp_path, architecture):
 def test_sft_on_pairs_learns_the_answers():
     from transformers import AutoModelForCausalLM
 
-    from lightning_offpolicy.tiny_bpe import tiny_config
+    from lightning_offpolicy.demo.tiny_bpe import tiny_config
 
     tokenizer = train_bpe_tokenizer(CORPUS, vocab_size=300)
     torch.manual_seed(0)

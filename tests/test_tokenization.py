@@ -18,12 +18,12 @@ from torch.utils.data import DataLoader
 
 from lightning_offpolicy.batch import PromptBatch
 from lightning_offpolicy.cli import OffPolicyCLI
-from lightning_offpolicy.module import OffPolicyRLModule
-from lightning_offpolicy.rollout import RolloutCallback
+from lightning_offpolicy.data.tasks import PromptDataModule
+from lightning_offpolicy.data.tokenizers import CharTokenizer, HFTokenizer, encode_prompt
+from lightning_offpolicy.lightning.callback import RolloutCallback
+from lightning_offpolicy.lightning.module import OffPolicyRLModule
 from lightning_offpolicy.rollout.engine import SpecialTokens, first_stop, generation_eos_ids
-from lightning_offpolicy.rollout.hf import HFEngine
-from lightning_offpolicy.tasks import PromptDataModule
-from lightning_offpolicy.tokenizers import CharTokenizer, HFTokenizer, encode_prompt
+from lightning_offpolicy.rollout.hf.engine import HFEngine
 from tests.tokenizer_builders import (
     BOS_ID,
     CHAT_TEMPLATE,
@@ -196,7 +196,7 @@ def test_path_none_waits_for_the_model_directory(tmp_path):
 def hf_checkpoint(tmp_path_factory) -> Path:
     """A tiny Llama + the no-bos char tokenizer (with a chat template) in one directory, as a user's checkpoint;
     its generation config lists two eos ids."""
-    from lightning_offpolicy.tiny import build_tiny_llama
+    from lightning_offpolicy.demo.tiny import build_tiny_llama
 
     directory = tmp_path_factory.mktemp("hf_ckpt")
     model = build_tiny_llama(vocab_size=64, seed=3)
@@ -211,7 +211,7 @@ def test_cli_sets_tokenizer_options_without_repeating_the_path(tmp_path, hf_chec
         "model": {
             "model": str(hf_checkpoint),
             "tokenizer": {
-                "class_path": "lightning_offpolicy.tokenizers.HFTokenizer",
+                "class_path": "lightning_offpolicy.data.tokenizers.HFTokenizer",
                 "init_args": {"add_bos": True, "chat_template": True, "system_prompt": "be brief"},
             },
         }
@@ -243,7 +243,7 @@ def test_cli_sets_tokenizer_options_without_repeating_the_path(tmp_path, hf_chec
             "--config",
             str(QUICKSTART),
             "--model.model=tiny:copy",
-            "--model.tokenizer=lightning_offpolicy.tokenizers.HFTokenizer",
+            "--model.tokenizer=lightning_offpolicy.data.tokenizers.HFTokenizer",
             "--model.tokenizer.add_bos=false",
             "--trainer.logger=false",
         ],

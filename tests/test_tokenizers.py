@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from lightning_offpolicy.tokenizers import (
+from lightning_offpolicy.data.tokenizers import (
     CHAR_TOKENIZER_FILE,
     DEFAULT_ALPHABET,
     UNKNOWN_CHAR,
@@ -103,7 +103,7 @@ def _save_weights_only(directory):
     """config.json + weights of a tiny Qwen2 and no tokenizer files: what `model.save_pretrained(dir)` alone writes."""
     from transformers import AutoModelForCausalLM
 
-    from lightning_offpolicy.tiny_bpe import tiny_config
+    from lightning_offpolicy.demo.tiny_bpe import tiny_config
 
     config = tiny_config("qwen2", vocab_size=64, pad_token_id=0, eos_token_id=2)
     AutoModelForCausalLM.from_config(config).save_pretrained(str(directory))
@@ -115,9 +115,10 @@ def test_a_model_directory_without_tokenizer_files_fails_at_load_naming_them(tmp
     with "HFEngine.generate: every prompt needs at least one token"."""
     import lightning as L
 
-    from lightning_offpolicy.module import OffPolicyRLModule
-    from lightning_offpolicy.rollout import HFEngine, RolloutCallback
-    from lightning_offpolicy.tasks import PromptDataModule
+    from lightning_offpolicy.data.tasks import PromptDataModule
+    from lightning_offpolicy.lightning.callback import RolloutCallback
+    from lightning_offpolicy.lightning.module import OffPolicyRLModule
+    from lightning_offpolicy.rollout import HFEngine
 
     directory = _save_weights_only(tmp_path / "weights-only")
     trainer = L.Trainer(
@@ -138,7 +139,7 @@ def test_a_model_directory_without_tokenizer_files_fails_at_load_naming_them(tmp
     assert "missing: tokenizer.json (or a vocabulary file" in message and "; tokenizer_config.json;" in message
     assert "the directory holds config.json, generation_config.json, model.safetensors" in message
     assert f"tokenizer.save_pretrained('{directory}')" in message
-    assert "model.tokenizer: {class_path: lightning_offpolicy.tokenizers.HFTokenizer" in message
+    assert "model.tokenizer: {class_path: lightning_offpolicy.data.tokenizers.HFTokenizer" in message
 
 
 def test_tokenizer_settings_without_a_vocabulary_are_refused(tmp_path):
@@ -164,7 +165,7 @@ def test_the_tokenizer_named_in_the_message_loads_beside_a_weights_only_director
     from lightning.pytorch import LightningDataModule
 
     from lightning_offpolicy.cli import OffPolicyCLI
-    from lightning_offpolicy.module import OffPolicyRLModule
+    from lightning_offpolicy.lightning.module import OffPolicyRLModule
     from tests.tokenizer_builders import save_char_tokenizer
 
     weights = _save_weights_only(tmp_path / "weights-only")
@@ -176,9 +177,9 @@ def test_the_tokenizer_named_in_the_message_loads_beside_a_weights_only_director
         run=False,
         auto_configure_optimizers=False,
         args=[
-            "--data=lightning_offpolicy.tasks.PromptDataModule",
+            "--data=lightning_offpolicy.data.tasks.PromptDataModule",
             f"--model.model={weights}",
-            "--model.tokenizer=lightning_offpolicy.tokenizers.HFTokenizer",
+            "--model.tokenizer=lightning_offpolicy.data.tokenizers.HFTokenizer",
             f"--model.tokenizer.init_args.path={tokenizer_dir}",
         ],
     )

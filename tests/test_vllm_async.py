@@ -14,10 +14,10 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from lightning_offpolicy.cli import main
-from lightning_offpolicy.module import OffPolicyRLModule
-from lightning_offpolicy.rollout import RolloutCallback
+from lightning_offpolicy.data.tasks import PromptDataModule
+from lightning_offpolicy.lightning.callback import RolloutCallback
+from lightning_offpolicy.lightning.module import OffPolicyRLModule
 from lightning_offpolicy.rollout.vllm.inprocess import VLLMEngine
-from lightning_offpolicy.tasks import PromptDataModule
 from tests.test_async_rollout import VersionSpy
 from tests.test_vllm_fit import vllm_children
 from tests.vllm_fixtures import ENGINE_KWARGS, requires_vllm

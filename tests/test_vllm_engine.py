@@ -122,9 +122,9 @@ def test_bad_calls_fail_before_starting_anything(monkeypatch):
 
 @requires_vllm
 def test_start_failure_hint_names_unsupported_head_dim(tmp_path):
+    from lightning_offpolicy.demo.tiny import tiny_llama_config
     from lightning_offpolicy.rollout.vllm.errors import head_dim_hint
     from lightning_offpolicy.rollout.vllm.inprocess import supported_cpu_head_dims
-    from lightning_offpolicy.tiny import tiny_llama_config
 
     tiny_llama_config(head_dim=16).save_pretrained(tmp_path)
     hint = head_dim_hint(str(tmp_path))

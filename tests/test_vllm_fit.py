@@ -58,11 +58,12 @@ def test_the_default_engine_dtype_is_the_trainers(tmp_path):
     import lightning as L
     import torch
 
-    from lightning_offpolicy.module import OffPolicyRLModule
-    from lightning_offpolicy.rollout import RolloutCallback, VLLMEngine
-    from lightning_offpolicy.tasks import PromptDataModule
-    from lightning_offpolicy.tiny import build_tiny_llama
-    from lightning_offpolicy.tokenizers import CharTokenizer
+    from lightning_offpolicy.data.tasks import PromptDataModule
+    from lightning_offpolicy.data.tokenizers import CharTokenizer
+    from lightning_offpolicy.demo.tiny import build_tiny_llama
+    from lightning_offpolicy.lightning.callback import RolloutCallback
+    from lightning_offpolicy.lightning.module import OffPolicyRLModule
+    from lightning_offpolicy.rollout import VLLMEngine
 
     engine = VLLMEngine(max_model_len=64, eos_token_id=2)
     seen: list[tuple[torch.dtype | None, float]] = []

@@ -14,6 +14,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from lightning_offpolicy.data.tasks import get_task
+from lightning_offpolicy.data.tokenizers import CharTokenizer
 from lightning_offpolicy.logprobs import causal_lm_token_logprobs
 from lightning_offpolicy.rollout.engine import Completion, SamplingConfig
 from lightning_offpolicy.rollout.vllm.inprocess import VLLMEngine
@@ -23,8 +25,6 @@ from lightning_offpolicy.rollout.vllm.weight_sync import (
     merged_state_dict,
     save_adapter,
 )
-from lightning_offpolicy.tasks import get_task
-from lightning_offpolicy.tokenizers import CharTokenizer
 from tests.vllm_fixtures import (
     ENGINE_KWARGS,
     requires_vllm,
@@ -53,7 +53,7 @@ def _lora(base: torch.nn.Module, seed: int = 0, **config) -> torch.nn.Module:
 
 
 def _tiny_lora(**config) -> torch.nn.Module:
-    from lightning_offpolicy.tiny import build_tiny_llama
+    from lightning_offpolicy.demo.tiny import build_tiny_llama
 
     return _lora(build_tiny_llama(), **config)
 
@@ -201,8 +201,8 @@ def test_save_adapter_and_rank(tmp_path):
 
 @requires_vllm
 def test_adapter_mode_needs_a_peft_model_and_a_first_sync():
+    from lightning_offpolicy.demo.tiny import build_tiny_llama
     from lightning_offpolicy.rollout.vllm.lora import vllm_lora_rank
-    from lightning_offpolicy.tiny import build_tiny_llama
 
     engine = VLLMEngine(model="unused", eos_token_id=2, lora_sync="adapter")
     with pytest.raises(TypeError, match="lora_sync='merged'"):

@@ -9,8 +9,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from lightning_offpolicy.demo.tiny import build_tiny_llama
 from lightning_offpolicy.rollout.vllm.weight_sync import SyncCheck, SyncTolerance, sync_tolerance, weights_dtype
-from lightning_offpolicy.tiny import build_tiny_llama
 
 
 def _module(dtype: torch.dtype) -> torch.nn.Module:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from lightning_offpolicy.tokenizers import DEFAULT_ALPHABET
+from lightning_offpolicy.data.tokenizers import DEFAULT_ALPHABET
 
 #: The char-level vocabulary: 3 specials, then one id per character of the built-in tasks' alphabet.
 CHAR_VOCAB: dict[str, int] = {"<pad>": 0, "<s>": 1, "</s>": 2} | {c: i + 3 for i, c in enumerate(DEFAULT_ALPHABET)}

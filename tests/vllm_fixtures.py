@@ -28,7 +28,7 @@ ENGINE_KWARGS = dict(dtype="float32", max_model_len=256, gpu_memory_utilization=
 @pytest.fixture(scope="session")
 def tiny_ckpt(tmp_path_factory) -> Path:
     """The tiny Llama warmed up on ``reverse``, saved as a checkpoint directory."""
-    from lightning_offpolicy.tiny import prepare_tiny_checkpoint
+    from lightning_offpolicy.demo.tiny import prepare_tiny_checkpoint
 
     return prepare_tiny_checkpoint("reverse", directory=tmp_path_factory.mktemp("vllm") / "tiny-reverse")
 
@@ -161,8 +161,8 @@ def reverse_prompts(n: int, seed: int = 0) -> list[list[int]]:
     """``n`` prompt id lists of the ``reverse`` task (character tokenizer, with bos)."""
     import random
 
-    from lightning_offpolicy.tasks import get_task
-    from lightning_offpolicy.tokenizers import CharTokenizer
+    from lightning_offpolicy.data.tasks import get_task
+    from lightning_offpolicy.data.tokenizers import CharTokenizer
 
     task, tok, rng = get_task("reverse"), CharTokenizer(), random.Random(seed)
     return [tok.encode(task.sample(rng)[0], add_bos=True) for _ in range(n)]

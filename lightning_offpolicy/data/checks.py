@@ -406,7 +406,7 @@ def check_prompt_lengths(
         limit: ``(tokens, description)`` of the context, as :func:`lightning_offpolicy.preflight.context_limit`.
         owner: the class named in the message.
     """
-    from lightning_offpolicy.tokenizers import encode_prompt, encode_prompts
+    from lightning_offpolicy.data.tokenizers import encode_prompt, encode_prompts
 
     budget = limit[0] - max_new_tokens
     too_long: list[tuple[int, int]] = []

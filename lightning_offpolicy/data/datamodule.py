@@ -12,9 +12,9 @@ from torch.utils.data import DataLoader, Dataset
 from lightning_offpolicy.argcheck import is_int, is_real
 from lightning_offpolicy.batch import PromptBatch
 from lightning_offpolicy.data.checks import RowLocator, check_prompt_lengths, check_rows, is_prompt
+from lightning_offpolicy.data.rewards.resolve import RewardSpec
 from lightning_offpolicy.data.sampler import ResumableTrainLoader
 from lightning_offpolicy.data.sources import REASONING_GYM_PREFIX, load_source, reasoning_gym_rows
-from lightning_offpolicy.rewards.resolve import RewardSpec
 
 __all__ = ["DatasetDataModule", "PromptRows"]
 
@@ -95,7 +95,7 @@ class DatasetDataModule(ResumableTrainLoader, LightningDataModule):
         reward_fn: The reward for these prompts, exposed as ``self.reward_fn`` (which
             RolloutCallback uses when it has none): a callable, an import path such as
             ``my_pkg.rewards.exact_match``, or a list of weighted rewards (see
-            :func:`lightning_offpolicy.rewards.resolve_reward`). Default: reasoning-gym's own scorer
+            :func:`lightning_offpolicy.data.rewards.resolve_reward`). Default: reasoning-gym's own scorer
             for reasoning-gym sources, none otherwise.
         reasoning_gym_size: Entries generated for a reasoning-gym ``source`` (``val_source``: a
             quarter of it, at least 1).
@@ -165,7 +165,7 @@ class DatasetDataModule(ResumableTrainLoader, LightningDataModule):
                 f"{len(rows) - len(self.train_dataset)}) are fewer than prompts_per_step={prompts_per_step}."
             )
 
-        from lightning_offpolicy.rewards import ReasoningGymReward, resolve_reward
+        from lightning_offpolicy.data.rewards import ReasoningGymReward, resolve_reward
 
         #: What RolloutCallback scores with when it is given no reward_fn of its own.
         self.reward_fn = resolve_reward(reward_fn) if reward_fn is not None else None

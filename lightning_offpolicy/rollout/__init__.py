@@ -1,9 +1,11 @@
-"""Rollout side: the engine contract, the embedded HF engine, and the callback that drives them."""
+"""Rollout side, free of Lightning: the engine contract, the engines (``hf/``, ``vllm/``), and the
+rollouter that turns prompts into scored, advantage-weighted :class:`~lightning_offpolicy.batch.RolloutBatch`es.
 
-from lightning_offpolicy.rollout.callback import RolloutCallback
+The Lightning callback that drives them is :class:`lightning_offpolicy.lightning.RolloutCallback`.
+"""
+
 from lightning_offpolicy.rollout.engine import Completion, InterruptibleEngine, RolloutEngine, SamplingConfig
-from lightning_offpolicy.rollout.hf import HFEngine
-from lightning_offpolicy.rollout.hf_process import HFProcessEngine
+from lightning_offpolicy.rollout.hf import HFEngine, HFProcessEngine
 from lightning_offpolicy.rollout.vllm import RemoteVLLMEngine
 from lightning_offpolicy.rollout.vllm.inprocess import VLLMEngine
 
@@ -13,7 +15,6 @@ __all__ = [
     "HFProcessEngine",
     "InterruptibleEngine",
     "RemoteVLLMEngine",
-    "RolloutCallback",
     "RolloutEngine",
     "SamplingConfig",
     "VLLMEngine",

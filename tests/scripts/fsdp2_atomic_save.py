@@ -21,7 +21,7 @@ from torch.distributed.checkpoint import FileSystemWriter
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from lightning_offpolicy.checkpointing import make_sharded_saves_atomic  # noqa: E402
+from lightning_offpolicy.lightning.checkpointing import make_sharded_saves_atomic  # noqa: E402
 from tests.module_helpers import fit_on, make_rollout, tiny_model  # noqa: E402
 from tests.test_module_ddp import make_module  # noqa: E402
 

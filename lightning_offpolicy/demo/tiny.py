@@ -1,0 +1,453 @@
+"""A tiny Llama, warmed up by supervised fine-tuning on a built-in task, cached as a checkpoint.
+
+The quickstart trains with RL from a checkpoint that already knows the format of a task but is
+far from solving it. Nothing is downloaded: the model is built from a config, the tokenizer is
+:class:`~lightning_offpolicy.data.tokenizers.CharTokenizer`.
+
+    >>> from lightning_offpolicy.demo.tiny import resolve_model_path
+    >>> path = resolve_model_path("tiny:reverse")          # doctest: +SKIP
+    >>> path = resolve_model_path("tiny:addition?sft_steps=300&seed=1")   # doctest: +SKIP
+
+Warm-up settings and the measured rewards they reach: docs/training.md, "The tiny checkpoints".
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import random
+import shutil
+import tempfile
+import time
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+from urllib.parse import parse_qsl
+
+import torch
+import torch.nn.functional as F
+
+from lightning_offpolicy.argcheck import is_int
+from lightning_offpolicy.data.tasks import Task, get_task
+from lightning_offpolicy.data.tokenizers import CharTokenizer, HFTokenizer, encode_prompt
+from lightning_offpolicy.preflight import check_vocab
+
+__all__ = [
+    "CACHE_ENV",
+    "DEFAULT_SFT_STEPS",
+    "MARKER_FILE",
+    "build_tiny_llama",
+    "default_cache_dir",
+    "greedy_completions",
+    "greedy_reward",
+    "prepare_tiny_checkpoint",
+    "resolve_model_path",
+    "tiny_llama_config",
+    "warmup_sft",
+]
+
+#: Environment variable naming the cache root (default ``~/.cache/lightning_offpolicy``).
+CACHE_ENV = "LIGHTNING_OFFPOLICY_CACHE"
+#: Written last into a finished checkpoint directory; holds the spec it was built from.
+MARKER_FILE = "tiny_checkpoint.json"
+#: Bump when the recipe changes so stale caches are rebuilt.
+_RECIPE_VERSION = 1
+TINY_PREFIX = "tiny:"
+
+#: Warm-up steps per task, chosen so the greedy reward lands well above random but far from 1
+#: (measured numbers in the module docstring).
+DEFAULT_SFT_STEPS: dict[str, int] = {"reverse": 100, "addition": 200, "copy": 40}
+#: Warm-up learning rate per task (addition is unstable at 3e-3: its reward falls back after 50 steps).
+DEFAULT_SFT_LR: dict[str, float] = {"reverse": 3e-3, "addition": 1e-3, "copy": 3e-3}
+_FALLBACK_STEPS, _FALLBACK_LR = 150, 3e-3
+
+Tokenizer = CharTokenizer | HFTokenizer
+
+
+#: The sizes of every tiny decoder the kit builds (the tiny Llama here, the BPE checkpoints of
+#: :mod:`lightning_offpolicy.demo.tiny_bpe`): head dim 64, because vLLM's CPU attention needs it.
+TINY_DECODER_SIZES: dict[str, Any] = dict(
+    hidden_size=128,
+    intermediate_size=256,
+    num_hidden_layers=2,
+    num_attention_heads=2,
+    num_key_value_heads=2,
+    head_dim=64,
+    tie_word_embeddings=False,
+)
+
+
+def tiny_llama_config(vocab_size: int = 64, **overrides: Any):
+    """Config of a ~0.34M-parameter Llama (344,704 at vocab 64): hidden 128, 2 layers, 2 heads of dim 64.
+
+    Head dim 64: vLLM's CPU attention needs it.
+    """
+    from transformers import LlamaConfig
+
+    kwargs: dict[str, Any] = dict(
+        vocab_size=vocab_size,
+        **TINY_DECODER_SIZES,
+        max_position_embeddings=256,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+    kwargs.update(overrides)
+    return LlamaConfig(**kwargs)
+
+
+def build_tiny_llama(vocab_size: int = 64, seed: int = 0):
+    """A freshly initialised float32 tiny Llama (eval mode); the global RNG state is left untouched."""
+    from transformers import LlamaForCausalLM
+
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = LlamaForCausalLM(tiny_llama_config(vocab_size))
+    return model.to(torch.float32).eval()
+
+
+def warmup_sft(
+    model: torch.nn.Module,
+    tokenizer: Tokenizer,
+    task: Task,
+    steps: int,
+    batch_size: int = 64,
+    lr: float = 3e-3,
+    seed: int = 0,
+) -> list[float]:
+    """Supervised warm-up: teacher-forced cross-entropy on ``prompt + reference + eos``.
+
+    Only the completion tokens (the reference answer and ``eos``) carry loss. Prompts come from
+    ``task.sample(random.Random(seed))``; the optimizer is AdamW with a constant learning rate.
+    Returns the loss of every step. The model is left in eval mode.
+    """
+    if steps < 0:
+        raise ValueError(f"warmup_sft: `steps` must be >= 0, got {steps}.")
+    if batch_size < 1:
+        raise ValueError(f"warmup_sft: `batch_size` must be >= 1, got {batch_size}.")
+    check_vocab(model, tokenizer)
+    rng = random.Random(seed)
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+    model.train()
+    losses: list[float] = []
+    for _ in range(steps):
+        rows = []
+        for _ in range(batch_size):
+            prompt, metadata = task.sample(rng)
+            completion_ids = tokenizer.encode(task.reference_completion(metadata), add_bos=False)
+            rows.append((encode_prompt(tokenizer, prompt), completion_ids + [tokenizer.eos_token_id]))
+        losses.append(sft_step(model, optimizer, rows, pad))
+    model.eval()
+    return losses
+
+
+def sft_step(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    rows: Sequence[tuple[list[int], list[int]]],
+    pad_token_id: int,
+) -> float:
+    """One teacher-forced cross-entropy step on ``(prompt_ids, completion_ids)`` rows, right-padded.
+
+    Only the completion tokens carry loss. Returns the step's loss.
+    """
+    device = next(model.parameters()).device
+    length = max(len(prompt) + len(completion) for prompt, completion in rows)
+    input_ids = torch.full((len(rows), length), pad_token_id, dtype=torch.long)
+    attention_mask = torch.zeros_like(input_ids)
+    labels = torch.full_like(input_ids, -100)
+    for row, (prompt, completion) in enumerate(rows):
+        sequence = torch.tensor(prompt + completion)
+        input_ids[row, : len(sequence)] = sequence
+        attention_mask[row, : len(sequence)] = 1
+        labels[row, len(prompt) : len(sequence)] = torch.tensor(completion)
+    input_ids, attention_mask, labels = input_ids.to(device), attention_mask.to(device), labels.to(device)
+    logits = model(input_ids=input_ids, attention_mask=attention_mask).logits
+    loss = F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]).float(), labels[:, 1:].reshape(-1))
+    optimizer.zero_grad(set_to_none=True)
+    loss.backward()
+    optimizer.step()
+    return float(loss.detach())
+
+
+@torch.no_grad()
+def greedy_completions(
+    model: torch.nn.Module,
+    tokenizer: Tokenizer,
+    prompts: Sequence[str],
+    max_new_tokens: int,
+    batch_size: int = 256,
+) -> list[str]:
+    """Greedy completions (left-padded batches, each stops at ``eos``; ``eos`` not included)."""
+    device = next(model.parameters()).device
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    eos = tokenizer.eos_token_id
+    was_training = model.training
+    model.eval()
+    out: list[str] = []
+    try:
+        for begin in range(0, len(prompts), batch_size):
+            encoded = [encode_prompt(tokenizer, p) for p in prompts[begin : begin + batch_size]]
+            length = max(len(e) for e in encoded)
+            input_ids = torch.full((len(encoded), length), pad, dtype=torch.long)
+            attention_mask = torch.zeros((len(encoded), length), dtype=torch.long)
+            for i, ids in enumerate(encoded):
+                input_ids[i, length - len(ids) :] = torch.tensor(ids)
+                attention_mask[i, length - len(ids) :] = 1
+            generated = model.generate(
+                input_ids=input_ids.to(device),
+                attention_mask=attention_mask.to(device),
+                max_new_tokens=max_new_tokens,
+                do_sample=False,
+                pad_token_id=pad,
+                eos_token_id=eos,
+            )[:, length:]
+            for row in generated.tolist():
+                if eos in row:
+                    row = row[: row.index(eos)]
+                out.append(tokenizer.decode(row, skip_special_tokens=True))
+    finally:
+        model.train(was_training)
+    return out
+
+
+def greedy_reward(
+    model: torch.nn.Module, tokenizer: Tokenizer, task: Task, num_prompts: int = 128, seed: int = 1234
+) -> float:
+    """Mean task reward of greedy completions of ``num_prompts`` prompts drawn with ``seed``."""
+    rng = random.Random(seed)
+    samples = [task.sample(rng) for _ in range(num_prompts)]
+    completions = greedy_completions(model, tokenizer, [p for p, _ in samples], task.max_new_tokens)
+    rewards = [task.reward(c, m) for c, (_, m) in zip(completions, samples, strict=True)]
+    return sum(rewards) / max(len(rewards), 1)
+
+
+def default_cache_dir() -> Path:
+    """``$LIGHTNING_OFFPOLICY_CACHE`` or ``~/.cache/lightning_offpolicy``."""
+    root = os.environ.get(CACHE_ENV)
+    return Path(root).expanduser() if root else Path.home() / ".cache" / "lightning_offpolicy"
+
+
+def _read_marker(directory: Path) -> dict[str, Any] | None:
+    try:
+        return json.loads((directory / MARKER_FILE).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+
+
+def _is_complete(directory: Path, spec: dict[str, Any]) -> bool:
+    marker = _read_marker(directory)
+    # The weights too: a build on a DDP rank other than 0 used to leave the marker without them.
+    return marker is not None and marker.get("spec") == spec and _has_weights(directory)
+
+
+def _has_weights(directory: Path) -> bool:
+    return (directory / "config.json").is_file() and any(directory.glob("*.safetensors"))
+
+
+def _save_model(model: Any, directory: Path) -> None:
+    """``model.save_pretrained(directory)`` on whichever process builds the cache.
+
+    transformers writes a model only on rank 0 once ``torch.distributed`` is initialized; the cache is
+    built by the first rank to take its lock, any rank.
+
+    Raises:
+        RuntimeError: The weights were not written.
+    """
+    model.should_save_on_this_rank = lambda is_main_process: True  # this instance only
+    try:
+        model.save_pretrained(directory)  # safetensors: the only format transformers 5 writes
+    finally:
+        del model.should_save_on_this_rank
+    if not _has_weights(directory):
+        raise RuntimeError(
+            f"prepare_tiny_checkpoint: transformers wrote no config.json or *.safetensors to {directory}; build the "
+            "tiny checkpoint in one process first (a run of the same `tiny:` model on one device builds it)."
+        )
+
+
+@contextlib.contextmanager
+def _file_lock(path: Path) -> Iterator[bool]:
+    """Exclusive advisory lock (POSIX; released by the OS if the process dies). Yields whether it
+    locked; elsewhere it is a no-op and the atomic rename alone keeps concurrent builds safe."""
+    try:
+        import fcntl
+    except ImportError:  # pragma: no cover - Windows
+        yield False
+        return
+    with open(path, "a+") as handle:
+        fcntl.flock(handle.fileno(), fcntl.LOCK_EX)
+        try:
+            yield True
+        finally:
+            fcntl.flock(handle.fileno(), fcntl.LOCK_UN)
+
+
+def _install(tmp: Path, directory: Path, spec: dict[str, Any]) -> None:
+    """Move the finished ``tmp`` to ``directory`` atomically; replace only an empty dir or a stale build."""
+    try:
+        os.rename(tmp, directory)
+        return
+    except OSError:
+        if not directory.exists():
+            raise
+    if _is_complete(directory, spec):  # another process finished first
+        shutil.rmtree(tmp, ignore_errors=True)
+        return
+    if any(directory.iterdir()) and _read_marker(directory) is None:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise FileExistsError(
+            f"prepare_tiny_checkpoint: {directory} exists and is not a tiny checkpoint; refusing to overwrite it."
+        )
+    trash = Path(tempfile.mkdtemp(prefix=f".{directory.name}.old-", dir=directory.parent))
+    os.rename(directory, trash / directory.name)
+    os.rename(tmp, directory)
+    shutil.rmtree(trash, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def _torch_threads(n: int) -> Iterator[None]:
+    """Run with ``n`` intra-op threads."""
+    # A ~1M-parameter model gains nothing from more, and on a busy 2-core machine two spinning
+    # threads made the SFT warm-up ~20x slower than one.
+    previous = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(previous)
+
+
+def _format_lr(lr: float) -> str:
+    return f"{lr:g}"
+
+
+def prepare_tiny_checkpoint(
+    task: str = "reverse",
+    sft_steps: int | None = None,
+    seed: int = 0,
+    directory: str | os.PathLike | None = None,
+    sft_lr: float | None = None,
+) -> Path:
+    """Build a tiny Llama, warm it up on ``task`` for ``sft_steps``, save model + tokenizer; cached.
+
+    Args:
+        task: a built-in task name.
+        sft_steps: warm-up steps; ``None`` takes ``DEFAULT_SFT_STEPS[task]``.
+        seed: seed of the initial weights and of the warm-up data.
+        directory: where to save; default ``<cache>/tiny-{task}-sft{steps}-seed{seed}`` (plus
+            ``-lr{lr}`` when ``sft_lr`` differs from the task's default), with ``<cache>`` =
+            ``$LIGHTNING_OFFPOLICY_CACHE`` or ``~/.cache/lightning_offpolicy``.
+        sft_lr: warm-up learning rate; ``None`` takes ``DEFAULT_SFT_LR[task]``.
+
+    The directory is reused when its marker file records the same spec. The build happens in a
+    temporary sibling directory, the marker is written last and the directory is renamed into
+    place (under a file lock), so an interrupted build is redone and concurrent callers share one
+    build and never see a partial one. Returns the absolute directory
+    (``LlamaForCausalLM.from_pretrained`` and :func:`~lightning_offpolicy.data.tokenizers.load_tokenizer`
+    load it); its marker also records the final SFT loss and the greedy reward.
+    """
+    task_obj = get_task(task)
+    steps = DEFAULT_SFT_STEPS.get(task, _FALLBACK_STEPS) if sft_steps is None else sft_steps
+    default_lr = DEFAULT_SFT_LR.get(task, _FALLBACK_LR)
+    lr = default_lr if sft_lr is None else float(sft_lr)
+    if not is_int(steps) or steps < 0:
+        raise ValueError(f"prepare_tiny_checkpoint: `sft_steps` must be an int >= 0, got {sft_steps!r}.")
+    if not is_int(seed):
+        raise ValueError(f"prepare_tiny_checkpoint: `seed` must be an int, got {seed!r}.")
+    if not lr > 0:
+        raise ValueError(f"prepare_tiny_checkpoint: `sft_lr` must be > 0, got {sft_lr!r}.")
+    if directory is None:
+        name = f"tiny-{task}-sft{steps}-seed{seed}"
+        if lr != default_lr:
+            name += f"-lr{_format_lr(lr)}"
+        target = default_cache_dir() / name
+    else:
+        target = Path(directory).expanduser()
+    target = target.absolute()
+    tokenizer = CharTokenizer()
+    spec = {
+        "recipe": _RECIPE_VERSION,
+        "task": task,
+        "sft_steps": steps,
+        "sft_lr": lr,
+        "seed": seed,
+        "vocab_size": 64,
+        "alphabet": tokenizer.alphabet,
+    }
+    if _is_complete(target, spec):
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with _file_lock(target.parent / f".{target.name}.lock") as locked:
+        if _is_complete(target, spec):  # built by another process while we waited
+            return target
+        if locked:  # nobody else is building: temp dirs left by killed builds can go
+            for stale in target.parent.glob(f".{target.name}.tmp-*"):
+                shutil.rmtree(stale, ignore_errors=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
+        tmp.chmod(0o755)  # mkdtemp makes it 0700; the cache may be shared
+        try:
+            start = time.perf_counter()
+            with _torch_threads(1):
+                model = build_tiny_llama(vocab_size=64, seed=seed)
+                losses = warmup_sft(model, tokenizer, task_obj, steps=steps, lr=lr, seed=seed)
+                reward = greedy_reward(model, tokenizer, task_obj)
+            _save_model(model, tmp)
+            tokenizer.save_pretrained(tmp)
+            marker = {
+                "spec": spec,
+                "final_loss": losses[-1] if losses else None,
+                "greedy_reward": reward,
+                "build_seconds": round(time.perf_counter() - start, 2),
+            }
+            (tmp / MARKER_FILE).write_text(json.dumps(marker, indent=2) + "\n", encoding="utf-8")  # last
+            _install(tmp, target, spec)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+    return target
+
+
+_QUERY_KEYS: dict[str, type] = {"sft_steps": int, "seed": int, "sft_lr": float}
+
+
+def resolve_model_path(name_or_path: str | os.PathLike) -> str:
+    """``"tiny:TASK[?sft_steps=N&seed=S&sft_lr=LR]"`` -> a prepared tiny checkpoint; else unchanged.
+
+    ``"tiny:reverse"`` takes the task's defaults; anything not starting with ``tiny:`` (a local
+    directory, a hub name) is returned as given.
+
+    >>> resolve_model_path("meta-llama/Llama-3.2-1B")
+    'meta-llama/Llama-3.2-1B'
+    """
+    name = os.fspath(name_or_path)
+    if not name.startswith(TINY_PREFIX):
+        return name
+    task, _, query = name[len(TINY_PREFIX) :].partition("?")
+    if not task:
+        raise ValueError(f"resolve_model_path: {name!r} names no task; e.g. 'tiny:reverse'.")
+    try:
+        pairs = parse_qsl(query, keep_blank_values=True, strict_parsing=True) if query else []
+    except ValueError as err:
+        raise ValueError(
+            f"resolve_model_path: bad query string {query!r} in {name!r} ({err}); "
+            "expected e.g. 'tiny:addition?sft_steps=300&seed=1'."
+        ) from None
+    kwargs: dict[str, Any] = {}
+    for key, value in pairs:
+        if key not in _QUERY_KEYS:
+            raise ValueError(
+                f"resolve_model_path: unknown option {key!r} in {name!r}; allowed: {', '.join(_QUERY_KEYS)}."
+            )
+        if key in kwargs:
+            raise ValueError(f"resolve_model_path: option {key!r} given twice in {name!r}.")
+        kind = _QUERY_KEYS[key]
+        try:
+            kwargs[key] = kind(value)
+        except ValueError:
+            what = "an integer" if kind is int else "a number"
+            raise ValueError(f"resolve_model_path: option {key}={value!r} in {name!r} is not {what}.") from None
+    get_task(task)  # a clear error for unknown tasks before any work
+    return str(prepare_tiny_checkpoint(task, **kwargs))

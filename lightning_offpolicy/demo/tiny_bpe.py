@@ -1,0 +1,226 @@
+"""A tiny real-format checkpoint: a Qwen2 or Llama model built from a config, with a byte-level BPE
+tokenizer trained locally on your task's text and a ChatML chat template.
+
+It is what an ordinary Hugging Face checkpoint directory looks like (``config.json``,
+``generation_config.json``, ``model.safetensors``, ``tokenizer.json``, ``tokenizer_config.json``
+with a ``chat_template``), only small enough to train on a CPU in seconds. Nothing is downloaded.
+The special tokens follow Qwen2.5-Instruct: no bos token, ``<|endoftext|>`` pads, ``<|im_end|>``
+ends a turn, and the generation config stops on both (``eos_token_id: [<|im_end|>, <|endoftext|>]``).
+
+    >>> from lightning_offpolicy.demo.tiny_bpe import build_bpe_checkpoint
+    >>> texts = ["Calculate 5 - 3.", "2", "Calculate 7 + 1.", "8"]
+    >>> path = build_bpe_checkpoint("/tmp/my-model", texts)          # doctest: +SKIP
+    >>> # then in YAML:  model: {init_args: {model: /tmp/my-model}}
+
+A short supervised warm-up on ``(prompt, answer)`` pairs (:func:`sft_on_pairs`) gives RL a model that
+knows the answer format, as a real instruct model would.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+
+from lightning_offpolicy.argcheck import is_int
+from lightning_offpolicy.demo.tiny import TINY_DECODER_SIZES, sft_step
+
+__all__ = [
+    "CHATML_TEMPLATE",
+    "SPECIAL_TOKENS",
+    "build_bpe_checkpoint",
+    "chat_prompt_ids",
+    "sft_on_pairs",
+    "tiny_config",
+    "train_bpe_tokenizer",
+]
+
+#: ``<|endoftext|>`` (pad, end of document), ``<|im_start|>`` / ``<|im_end|>`` (chat turns), as in Qwen2.5.
+SPECIAL_TOKENS: tuple[str, ...] = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+_PAD, _IM_START, _IM_END = SPECIAL_TOKENS
+
+#: ChatML, the template of Qwen2.5-Instruct without its tool-calling branches: an optional system turn,
+#: then ``<|im_start|>{role}\n{content}<|im_end|>\n`` per message, and ``<|im_start|>assistant\n`` as the
+#: generation prompt.
+CHATML_TEMPLATE: str = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+Architecture = Literal["qwen2", "llama"]
+
+
+def train_bpe_tokenizer(
+    texts: Iterable[str],
+    vocab_size: int = 512,
+    min_frequency: int = 2,
+    chat_template: str | None = CHATML_TEMPLATE,
+):
+    """Train a byte-level BPE tokenizer on ``texts`` and wrap it as a ``PreTrainedTokenizerFast``.
+
+    Byte level: every byte has a token (the 256-symbol alphabet is always in the vocabulary), so any
+    text encodes, including text the training corpus never showed. The tokenizer's own rule adds no
+    special token (``tokenizer(text)`` gives the text's ids only), as Qwen2's does.
+
+    Args:
+        texts: the corpus (e.g. your prompts and answers).
+        vocab_size: target vocabulary size, specials and the 256 bytes included (merges fill the rest,
+            as far as the corpus has pairs occurring ``min_frequency`` times).
+        min_frequency: least count of a pair for it to become a merge.
+        chat_template: Jinja chat template stored with the tokenizer (``None``: none).
+    """
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    minimum = 256 + len(SPECIAL_TOKENS)
+    if not is_int(vocab_size) or vocab_size < minimum:
+        raise ValueError(
+            f"train_bpe_tokenizer: vocab_size={vocab_size!r} must be an int >= {minimum} "
+            f"(256 bytes + {len(SPECIAL_TOKENS)} special tokens)."
+        )
+    corpus = [t for t in texts if isinstance(t, str) and t]
+    if not corpus:
+        raise ValueError("train_bpe_tokenizer: `texts` holds no non-empty string to train on.")
+    core = Tokenizer(models.BPE())
+    core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    core.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        min_frequency=min_frequency,
+        special_tokens=list(SPECIAL_TOKENS),  # ids 0, 1, 2
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    core.train_from_iterator(corpus, trainer=trainer)
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=core, eos_token=_IM_END, pad_token=_PAD)
+    tokenizer.add_special_tokens({"additional_special_tokens": [_IM_START]})
+    if chat_template is not None:
+        tokenizer.chat_template = chat_template
+    return tokenizer
+
+
+def tiny_config(architecture: Architecture, vocab_size: int, pad_token_id: int, eos_token_id: int, **overrides: Any):
+    """Config of a ~0.3M-parameter decoder (hidden 128, 2 layers, 2 heads of dim 64: vLLM CPU needs 64)."""
+    from transformers import LlamaConfig, Qwen2Config
+
+    classes = {"qwen2": Qwen2Config, "llama": LlamaConfig}
+    if architecture not in classes:
+        raise ValueError(f"tiny_config: architecture={architecture!r} is not known; allowed: 'qwen2', 'llama'.")
+    kwargs: dict[str, Any] = dict(
+        vocab_size=vocab_size,
+        **TINY_DECODER_SIZES,
+        max_position_embeddings=512,
+        pad_token_id=pad_token_id,
+        bos_token_id=None,
+        eos_token_id=eos_token_id,
+    )
+    kwargs.update(overrides)
+    return classes[architecture](**kwargs)
+
+
+def chat_prompt_ids(tokenizer: Any, prompt: str, system: str | None = None) -> list[int]:
+    """Ids of ``prompt`` as one user turn, rendered by the tokenizer's chat template with the generation
+    prompt (``apply_chat_template(..., add_generation_prompt=True)``)."""
+    messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+    if isinstance(ids, dict) or hasattr(ids, "keys"):  # some transformers versions return a BatchEncoding
+        ids = ids["input_ids"]
+    return [int(i) for i in ids]
+
+
+def sft_on_pairs(
+    model: torch.nn.Module,
+    tokenizer: Any,
+    pairs: Sequence[tuple[str, str]],
+    steps: int,
+    batch_size: int = 16,
+    lr: float = 1e-3,
+    seed: int = 0,
+) -> list[float]:
+    """Supervised warm-up on ``(prompt, answer)`` pairs, chat-formatted: teacher-forced cross-entropy on
+    the answer and ``<|im_end|>`` after the rendered prompt (:func:`chat_prompt_ids`); the prompt carries
+    no loss. Batches are drawn with replacement from ``pairs`` (seeded); AdamW, constant ``lr``. Returns
+    the loss of every step; the model is left in eval mode."""
+    if not is_int(steps) or steps < 0:
+        raise ValueError(f"sft_on_pairs: steps={steps!r} must be an int >= 0.")
+    if steps and not pairs:
+        raise ValueError("sft_on_pairs: `pairs` is empty; give (prompt, answer) pairs to train on.")
+    if not is_int(batch_size) or batch_size < 1:
+        raise ValueError(f"sft_on_pairs: batch_size={batch_size!r} must be an int >= 1.")
+    rng = random.Random(seed)
+    eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
+    encoded = []
+    for prompt, answer in pairs:
+        prompt_ids = chat_prompt_ids(tokenizer, prompt)
+        encoded.append((prompt_ids, tokenizer(answer, add_special_tokens=False).input_ids + [eos]))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+    model.train()
+    losses = [sft_step(model, optimizer, [rng.choice(encoded) for _ in range(batch_size)], pad) for _ in range(steps)]
+    model.eval()
+    return losses
+
+
+def build_bpe_checkpoint(
+    directory: str | os.PathLike,
+    texts: Iterable[str],
+    architecture: Architecture = "qwen2",
+    vocab_size: int = 512,
+    seed: int = 0,
+    sft_pairs: Sequence[tuple[str, str]] = (),
+    sft_steps: int = 0,
+    sft_lr: float = 1e-3,
+    sft_batch_size: int = 16,
+    chat_template: str | None = CHATML_TEMPLATE,
+    **config_overrides: Any,
+) -> Path:
+    """Train a byte-level BPE tokenizer on ``texts``, build a tiny ``architecture`` model for it, optionally
+    warm it up on ``sft_pairs`` for ``sft_steps``, and save both into ``directory`` (created if missing).
+
+    The model's vocabulary is the tokenizer's length rounded up to a multiple of 64 (as real checkpoints
+    pad their embeddings); its generation config stops on ``<|im_end|>`` and ``<|endoftext|>``.
+
+    Args:
+        directory: where to save; any existing files of the same names are overwritten.
+        texts: the tokenizer's training corpus (e.g. the task's prompts and answers).
+        architecture: ``"qwen2"`` or ``"llama"``.
+        vocab_size: the tokenizer's target vocabulary size (see :func:`train_bpe_tokenizer`).
+        seed: seed of the initial weights and of the warm-up batches.
+        sft_pairs: ``(prompt, answer)`` pairs of the supervised warm-up (:func:`sft_on_pairs`).
+        sft_steps: warm-up steps (0: the model stays at its random initialisation).
+        sft_lr: warm-up learning rate.
+        sft_batch_size: warm-up sequences per step.
+        chat_template: the tokenizer's chat template (default ChatML).
+        **config_overrides: passed to the model config (e.g. ``num_hidden_layers=4``).
+
+    Returns the absolute directory: ``AutoModelForCausalLM.from_pretrained`` and
+    ``AutoTokenizer.from_pretrained`` load it, and so does ``OffPolicyRLModule(model=<directory>)``.
+    """
+    from transformers import AutoModelForCausalLM
+
+    if sft_steps and not sft_pairs:
+        raise ValueError(f"build_bpe_checkpoint: sft_steps={sft_steps} needs `sft_pairs` to train on.")
+    tokenizer = train_bpe_tokenizer(texts, vocab_size=vocab_size, chat_template=chat_template)
+    eos, end_of_text = tokenizer.convert_tokens_to_ids(_IM_END), tokenizer.convert_tokens_to_ids(_PAD)
+    padded_vocab = -(-len(tokenizer) // 64) * 64
+    config = tiny_config(architecture, padded_vocab, pad_token_id=end_of_text, eos_token_id=eos, **config_overrides)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(config).to(torch.float32)
+    if sft_steps:
+        pairs = list(sft_pairs)
+        sft_on_pairs(model, tokenizer, pairs, steps=sft_steps, batch_size=sft_batch_size, lr=sft_lr, seed=seed)
+    model.eval()
+    model.generation_config.eos_token_id = [eos, end_of_text]
+    model.generation_config.pad_token_id = end_of_text
+    model.generation_config.bos_token_id = None
+    target = Path(directory).expanduser().absolute()
+    target.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(target)
+    tokenizer.save_pretrained(target)
+    return target

@@ -1,0 +1,248 @@
+"""``OffPolicyMixin``: off-policy-corrected RL steps for an existing causal-LM LightningModule.
+
+A user who already fine-tunes a causal LM with cross-entropy adds RL in two places, without
+rewriting the module:
+
+1. the mixin in the bases: ``class MyLM(OffPolicyMixin, L.LightningModule)``;
+2. a :class:`~lightning_offpolicy.lightning.callback.RolloutCallback` and a prompt DataModule in the
+   Trainer that continues training the same instance.
+
+What the module must expose:
+
+* the causal LM as an attribute named by ``policy_attribute`` (default ``"model"``): a
+  ``transformers``-style model called as ``model(input_ids=..., attention_mask=...)`` returning
+  ``.logits``;
+* ``tokenizer``: ``encode_prompt`` (or ``encode``; a ``transformers`` tokenizer works as is) /
+  ``decode`` / ``pad_token_id`` / ``eos_token_id`` (the callback tokenizes prompts and decodes
+  completions with it);
+* its own ``training_step`` for its usual batches, and ``configure_optimizers`` (unchanged).
+
+What the mixin and the callback do to it:
+
+* ``training_step`` receives :class:`~lightning_offpolicy.batch.PromptBatch` objects carrying the
+  callback's rollouts; the mixin handles those (:meth:`OffPolicyMixin.off_policy_step`) and passes
+  every other batch to the module's own ``training_step``. The module's class defines its own
+  ``training_step`` (and maybe ``on_before_zero_grad`` / ``on_train_batch_end`` /
+  ``on_save_checkpoint`` / ``on_load_checkpoint``), which would hide the mixin's: the mixin wraps
+  those methods when the class is created, so its part always runs first and the module's code
+  stays as written;
+* the RL step is one optimizer step per batch under Lightning's automatic optimization (gradient
+  clipping, accumulation, precision and strategies as configured on the Trainer): one forward with
+  gradient gives ``pi_theta``; at that single step ``pi_prox == pi_theta``, so its detached value
+  is the proximal policy without a second forward; then the correction, the surrogate and the
+  ``rollout_corr/*``, ``ppo/*`` and ``train/*`` metrics (``train/entropy`` included) as in
+  :class:`~lightning_offpolicy.OffPolicyRLModule`;
+* an RL batch runs with the whole module in eval mode (dropout off), as
+  :class:`~lightning_offpolicy.OffPolicyRLModule` does: the engines generate without dropout, so a
+  training forward with dropout would add a training-inference mismatch of its own that the
+  correction would then "correct". Each submodule's mode is given back in ``on_train_batch_end``
+  (after the backward, which recomputes checkpointed layers in the mode of the forward), so SFT
+  batches and later fits keep the module's own dropout. Decoder layers with transformers' gradient
+  checkpointing on keep their training flag (not their children's), so they are still recomputed;
+* ``policy_version`` counts optimizer steps, the SFT ones included (``on_before_zero_grad``), and
+  is saved in checkpoints; the callback stamps it on generated tokens.
+
+For several PPO epochs or mini-batches per rollout, exact global token normalisation under DDP,
+FSDP2, or a reference-KL loss, use :class:`~lightning_offpolicy.OffPolicyRLModule`. Under DDP the
+mixin's loss is each rank's own token mean (the gradient is the mean of the ranks' means).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from lightning_offpolicy.batch import PromptBatch, RolloutBatch
+from lightning_offpolicy.correction import (
+    CorrectionStats,
+    OffPolicyCorrectionConfig,
+    PolicyLossConfig,
+    PolicyLossInfo,
+    check_compatible,
+)
+from lightning_offpolicy.lightning import checkpoint_identity as identity
+from lightning_offpolicy.metrics.correction import CorrectionMetrics, PolicyLossMetrics
+from lightning_offpolicy.train import step
+
+__all__ = ["OffPolicyMixin"]
+
+
+class OffPolicyMixin:
+    """Mix into a LightningModule (first in the bases) to train it with RL from a ``RolloutCallback``.
+
+    Class attributes (override them in the subclass, or set them on the instance before the RL fit):
+
+    Attributes:
+        policy_attribute: Name of the attribute holding the causal LM.
+        rl_correction: The off-policy correction (default: token TIS capped at 2).
+        rl_loss: The surrogate and its aggregation (default: decoupled PPO, eps 0.2 / 0.28).
+        temperature: Temperature the tokens are scored with; must equal the callback's.
+        policy_version: Optimizer steps taken so far.
+    """
+
+    policy_attribute: str = "model"
+    rl_correction: OffPolicyCorrectionConfig = OffPolicyCorrectionConfig.token_tis(clip_high=2.0)
+    rl_loss: PolicyLossConfig = PolicyLossConfig(eps_clip_low=0.2, eps_clip_high=0.28)
+    temperature: float = 1.0
+    policy_version: int = 0
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        for name, before in _ROUTED.items():
+            method = cls.__dict__.get(name) or getattr(cls, name, None)
+            if method is not None and not getattr(method, "_off_policy_wrapped", False):
+                setattr(cls, name, _wrap(method, before))
+
+    @property
+    def policy(self) -> torch.nn.Module:
+        """The causal LM the rollouts are generated with and the RL step trains."""
+        try:
+            return getattr(self, self.policy_attribute)
+        except AttributeError:
+            # Not an AttributeError: torch.nn.Module.__getattr__ would replace the message.
+            raise TypeError(
+                f"OffPolicyMixin: the module has no attribute {self.policy_attribute!r} holding the causal LM; "
+                "set `policy_attribute` on the class to the attribute's name."
+            ) from None
+
+    def _route_training_step(self, batch: Any, batch_idx: int, *args: Any, **kwargs: Any) -> tuple[bool, Any]:
+        if isinstance(batch, (PromptBatch, RolloutBatch)):
+            return True, self.off_policy_step(batch, batch_idx)
+        return False, None
+
+    def off_policy_step(self, batch: PromptBatch | RolloutBatch, batch_idx: int) -> torch.Tensor:
+        """The loss of one corrected policy-gradient step on the batch's rollouts."""
+        rollout = step.rollout_of(batch, "OffPolicyMixin.off_policy_step")
+        if self.rl_correction.bypass_mode or self.rl_loss.ref_kl_coef > 0:
+            raise ValueError(
+                "OffPolicyMixin supports neither bypass_mode (its pi_prox is free already) nor ref_kl_coef > 0 (no "
+                "reference model); use OffPolicyRLModule for those."
+            )
+        if self.rl_correction.prox_method != "recompute":
+            # Its single step's pi_prox is the detached pi_theta: exact, and already without a forward.
+            raise ValueError(
+                f"OffPolicyMixin takes pi_prox from its one forward already (exact, no extra pass), so "
+                f"rl_correction.prox_method={self.rl_correction.prox_method!r} has nothing to save; use 'recompute', "
+                "or OffPolicyRLModule."
+            )
+        check_compatible(self.rl_correction, self.rl_loss)
+        rollout = rollout.to(self.device)
+        rollout.validate(require_rollout_logprobs=True)
+        if self.__dict__.get("_modes_before_rl") is None:
+            self.__dict__["_modes_before_rl"] = _dropout_off(self)
+        logprobs, entropy = step.response_logprobs(self.policy, rollout, self.temperature, return_entropy=True)
+        prox = logprobs.detach()  # the step's weights: pi_prox == pi_theta before the optimizer step
+        rollout, stats = step.apply_correction(rollout, prox, self.rl_correction)
+        loss, info = step.corrected_loss(logprobs, rollout, self.rl_loss, self.rl_correction.policy_loss_kwargs())
+        self._log_off_policy(rollout, stats, info, entropy.detach())
+        return loss
+
+    def _count_optimizer_step(self, optimizer: Any, *args: Any, **kwargs: Any) -> tuple[bool, Any]:
+        # Called once per optimizer step under automatic optimization, after optimizer.step().
+        self.policy_version = int(self.policy_version) + 1
+        return False, None
+
+    def _restore_modes(self, *args: Any, **kwargs: Any) -> tuple[bool, Any]:
+        # After the batch's backward (and optimizer step): the modes the module had before the RL batch.
+        modes = self.__dict__.pop("_modes_before_rl", None)
+        for sub, training in modes or ():
+            sub.training = training
+        return False, None
+
+    def _save_policy_version(self, checkpoint: dict[str, Any], *args: Any, **kwargs: Any) -> tuple[bool, Any]:
+        checkpoint["policy_version"] = self.policy_version
+        # Which policy these weights belong to: a resume into another one is refused (_load_policy_version).
+        checkpoint[identity.IDENTITY_KEY] = self._policy_identity()
+        return False, None
+
+    def _load_policy_version(self, checkpoint: dict[str, Any], *args: Any, **kwargs: Any) -> tuple[bool, Any]:
+        # Before Lightning loads the weights: another architecture, other shapes or another tokenizer is
+        # refused naming both (CheckpointMismatchError) rather than by a list of missing keys, or not at all.
+        trainer = getattr(self, "_trainer", None)
+        identity.check_checkpoint_matches(checkpoint, self._policy_identity(), path=getattr(trainer, "ckpt_path", None))
+        self.policy_version = int(checkpoint.get("policy_version", 0))
+        return False, None
+
+    def _policy_identity(self) -> dict[str, Any]:
+        """What a checkpoint records about the policy (:func:`.checkpoint_identity.policy_identity`); the
+        tokenizer when the module has one as ``tokenizer``."""
+        tokenizer = getattr(self, "tokenizer", None)
+        cached = self.__dict__.get("_tokenizer_fingerprint")
+        if tokenizer is not None and (cached is None or cached[0] is not tokenizer):
+            # The vocabulary hash takes ~0.1 s at 150k tokens: once per tokenizer, not at every save.
+            cached = self.__dict__["_tokenizer_fingerprint"] = (tokenizer, identity.tokenizer_fingerprint(tokenizer))
+        fingerprint = cached[1] if tokenizer is not None else None
+        return identity.policy_identity(
+            self.policy, tokenizer, type(self.policy).__name__, fingerprint, from_instance=True
+        )
+
+    def _log_off_policy(
+        self, rollout: RolloutBatch, stats: CorrectionStats, info: PolicyLossInfo, entropy: torch.Tensor
+    ) -> None:
+        if getattr(self, "_off_policy_metrics", None) is None:
+            # Created on first use: the module's own __init__ is not ours to extend.
+            self._off_policy_metrics = torch.nn.ModuleList(
+                [CorrectionMetrics(self.rl_correction), PolicyLossMetrics(self.rl_correction)]
+            ).to(self.device)
+        correction_metrics, loss_metrics = self._off_policy_metrics
+        correction_metrics.update(stats=stats)
+        loss_metrics.update(info=info)
+        values = {**correction_metrics.compute(), **loss_metrics.compute()}
+        tokens = rollout.response_mask.bool()
+        values["train/reward"] = rollout.rewards.mean()
+        # Mean entropy (nats) of the policy over the response tokens: a fall towards 0 is collapse.
+        values["train/entropy"] = entropy[tokens].float().mean() if tokens.any() else torch.zeros(())
+        values["staleness/mean"] = step.token_staleness(rollout, self.policy_version).mean()
+        values["train/policy_version"] = float(self.policy_version)
+        step.log_step(self, values, progress_bar={"reward": "train/reward"})
+        correction_metrics.reset()
+        loss_metrics.reset()
+
+
+def _dropout_off(module: torch.nn.Module) -> list[tuple[torch.nn.Module, bool]]:
+    """Put every submodule in eval mode; return each one's previous mode, to be restored later.
+
+    Not before the backward: a checkpointed layer is recomputed there in its mode at that time.
+    """
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    modes = [(sub, sub.training) for sub in module.modules()]
+    module.eval()
+    for sub in module.modules():
+        # transformers recomputes a checkpointed layer only in training mode: set the layer's flag
+        # alone, not its children's, so that its dropout stays off (as OffPolicyRLModule does).
+        if isinstance(sub, GradientCheckpointingLayer) and sub.gradient_checkpointing:
+            sub.training = True
+    return modes
+
+
+#: Methods a subclass may define that would hide the mixin's, and the mixin part run before them:
+#: it returns ``(handled, result)``; when handled, the subclass's method is not called.
+_ROUTED: dict[str, Callable[..., tuple[bool, Any]]] = {
+    "training_step": OffPolicyMixin._route_training_step,
+    "on_before_zero_grad": OffPolicyMixin._count_optimizer_step,
+    "on_train_batch_end": OffPolicyMixin._restore_modes,
+    "on_save_checkpoint": OffPolicyMixin._save_policy_version,
+    "on_load_checkpoint": OffPolicyMixin._load_policy_version,
+}
+
+
+def _wrap(own: Callable[..., Any], before: Callable[..., tuple[bool, Any]]) -> Callable[..., Any]:
+    flag = f"_off_policy_in_{own.__name__}"
+
+    @functools.wraps(own)
+    def wrapped(self: Any, *args: Any, **kwargs: Any) -> Any:
+        if self.__dict__.get(flag):  # a subclass's method calling super(): the mixin part ran already
+            return own(self, *args, **kwargs)
+        self.__dict__[flag] = True
+        try:
+            handled, result = before(self, *args, **kwargs)
+            return result if handled else own(self, *args, **kwargs)
+        finally:
+            self.__dict__[flag] = False
+
+    wrapped._off_policy_wrapped = True  # type: ignore[attr-defined]
+    return wrapped

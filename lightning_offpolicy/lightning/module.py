@@ -1,0 +1,607 @@
+"""``OffPolicyRLModule``: the decoupled PPO step of off-policy-corrected LLM RL, in Lightning.
+
+One ``training_step`` consumes one :class:`~lightning_offpolicy.batch.RolloutBatch` (attached to
+the step's :class:`~lightning_offpolicy.batch.PromptBatch` by the ``RolloutCallback``):
+
+1. proximal forward without gradient: ``prox_logprobs`` (``pi_prox``; skipped in bypass mode, and
+   with ``correction.prox_method="loglinear"``, where each micro-batch interpolates ``pi_prox``
+   between ``pi_rollout`` and its own forward's ``pi_theta`` by version, AReaL's method);
+2. reference forward when a reference KL loss is configured (a frozen copy, or with a peft model
+   the base weights via ``disable_adapter()``, no second copy);
+3. :func:`~lightning_offpolicy.correction.compute_correction`: IS weights, rejection masks, metrics;
+4. ``ppo_epochs`` x ``num_minibatches`` optimizer steps, each over token-budget micro-batches
+   with gradient accumulation, the loss normalised by the global token / sequence counts of the
+   mini-batch (exact under accumulation and DDP), gradient clipping, optimizer and scheduler
+   step, ``policy_version += 1``.
+
+Held-out evaluation: ``validation_step`` aggregates the greedy and sampled completions that the
+``RolloutCallback`` scores on each validation batch into ``val/*``
+(:class:`~lightning_offpolicy.metrics.evaluation.EvaluationMetrics`), logged at the end of the validation epoch.
+
+Manual optimization: ``trainer.global_step`` and ``max_steps`` count optimizer steps, i.e.
+``ppo_epochs * num_minibatches`` per training batch.
+
+Strategies: DDP and, for sharded training, ``ModelParallelStrategy`` (both tested on CPU with 2
+processes against a single one): ``configure_model`` applies FSDP2 ``fully_shard`` per decoder layer
+(Lightning's ``FSDPStrategy`` runs ``training_step`` inside the root module's forward, where
+``manual_backward`` and several forwards per step break).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import time
+import warnings
+from collections.abc import Iterator
+from typing import Any, Literal
+
+import torch
+from lightning.pytorch import LightningModule
+from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
+from lightning.pytorch.strategies import DDPStrategy
+from lightning.pytorch.utilities import rank_zero_warn
+from torchmetrics import MaxMetric, MeanMetric
+
+from lightning_offpolicy.argcheck import is_int
+from lightning_offpolicy.batch import PromptBatch, RolloutBatch
+from lightning_offpolicy.correction import OffPolicyCorrectionConfig, PolicyLossConfig, check_compatible
+from lightning_offpolicy.correction.distributed import global_sum
+from lightning_offpolicy.correction.fused import FusedCorrectionStep
+from lightning_offpolicy.data.tokenizers import CharTokenizer, HFTokenizer
+from lightning_offpolicy.lightning import checkpoint_identity as identity
+from lightning_offpolicy.lightning.log_steps import is_logging_step
+from lightning_offpolicy.metrics.correction import CorrectionMetrics, PolicyLossMetrics
+from lightning_offpolicy.metrics.evaluation import EvaluationMetrics
+from lightning_offpolicy.preflight import check_model_path, check_vocab
+from lightning_offpolicy.train import policy as policy_building
+from lightning_offpolicy.train import step
+from lightning_offpolicy.train.policy import REFERENCE_MODES, ReferenceMode
+
+#: Lightning's notice about modules in eval mode at the start of fit: the policy is in eval mode on
+#: purpose (see ``configure_model``).
+EVAL_MODE_NOTICE = r"Found \d+ module\(s\) in eval mode at the start of training"
+
+
+class OffPolicyRLModule(LightningModule):
+    """Decoupled-PPO RL of a causal language model with off-policy correction.
+
+    Args:
+        model: A ``transformers`` causal LM: a local path, a hub name, ``"tiny:<task>"`` (a tiny
+            Llama built and SFT-warmed locally, see :mod:`lightning_offpolicy.demo.tiny`), or a module
+            instance (then pass ``tokenizer`` too).
+        tokenizer: ``None``: loaded from ``model``'s directory (a ``CharTokenizer`` for ``tiny:``
+            models, else an ``HFTokenizer`` following the tokenizer's own special-token rule). An
+            ``HFTokenizer`` without ``path`` (e.g. ``class_path: lightning_offpolicy.data.tokenizers.HFTokenizer``
+            with only ``add_bos`` / ``chat_template`` / ``system_prompt`` in ``init_args``) is loaded
+            from ``model``'s directory too. In Python, any object with ``encode_prompt`` (or
+            ``encode``) / ``decode`` / ``pad_token_id`` / ``eos_token_id`` works.
+        optimizer: Optimizer factory ``params -> Optimizer`` (LightningCLI injects it from YAML);
+            default ``AdamW(lr=1e-5)``. Only parameters with ``requires_grad`` are passed.
+        lr_scheduler: Scheduler factory ``optimizer -> scheduler``, stepped once per optimizer step.
+        correction: The off-policy correction (weights, masks, objective); default: metrics only.
+        loss: The surrogate, its aggregation and the KL penalties.
+        ppo_epochs: Passes over each rollout batch.
+        num_minibatches: Optimizer steps per pass (the rollout rows are split this many ways).
+        max_tokens_per_microbatch: Padded-token budget of one forward/backward.
+        gradient_clip_val: Max global gradient norm (``None``: no clipping; the norm is logged anyway).
+        temperature: Temperature the trainer scores tokens with; must equal the engine's.
+        reference: Reference policy for the reference KL loss: ``"auto"`` (``disable_adapter`` for
+            a peft model, else ``frozen_copy``, and nothing when ``ref_kl_coef == 0``), ``"none"``,
+            ``"frozen_copy"`` or ``"disable_adapter"``.
+        torch_dtype: dtype the model is loaded in (when built from ``model``).
+        logprob_chunk_size: Rows per chunk of the lean logprob computation.
+        shuffle_minibatches: Shuffle rows before each pass's mini-batch split.
+        seed: Seed of the mini-batch shuffles.
+        lora_rank: Rank of peft LoRA adapters added to the policy (0: full fine-tuning). Only the
+            adapters are trained and given to the optimizer; the reference (``reference="auto"``)
+            is the same model with the adapters disabled, no second copy.
+        lora_alpha: LoRA scaling numerator (the update is ``alpha / rank * B @ A``).
+        lora_target_modules: Module names (or ``"all-linear"``) the adapters wrap.
+        gradient_checkpointing: Recompute each decoder layer's activations in the backward pass
+            instead of storing them (less memory, ~30% more compute).
+        fused_loss: Compute the correction, the policy loss, its gradient and the metric sums of
+            each micro-batch in one ``torch.compile``'d graph
+            (:class:`~lightning_offpolicy.correction.fused.FusedCorrectionStep`) instead of eagerly:
+            the same values; measured on CPU at B = 64, T = 4096-16384, that step runs 3-3.5x faster
+            and peaks at 2-3 ``[B, T]`` tensors instead of 12-17, after a compilation of a few seconds
+            per shape class. Needs a C++ compiler (inductor); not with
+            ``normalize_weights`` (a whole-batch mean).
+    """
+
+    def __init__(
+        self,
+        model: str | torch.nn.Module = "tiny:reverse",
+        tokenizer: CharTokenizer | HFTokenizer | None = None,
+        optimizer: OptimizerCallable | None = None,
+        lr_scheduler: LRSchedulerCallable | None = None,
+        correction: OffPolicyCorrectionConfig = OffPolicyCorrectionConfig(),  # noqa: B008 (read-only, copied)
+        loss: PolicyLossConfig = PolicyLossConfig(),  # noqa: B008 (read-only, copied)
+        ppo_epochs: int = 1,
+        num_minibatches: int = 1,
+        max_tokens_per_microbatch: int = 8192,
+        gradient_clip_val: float | None = 1.0,
+        temperature: float = 1.0,
+        reference: ReferenceMode = "auto",
+        torch_dtype: Literal["float32", "bfloat16", "float16"] = "float32",
+        logprob_chunk_size: int = 1024,
+        shuffle_minibatches: bool = True,
+        seed: int = 0,
+        lora_rank: int = 0,
+        lora_alpha: float = 16.0,
+        lora_target_modules: list[str] | str = "all-linear",
+        gradient_checkpointing: bool = False,
+        fused_loss: bool = False,
+    ) -> None:
+        super().__init__()
+        for name, value in (
+            ("ppo_epochs", ppo_epochs),
+            ("num_minibatches", num_minibatches),
+            ("max_tokens_per_microbatch", max_tokens_per_microbatch),
+            ("logprob_chunk_size", logprob_chunk_size),
+        ):
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"OffPolicyRLModule.{name}={value!r} must be a positive integer.")
+        if gradient_clip_val is not None and not gradient_clip_val > 0:
+            raise ValueError(f"OffPolicyRLModule.gradient_clip_val={gradient_clip_val!r} must be > 0 or None.")
+        if not temperature > 0:
+            raise ValueError(f"OffPolicyRLModule.temperature={temperature!r} must be > 0.")
+        if not is_int(lora_rank) or lora_rank < 0:
+            raise ValueError(f"OffPolicyRLModule.lora_rank={lora_rank!r} must be an int >= 0 (0: no LoRA).")
+        if not lora_alpha > 0:
+            raise ValueError(f"OffPolicyRLModule.lora_alpha={lora_alpha!r} must be > 0.")
+        if reference not in REFERENCE_MODES:
+            raise ValueError(
+                f"OffPolicyRLModule.reference={reference!r} is not known; allowed: 'auto', 'none', "
+                "'frozen_copy', 'disable_adapter'."
+            )
+        # Copies: the defaults above are shared objects, and a caller's config must not change under us.
+        self.correction = dataclasses.replace(correction if correction is not None else OffPolicyCorrectionConfig())
+        self.loss_config = dataclasses.replace(loss if loss is not None else PolicyLossConfig())
+        check_compatible(self.correction, self.loss_config)
+        whole_batch = self.correction.whole_batch_settings
+        if fused_loss and whole_batch:
+            raise ValueError(
+                "OffPolicyRLModule.fused_loss=True computes the correction per micro-batch, but "
+                + "; ".join(f"correction.{name} {need}" for name, need in whole_batch.items())
+                + ": turn one of them off."
+            )
+        if isinstance(model, torch.nn.Module):
+            if tokenizer is None:
+                raise ValueError("OffPolicyRLModule: with a model instance, pass its tokenizer too.")
+            if isinstance(tokenizer, HFTokenizer) and not tokenizer.loaded:
+                raise ValueError(
+                    "OffPolicyRLModule: with a model instance, the HFTokenizer needs its `path` (there is no model "
+                    "directory to load it from)."
+                )
+            self.policy: torch.nn.Module | None = model
+            self.model_name = type(model).__name__
+        else:
+            check_model_path(str(model), "OffPolicyRLModule.model")
+            self.policy = None
+            self.model_name = model
+        self.tokenizer = tokenizer
+        self.optimizer_factory = optimizer
+        self.scheduler_factory = lr_scheduler
+        self.ppo_epochs = ppo_epochs
+        self.num_minibatches = num_minibatches
+        self.max_tokens_per_microbatch = max_tokens_per_microbatch
+        self.gradient_clip_val = gradient_clip_val
+        self.temperature = temperature
+        self.reference_mode = reference
+        self.torch_dtype = torch_dtype
+        self.logprob_chunk_size = logprob_chunk_size
+        self.shuffle_minibatches = shuffle_minibatches
+        self.seed = seed
+        self.lora_rank = lora_rank
+        self.lora_alpha = lora_alpha
+        self.lora_target_modules = lora_target_modules
+        self.gradient_checkpointing = gradient_checkpointing
+        self.fused_loss = fused_loss
+        # Built on first use (compiled graphs do not pickle): with and without the metric sums.
+        self._fused_steps: dict[bool, FusedCorrectionStep] = {}
+        self.reference_model: torch.nn.Module | None = None
+        self._tokenizer_fingerprint: dict[str, Any] | None = None
+        self.policy_version = 0
+        self.automatic_optimization = False
+        ignored = ["tokenizer", "optimizer", "lr_scheduler"] + (["model"] if self.policy is not None else [])
+        self.save_hyperparameters(ignore=ignored)
+
+        self.correction_metrics = CorrectionMetrics(self.correction)
+        self.loss_metrics = PolicyLossMetrics(self.correction)
+        self.reward_mean = MeanMetric()
+        self.reward_square_mean = MeanMetric()
+        self.response_length = MeanMetric()
+        self.entropy = MeanMetric()
+        # Versions behind the weights of this step, per response token (0 for synchronous rollouts).
+        self.staleness_mean = MeanMetric()
+        self.staleness_max = MaxMetric()
+        # Held-out evaluation (validation loop): val/* over the whole validation set and all ranks.
+        self.evaluation_metrics = EvaluationMetrics()
+        if self.policy is not None:
+            self._prepare_policy()
+
+    @property
+    def optimizer_steps_per_batch(self) -> int:
+        """Policy versions one training batch advances (the asynchronous rollout's admission uses it)."""
+        return self.ppo_epochs * self.num_minibatches
+
+    # ------------------------------------------------------------------------------ model
+    def configure_model(self) -> None:
+        if self.policy is None:
+            self.policy, self.tokenizer = policy_building.load_policy(self.model_name, self.torch_dtype, self.tokenizer)
+            self._prepare_policy()
+        check_vocab(self.policy, self.tokenizer)
+        # Dropout off for good: pi_prox, pi_theta and the engine must be the same function of the
+        # weights, or the PPO ratio is not 1 at the start of a step and the mismatch metrics lie.
+        self.policy.eval()
+        if self.gradient_checkpointing:
+            policy_building.enable_gradient_checkpointing(self.policy)
+        if getattr(self, "device_mesh", None) is not None and not getattr(self, "_sharded", False):
+            policy_building.shard_fsdp2([self.policy, self.reference_model], self.device_mesh)
+            self._sharded = True
+
+    def on_fit_start(self) -> None:
+        # Filtered here, not at import: only fits of this module keep their policy in eval mode.
+        warnings.filterwarnings("ignore", message=EVAL_MODE_NOTICE)
+
+    def _prepare_policy(self) -> None:
+        self.policy = policy_building.add_lora(self.policy, self.lora_rank, self.lora_alpha, self.lora_target_modules)
+        self.reference_model = policy_building.build_reference(
+            self.policy, self.reference_mode, self.loss_config.ref_kl_coef, self.reference_model
+        )
+
+    def configure_optimizers(self) -> Any:
+        params = [p for p in self.policy.parameters() if p.requires_grad]
+        if not params:
+            raise ValueError("OffPolicyRLModule: the policy has no trainable parameters.")
+        optimizer = self.optimizer_factory(params) if self.optimizer_factory else torch.optim.AdamW(params, lr=1e-5)
+        if self.scheduler_factory is None:
+            return optimizer
+        return {
+            "optimizer": optimizer,
+            "lr_scheduler": {"scheduler": self.scheduler_factory(optimizer), "interval": "step"},
+        }
+
+    # ------------------------------------------------------------------------------ logprobs
+    def sequence_logprobs(
+        self, batch: RolloutBatch, model: torch.nn.Module | None = None, return_entropy: bool = False
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """Teacher-forced ``[B, T]`` logprobs of ``batch``'s response tokens (one forward)."""
+        model = model if model is not None else self.policy
+        return step.response_logprobs(model, batch, self.temperature, self.logprob_chunk_size, return_entropy)
+
+    @torch.no_grad()
+    def _no_grad_logprobs(self, batch: RolloutBatch, reference: bool = False) -> torch.Tensor:
+        """Logprobs of the whole batch, micro-batch by micro-batch, without gradient."""
+        out = torch.zeros(batch.response_mask.shape, dtype=torch.float32, device=batch.device)
+        rows_per_micro = batch.micro_batch_rows(self.max_tokens_per_microbatch)
+        padding = self._global_max(len(rows_per_micro)) - len(rows_per_micro)
+        for rows in rows_per_micro:
+            micro = batch.select(rows).trim()
+            with self._reference_context(reference) as model:
+                lp = self.sequence_logprobs(micro, model=model)
+            out[torch.as_tensor(rows, device=out.device), : lp.shape[1]] = lp.float()
+        for _ in range(padding):  # sharded forwards are collectives: every rank runs as many
+            with self._reference_context(reference) as model:
+                self.sequence_logprobs(batch.select([0]).trim(), model=model)
+        return out
+
+    @contextlib.contextmanager
+    def _reference_context(self, reference: bool) -> Iterator[torch.nn.Module]:
+        if not reference:
+            yield self.policy
+            return
+        mode = policy_building.effective_reference_mode(self.reference_mode, self.policy, self.loss_config.ref_kl_coef)
+        with policy_building.reference_policy(self.policy, self.reference_model, mode) as model:
+            yield model
+
+    # ------------------------------------------------------------------------------ the step
+    def training_step(self, batch: PromptBatch | RolloutBatch, batch_idx: int) -> None:
+        rollout = step.rollout_of(batch, "OffPolicyRLModule.training_step").to(self.device)
+        rollout.validate(require_rollout_logprobs=True)
+        started = time.perf_counter()
+        # The metrics are updated and computed only on the batches whose values reach the logger.
+        logging = is_logging_step(self._trainer, batch_idx, self.optimizer_steps_per_batch)
+        # The version of the weights at the start of the step (prox_method="loglinear" interpolates by it).
+        step_version = self.policy_version
+        staleness = step.token_staleness(rollout, step_version)
+        if logging:
+            self.staleness_mean.update(staleness)
+            self.staleness_max.update(staleness if staleness.numel() else torch.zeros(1, device=self.device))
+        first_forward = None
+        prox = None
+        if self.correction.needs_prox:
+            if self._one_forward_per_step(rollout):
+                first_forward, prox = self._prox_from_first_forward(rollout, logging or self._entropy_in_loss)
+            else:
+                prox = self._no_grad_logprobs(rollout)
+        ref = self._no_grad_logprobs(rollout, reference=True) if self.loss_config.ref_kl_coef > 0 else None
+        if self.fused_loss or self.correction.correction_reads_current_policy:
+            # The correction runs per micro-batch: inside the fused step, or after the forward pass
+            # where it reads pi_theta (bypass mode with a mask: pi_theta / pi_rollout; a log-linear
+            # pi_prox: interpolated towards pi_theta).
+            rollout = rollout.with_fields(prox_logprobs=prox, ref_logprobs=ref)
+        else:
+            rollout, stats = step.apply_correction(rollout, prox, self.correction, ref)
+            if logging and not self._metrics_from_current_policy:
+                self.correction_metrics.update(stats=stats)
+        # Read once per step; the configs were checked together (check_compatible) in __init__.
+        objective = self.correction.policy_loss_kwargs()
+        trained_tokens = 0
+        grad_norms = []
+        for epoch in range(self.ppo_epochs):
+            generator = None
+            if self.shuffle_minibatches and self.num_minibatches > 1:
+                generator = torch.Generator().manual_seed(self.seed * 1_000_003 + self.policy_version * 101 + epoch)
+            for minibatch in rollout.split(self.num_minibatches, generator):
+                grad_norms.append(
+                    self._optimizer_step(
+                        minibatch,
+                        objective,
+                        record=logging,
+                        record_entropy=logging and epoch == 0,
+                        record_correction=logging and epoch == 0,
+                        first_forward=first_forward if epoch == 0 else None,
+                        step_version=step_version,
+                    )
+                )
+                trained_tokens += minibatch.num_response_tokens
+        if logging:
+            self._log_step(rollout, grad_norms, trained_tokens, time.perf_counter() - started)
+        else:
+            self._log_progress_bar(rollout, staleness)
+
+    def _one_forward_per_step(self, rollout: RolloutBatch) -> bool:
+        """Whether the first optimizer step covers the whole batch in one micro-batch on every rank.
+
+        Then ``pi_prox`` (the weights at the start of the batch) is that forward's output, detached,
+        and the no-gradient forward is skipped: one forward less per batch, as TRL and verl do when
+        a batch makes a single optimizer step.
+        """
+        if self.num_minibatches != 1:
+            return False
+        return self._global_max(len(rollout.micro_batch_rows(self.max_tokens_per_microbatch))) == 1
+
+    def _prox_from_first_forward(
+        self, rollout: RolloutBatch, with_entropy: bool
+    ) -> tuple[torch.Tensor | tuple[torch.Tensor, torch.Tensor], torch.Tensor]:
+        """The first optimizer step's forward (with gradient) and ``pi_prox``, its detached ``[B, T]`` copy."""
+        first_forward = self.sequence_logprobs(rollout.trim(), return_entropy=with_entropy)
+        logprobs = first_forward[0] if with_entropy else first_forward
+        prox = torch.zeros(rollout.response_mask.shape, dtype=torch.float32, device=rollout.device)
+        prox[:, : logprobs.shape[1]] = logprobs.detach().float()
+        return first_forward, prox
+
+    def _optimizer_step(
+        self,
+        minibatch: RolloutBatch,
+        objective: dict[str, Any],
+        record: bool = True,
+        record_entropy: bool = True,
+        first_forward: torch.Tensor | tuple[torch.Tensor, torch.Tensor] | None = None,
+        record_correction: bool = False,
+        *,
+        step_version: int,
+    ) -> torch.Tensor:
+        world = self.trainer.world_size
+        counts = torch.tensor(
+            [minibatch.response_mask.sum(), (minibatch.response_mask.sum(-1) > 0).sum()],
+            dtype=torch.float64,
+            device=self.device,
+        )
+        counts = global_sum(counts)
+        # Gradients are averaged over ranks: dividing by count / world gives the exact global mean.
+        token_count, sequence_count = (counts / world).float()
+        rows_per_micro = minibatch.micro_batch_rows(self.max_tokens_per_microbatch)
+        micro_batches = minibatch.micro_batches(
+            self.max_tokens_per_microbatch,
+            num_micro_batches=self._global_max(len(rows_per_micro)),
+            rows=rows_per_micro,
+        )
+        if first_forward is not None and len(micro_batches) != 1:
+            raise RuntimeError("OffPolicyRLModule: a precomputed forward needs a single micro-batch.")
+        optimizer = self.optimizers()
+        for index, micro in enumerate(micro_batches):
+            with self._gradient_sync(index == len(micro_batches) - 1):
+                forward = (
+                    first_forward
+                    if first_forward is not None
+                    else self.sequence_logprobs(micro, return_entropy=record_entropy or self._entropy_in_loss)
+                )
+                logprobs, entropy = forward if isinstance(forward, tuple) else (forward, None)
+                if record_entropy:
+                    # Every rank updates, even with nothing: compute() is a collective.
+                    self.entropy.update(entropy.detach()[micro.response_mask.bool()].float())
+                if not self._entropy_in_loss:
+                    entropy = None
+                if self.correction.prox_method == "loglinear":
+                    prox = step.loglinear_prox(micro, logprobs, step_version, self.optimizer_steps_per_batch)
+                    micro = micro.with_fields(prox_logprobs=prox)
+                if record_correction and self._metrics_from_current_policy:
+                    # The micro-batches of the first pass cover the batch once: their metrics add up to its.
+                    self.correction_metrics.update(stats=step.current_policy_stats(micro, logprobs))
+                if self.fused_loss:
+                    fused = self._fused_step(with_metrics=record_correction and not self._metrics_from_current_policy)(
+                        logprobs, micro.prox_logprobs, micro.rollout_logprobs, micro.advantages, micro.response_mask,
+                        ref_logprobs=micro.ref_logprobs, token_count=token_count, sequence_count=sequence_count,
+                        entropy=entropy,
+                    )  # fmt: skip
+                    loss, info = fused.loss, fused.info
+                    if record_correction and not self._metrics_from_current_policy:
+                        self.correction_metrics.update_from_sums(fused.statistics)
+                else:
+                    if self.correction.correction_reads_current_policy:
+                        numerator = self.correction.ratio_numerator(micro.prox_logprobs, logprobs)
+                        micro, stats = step.apply_correction(micro, numerator, self.correction, micro.ref_logprobs)
+                        if record_correction:
+                            self.correction_metrics.update(stats=stats)
+                    loss, info = step.corrected_loss(
+                        logprobs, micro, self.loss_config, objective, token_count, sequence_count, entropy
+                    )
+                self.manual_backward(loss)
+            if record:
+                self.loss_metrics.update(info=info)
+        grad_norm = self._clip_gradients()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        scheduler = self.lr_schedulers()
+        if scheduler is not None:
+            scheduler.step()
+        self.policy_version += 1
+        return grad_norm
+
+    @property
+    def _metrics_from_current_policy(self) -> bool:
+        """Plain bypass mode: the ``rollout_corr/*`` metrics compare ``pi_theta`` with ``pi_rollout``
+        per micro-batch (``pi_prox := pi_rollout`` would make them 0; with a mask the correction
+        itself already reads ``pi_theta``)."""
+        return self.correction.bypass_mode and not self.correction.masks_read_current_policy
+
+    @property
+    def _entropy_in_loss(self) -> bool:
+        """Whether the loss has an entropy bonus: the forward then returns the entropy every step."""
+        return self.loss_config.entropy_coef > 0
+
+    def _fused_step(self, with_metrics: bool) -> FusedCorrectionStep:
+        if with_metrics not in self._fused_steps:
+            self._fused_steps[with_metrics] = FusedCorrectionStep(
+                self.correction, self.loss_config, statistics=self.correction_metrics.sums if with_metrics else None
+            )
+        return self._fused_steps[with_metrics]
+
+    @contextlib.contextmanager
+    def _gradient_sync(self, enabled: bool) -> Iterator[None]:
+        """Skip the gradient all-reduce on all but the last micro-batch of an optimizer step."""
+        if getattr(self, "_sharded", False):
+            self.policy.set_requires_gradient_sync(enabled)
+            yield
+        elif not enabled and isinstance(self.trainer.strategy, DDPStrategy):
+            with self.trainer.strategy.block_backward_sync():
+                yield
+        else:
+            yield
+
+    def _clip_gradients(self) -> torch.Tensor:
+        grads = [p.grad for p in self.policy.parameters() if p.grad is not None]
+        if not grads:
+            return torch.zeros((), device=self.device)
+        norm = torch.nn.utils.get_total_norm(grads)
+        if hasattr(norm, "full_tensor"):  # DTensor under FSDP2
+            norm = norm.full_tensor()
+        if self.gradient_clip_val is not None:
+            params = [p for p in self.policy.parameters() if p.grad is not None]
+            torch.nn.utils.clip_grads_with_norm_(params, self.gradient_clip_val, norm)
+        return norm.detach()
+
+    # ------------------------------------------------------------------------------ logging
+    def _log_step(
+        self, rollout: RolloutBatch, grad_norms: list[torch.Tensor], trained_tokens: int, seconds: float
+    ) -> None:
+        valid = rollout.response_mask.sum(-1) > 0
+        self.reward_mean.update(rollout.rewards)
+        self.reward_square_mean.update(rollout.rewards.square())
+        self.response_length.update(rollout.response_mask.sum(-1)[valid])
+        values = {**self.correction_metrics.compute(), **self.loss_metrics.compute()}
+        reward = self.reward_mean.compute()
+        values["train/reward"] = reward
+        values["train/reward_std"] = (self.reward_square_mean.compute() - reward.square()).clamp(min=0).sqrt()
+        values["train/response_length"] = self.response_length.compute()
+        values["train/entropy"] = self.entropy.compute()
+        values["train/grad_norm"] = torch.stack(grad_norms).float().mean()
+        values["train/policy_version"] = float(self.policy_version)
+        values["staleness/mean"] = self.staleness_mean.compute()
+        values["staleness/max"] = self.staleness_max.compute()
+        values["train/lr"] = self.optimizers().param_groups[0]["lr"]
+        tokens = global_sum(torch.tensor(float(trained_tokens), device=self.device, dtype=torch.float64))
+        values["perf/train_tokens_per_s"] = tokens / max(seconds, 1e-9)
+        values["perf/step_s"] = seconds
+        step.log_step(self, values, progress_bar={"reward": "train/reward", "stale": "staleness/mean"})
+        for metric in (
+            self.correction_metrics,
+            self.loss_metrics,
+            self.reward_mean,
+            self.reward_square_mean,
+            self.response_length,
+            self.entropy,
+            self.staleness_mean,
+            self.staleness_max,
+        ):
+            metric.reset()
+
+    def _log_progress_bar(self, rollout: RolloutBatch, staleness: torch.Tensor) -> None:
+        """Between logging steps: only the progress bar's values (this rank's, not synchronized)."""
+        if self._trainer is None or self.trainer.progress_bar_callback is None:
+            return
+        stale = staleness.mean() if staleness.numel() else torch.zeros((), device=self.device)
+        self.log("reward", rollout.rewards.float().mean(), prog_bar=True, batch_size=1, logger=False)
+        self.log("stale", stale, prog_bar=True, batch_size=1, logger=False)
+
+    # ------------------------------------------------------------------------------ held-out evaluation
+    def validation_step(self, batch: PromptBatch, batch_idx: int) -> None:
+        evaluation = getattr(batch, "evaluation", None)
+        if evaluation is None:
+            raise RuntimeError(
+                "OffPolicyRLModule.validation_step got a batch without evaluation completions. Add "
+                "lightning_offpolicy.lightning.callback.RolloutCallback(...) to the Trainer's callbacks (it generates "
+                "and scores the greedy and sampled completions of each validation PromptBatch)."
+            )
+        self.evaluation_metrics.update(evaluation)
+
+    def on_validation_epoch_end(self) -> None:
+        if not self.evaluation_metrics.update_called:
+            return
+        # compute() sums the states over ranks: every rank logs the same global values.
+        values = {name: value.float() for name, value in self.evaluation_metrics.compute().items()}
+        self.evaluation_metrics.reset()
+        self.log_dict(values, sync_dist=False)
+        self.log("val_reward", values["val/reward_greedy"], prog_bar=True, logger=False)
+
+    # ------------------------------------------------------------------------------ distributed
+    def _global_max(self, value: int) -> int:
+        if self.trainer.world_size <= 1:
+            return value
+        tensor = torch.tensor(float(value), device=self.device)
+        torch.distributed.all_reduce(tensor, op=torch.distributed.ReduceOp.MAX)
+        return int(tensor.item())
+
+    # ------------------------------------------------------------------------------ checkpoint
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        checkpoint["policy_version"] = self.policy_version
+        if self.policy is not None:
+            # Which policy these weights belong to: a resume into another model is refused (on_load_checkpoint).
+            checkpoint[identity.IDENTITY_KEY] = self.policy_identity()
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        """Refuse a checkpoint of another policy (before Lightning loads its weights), then restore the version.
+
+        Raises:
+            CheckpointMismatchError: The checkpoint was saved from another architecture, other shapes, other
+                LoRA adapters or another tokenizer (:mod:`lightning_offpolicy.lightning.checkpoint_identity`). Under
+                ``ModelParallelStrategy`` the strategy loads the weights before this hook, so a shape mismatch
+                there stops in ``torch.distributed.checkpoint``'s own error first.
+        """
+        if self.policy is not None:  # None: OffPolicyRLModule.load_from_checkpoint, before configure_model
+            state = self.state_dict() if identity.IDENTITY_KEY not in checkpoint else None
+            path = getattr(self._trainer, "ckpt_path", None)
+            current = self.policy_identity()
+            other = identity.check_checkpoint_matches(checkpoint, current, state, path)
+            if other is not None:
+                rank_zero_warn(
+                    f"The checkpoint {str(path)!r} was saved from a run of {other}, and this run trains "
+                    f"{identity.describe_model(current)}. Their architecture, shapes and tokenizer are the same, so "
+                    "training continues from the checkpoint's weights (this model's own weights are not used)."
+                )
+        self.policy_version = int(checkpoint.get("policy_version", 0))
+
+    def policy_identity(self) -> dict[str, Any]:
+        """What a checkpoint records about this policy (:func:`.checkpoint_identity.policy_identity`)."""
+        if self._tokenizer_fingerprint is None:  # the vocabulary hash takes ~0.1 s at 150k tokens: once
+            self._tokenizer_fingerprint = identity.tokenizer_fingerprint(self.tokenizer)
+        return identity.policy_identity(
+            self.policy,
+            self.tokenizer,
+            self.model_name,
+            self._tokenizer_fingerprint,
+            from_instance=not isinstance(self.hparams.get("model"), str),
+        )

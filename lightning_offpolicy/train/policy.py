@@ -1,0 +1,188 @@
+"""Building the policy that :class:`~lightning_offpolicy.OffPolicyRLModule` trains.
+
+From a model spec to the modules of a training step, in the order ``configure_model`` applies them:
+
+1. :func:`load_policy`: a local path, a hub name or ``"tiny:<task>"`` (built locally by
+   :mod:`lightning_offpolicy.demo.tiny`) becomes a ``transformers`` causal LM and its tokenizer;
+2. :func:`add_lora`: peft LoRA adapters, the only trained parameters;
+3. :func:`build_reference`: the reference policy of the reference KL loss: a frozen copy, or the
+   base model behind a peft model's ``disable_adapter()`` (no second copy), or none;
+4. :func:`enable_gradient_checkpointing` and :func:`shard_fsdp2` (FSDP2 ``fully_shard`` per decoder
+   layer, then the root, for ``ModelParallelStrategy``).
+
+This is the only library module that imports the demo models (``tiny``), and only for ``tiny:`` specs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+from collections.abc import Iterator, Sequence
+from typing import Any, Literal
+
+import torch
+
+from lightning_offpolicy.data.tokenizers import HFTokenizer
+
+ReferenceMode = Literal["auto", "none", "frozen_copy", "disable_adapter"]
+REFERENCE_MODES: tuple[str, ...] = ("auto", "none", "frozen_copy", "disable_adapter")
+
+
+def load_policy(model: str, torch_dtype: str, tokenizer: Any = None) -> tuple[torch.nn.Module, Any]:
+    """The causal LM named by ``model`` and its tokenizer.
+
+    Args:
+        model: A local directory, a hub name, or ``"tiny:<task>"`` (resolved to a local checkpoint by
+            :func:`lightning_offpolicy.demo.tiny.resolve_model_path`, built on first use).
+        torch_dtype: ``"float32"``, ``"bfloat16"`` or ``"float16"``: the dtype the weights load in.
+        tokenizer: ``None``: loaded from the model's directory; an ``HFTokenizer`` without its files
+            (configured options only): its files are loaded from the model's directory; anything
+            else is returned as is.
+
+    Returns:
+        ``(policy, tokenizer)``.
+    """
+    from lightning_offpolicy.data.tokenizers import load_tokenizer
+    from lightning_offpolicy.demo.tiny import resolve_model_path
+    from lightning_offpolicy.preflight import check_hub_model
+
+    path = resolve_model_path(model)
+    check_hub_model(path)  # a name that cannot be downloaded fails now, not after a minute of retries
+    from transformers import AutoModelForCausalLM
+
+    # The tokenizer first: a directory without tokenizer files fails in a second, not after the weights loaded.
+    if tokenizer is None:
+        tokenizer = load_tokenizer(path)
+    elif isinstance(tokenizer, HFTokenizer) and not tokenizer.loaded:
+        tokenizer.load(path)  # options from the config, files from the model's directory
+    policy = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, torch_dtype))
+    return policy, tokenizer
+
+
+def add_lora(policy: torch.nn.Module, rank: int, alpha: float, target_modules: list[str] | str) -> torch.nn.Module:
+    """``policy`` wrapped in peft LoRA adapters of ``rank`` (unchanged when ``rank == 0`` or already a peft model).
+
+    Args:
+        policy: The causal LM.
+        rank: Adapter rank; 0 adds none (full fine-tuning).
+        alpha: Scaling numerator: the update is ``alpha / rank * B @ A``.
+        target_modules: Module names (or ``"all-linear"``) the adapters wrap.
+    """
+    if rank <= 0 or hasattr(policy, "disable_adapter"):
+        return policy
+    from peft import LoraConfig, get_peft_model
+
+    config = LoraConfig(
+        r=rank,
+        lora_alpha=alpha,
+        target_modules=target_modules,
+        lora_dropout=0.0,  # the policy runs without dropout (see OffPolicyRLModule.configure_model)
+        task_type="CAUSAL_LM",
+    )
+    return get_peft_model(policy, config)
+
+
+def effective_reference_mode(mode: ReferenceMode, policy: torch.nn.Module, ref_kl_coef: float) -> str:
+    """What ``mode`` means for this policy: ``"auto"`` is ``"none"`` without a reference KL loss,
+    else ``"disable_adapter"`` for a peft model and ``"frozen_copy"`` otherwise.
+
+    Args:
+        mode: The configured reference mode.
+        policy: The policy (after :func:`add_lora`).
+        ref_kl_coef: ``PolicyLossConfig.ref_kl_coef``.
+    """
+    if mode != "auto":
+        return mode
+    if ref_kl_coef <= 0:
+        return "none"
+    return "disable_adapter" if hasattr(policy, "disable_adapter") else "frozen_copy"
+
+
+def build_reference(
+    policy: torch.nn.Module,
+    mode: ReferenceMode,
+    ref_kl_coef: float,
+    existing: torch.nn.Module | None = None,
+) -> torch.nn.Module | None:
+    """The separate reference model the mode needs: a frozen copy of ``policy``, or ``None``.
+
+    Args:
+        policy: The policy (after :func:`add_lora`): the copy is taken now, before any training.
+        mode: The configured reference mode.
+        ref_kl_coef: ``PolicyLossConfig.ref_kl_coef``.
+        existing: A reference built before; returned instead of a second copy.
+
+    Raises:
+        ValueError: A reference KL loss with ``mode="none"``, or ``"disable_adapter"`` without a peft policy.
+    """
+    effective = effective_reference_mode(mode, policy, ref_kl_coef)
+    if ref_kl_coef > 0 and effective == "none":
+        raise ValueError("PolicyLossConfig.ref_kl_coef > 0 needs a reference: set reference='auto' or another mode.")
+    if effective == "disable_adapter" and not hasattr(policy, "disable_adapter"):
+        raise ValueError("reference='disable_adapter' needs a peft model (with LoRA adapters) as the policy.")
+    if effective == "frozen_copy" and existing is None:
+        return copy.deepcopy(policy).requires_grad_(False).eval()
+    return existing
+
+
+@contextlib.contextmanager
+def reference_policy(
+    policy: torch.nn.Module, reference_model: torch.nn.Module | None, mode: str
+) -> Iterator[torch.nn.Module]:
+    """The model whose forward gives the reference logprobs, for the duration of the block.
+
+    Args:
+        policy: The policy.
+        reference_model: The frozen copy, if any (:func:`build_reference`).
+        mode: The effective mode (:func:`effective_reference_mode`): with ``"disable_adapter"`` the
+            policy itself with its adapters off.
+    """
+    if mode == "disable_adapter":
+        with policy.disable_adapter():
+            yield policy
+    else:
+        yield reference_model
+
+
+def enable_gradient_checkpointing(policy: torch.nn.Module) -> None:
+    """Recompute each decoder layer's activations in the backward pass, keeping the policy's dropout off.
+
+    Args:
+        policy: A ``transformers`` model (or a peft model around one), in eval mode.
+
+    Raises:
+        ValueError: ``policy`` has no ``gradient_checkpointing_enable``.
+    """
+    if not hasattr(policy, "gradient_checkpointing_enable"):
+        raise ValueError(
+            "OffPolicyRLModule.gradient_checkpointing=True needs a transformers model "
+            "(with gradient_checkpointing_enable)."
+        )
+    policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    # transformers recomputes a layer only when that layer is in training mode. Flip the flag on
+    # the decoder layers alone (not recursively): their attention / MLP / dropout stay in eval mode.
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    for module in policy.modules():
+        if isinstance(module, GradientCheckpointingLayer):
+            module.training = True
+
+
+def shard_fsdp2(models: Sequence[torch.nn.Module | None], device_mesh: Any) -> None:
+    """FSDP2 ``fully_shard`` of every decoder layer (the model's ``_no_split_modules``), then of each root.
+
+    Args:
+        models: The policy and the reference model; ``None`` entries are skipped.
+        device_mesh: ``ModelParallelStrategy``'s mesh; its ``"data_parallel"`` dimension when it has one.
+    """
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = device_mesh["data_parallel"] if "data_parallel" in device_mesh.mesh_dim_names else device_mesh
+    for model in models:
+        if model is None:
+            continue
+        layer_types = set(getattr(model, "_no_split_modules", None) or [])
+        for module in model.modules():
+            if type(module).__name__ in layer_types:
+                fully_shard(module, mesh=mesh)
+        fully_shard(model, mesh=mesh)
