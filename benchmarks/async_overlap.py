@@ -54,8 +54,9 @@ import lightning as L  # noqa: E402
 import torch  # noqa: E402
 
 from lightning_offpolicy.data.tasks import PromptDataModule  # noqa: E402
+from lightning_offpolicy.lightning.callback import RolloutCallback  # noqa: E402
 from lightning_offpolicy.lightning.module import OffPolicyRLModule  # noqa: E402
-from lightning_offpolicy.rollout import HFEngine, HFProcessEngine, RolloutCallback  # noqa: E402
+from lightning_offpolicy.rollout import HFEngine, HFProcessEngine  # noqa: E402
 
 
 class StepClock(L.Callback):

@@ -47,8 +47,9 @@ import yaml  # noqa: E402
 
 from lightning_offpolicy.cli import OffPolicyCLI  # noqa: E402
 from lightning_offpolicy.data.tasks import PromptDataModule  # noqa: E402
+from lightning_offpolicy.lightning.callback import RolloutCallback  # noqa: E402
 from lightning_offpolicy.lightning.module import OffPolicyRLModule  # noqa: E402
-from lightning_offpolicy.rollout import HFEngine, RolloutCallback  # noqa: E402
+from lightning_offpolicy.rollout import HFEngine  # noqa: E402
 
 QUICKSTART = ROOT / "configs" / "quickstart.yaml"
 VLLM_CONFIG = ROOT / "configs" / "vllm.yaml"

@@ -66,8 +66,9 @@ import torch  # noqa: E402
 
 from lightning_offpolicy.correction import PolicyLossConfig, preset  # noqa: E402
 from lightning_offpolicy.data.tasks import PromptDataModule  # noqa: E402
+from lightning_offpolicy.lightning.callback import RolloutCallback  # noqa: E402
 from lightning_offpolicy.lightning.module import OffPolicyRLModule  # noqa: E402
-from lightning_offpolicy.rollout import HFEngine, RolloutCallback  # noqa: E402
+from lightning_offpolicy.rollout import HFEngine  # noqa: E402
 
 #: Per-batch keys recorded besides the ``rollout_corr/*`` keys below.
 SERIES_KEYS = (
