@@ -473,7 +473,7 @@ def test_trainer_step_takes_the_fused_head_by_default(monkeypatch, lora_targets)
 
     from transformers import LlamaForCausalLM
 
-    import lightning_offpolicy.logprobs.fused as fl
+    import lightning_offpolicy.logprobs.head as fl
     from lightning_offpolicy.lightning.module import OffPolicyRLModule
     from tests.module_helpers import TOKENIZER, fit_on, make_rollout, tiny_model
 
