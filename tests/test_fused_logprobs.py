@@ -11,7 +11,8 @@ import torch
 
 from lightning_offpolicy.demo.tiny import tiny_llama_config
 from lightning_offpolicy.logprobs import causal_lm_token_logprobs, token_logprobs
-from lightning_offpolicy.logprobs.fused import fused_head_parts, fused_linear_token_logprobs
+from lightning_offpolicy.logprobs.fused import fused_linear_token_logprobs
+from lightning_offpolicy.logprobs.head import fused_head_parts
 
 
 def _inputs(n, h, v, dtype, bias, seed=0):
