@@ -55,8 +55,8 @@ def step(path: str, inputs: dict, targets, support, temperature: float = 0.9):
     import torch
 
     from lightning_offpolicy.logprobs import token_logprobs
-    from lightning_offpolicy.logprobs.support import over_support
     from lightning_offpolicy.logprobs.fused import fused_linear_token_logprobs
+    from lightning_offpolicy.logprobs.support import over_support
 
     columns = targets if support is None else torch.cat([targets[:, None], support], dim=-1)
     if path == "fused":
