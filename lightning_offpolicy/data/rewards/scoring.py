@@ -263,7 +263,7 @@ def _call(
     prompts: list[Any],
     completions: list[str],
     metadata: list[dict],
-    limits: tuple[float | None, float],
+    limits: Limits,
 ) -> Any:
     """``fn(prompts, completions, metadata)`` under the deadline, reporting a slow call; ``_TimedOut`` past it."""
     timeout_s, report_every_s = limits
@@ -409,7 +409,7 @@ def _first_failing_row(
     prompts: list,
     completions: list,
     metadata: list,
-    limits: tuple[float | None, float],
+    limits: Limits,
 ) -> int | None:
     # A batch function does not say which row broke it: score the rows one at a time to find out.
     for index in range(len(completions)):
