@@ -34,24 +34,13 @@ def causal_lm_token_logprobs(
     ``(attention_mask.cumsum(-1) - 1).clamp(min=0)``, so a row's first real token has position 0
     whatever its padding, as in an unpadded run.
 
-    Two paths give the same values and gradients (tests/test_fused_logprobs.py):
-
-    * **fused head** (the default where possible): the decoder (``model.base_model``) returns the
-      last hidden states, and :func:`~lightning_offpolicy.logprobs.fused.fused_linear_token_logprobs`
-      applies ``lm_head`` chunk by chunk to positions ``response_start - 1 .. L - 2`` only, so no
-      ``[B, T, V]`` logits tensor is ever made (docs/logprobs.md, "The fused head": at most
-      0.125x one bf16 logits tensor of temporaries). Used when
-      :func:`~lightning_offpolicy.logprobs.head.fused_head_parts` accepts the model: a
-      transformers class of ``FUSED_HEAD_ARCHITECTURES`` (Llama, Qwen2/3, Mistral, ...) with a
-      plain ``nn.Linear`` head (tied or not), no logit soft-capping or scaling, no hooks on the
-      model or its head, not FSDP-sharded; peft LoRA models qualify, LoRA on ``lm_head`` included
-      (plain LoRA: the adapters become low-rank terms of the fused head; DoRA and other variants
-      fall back).
-    * **logits**: the model is called with ``logits_to_keep = L - response_start + 1``
-      (transformers >= 4.45), i.e. positions ``response_start - 1 .. L - 1``; the last kept
-      position predicts nothing and is given a dummy target whose result is dropped (its gradient
-      is zero). Keeping it keeps the logits contiguous, so :func:`token_logprobs` reads them without
-      a copy (slicing ``logits[:, :-1]`` would force one).
+    Two paths give the same values and gradients (tests/test_fused_logprobs.py): the **fused
+    head** (the default where :func:`~lightning_offpolicy.logprobs.head.fused_head_parts` accepts
+    the model: the decoder's hidden states go through
+    :func:`~lightning_offpolicy.logprobs.fused.fused_linear_token_logprobs`, and no ``[B, T, V]``
+    logits tensor is ever made), and the **logits** (the model's forward with ``logits_to_keep``,
+    then :func:`~lightning_offpolicy.logprobs.chunked.token_logprobs`). docs/logprobs.md, "Two
+    paths for a causal LM", says which models qualify and how each path reads the sequence.
 
     Args:
         model: a transformers causal LM (``model(input_ids=..., attention_mask=...,

@@ -252,12 +252,9 @@ def fused_linear_token_logprobs(
     """``log_softmax((hidden @ weight.T + bias) / temperature, -1)[..., target]`` without the logits.
 
     With ``low_rank`` terms ``(u_k, B_k, s_k)`` the logits are
-    ``hidden @ weight.T + bias + sum_k s_k * u_k @ B_k.T``: a LoRA adapter on the head, with
-    ``u_k = lora_A_k(dropout_k(hidden))`` computed by the caller (``[..., r]``, small, ordinary
-    autograd) and ``B_k = lora_B_k.weight`` (``[V, r]``). The terms are accumulated into each
-    float32 logits chunk in place (no extra ``[c, V]`` temporary), and the backward returns
-    ``grad_u_k = s_k * dz @ B_k`` and ``grad_B_k = s_k * dz.T @ u_k``, accumulated chunk by chunk
-    in float32 (float64 for float64 inputs) and cast to their dtypes once.
+    ``hidden @ weight.T + bias + sum_k s_k * u_k @ B_k.T``: LoRA adapters on the head, with
+    ``u_k = lora_A_k(dropout_k(hidden))`` computed by the caller and ``B_k = lora_B_k.weight``
+    (docs/logprobs.md, "LoRA on the head").
 
     Args:
         hidden: ``[..., H]`` floating-point hidden states (the input of ``lm_head``). Saved for
@@ -282,12 +279,8 @@ def fused_linear_token_logprobs(
         ``(logprobs, entropy)``, the entropy with its gradient too.
 
     Inside ``torch.autocast`` the inputs are cast to the autocast dtype first, as ``nn.Linear``
-    would be. With float32/float64 inputs values and gradients equal the unfused expression to
-    rounding; with bf16 inputs the logits are computed in float32 (on CUDA and CPU; elsewhere
-    rounded to bf16 as ``lm_head`` does) and ``grad_weight`` is accumulated in bf16 once per
-    chunk, so it differs from the unfused bf16 gradient by a few bf16 ulps
-    (tests/test_fused_logprobs.py: every output and gradient within 1% of its norm of a float64
-    reference, and within 1.25x the unfused bf16 path's error).
+    would be. Values and gradients equal the unfused expression's to rounding (docs/logprobs.md,
+    "Precision").
 
     Raises:
         TypeError / ValueError: for a bad argument; the message names it.
