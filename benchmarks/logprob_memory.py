@@ -117,7 +117,7 @@ METHOD = """\
 """
 
 EXPECTED = """\
-What to expect (see the `lightning_offpolicy/logprobs/__init__.py` docstring): the lean peak is the gradient
+What to expect (see docs/logprobs.md, "The logits path"): the lean peak is the gradient
 (1 logits tensor, which every method returns) plus float32 `[chunk, V]` temporaries, i.e. about
 `1 + 4 * chunk / (s * T)` logits tensors for `s`-byte logits in the backward (float32 logits are
 processed in place in the gradient: `1.0`), and only `N` floats are kept between forward and
@@ -494,7 +494,7 @@ def render_fused(fused: list[dict], others: list[dict]) -> list[str]:
         )
     out += [
         "",
-        'What to expect (`lightning_offpolicy/logprobs/fused.py`, "Memory"): the chunk is '
+        'What to expect (docs/logprobs.md, "The fused head"): the chunk is '
         "`c = min(chunk_size, max(64, T // 32))` rows; its temporaries are a float32 `[c, V]` chunk "
         "plus, in the bf16 backward, a `[c, V]` bf16 copy (on CUDA) or a float32 block of the weight "
         "of at most that size (on CPU, where bf16 weights are multiplied in float32 blocks because "

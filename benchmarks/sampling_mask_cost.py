@@ -54,8 +54,9 @@ def step(path: str, inputs: dict, targets, support, temperature: float = 0.9):
     """Forward + backward of the summed response logprobs (renormalized over ``support`` when given)."""
     import torch
 
-    from lightning_offpolicy.logprobs import _over_support, token_logprobs
+    from lightning_offpolicy.logprobs import token_logprobs
     from lightning_offpolicy.logprobs.fused import fused_linear_token_logprobs
+    from lightning_offpolicy.logprobs.support import over_support
 
     columns = targets if support is None else torch.cat([targets[:, None], support], dim=-1)
     if path == "fused":
@@ -63,7 +64,7 @@ def step(path: str, inputs: dict, targets, support, temperature: float = 0.9):
     else:
         out = token_logprobs(inputs["logits"], columns, temperature=temperature)
     if support is not None:
-        out = _over_support(out[None], support[None], return_entropy=False, full_entropy=False)[0]
+        out = over_support(out[None], support[None], return_entropy=False, full_entropy=False)[0]
     out.sum().backward()
     return float(out.detach().double().sum())
 

@@ -17,7 +17,7 @@ Cases, per model (see ``CASES``):
 * the two reference cases again with the logprobs computed naively
   (``log_softmax(logits.float() / T).gather(...)``, the entropy from its ``exp``) instead of the
   kit's lean ``token_logprobs``: the module has no switch for it, so the worker replaces
-  ``lightning_offpolicy.logprobs.token_logprobs`` (which ``causal_lm_token_logprobs`` calls).
+  ``lightning_offpolicy.logprobs.causal_lm.token_logprobs`` (which ``causal_lm_token_logprobs`` calls).
 
 Models: the quickstart's tiny Llama (~0.34M parameters) and a random ~168M-parameter Llama built
 from a config (hidden 1024, 8 layers, 16 heads, MLP 2816, vocabulary 32000), float32.
@@ -156,7 +156,7 @@ METHOD = """\
   0.2 / 0.28, AdamW lr 1e-6 (torch's default implementation on CPU: no multi-tensor temporaries),
   `ref_kl_coef = 0.001` in the reference cases. Batch: `rows` full-length sequences of random
   tokens, random rollout logprobs and advantages (values do not change memory).
-* Naive logprobs: the worker replaces `lightning_offpolicy.logprobs.token_logprobs` by
+* Naive logprobs: the worker replaces `lightning_offpolicy.logprobs.causal_lm.token_logprobs` by
   `log_softmax(logits.float() / T, -1).gather(-1, targets)` (the entropy, logged by the module,
   from `exp` of it under `no_grad`): what the kit's lean path replaces (see
   `docs/performance_logprobs.md` for the isolated comparison)."""
@@ -290,9 +290,9 @@ def worker(model_name: str, case_key: str, threads: int) -> dict[str, Any]:
     spec = MODELS[model_name]
     case = next(c for c in CASES if c.key == case_key)
     if case.logprobs == "naive":
-        import lightning_offpolicy.logprobs as logprobs_module
+        import lightning_offpolicy.logprobs.causal_lm as causal_lm_module
 
-        logprobs_module.token_logprobs = _naive_token_logprobs
+        causal_lm_module.token_logprobs = _naive_token_logprobs
 
     # 1. Warm-up: the same case, one whole step, on the tiny model.
     warm = MODELS["tiny"]

@@ -211,7 +211,7 @@ def write_empty(tmp):
 def test_a_bad_prompt_cell_names_its_row(tmp_path):
     rows = [{"prompt": "ok", "answer": "1"}, {"prompt": "", "answer": "2"}]
     path = write_jsonl(tmp_path / "rows.jsonl", rows)
-    # At construction, not when the row's batch comes up (tests/test_data_checks.py: every case of issue 28 item 9).
+    # At construction, not when the row's batch comes up (tests/test_data_checks.py: every case).
     with pytest.raises(ValueError, match=rf"`source` row 1 \({path} line 2\): prompt_field 'prompt' is an empty text"):
         DatasetDataModule(str(path), prompts_per_step=1)
     # Rows handed to PromptRows some other way are still checked when served.

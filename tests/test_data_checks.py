@@ -1,4 +1,4 @@
-"""Every data row is checked before the first step (issue 28, item 9), named by file, line, field and what to do.
+"""Every data row is checked before the first step, named by file, line, field and what to do.
 
 Real files in tmp_path read by the real ``datasets`` loaders; the length check runs in a real fit
 (tiny Llama, HF engine, the kit's RolloutCallback) and must stop it before any training step.

@@ -11,7 +11,8 @@ import torch
 
 from lightning_offpolicy.demo.tiny import tiny_llama_config
 from lightning_offpolicy.logprobs import causal_lm_token_logprobs, token_logprobs
-from lightning_offpolicy.logprobs.fused import fused_head_parts, fused_linear_token_logprobs
+from lightning_offpolicy.logprobs.fused import fused_linear_token_logprobs
+from lightning_offpolicy.logprobs.head import fused_head_parts
 
 
 def _inputs(n, h, v, dtype, bias, seed=0):
@@ -473,7 +474,7 @@ def test_trainer_step_takes_the_fused_head_by_default(monkeypatch, lora_targets)
 
     from transformers import LlamaForCausalLM
 
-    import lightning_offpolicy.logprobs.fused as fl
+    import lightning_offpolicy.logprobs.head as fl
     from lightning_offpolicy.lightning.module import OffPolicyRLModule
     from tests.module_helpers import TOKENIZER, fit_on, make_rollout, tiny_model
 

@@ -1,4 +1,4 @@
-"""Tokenization follows the tokenizer (issue 10): prompt encoding rule, add_bos, chat templates, stop ids.
+"""Tokenization follows the tokenizer: prompt encoding rule, add_bos, chat templates, stop ids.
 
 Every tokenizer here is a real ``PreTrainedTokenizerFast`` built with ``tokenizers``, saved with
 ``save_pretrained`` and loaded through ``HFTokenizer(dir)``; the references are hand-computed ids,

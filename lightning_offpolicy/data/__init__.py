@@ -5,16 +5,29 @@
 >>> batch = next(iter(data.train_dataloader()))
 >>> len(batch.prompts), sorted(batch.metadata[0])
 (4, ['answer', 'metadata'])
+
+The names below load on first use (PEP 562), so that ``lightning_offpolicy.data.tokenizers`` and
+``lightning_offpolicy.data.rewards`` can be imported without Lightning.
 """
 
-from lightning_offpolicy.data.datamodule import DatasetDataModule, PromptRows, collate_rows
-from lightning_offpolicy.data.sampler import (
-    ResumableDataLoader,
-    ResumableSampler,
-    ResumableTrainLoader,
-    trained_position,
-)
-from lightning_offpolicy.data.sources import REASONING_GYM_PREFIX, load_source, reasoning_gym_rows
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+#: Public name -> the module that defines it.
+_EXPORTS: dict[str, str] = {
+    "REASONING_GYM_PREFIX": "lightning_offpolicy.data.sources",
+    "DatasetDataModule": "lightning_offpolicy.data.datamodule",
+    "PromptRows": "lightning_offpolicy.data.datamodule",
+    "ResumableDataLoader": "lightning_offpolicy.data.sampler",
+    "ResumableSampler": "lightning_offpolicy.data.sampler",
+    "ResumableTrainLoader": "lightning_offpolicy.data.sampler",
+    "collate_rows": "lightning_offpolicy.data.datamodule",
+    "load_source": "lightning_offpolicy.data.sources",
+    "reasoning_gym_rows": "lightning_offpolicy.data.sources",
+    "trained_position": "lightning_offpolicy.data.sampler",
+}
 
 __all__ = [
     "REASONING_GYM_PREFIX",
@@ -28,3 +41,25 @@ __all__ = [
     "reasoning_gym_rows",
     "trained_position",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _EXPORTS:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = globals()[name] = getattr(importlib.import_module(_EXPORTS[name]), name)
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_EXPORTS))
+
+
+if TYPE_CHECKING:  # for type checkers and IDEs: the same names, imported eagerly
+    from lightning_offpolicy.data.datamodule import DatasetDataModule, PromptRows, collate_rows
+    from lightning_offpolicy.data.sampler import (
+        ResumableDataLoader,
+        ResumableSampler,
+        ResumableTrainLoader,
+        trained_position,
+    )
+    from lightning_offpolicy.data.sources import REASONING_GYM_PREFIX, load_source, reasoning_gym_rows

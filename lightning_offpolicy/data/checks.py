@@ -11,23 +11,20 @@ a run, and some failed without a row at all (a raw ``UnicodeDecodeError``). Here
   engine's context. One pass, the texts tokenized a batch at a time.
 
 Errors name the setting, the row (0-based, as ``dataset[i]``), the file and its line where the
-source is a file, the field and what is wrong, and what to do. :class:`RowLocator` finds the file
-and the line, only when there is an error to report.
+source is a file, the field and what is wrong, and what to do.
+:class:`~lightning_offpolicy.data.files.RowLocator` finds the file and the line, only when there is
+an error to report.
 """
 
 from __future__ import annotations
 
-import bz2
-import csv
-import glob
-import gzip
-import io
-import lzma
-import os
-from collections.abc import Callable, Iterator, Sequence
-from typing import IO, Any
+from collections.abc import Callable, Iterator
+from typing import Any
 
-__all__ = ["UTF8_ADVICE", "RowLocator", "check_prompt_lengths", "check_rows", "find_invalid_utf8_line", "is_prompt"]
+from lightning_offpolicy.data.files import UTF8_ADVICE, RowLocator
+from lightning_offpolicy.data.prompts import encode_prompt, encode_prompts
+
+__all__ = ["check_prompt_lengths", "check_rows", "is_prompt"]
 
 #: Rows per Arrow batch of the checks: small enough to keep memory flat, large enough to stay vectorized.
 BATCH_ROWS = 65_536
@@ -36,11 +33,6 @@ TOKENIZE_ROWS = 1_024
 #: Bad rows named one by one in a message (the count covers them all).
 SHOWN = 5
 
-_OPENERS: dict[str, Callable[[str], IO[bytes]]] = {
-    ".gz": lambda p: gzip.open(p, "rb"),
-    ".bz2": lambda p: bz2.open(p, "rb"),
-    ".xz": lambda p: lzma.open(p, "rb"),
-}
 _FIX_ROW = "Fix or drop the row(s) in the data (every row is checked before the first step)."
 
 
@@ -53,171 +45,6 @@ def is_prompt(value: Any) -> bool:
         and bool(value)
         and all(isinstance(m, dict) and "role" in m and "content" in m for m in value)
     )
-
-
-def _open_bytes(path: str) -> IO[bytes] | None:
-    """``path`` opened for reading its (decompressed) bytes; ``None`` for a compression we cannot read here."""
-    for suffix, opener in _OPENERS.items():
-        if path.lower().endswith(suffix):
-            return opener(path)
-    if path.lower().endswith((".zst", ".zip")):
-        return None
-    return open(path, "rb")
-
-
-def find_invalid_utf8_line(files: Sequence[str]) -> str | None:
-    """``"<file> line N: byte 0x.. at column C ..."`` for the first line of ``files`` that is not UTF-8, else ``None``.
-
-    Reads the files once, line by line (only called once a read has failed on a decoding error).
-    """
-    for path in files:
-        handle = _open_bytes(path)
-        if handle is None:
-            continue
-        with handle:
-            for number, line in enumerate(handle, 1):
-                try:
-                    line.decode("utf-8")
-                except UnicodeDecodeError as err:
-                    snippet = line[max(0, err.start - 20) : err.start + 20]
-                    return (
-                        f"{path} line {number}: byte 0x{line[err.start]:02x} at column {err.start + 1} is not valid "
-                        f"UTF-8 ({err.reason}; near {snippet!r})"
-                    )
-    return None
-
-
-#: What to do about a file that is not UTF-8.
-UTF8_ADVICE = (
-    "Data files are read as UTF-8: convert the file (a Latin-1 one: `iconv -f latin1 -t utf-8 old.jsonl > "
-    "new.jsonl`), or fix that row."
-)
-
-
-class RowLocator:
-    """Names row ``index`` of a loaded source in messages: ``"`source` row 41 (data/a.jsonl line 42)"``.
-
-    Files are only read again when a row is to be named: to find which file of a glob holds the
-    row, and the row's line in a JSON-lines or CSV file (Parquet rows have no line: the row within
-    the file is given).
-
-    Args:
-        setting: the setting the rows come from (``source`` / ``val_source``).
-        files: the files the rows were read from, in the order they were read; ``None`` for a
-            ``datasets`` object, a ``save_to_disk`` directory or generated rows.
-    """
-
-    def __init__(self, setting: str, files: Sequence[str] | None = None) -> None:
-        self.setting = setting
-        self.files = [os.path.abspath(f) for f in files] if files else None
-        self._counts: list[int] = []
-
-    @classmethod
-    def for_source(cls, source: Any, setting: str) -> RowLocator:
-        """The locator of ``source`` as :func:`~lightning_offpolicy.data.sources.load_source` reads it."""
-        if not isinstance(source, (str, os.PathLike)):
-            return cls(setting)
-        path = os.path.expanduser(os.fspath(source))
-        if os.path.isdir(path):
-            return cls(setting)
-        files = sorted(glob.glob(path)) if glob.has_magic(path) else [path]
-        return cls(setting, [f for f in files if os.path.isfile(f)])
-
-    def __call__(self, index: int) -> str:
-        where = f"`{self.setting}` row {index}"
-        if not self.files:
-            return where
-        try:
-            path, row = self._file_row(index)
-            line = _line_of_row(path, row)
-        except Exception:  # naming the place must never hide the error being reported
-            return where
-        if path is None:
-            return where
-        place = f"line {line}" if line is not None else f"row {row} of the file"
-        return f"{where} ({path} {place})"
-
-    def _file_row(self, index: int) -> tuple[str | None, int]:
-        assert self.files
-        if len(self.files) == 1:
-            return self.files[0], index
-        start = 0
-        for number, path in enumerate(self.files):
-            if number == len(self._counts):
-                self._counts.append(_rows_in_file(path))
-            if index < start + self._counts[number]:
-                return path, index - start
-            start += self._counts[number]
-        return None, index
-
-
-def _rows_in_file(path: str) -> int:
-    """Rows ``datasets`` reads from ``path`` (JSON lines / CSV counted here, Parquet from its metadata)."""
-    from lightning_offpolicy.data.sources import file_builder
-
-    builder = file_builder(path)
-    if builder == "parquet":
-        import pyarrow.parquet as pq
-
-        return int(pq.ParquetFile(path).metadata.num_rows)
-    if builder == "json" and _is_json_lines(path):
-        handle = _open_bytes(path)
-        assert handle is not None
-        with handle:
-            return sum(1 for line in handle if line.strip())
-    if builder == "csv":
-        text = _open_text(path)
-        if text is not None:
-            with text:
-                return max(0, sum(1 for _ in csv.reader(text)) - 1)
-    import datasets
-
-    return datasets.load_dataset(builder, data_files=[path], split="train").num_rows
-
-
-def _is_json_lines(path: str) -> bool:
-    handle = _open_bytes(path)
-    if handle is None:
-        return False
-    with handle:
-        head = handle.read(4096).lstrip()
-    return head.startswith(b"{")
-
-
-def _open_text(path: str) -> io.TextIOWrapper | None:
-    handle = _open_bytes(path)
-    return None if handle is None else io.TextIOWrapper(handle, encoding="utf-8", errors="replace", newline="")
-
-
-def _line_of_row(path: str, row: int) -> int | None:
-    """The 1-based line where row ``row`` of ``path`` starts (JSON lines, CSV), else ``None``."""
-    from lightning_offpolicy.data.sources import file_builder
-
-    builder = file_builder(path)
-    if builder == "json" and _is_json_lines(path):
-        handle = _open_bytes(path)
-        assert handle is not None
-        with handle:
-            seen = -1
-            for number, line in enumerate(handle, 1):
-                if line.strip():
-                    seen += 1
-                    if seen == row:
-                        return number
-        return None
-    if builder == "csv":
-        text = _open_text(path)
-        if text is None:
-            return None
-        with text:
-            reader = csv.reader(text)
-            ended = 0  # the line the previous record ended on
-            for record, _ in enumerate(reader):
-                if record == row + 1:  # record 0 is the header
-                    return ended + 1
-                ended = reader.line_num
-        return None
-    return None
 
 
 # ------------------------------------------------------------------------------ rows at load
@@ -406,8 +233,6 @@ def check_prompt_lengths(
         limit: ``(tokens, description)`` of the context, as :func:`lightning_offpolicy.preflight.context_limit`.
         owner: the class named in the message.
     """
-    from lightning_offpolicy.data.tokenizers import encode_prompt, encode_prompts
-
     budget = limit[0] - max_new_tokens
     too_long: list[tuple[int, int]] = []
     count = 0

@@ -11,7 +11,8 @@ from torch.utils.data import DataLoader, Dataset
 
 from lightning_offpolicy.argcheck import is_int, is_real
 from lightning_offpolicy.batch import PromptBatch
-from lightning_offpolicy.data.checks import RowLocator, check_prompt_lengths, check_rows, is_prompt
+from lightning_offpolicy.data.checks import check_prompt_lengths, check_rows, is_prompt
+from lightning_offpolicy.data.files import RowLocator
 from lightning_offpolicy.data.rewards.resolve import RewardSpec
 from lightning_offpolicy.data.sampler import ResumableTrainLoader
 from lightning_offpolicy.data.sources import REASONING_GYM_PREFIX, load_source, reasoning_gym_rows

@@ -11,29 +11,12 @@ import glob
 import os
 from typing import Any
 
-__all__ = ["REASONING_GYM_PREFIX", "close_task_names", "file_builder", "load_source", "reasoning_gym_rows"]
+from lightning_offpolicy.data.files import UTF8_ADVICE, file_builder, find_invalid_utf8_line
+
+__all__ = ["REASONING_GYM_PREFIX", "close_task_names", "load_source", "reasoning_gym_rows"]
 
 #: ``source: reasoning_gym:<task>`` generates the task's prompts with reasoning-gym.
 REASONING_GYM_PREFIX = "reasoning_gym:"
-
-_BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
-_COMPRESSION = (".gz", ".bz2", ".xz", ".zst", ".zip")
-
-
-def file_builder(path: str) -> str:
-    """The ``datasets`` builder that reads ``path`` (``json``, ``parquet`` or ``csv``), from its extension."""
-    name = path.lower()
-    for suffix in _COMPRESSION:
-        if name.endswith(suffix):
-            name = name[: -len(suffix)]
-    ext = os.path.splitext(name)[1]
-    if ext not in _BUILDERS:
-        raise ValueError(
-            f"DatasetDataModule: cannot read {path!r}: unknown extension {ext or '(none)'!r}. Supported: "
-            f"{', '.join(sorted(_BUILDERS))} (optionally compressed: {', '.join(_COMPRESSION)}), a directory "
-            "written by Dataset.save_to_disk, or reasoning_gym:<task>."
-        )
-    return _BUILDERS[ext]
 
 
 def load_source(source: Any, split: str = "train", setting: str = "source") -> Any:
@@ -77,8 +60,6 @@ def load_source(source: Any, split: str = "train", setting: str = "source") -> A
         if "corresponds to no data" in str(error):
             raise ValueError(f"DatasetDataModule: `{setting}`={source!r} has no rows.") from error
         if _caused_by(error, UnicodeDecodeError):
-            from lightning_offpolicy.data.checks import UTF8_ADVICE, find_invalid_utf8_line
-
             where = find_invalid_utf8_line(files)
             if where is not None:
                 raise ValueError(f"DatasetDataModule: `{setting}`={source!r}: {where}. {UTF8_ADVICE}") from error

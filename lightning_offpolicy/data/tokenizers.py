@@ -6,6 +6,8 @@ for :class:`HFTokenizer` a chat ``messages`` list), ``encode(text, add_bos=...)`
 ``eos_token_id``, ``save_pretrained(dir)`` and ``from_pretrained(dir)``; :func:`load_tokenizer`
 picks the right one for a model directory, and :func:`encode_prompt` encodes a prompt with any
 tokenizer-like object (these two, a raw ``transformers`` tokenizer, or one with only ``encode``).
+:class:`CharTokenizer` lives in :mod:`~lightning_offpolicy.data.char_tokenizer` and prompt encoding in
+:mod:`~lightning_offpolicy.data.prompts`; both are importable from here.
 
 Prompt encoding follows the tokenizer, as TRL and vLLM do: :class:`HFTokenizer` encodes a text as
 ``tokenizer(text)`` (the tokenizer's own special-token rule: a bos only where that rule adds one),
@@ -23,12 +25,21 @@ True
 
 from __future__ import annotations
 
-import json
 import os
-import string
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any, Literal
+
+from lightning_offpolicy.data.char_tokenizer import CHAR_TOKENIZER_FILE, DEFAULT_ALPHABET, UNKNOWN_CHAR, CharTokenizer
+from lightning_offpolicy.data.prompts import (
+    ChatMessages,
+    Prompt,
+    chat_ids,
+    checked_messages,
+    encode_prompt,
+    encode_prompts,
+    ids_to_list,
+)
 
 __all__ = [
     "DEFAULT_ALPHABET",
@@ -44,18 +55,6 @@ __all__ = [
     "load_tokenizer",
 ]
 
-#: A chat prompt: ``[{"role": "system" | "user" | "assistant", "content": ...}, ...]``.
-ChatMessages = list[dict[str, Any]]
-#: What a prompt may be: a text, or a chat ``messages`` list (rendered by the tokenizer's chat template).
-Prompt = str | ChatMessages
-
-#: Digits, lowercase letters, space and the symbols of the built-in tasks (3 specials + 45 = 48 ids).
-DEFAULT_ALPHABET: str = string.digits + string.ascii_lowercase + " +-*=,.:?"
-#: The file :meth:`CharTokenizer.save_pretrained` writes; its presence marks a char-tokenizer directory.
-CHAR_TOKENIZER_FILE = "char_tokenizer.json"
-
-#: What :meth:`CharTokenizer.decode` writes for an id outside the tokenizer's vocabulary.
-UNKNOWN_CHAR = "\ufffd"
 
 #: The files ``save_pretrained`` writes for a Hugging Face tokenizer's vocabulary (fast, BPE, WordPiece,
 #: SentencePiece); a directory with none of them holds no vocabulary.
@@ -77,136 +76,6 @@ TOKENIZER_FILES: tuple[str, ...] = (
 )
 #: Encoded once at load: a tokenizer without a vocabulary encodes it to no ids at all.
 _PROBE_TEXT = "Hello world 123"
-
-_PAD, _BOS, _EOS = "<pad>", "<bos>", "<eos>"
-_NUM_SPECIAL = 3
-
-
-def _ids_to_list(ids: Any) -> list[int]:
-    """Accept a list / tuple / 1-D tensor / numpy array of ids."""
-    if hasattr(ids, "tolist"):
-        ids = ids.tolist()
-    return [int(i) for i in ids]
-
-
-class CharTokenizer:
-    """Character-level tokenizer: ``pad=0``, ``bos=1``, ``eos=2``, then one id per character.
-
-    Args:
-        alphabet: the characters, in id order (the first gets id 3). Must not repeat a character.
-    """
-
-    pad_token_id: int = 0
-    bos_token_id: int = 1
-    eos_token_id: int = 2
-
-    def __init__(self, alphabet: str = DEFAULT_ALPHABET) -> None:
-        if not isinstance(alphabet, str) or not alphabet:
-            raise ValueError("CharTokenizer: `alphabet` must be a non-empty string.")
-        if UNKNOWN_CHAR in alphabet:
-            raise ValueError("CharTokenizer: `alphabet` must not contain U+FFFD (the unknown-id marker).")
-        repeated = sorted({c for c in alphabet if alphabet.count(c) > 1})
-        if repeated:
-            raise ValueError(f"CharTokenizer: `alphabet` repeats the characters {repeated!r}.")
-        self.alphabet = alphabet
-        self._char_to_id = {c: i + _NUM_SPECIAL for i, c in enumerate(alphabet)}
-        self._id_to_char = {i: c for c, i in self._char_to_id.items()}
-        self.pad_token, self.bos_token, self.eos_token = _PAD, _BOS, _EOS
-
-    @property
-    def vocab_size(self) -> int:
-        """Number of ids: 3 specials + one per character."""
-        return _NUM_SPECIAL + len(self.alphabet)
-
-    @property
-    def special_ids(self) -> frozenset[int]:
-        return frozenset((self.pad_token_id, self.bos_token_id, self.eos_token_id))
-
-    def __len__(self) -> int:
-        return self.vocab_size
-
-    def encode(self, text: str, add_bos: bool = True) -> list[int]:
-        """Ids of ``text`` (with ``bos`` first when ``add_bos``). Unknown characters raise ValueError."""
-        ids = [self.bos_token_id] if add_bos else []
-        for position, char in enumerate(text):
-            try:
-                ids.append(self._char_to_id[char])
-            except KeyError:
-                raise ValueError(
-                    f"CharTokenizer: character {char!r} (position {position} of {text!r}) is not in the "
-                    f"alphabet {self.alphabet!r}."
-                ) from None
-        return ids
-
-    def encode_prompt(self, prompt: Prompt) -> list[int]:
-        """Ids of a text prompt, bos first (what the built-in tasks and ``tiny:`` checkpoints expect).
-
-        A chat ``messages`` list raises ``TypeError``: a character tokenizer has no chat template.
-        """
-        if not isinstance(prompt, str):
-            raise TypeError(
-                f"CharTokenizer.encode_prompt: got a {type(prompt).__name__} prompt, expected a text. Chat prompts "
-                "(`messages` lists) need a tokenizer with a chat template: use "
-                "lightning_offpolicy.data.tokenizers.HFTokenizer with a model whose tokenizer defines one."
-            )
-        return self.encode(prompt, add_bos=True)
-
-    def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str:
-        """Text of ``ids``; does not stop at ``eos``. Special ids are dropped when ``skip_special_tokens``,
-        else written as ``<pad>``, ``<bos>``, ``<eos>``. Ids the alphabet does not cover (a model's
-        embedding is often larger than the tokenizer) decode to ``UNKNOWN_CHAR`` (U+FFFD), so a sampled
-        stray id never crashes a rollout; it simply scores as a wrong character."""
-        names = {self.pad_token_id: _PAD, self.bos_token_id: _BOS, self.eos_token_id: _EOS}
-        out = []
-        for i in _ids_to_list(ids):
-            if i in names:
-                if not skip_special_tokens:
-                    out.append(names[i])
-            elif i in self._id_to_char:
-                out.append(self._id_to_char[i])
-            else:
-                out.append(UNKNOWN_CHAR)
-        return "".join(out)
-
-    def batch_decode(self, sequences: Iterable[Iterable[int]], skip_special_tokens: bool = True) -> list[str]:
-        return [self.decode(s, skip_special_tokens=skip_special_tokens) for s in sequences]
-
-    def save_pretrained(self, directory: str | os.PathLike) -> Path:
-        """Write ``char_tokenizer.json`` into ``directory`` (created if missing); returns the file."""
-        directory = Path(directory)
-        directory.mkdir(parents=True, exist_ok=True)
-        path = directory / CHAR_TOKENIZER_FILE
-        spec = {
-            "type": "CharTokenizer",
-            "alphabet": self.alphabet,
-            "pad_token_id": self.pad_token_id,
-            "bos_token_id": self.bos_token_id,
-            "eos_token_id": self.eos_token_id,
-        }
-        path.write_text(json.dumps(spec, indent=2) + "\n", encoding="utf-8")
-        return path
-
-    @classmethod
-    def from_pretrained(cls, directory: str | os.PathLike) -> CharTokenizer:
-        """Load from a directory holding ``char_tokenizer.json`` (or the file itself)."""
-        path = Path(directory)
-        if path.is_dir():
-            path = path / CHAR_TOKENIZER_FILE
-        if not path.is_file():
-            raise FileNotFoundError(f"CharTokenizer: no {CHAR_TOKENIZER_FILE} at {path}.")
-        spec = json.loads(path.read_text(encoding="utf-8"))
-        if spec.get("type", "CharTokenizer") != "CharTokenizer" or "alphabet" not in spec:
-            raise ValueError(f"CharTokenizer: {path} does not describe a CharTokenizer.")
-        return cls(spec["alphabet"])
-
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, CharTokenizer) and other.alphabet == self.alphabet
-
-    def __hash__(self) -> int:
-        return hash(("CharTokenizer", self.alphabet))
-
-    def __repr__(self) -> str:
-        return f"CharTokenizer(vocab_size={self.vocab_size}, alphabet={self.alphabet!r})"
 
 
 class HFTokenizer:
@@ -383,7 +252,7 @@ class HFTokenizer:
         if not prompts:
             return []
         batch = self.tokenizer(prompts, return_attention_mask=False, return_token_type_ids=False)["input_ids"]
-        return [self._with_bos(ids if isinstance(ids, list) else _ids_to_list(ids), self.add_bos) for ids in batch]
+        return [self._with_bos(ids if isinstance(ids, list) else ids_to_list(ids), self.add_bos) for ids in batch]
 
     def _render_chat(self, messages: ChatMessages) -> list[int]:
         tokenizer = self.tokenizer
@@ -399,7 +268,7 @@ class HFTokenizer:
                     f"({messages[0]['content']!r}): drop one of them."
                 )
             messages = [{"role": "system", "content": self.system_prompt}, *messages]
-        return self._with_bos(_chat_ids(tokenizer, messages), self.add_bos)
+        return self._with_bos(chat_ids(tokenizer, messages), self.add_bos)
 
     def _with_bos(self, ids: list[int], add_bos: bool | Literal["auto"]) -> list[int]:
         if add_bos == "auto":
@@ -417,7 +286,7 @@ class HFTokenizer:
 
     # ------------------------------------------------------------------------------ decoding
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str:
-        return self.tokenizer.decode(_ids_to_list(ids), skip_special_tokens=skip_special_tokens)
+        return self.tokenizer.decode(ids_to_list(ids), skip_special_tokens=skip_special_tokens)
 
     def batch_decode(self, sequences: Iterable[Iterable[int]], skip_special_tokens: bool = True) -> list[str]:
         return [self.decode(s, skip_special_tokens=skip_special_tokens) for s in sequences]
@@ -463,69 +332,6 @@ def _missing_tokenizer_message(directory: Path, what: str) -> str:
         "init_args: {path: <the tokenizer's directory or hub id>}}; in Python OffPolicyRLModule(tokenizer="
         "HFTokenizer(<path>))."
     )
-
-
-def checked_messages(prompt: Any, who: str) -> ChatMessages:
-    """``prompt`` as a chat ``messages`` list; ``TypeError`` / ``ValueError`` naming ``who`` and the bad entry."""
-    if not isinstance(prompt, (list, tuple)):
-        raise TypeError(
-            f"{who}: a prompt must be a text or a list of chat messages ({{'role': ..., 'content': ...}}), "
-            f"got {type(prompt).__name__}."
-        )
-    if not prompt:
-        raise ValueError(f"{who}: the chat prompt is an empty list of messages.")
-    for index, message in enumerate(prompt):
-        if not isinstance(message, dict) or not isinstance(message.get("role"), str) or "content" not in message:
-            raise ValueError(
-                f"{who}: message {index} of the chat prompt is {message!r}; every message needs a 'role' (str) and "
-                "a 'content'."
-            )
-    return [dict(m) for m in prompt]
-
-
-def _chat_ids(tokenizer: Any, messages: ChatMessages) -> list[int]:
-    """``apply_chat_template(messages, add_generation_prompt=True)``'s ids (a list in transformers 4, a dict in 5)."""
-    rendered = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-    if isinstance(rendered, Mapping):
-        rendered = rendered["input_ids"]
-    return _ids_to_list(rendered)
-
-
-def encode_prompt(tokenizer: Any, prompt: Prompt) -> list[int]:
-    """Ids of ``prompt`` with any tokenizer-like object, by that tokenizer's own rule.
-
-    Uses its ``encode_prompt`` when it has one (:class:`CharTokenizer`, :class:`HFTokenizer`); a raw
-    ``transformers`` tokenizer encodes a text as ``tokenizer(text)`` and a ``messages`` list with
-    ``apply_chat_template(..., add_generation_prompt=True)``; anything else as ``tokenizer.encode(text)``.
-    """
-    if hasattr(tokenizer, "encode_prompt"):
-        return list(tokenizer.encode_prompt(prompt))
-    is_hf = hasattr(tokenizer, "apply_chat_template")
-    if not isinstance(prompt, str):
-        if not is_hf:
-            raise TypeError(
-                f"encode_prompt: {type(tokenizer).__name__} cannot render a chat prompt (messages); use "
-                "lightning_offpolicy.data.tokenizers.HFTokenizer or a transformers tokenizer with a chat template."
-            )
-        return _chat_ids(tokenizer, checked_messages(prompt, "encode_prompt"))
-    if is_hf:
-        return _ids_to_list(tokenizer(prompt)["input_ids"])
-    return list(tokenizer.encode(prompt))
-
-
-def encode_prompts(tokenizer: Any, prompts: Sequence[Prompt]) -> list[list[int]]:
-    """:func:`encode_prompt` of each prompt, batched where the tokenizer can (one call for many texts).
-
-    The ids are those :func:`encode_prompt` gives one prompt at a time.
-    """
-    batched = getattr(tokenizer, "encode_prompts", None)
-    if callable(batched):
-        return [list(ids) for ids in batched(prompts)]
-    prompts = list(prompts)
-    if prompts and hasattr(tokenizer, "apply_chat_template") and all(isinstance(p, str) for p in prompts):
-        batch = tokenizer(prompts, return_attention_mask=False, return_token_type_ids=False)["input_ids"]
-        return [_ids_to_list(ids) for ids in batch]
-    return [encode_prompt(tokenizer, p) for p in prompts]
 
 
 def load_tokenizer(path: str | os.PathLike, **kwargs: Any) -> CharTokenizer | HFTokenizer:

@@ -14,7 +14,8 @@ what it returns is checked: one finite number per completion, within ``MAX_ABS_R
 """
 
 from lightning_offpolicy.data.rewards.gym import ReasoningGymReward, reasoning_gym_score
-from lightning_offpolicy.data.rewards.resolve import RewardSpec, import_object, resolve_reward, reward_name
+from lightning_offpolicy.data.rewards.named import import_object, reward_name
+from lightning_offpolicy.data.rewards.resolve import RewardSpec, resolve_reward
 from lightning_offpolicy.data.rewards.scoring import (
     DEFAULT_REWARD_TIMEOUT_S,
     MAX_ABS_REWARD,

@@ -29,15 +29,24 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 
 from lightning_offpolicy.argcheck import is_number
 from lightning_offpolicy.data.rewards.deadline import raise_in_thread
-from lightning_offpolicy.data.rewards.resolve import reward_name
+from lightning_offpolicy.data.rewards.named import reward_name
 
-__all__ = ["DEFAULT_REWARD_TIMEOUT_S", "MAX_ABS_REWARD", "RewardError", "ScoredRewards", "score_completions"]
+__all__ = [
+    "DEFAULT_REWARD_TIMEOUT_S",
+    "MAX_ABS_REWARD",
+    "PartedReward",
+    "RewardError",
+    "ScoredRewards",
+    "describe_row",
+    "score_completions",
+    "score_one",
+]
 
 log = logging.getLogger(__name__)
 
@@ -80,6 +89,23 @@ class ScoredRewards:
     components: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
+#: ``(timeout_s, report_every_s)`` of each reward call, as :func:`score_completions` settled them.
+Limits = tuple[float | None, float]
+
+
+@runtime_checkable
+class PartedReward(Protocol):
+    """A reward made of named parts (:class:`~lightning_offpolicy.data.rewards.WeightedReward`).
+
+    :func:`score_completions` hands it the batch and the call limits; it scores each part with
+    :func:`score_one` and returns the total and the parts (each logged as ``reward/<name>``).
+    """
+
+    def score_parts(
+        self, prompts: list[Any], completions: list[str], metadata: list[dict[str, Any]], limits: Limits
+    ) -> ScoredRewards: ...
+
+
 def score_completions(
     reward_fn: Callable[..., Any],
     prompts: list[Any],
@@ -89,7 +115,7 @@ def score_completions(
     timeout_s: float | None = DEFAULT_REWARD_TIMEOUT_S,
     report_every_s: float | None = None,
 ) -> ScoredRewards:
-    """Score ``completions`` with ``reward_fn`` (a :class:`WeightedReward` part by part) and check the result.
+    """Score ``completions`` with ``reward_fn`` (a :class:`PartedReward` part by part) and check the result.
 
     Args:
         timeout_s: Longest one call of a reward function may take (each part of a weighted reward
@@ -105,8 +131,6 @@ def score_completions(
             named), or a value that is not finite or larger than ``MAX_ABS_REWARD`` in magnitude
             (the row is named: index, prompt and the start of the completion).
     """
-    from lightning_offpolicy.data.rewards.weighted import WeightedReward
-
     if timeout_s is not None and not (is_number(timeout_s) and timeout_s > 0):
         raise ValueError(f"score_completions: timeout_s={timeout_s!r} must be > 0 (seconds) or None (no limit).")
     if report_every_s is not None and not (is_number(report_every_s) and report_every_s > 0):
@@ -114,17 +138,13 @@ def score_completions(
     if report_every_s is None:
         report_every_s = REPORT_AFTER_S if timeout_s is None else min(REPORT_AFTER_S, timeout_s / 2)
     limits = (timeout_s, report_every_s)
-    if isinstance(reward_fn, WeightedReward):
-        components = {c.name: _checked(c.fn, prompts, completions, metadata, limits) for c in reward_fn.components}
-        total = torch.zeros(len(completions), dtype=torch.float64)
-        for component in reward_fn.components:
-            total += component.weight * components[component.name]
-        _check_total(reward_fn, components, total, prompts, completions)
-        return ScoredRewards(total=total, components=components)
-    return ScoredRewards(total=_checked(reward_fn, prompts, completions, metadata, limits))
+    if isinstance(reward_fn, PartedReward):
+        return reward_fn.score_parts(prompts, completions, metadata, limits)
+    return ScoredRewards(total=score_one(reward_fn, prompts, completions, metadata, limits))
 
 
-def _row(index: int, prompts: list[Any], completions: list[str]) -> str:
+def describe_row(index: int, prompts: list[Any], completions: list[str]) -> str:
+    """``row 3 (prompt '...', completion '...')``: row ``index`` of a batch in a message, both texts cut short."""
     completion = str(completions[index])
     snippet = completion[:_SNIPPET] + ("..." if len(completion) > _SNIPPET else "")
     return f"row {index} (prompt {str(prompts[index])[:_SNIPPET]!r}, completion {snippet!r})"
@@ -146,13 +166,18 @@ def _short(value: Any) -> str:
     return text if len(text) <= _SNIPPET else text[:_SNIPPET] + "..."
 
 
-def _checked(
+def score_one(
     fn: Callable[..., Any],
     prompts: list[Any],
     completions: list[str],
     metadata: list[dict],
-    limits: tuple[float | None, float],
+    limits: Limits,
 ) -> torch.Tensor:
+    """``fn(prompts, completions, metadata)`` under ``limits``, checked: ``[N]`` float64 rewards.
+
+    Raises:
+        RewardError: as :func:`score_completions` describes, for this one function.
+    """
     name = reward_name(fn)
     count = len(completions)
     expected = f"expected a list of {count} floats (one per completion, in order)"
@@ -161,7 +186,7 @@ def _checked(
         values = _call(fn, name, prompts, completions, metadata, limits)
     except _TimedOut as timed_out:
         where = (
-            f"it was scoring {_row(timed_out.row, prompts, completions)}"
+            f"it was scoring {describe_row(timed_out.row, prompts, completions)}"
             if timed_out.row is not None
             else "the row it was scoring could not be told (score the rows one at a time to find it)"
         )
@@ -172,7 +197,11 @@ def _checked(
         ) from None
     except Exception as error:
         row = _first_failing_row(fn, name, prompts, completions, metadata, limits)
-        where = f" at {_row(row, prompts, completions)}" if row is not None else f" on a batch of {count} completions"
+        where = (
+            f" at {describe_row(row, prompts, completions)}"
+            if row is not None
+            else f" on a batch of {count} completions"
+        )
         raise RewardError(
             f"reward function {name} raised {type(error).__name__}: {error}{where}.{_thread_hint(error, timeout_s)}"
         ) from error
@@ -197,44 +226,22 @@ def _checked(
         except (TypeError, ValueError):
             raise RewardError(
                 f"reward function {name} returned {_short(value)} (a {type(value).__name__}, not a number) at "
-                f"{_row(index, prompts, completions)}; {expected}."
+                f"{describe_row(index, prompts, completions)}; {expected}."
             ) from None
         if not math.isfinite(number):
             raise RewardError(
-                f"reward function {name} returned {number} at {_row(index, prompts, completions)}; rewards must be "
-                "finite numbers."
+                f"reward function {name} returned {number} at {describe_row(index, prompts, completions)}; rewards "
+                "must be finite numbers."
             )
         if abs(number) > MAX_ABS_REWARD:
             raise RewardError(
-                f"reward function {name} returned {number:g} at {_row(index, prompts, completions)}; rewards must lie "
-                f"within +-{MAX_ABS_REWARD:g}: the trainer keeps rewards and advantages in float32, where larger ones "
-                "lose the differences between completions and overflow to inf / nan in the statistics and the "
-                "gradients. Scale the reward down."
+                f"reward function {name} returned {number:g} at {describe_row(index, prompts, completions)}; rewards "
+                f"must lie within +-{MAX_ABS_REWARD:g}: the trainer keeps rewards and advantages in float32, where "
+                "larger ones lose the differences between completions and overflow to inf / nan in the statistics "
+                "and the gradients. Scale the reward down."
             )
         numbers.append(number)
     return torch.tensor(numbers, dtype=torch.float64)
-
-
-def _check_total(
-    reward_fn: Any,
-    components: dict[str, torch.Tensor],
-    total: torch.Tensor,
-    prompts: list[Any],
-    completions: list[str],
-) -> None:
-    """The weighted sum within ``MAX_ABS_REWARD`` too (large weights times in-range parts)."""
-    over = (total.abs() > MAX_ABS_REWARD).nonzero().flatten()
-    if not over.numel():
-        return
-    index = int(over[0])
-    parts = ", ".join(
-        f"{c.name}={float(components[c.name][index]):g} x weight {c.weight:g}" for c in reward_fn.components
-    )
-    raise RewardError(
-        f"the weighted reward {reward_fn!r} sums to {float(total[index]):g} at {_row(index, prompts, completions)} "
-        f"({parts}); rewards must lie within +-{MAX_ABS_REWARD:g} (float32 rewards and advantages in the trainer). "
-        "Lower the weights."
-    )
 
 
 def _thread_hint(error: BaseException, timeout_s: float | None) -> str:
@@ -256,7 +263,7 @@ def _call(
     prompts: list[Any],
     completions: list[str],
     metadata: list[dict],
-    limits: tuple[float | None, float],
+    limits: Limits,
 ) -> Any:
     """``fn(prompts, completions, metadata)`` under the deadline, reporting a slow call; ``_TimedOut`` past it."""
     timeout_s, report_every_s = limits
@@ -354,7 +361,7 @@ def _report(
     timeout_s: float | None,
 ) -> None:
     row = _row_in_progress(thread_id, completions)
-    where = f"; now at {_row(row, prompts, completions)}" if row is not None else ""
+    where = f"; now at {describe_row(row, prompts, completions)}" if row is not None else ""
     limit = (
         f"reward_timeout_s={timeout_s:g} s abandons it at {timeout_s:g} s"
         if timeout_s is not None
@@ -402,7 +409,7 @@ def _first_failing_row(
     prompts: list,
     completions: list,
     metadata: list,
-    limits: tuple[float | None, float],
+    limits: Limits,
 ) -> int | None:
     # A batch function does not say which row broke it: score the rows one at a time to find out.
     for index in range(len(completions)):

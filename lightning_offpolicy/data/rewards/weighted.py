@@ -7,8 +7,19 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
 from lightning_offpolicy.argcheck import is_int, is_number
-from lightning_offpolicy.data.rewards.resolve import resolve_one
+from lightning_offpolicy.data.rewards.named import resolve_one
+from lightning_offpolicy.data.rewards.scoring import (
+    MAX_ABS_REWARD,
+    Limits,
+    RewardError,
+    ScoredRewards,
+    describe_row,
+    score_completions,
+    score_one,
+)
 
 __all__ = ["RewardComponent", "WeightedReward"]
 
@@ -104,10 +115,46 @@ class WeightedReward:
             )
 
     def __call__(self, prompts: list[Any], completions: list[str], metadata: list[dict[str, Any]]) -> list[float]:
-        from lightning_offpolicy.data.rewards.scoring import score_completions
-
         return score_completions(self, prompts, completions, metadata).total.tolist()
+
+    def score_parts(
+        self, prompts: list[Any], completions: list[str], metadata: list[dict[str, Any]], limits: Limits
+    ) -> ScoredRewards:
+        """Each part scored and checked (:func:`~lightning_offpolicy.data.rewards.scoring.score_one`), and their
+        weighted sum, itself within ``MAX_ABS_REWARD``.
+
+        Raises:
+            RewardError: a part failed its call or its check, or the weighted sum is out of range.
+        """
+        components = {c.name: score_one(c.fn, prompts, completions, metadata, limits) for c in self.components}
+        total = torch.zeros(len(completions), dtype=torch.float64)
+        for component in self.components:
+            total += component.weight * components[component.name]
+        _check_total(self, components, total, prompts, completions)
+        return ScoredRewards(total=total, components=components)
 
     def __repr__(self) -> str:
         parts = ", ".join(f"{c.name}={c.weight:g}" for c in self.components)
         return f"WeightedReward({parts})"
+
+
+def _check_total(
+    reward_fn: WeightedReward,
+    components: dict[str, torch.Tensor],
+    total: torch.Tensor,
+    prompts: list[Any],
+    completions: list[str],
+) -> None:
+    """The weighted sum within ``MAX_ABS_REWARD`` too (large weights times in-range parts)."""
+    over = (total.abs() > MAX_ABS_REWARD).nonzero().flatten()
+    if not over.numel():
+        return
+    index = int(over[0])
+    parts = ", ".join(
+        f"{c.name}={float(components[c.name][index]):g} x weight {c.weight:g}" for c in reward_fn.components
+    )
+    raise RewardError(
+        f"the weighted reward {reward_fn!r} sums to {float(total[index]):g} at "
+        f"{describe_row(index, prompts, completions)} ({parts}); rewards must lie within +-{MAX_ABS_REWARD:g} "
+        "(float32 rewards and advantages in the trainer). Lower the weights."
+    )
