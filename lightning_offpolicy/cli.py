@@ -17,6 +17,10 @@ typing it as ``torch.nn.Module`` here would list every ``torch.nn`` class in ``f
 the config names a progress bar, the training bar is
 :class:`~lightning_offpolicy.lightning.progress.RLProgressBar` (batches, with the optimizer step in the postfix).
 
+A fit prints no tips, a model summary without its FLOPs (none are counted) and, at its end, where the run,
+its last checkpoint and its TensorBoard events are, with ``train/reward`` first -> last
+(:mod:`~lightning_offpolicy.lightning.console`).
+
 Checkpoints are written atomically (:class:`~lightning_offpolicy.lightning.checkpointing.AtomicCheckpointIO`, unless
 the config names another ``CheckpointIO`` plugin), and ``--ckpt_path last`` resumes from the newest
 checkpoint any earlier run of the same logger name wrote (``last.ckpt``, ``preempted.ckpt``,
@@ -34,7 +38,7 @@ import traceback
 from typing import Any
 
 from lightning.pytorch import LightningDataModule, Trainer
-from lightning.pytorch.callbacks import ModelCheckpoint, ProgressBar
+from lightning.pytorch.callbacks import ModelCheckpoint, ModelSummary, ProgressBar
 from lightning.pytorch.cli import LightningCLI
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
@@ -44,6 +48,7 @@ from lightning_offpolicy.data import DatasetDataModule  # noqa: F401  (a known d
 from lightning_offpolicy.data.tasks import PromptDataModule  # noqa: F401
 from lightning_offpolicy.lightning.callback import RolloutCallback
 from lightning_offpolicy.lightning.checkpointing import find_last_checkpoint, install_atomic_checkpoint_io
+from lightning_offpolicy.lightning.console import FitSummary, ModelSummaryWithoutFlops, silence_lightning_tips
 from lightning_offpolicy.lightning.module import OffPolicyRLModule
 from lightning_offpolicy.lightning.preemption import PreemptionCheckpoint
 from lightning_offpolicy.lightning.progress import RLProgressBar
@@ -226,7 +231,9 @@ class OffPolicyCLI(LightningCLI):
         config["ckpt_path"] = path
 
     def instantiate_trainer(self, **kwargs: Any) -> Trainer:
-        """The Trainer, with :class:`RLProgressBar` in place of Lightning's default bar, and atomic checkpoints."""
+        """The Trainer, with :class:`RLProgressBar` in place of Lightning's default bar, atomic checkpoints, and
+        the console of :mod:`~lightning_offpolicy.lightning.console` (no tips, no FLOPs, a summary at the end)."""
+        silence_lightning_tips()
         trainer_config = self._get(self.config_init, "trainer", default={})
         callbacks = trainer_config.get("callbacks")
         if trainer_config.get("enable_checkpointing") is False and isinstance(callbacks, list):
@@ -245,7 +252,18 @@ class OffPolicyCLI(LightningCLI):
         if default_bar is not None and not any(isinstance(c, ProgressBar) for c in configured):
             # Lightning's default counts max_steps (optimizer steps) as batches: 2 per batch -> twice the batches.
             trainer.callbacks[trainer.callbacks.index(default_bar)] = RLProgressBar()
+        _replace_default_model_summary(trainer, configured)
+        trainer.callbacks.append(FitSummary())
         return trainer
+
+
+def _replace_default_model_summary(trainer: Trainer, configured: list[Any]) -> None:
+    """Lightning's default model summary (its FLOPs are 0 without an ``example_input_array``) -> one without FLOPs."""
+    if any(isinstance(c, ModelSummary) for c in configured):
+        return
+    for index, callback in enumerate(trainer.callbacks):
+        if isinstance(callback, ModelSummary):
+            trainer.callbacks[index] = ModelSummaryWithoutFlops(max_depth=callback._max_depth)
 
 
 #: A bare word, as a preset name is (a config file has a dot or a slash, inline YAML a brace or a colon).
