@@ -327,7 +327,7 @@ def _constructor_error(err: BaseException) -> BaseException | None:
 def main(argv: list[str] | None = None) -> int:
     words = list(sys.argv[1:] if argv is None else argv)
     if words[:1] == ["selfcheck"]:
-        from lightning_offpolicy import selfcheck
+        from lightning_offpolicy.demo import selfcheck
 
         return selfcheck.main(words[1:])
     OffPolicyCLI(
