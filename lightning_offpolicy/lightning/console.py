@@ -22,7 +22,8 @@ from typing_extensions import override
 
 __all__ = ["FitSummary", "ModelSummaryWithoutFlops", "silence_lightning_tips", "summary_lines"]
 
-log = logging.getLogger(__name__)
+#: The summary goes where Lightning's own goes (its logger prints INFO to the console).
+_SUMMARY_LOG = logging.getLogger("lightning.pytorch.callbacks.model_summary")
 
 #: Lightning's tips (litlogger, litmodels) start with this; they advertise services, not the run.
 TIP_PREFIX = "💡 Tip:"
@@ -70,7 +71,7 @@ class ModelSummaryWithoutFlops(ModelSummary):
         table = _format_summary_table(
             total_parameters, trainable_parameters, model_size, total_training_modes, 0, *columns
         )
-        log.info("\n" + "\n".join(line for line in table.splitlines() if not line.endswith("Total Flops")))
+        _SUMMARY_LOG.info("\n" + "\n".join(line for line in table.splitlines() if not line.endswith("Total Flops")))
 
 
 def _window_mean(values: list[float], first: bool, window: int) -> float:
