@@ -12,7 +12,7 @@
 3. **RL**: ``OffPolicyRLModule(model=<directory>)`` loads the model and, with
    ``HFTokenizer(chat_template=True)``, renders every prompt through the tokenizer's chat template.
 
-    python examples/own_model_and_data.py                       # ~1-2 min on a laptop CPU
+    python examples/own_model_and_data.py                       # build + warm up the checkpoint, then RL
     python examples/own_model_and_data.py --rl-steps 0          # only build checkpoints/tiny-qwen2-arith
     lightning-offpolicy fit --config configs/reasoning_gym.yaml # the same RL run from YAML
 """

@@ -5,26 +5,22 @@
     lightning-offpolicy fit --print_config
     lightning-offpolicy selfcheck          # every correction preset on a real tiny model, no training
 
-Config groups: ``model`` (:class:`~lightning_offpolicy.lightning.module.OffPolicyRLModule`), ``data``
-(any LightningDataModule yielding ``PromptBatch``, given by ``class_path``:
-:class:`~lightning_offpolicy.data.tasks.PromptDataModule`,
-:class:`~lightning_offpolicy.data.DatasetDataModule`, or your own), ``rollout``
-(:class:`~lightning_offpolicy.lightning.callback.RolloutCallback`, always added), ``trainer``.
-``model.temperature`` is linked to ``rollout.temperature``: the trainer scores tokens with the
-temperature the engine samples with. On the command line ``model.model`` is a string (a path, a hub
-name or ``tiny:<task>``); a module instance is for Python callers of ``OffPolicyRLModule``, and
-typing it as ``torch.nn.Module`` here would list every ``torch.nn`` class in ``fit --help``. Unless
-the config names a progress bar, the training bar is
-:class:`~lightning_offpolicy.lightning.progress.RLProgressBar` (batches, with the optimizer step in the postfix).
+Config groups: ``model`` (:class:`~lightning_offpolicy.lightning.module.OffPolicyRLModule`; ``model.model``
+is a string here, a path, a hub name or ``tiny:<task>``), ``data`` (any LightningDataModule yielding
+``PromptBatch``, by ``class_path``), ``rollout``
+(:class:`~lightning_offpolicy.lightning.callback.RolloutCallback`, always added; ``rollout.temperature``
+is linked to ``model.temperature``), ``preemption``, ``trainer``. On top of LightningCLI:
 
-A fit prints no tips, a model summary without its FLOPs (none are counted) and, at its end, where the run,
-its last checkpoint and its TensorBoard events are, with ``train/reward`` first -> last
-(:mod:`~lightning_offpolicy.lightning.console`).
+* the training bar is :class:`~lightning_offpolicy.lightning.progress.RLProgressBar` unless the config
+  names one;
+* what a fit prints comes from :mod:`~lightning_offpolicy.lightning.console`: no tips, no FLOPs, and
+  at the end where the run, its last checkpoint and its TensorBoard events are;
+* checkpoints are written atomically, ``--ckpt_path last`` resumes from the newest checkpoint of an
+  earlier run of the same logger name
+  (:func:`~lightning_offpolicy.lightning.checkpointing.find_last_checkpoint`), and one run at a time
+  writes a log directory (:func:`claim_log_directory`).
 
-Checkpoints are written atomically (:class:`~lightning_offpolicy.lightning.checkpointing.AtomicCheckpointIO`, unless
-the config names another ``CheckpointIO`` plugin), and ``--ckpt_path last`` resumes from the newest
-checkpoint any earlier run of the same logger name wrote (``last.ckpt``, ``preempted.ckpt``,
-``on_exception.ckpt``; :func:`~lightning_offpolicy.lightning.checkpointing.find_last_checkpoint`).
+The why of each: docs/getting_started.md ("Change the run from the command line or YAML", "Resume a run").
 """
 
 from __future__ import annotations
@@ -156,7 +152,8 @@ class OffPolicyCLI(LightningCLI):
     """``LightningCLI`` with the rollout callback as a first-class config group."""
 
     def add_core_arguments_to_parser(self, parser) -> None:
-        # LightningCLI's own, except that `model.model` is typed `str` (see the module docstring).
+        # LightningCLI's own, except that `model.model` is typed `str`: typed `torch.nn.Module`, as the module's
+        # argument is (an instance, from Python), `fit --help` would list every torch.nn class.
         parser.add_lightning_class_args(self.trainer_class, "trainer")
         parser.set_defaults({"trainer." + k: v for k, v in self.trainer_defaults.items() if k != "callbacks"})
         if self.subclass_mode_model:
