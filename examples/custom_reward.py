@@ -19,6 +19,7 @@ from lightning_offpolicy.correction import OffPolicyCorrectionConfig
 from lightning_offpolicy.data.tasks import PromptDataModule
 from lightning_offpolicy.lightning.callback import RolloutCallback
 from lightning_offpolicy.lightning.module import OffPolicyRLModule
+from lightning_offpolicy.lightning.progress import RLProgressBar
 from lightning_offpolicy.rollout import HFEngine
 
 
@@ -59,7 +60,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         max_steps=args.max_steps,
         accelerator="cpu",
         devices=1,
-        callbacks=[rollout],
+        callbacks=[rollout, RLProgressBar()],  # counts batches (2 optimizer steps each), not optimizer steps
         logger=L.pytorch.loggers.TensorBoardLogger(args.logdir, name="custom_reward"),
         log_every_n_steps=1,
         enable_checkpointing=False,

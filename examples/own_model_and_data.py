@@ -12,7 +12,7 @@
 3. **RL**: ``OffPolicyRLModule(model=<directory>)`` loads the model and, with
    ``HFTokenizer(chat_template=True)``, renders every prompt through the tokenizer's chat template.
 
-    python examples/own_model_and_data.py                       # ~1-2 min on a laptop CPU
+    python examples/own_model_and_data.py                       # build + warm up the checkpoint, then RL
     python examples/own_model_and_data.py --rl-steps 0          # only build checkpoints/tiny-qwen2-arith
     lightning-offpolicy fit --config configs/reasoning_gym.yaml # the same RL run from YAML
 """
@@ -32,6 +32,7 @@ from lightning_offpolicy.data.tokenizers import HFTokenizer
 from lightning_offpolicy.demo.tiny_bpe import build_bpe_checkpoint
 from lightning_offpolicy.lightning.callback import RolloutCallback
 from lightning_offpolicy.lightning.module import OffPolicyRLModule
+from lightning_offpolicy.lightning.progress import RLProgressBar
 from lightning_offpolicy.rollout import HFEngine
 
 #: basic_arithmetic at its simplest: one term of 1-3 digits, no sign, no parentheses.
@@ -97,7 +98,8 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         accelerator="cpu",
         devices=1,
         # No reward_fn: the datamodule's reasoning-gym scorer is used.
-        callbacks=[RolloutCallback(HFEngine(), samples_per_prompt=8, max_new_tokens=8), history],
+        # RLProgressBar: Lightning's default bar labels the second epoch "Epoch 1/-2" when max_steps ends the fit.
+        callbacks=[RolloutCallback(HFEngine(), samples_per_prompt=8, max_new_tokens=8), history, RLProgressBar()],
         logger=L.pytorch.loggers.TensorBoardLogger(args.logdir, name="own_model_and_data"),
         log_every_n_steps=1,
         enable_checkpointing=False,

@@ -1,8 +1,12 @@
 """lightning_offpolicy: off-policy-corrected reinforcement learning of language models with PyTorch Lightning.
 
-The public API, importable from here::
+The names a user starts from, importable from here::
 
     from lightning_offpolicy import OffPolicyRLModule, RolloutCallback, VLLMEngine
+
+Everything else is imported from its subpackage (``lightning_offpolicy.correction``,
+``lightning_offpolicy.metrics``, ``lightning_offpolicy.data``, ``lightning_offpolicy.rollout``,
+``lightning_offpolicy.lightning``, ...); docs/architecture.md says which package holds what.
 
 Names load on first use (PEP 562), so ``import lightning_offpolicy`` and the pure-torch
 ``lightning_offpolicy.correction`` stay light: Lightning, transformers and vLLM are imported only by
@@ -20,65 +24,28 @@ try:
 except PackageNotFoundError:  # a source tree on sys.path, not installed
     __version__ = "0.0.0"
 
-#: Public name -> the module that defines it.
+#: Public name -> the package that exports it. The only list: ``__all__`` is derived from it, and
+#: tests/test_public_api.py checks that the ``TYPE_CHECKING`` imports below name the same objects.
 _EXPORTS: dict[str, str] = {
-    # Training
-    "OffPolicyRLModule": "lightning_offpolicy.lightning.module",
-    "OffPolicyMixin": "lightning_offpolicy.lightning.mixin",
-    "PromptBatch": "lightning_offpolicy.batch",
-    "RolloutBatch": "lightning_offpolicy.batch",
-    "PreemptionCheckpoint": "lightning_offpolicy.lightning.preemption",
-    "RLProgressBar": "lightning_offpolicy.lightning.progress",
-    # Rollout
-    "RolloutCallback": "lightning_offpolicy.lightning.callback",
-    "RolloutEngine": "lightning_offpolicy.rollout",
+    # Training: the module, or RL added to your own SFT module; the callback that feeds them rollouts.
+    "OffPolicyRLModule": "lightning_offpolicy.lightning",
+    "OffPolicyMixin": "lightning_offpolicy.lightning",
+    "RolloutCallback": "lightning_offpolicy.lightning",
+    "RLProgressBar": "lightning_offpolicy.lightning",
+    # Rollout engines and their sampling settings.
     "SamplingConfig": "lightning_offpolicy.rollout",
-    "Completion": "lightning_offpolicy.rollout",
     "HFEngine": "lightning_offpolicy.rollout",
     "VLLMEngine": "lightning_offpolicy.rollout",
     "RemoteVLLMEngine": "lightning_offpolicy.rollout",
-    # Correction (pure torch)
+    # The correction and the loss (pure torch).
     "OffPolicyCorrectionConfig": "lightning_offpolicy.correction",
     "PolicyLossConfig": "lightning_offpolicy.correction",
-    "compute_correction": "lightning_offpolicy.correction",
-    "policy_loss": "lightning_offpolicy.correction",
-    # Metrics (torchmetrics)
-    "CorrectionMetrics": "lightning_offpolicy.metrics.correction",
-    "PolicyLossMetrics": "lightning_offpolicy.metrics.correction",
-    # Data, tokenizers, rewards
-    "DatasetDataModule": "lightning_offpolicy.data",
+    # Prompts: the built-in tasks, or your own data.
     "PromptDataModule": "lightning_offpolicy.data.tasks",
-    "CharTokenizer": "lightning_offpolicy.data.tokenizers",
-    "HFTokenizer": "lightning_offpolicy.data.tokenizers",
-    "WeightedReward": "lightning_offpolicy.data.rewards",
+    "DatasetDataModule": "lightning_offpolicy.data",
 }
 
-__all__ = [
-    "CharTokenizer",
-    "Completion",
-    "CorrectionMetrics",
-    "DatasetDataModule",
-    "HFEngine",
-    "HFTokenizer",
-    "OffPolicyCorrectionConfig",
-    "OffPolicyMixin",
-    "OffPolicyRLModule",
-    "PolicyLossConfig",
-    "PolicyLossMetrics",
-    "PreemptionCheckpoint",
-    "PromptBatch",
-    "PromptDataModule",
-    "RLProgressBar",
-    "RemoteVLLMEngine",
-    "RolloutBatch",
-    "RolloutCallback",
-    "RolloutEngine",
-    "SamplingConfig",
-    "VLLMEngine",
-    "WeightedReward",
-    "compute_correction",
-    "policy_loss",
-]
+__all__ = sorted(_EXPORTS)
 
 
 def __getattr__(name: str) -> Any:
@@ -94,29 +61,12 @@ def __dir__() -> list[str]:
     return sorted(set(globals()) | set(_EXPORTS))
 
 
-if TYPE_CHECKING:  # for type checkers and IDEs: the same names, imported eagerly
-    from lightning_offpolicy.batch import PromptBatch, RolloutBatch
-    from lightning_offpolicy.correction import (
-        OffPolicyCorrectionConfig,
-        PolicyLossConfig,
-        compute_correction,
-        policy_loss,
-    )
-    from lightning_offpolicy.data import DatasetDataModule
-    from lightning_offpolicy.data.rewards import WeightedReward
-    from lightning_offpolicy.data.tasks import PromptDataModule
-    from lightning_offpolicy.data.tokenizers import CharTokenizer, HFTokenizer
-    from lightning_offpolicy.lightning.callback import RolloutCallback
-    from lightning_offpolicy.lightning.mixin import OffPolicyMixin
-    from lightning_offpolicy.lightning.module import OffPolicyRLModule
-    from lightning_offpolicy.lightning.preemption import PreemptionCheckpoint
-    from lightning_offpolicy.lightning.progress import RLProgressBar
-    from lightning_offpolicy.metrics.correction import CorrectionMetrics, PolicyLossMetrics
-    from lightning_offpolicy.rollout import (
-        Completion,
-        HFEngine,
-        RemoteVLLMEngine,
-        RolloutEngine,
-        SamplingConfig,
-        VLLMEngine,
-    )
+if TYPE_CHECKING:  # type checkers and IDEs do not run __getattr__: the same names, imported eagerly
+    from lightning_offpolicy.correction import OffPolicyCorrectionConfig, PolicyLossConfig  # noqa: F401
+    from lightning_offpolicy.data import DatasetDataModule  # noqa: F401
+    from lightning_offpolicy.data.tasks import PromptDataModule  # noqa: F401
+    from lightning_offpolicy.lightning.callback import RolloutCallback  # noqa: F401
+    from lightning_offpolicy.lightning.mixin import OffPolicyMixin  # noqa: F401
+    from lightning_offpolicy.lightning.module import OffPolicyRLModule  # noqa: F401
+    from lightning_offpolicy.lightning.progress import RLProgressBar  # noqa: F401
+    from lightning_offpolicy.rollout import HFEngine, RemoteVLLMEngine, SamplingConfig, VLLMEngine  # noqa: F401

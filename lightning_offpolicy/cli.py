@@ -5,22 +5,22 @@
     lightning-offpolicy fit --print_config
     lightning-offpolicy selfcheck          # every correction preset on a real tiny model, no training
 
-Config groups: ``model`` (:class:`~lightning_offpolicy.lightning.module.OffPolicyRLModule`), ``data``
-(any LightningDataModule yielding ``PromptBatch``, given by ``class_path``:
-:class:`~lightning_offpolicy.data.tasks.PromptDataModule`,
-:class:`~lightning_offpolicy.data.DatasetDataModule`, or your own), ``rollout``
-(:class:`~lightning_offpolicy.lightning.callback.RolloutCallback`, always added), ``trainer``.
-``model.temperature`` is linked to ``rollout.temperature``: the trainer scores tokens with the
-temperature the engine samples with. On the command line ``model.model`` is a string (a path, a hub
-name or ``tiny:<task>``); a module instance is for Python callers of ``OffPolicyRLModule``, and
-typing it as ``torch.nn.Module`` here would list every ``torch.nn`` class in ``fit --help``. Unless
-the config names a progress bar, the training bar is
-:class:`~lightning_offpolicy.lightning.progress.RLProgressBar` (batches, with the optimizer step in the postfix).
+Config groups: ``model`` (:class:`~lightning_offpolicy.lightning.module.OffPolicyRLModule`; ``model.model``
+is a string here, a path, a hub name or ``tiny:<task>``), ``data`` (any LightningDataModule yielding
+``PromptBatch``, by ``class_path``), ``rollout``
+(:class:`~lightning_offpolicy.lightning.callback.RolloutCallback`, always added; ``rollout.temperature``
+is linked to ``model.temperature``), ``preemption``, ``trainer``. On top of LightningCLI:
 
-Checkpoints are written atomically (:class:`~lightning_offpolicy.lightning.checkpointing.AtomicCheckpointIO`, unless
-the config names another ``CheckpointIO`` plugin), and ``--ckpt_path last`` resumes from the newest
-checkpoint any earlier run of the same logger name wrote (``last.ckpt``, ``preempted.ckpt``,
-``on_exception.ckpt``; :func:`~lightning_offpolicy.lightning.checkpointing.find_last_checkpoint`).
+* the training bar is :class:`~lightning_offpolicy.lightning.progress.RLProgressBar` unless the config
+  names one;
+* what a fit prints comes from :mod:`~lightning_offpolicy.lightning.console`: no tips, no FLOPs, and
+  at the end where the run, its last checkpoint and its TensorBoard events are;
+* checkpoints are written atomically, ``--ckpt_path last`` resumes from the newest checkpoint of an
+  earlier run of the same logger name
+  (:func:`~lightning_offpolicy.lightning.checkpointing.find_last_checkpoint`), and one run at a time
+  writes a log directory (:func:`claim_log_directory`).
+
+The why of each: docs/getting_started.md ("Change the run from the command line or YAML", "Resume a run").
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ import traceback
 from typing import Any
 
 from lightning.pytorch import LightningDataModule, Trainer
-from lightning.pytorch.callbacks import ModelCheckpoint, ProgressBar
+from lightning.pytorch.callbacks import ModelCheckpoint, ModelSummary, ProgressBar
 from lightning.pytorch.cli import LightningCLI
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
@@ -44,6 +44,7 @@ from lightning_offpolicy.data import DatasetDataModule  # noqa: F401  (a known d
 from lightning_offpolicy.data.tasks import PromptDataModule  # noqa: F401
 from lightning_offpolicy.lightning.callback import RolloutCallback
 from lightning_offpolicy.lightning.checkpointing import find_last_checkpoint, install_atomic_checkpoint_io
+from lightning_offpolicy.lightning.console import FitSummary, ModelSummaryWithoutFlops, silence_lightning_tips
 from lightning_offpolicy.lightning.module import OffPolicyRLModule
 from lightning_offpolicy.lightning.preemption import PreemptionCheckpoint
 from lightning_offpolicy.lightning.progress import RLProgressBar
@@ -151,7 +152,8 @@ class OffPolicyCLI(LightningCLI):
     """``LightningCLI`` with the rollout callback as a first-class config group."""
 
     def add_core_arguments_to_parser(self, parser) -> None:
-        # LightningCLI's own, except that `model.model` is typed `str` (see the module docstring).
+        # LightningCLI's own, except that `model.model` is typed `str`: typed `torch.nn.Module`, as the module's
+        # argument is (an instance, from Python), `fit --help` would list every torch.nn class.
         parser.add_lightning_class_args(self.trainer_class, "trainer")
         parser.set_defaults({"trainer." + k: v for k, v in self.trainer_defaults.items() if k != "callbacks"})
         if self.subclass_mode_model:
@@ -226,7 +228,9 @@ class OffPolicyCLI(LightningCLI):
         config["ckpt_path"] = path
 
     def instantiate_trainer(self, **kwargs: Any) -> Trainer:
-        """The Trainer, with :class:`RLProgressBar` in place of Lightning's default bar, and atomic checkpoints."""
+        """The Trainer, with :class:`RLProgressBar` in place of Lightning's default bar, atomic checkpoints, and
+        the console of :mod:`~lightning_offpolicy.lightning.console` (no tips, no FLOPs, a summary at the end)."""
+        silence_lightning_tips()
         trainer_config = self._get(self.config_init, "trainer", default={})
         callbacks = trainer_config.get("callbacks")
         if trainer_config.get("enable_checkpointing") is False and isinstance(callbacks, list):
@@ -245,7 +249,18 @@ class OffPolicyCLI(LightningCLI):
         if default_bar is not None and not any(isinstance(c, ProgressBar) for c in configured):
             # Lightning's default counts max_steps (optimizer steps) as batches: 2 per batch -> twice the batches.
             trainer.callbacks[trainer.callbacks.index(default_bar)] = RLProgressBar()
+        _replace_default_model_summary(trainer, configured)
+        trainer.callbacks.append(FitSummary())
         return trainer
+
+
+def _replace_default_model_summary(trainer: Trainer, configured: list[Any]) -> None:
+    """Lightning's default model summary (its FLOPs are 0 without an ``example_input_array``) -> one without FLOPs."""
+    if any(isinstance(c, ModelSummary) for c in configured):
+        return
+    for index, callback in enumerate(trainer.callbacks):
+        if isinstance(callback, ModelSummary):
+            trainer.callbacks[index] = ModelSummaryWithoutFlops(max_depth=callback._max_depth)
 
 
 #: A bare word, as a preset name is (a config file has a dot or a slash, inline YAML a brace or a colon).
@@ -309,7 +324,7 @@ def _constructor_error(err: BaseException) -> BaseException | None:
 def main(argv: list[str] | None = None) -> int:
     words = list(sys.argv[1:] if argv is None else argv)
     if words[:1] == ["selfcheck"]:
-        from lightning_offpolicy import selfcheck
+        from lightning_offpolicy.demo import selfcheck
 
         return selfcheck.main(words[1:])
     OffPolicyCLI(

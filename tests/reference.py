@@ -1,7 +1,8 @@
 """Independent float64 re-derivation of the off-policy correction math (tests only).
 
-Written from /work/shared/DESIGN.md ("Correction API", "Math") and the module docstrings of
-``lightning_offpolicy/correction``; it never calls a function of the package. Everything is a plain
+Written from docs/off_policy_correction.md (section 4, "Order of application and edge cases", and
+section 5, "The math") and the module docstrings of ``lightning_offpolicy/correction``; it never calls a
+function of the package. Everything is a plain
 Python loop over sequences ``i`` and tokens ``t`` in float64 (NumPy arrays only as containers).
 
 Conventions (from the spec):

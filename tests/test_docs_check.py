@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from lightning_offpolicy.correction import PRESETS
-from lightning_offpolicy.selfcheck import LOSS_CHECKS
+from lightning_offpolicy.demo.selfcheck import LOSS_CHECKS
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))

@@ -6,6 +6,8 @@ import math
 from pathlib import Path
 
 import pytest
+import torch
+from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.callbacks import TQDMProgressBar
 
 from lightning_offpolicy.cli import OffPolicyCLI
@@ -73,3 +75,34 @@ def test_cli_bar_total_is_batches_on_a_real_fit(tmp_path):
 def test_cli_keeps_a_progress_bar_the_config_names(tmp_path):
     cli = _fit(tmp_path, "--trainer.max_steps=2", "--trainer.callbacks+=TQDMProgressBar")
     assert type(cli.trainer.progress_bar_callback) is TQDMProgressBar
+
+
+class _Linear(LightningModule):
+    """One optimizer step per batch (automatic optimization)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = torch.nn.Linear(2, 1)
+
+    def training_step(self, batch, batch_idx):
+        return self.layer(batch).sum()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def test_a_fit_ended_by_max_steps_labels_its_epochs_without_a_negative_total(tmp_path):
+    """max_steps ends the fit, so Lightning sets max_epochs to -1: Lightning's RichProgressBar said "Epoch 1/-2"."""
+    bar = RLProgressBar()
+    trainer = Trainer(
+        max_steps=6,
+        callbacks=[bar],
+        logger=False,
+        enable_checkpointing=False,
+        enable_model_summary=False,
+        default_root_dir=tmp_path,
+    )
+    trainer.fit(_Linear(), torch.utils.data.DataLoader(torch.ones(4, 2), batch_size=1))
+    assert trainer.max_epochs == -1 and trainer.global_step == 6  # 4 batches, then 2 of the second epoch
+    assert bar.train_progress_bar.desc.strip(": ") == "Epoch 1"
+    assert bar.train_progress_bar.total == 2  # the second epoch's batches left: max_steps, one step per batch

@@ -7,7 +7,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 from lightning_offpolicy.cli import main
 from lightning_offpolicy.correction import PRESETS
-from lightning_offpolicy.selfcheck import LOSS_CHECKS
+from lightning_offpolicy.demo.selfcheck import LOSS_CHECKS
 
 
 def test_selfcheck_runs_every_preset_and_writes_tensorboard(tmp_path, capsys):

@@ -56,9 +56,9 @@ _RECIPE_VERSION = 1
 TINY_PREFIX = "tiny:"
 
 #: Warm-up steps per task, chosen so the greedy reward lands well above random but far from 1
-#: (measured numbers in the module docstring).
+#: (the rewards they reach: docs/training.md, "The tiny checkpoints").
 DEFAULT_SFT_STEPS: dict[str, int] = {"reverse": 100, "addition": 200, "copy": 40}
-#: Warm-up learning rate per task (addition is unstable at 3e-3: its reward falls back after 50 steps).
+#: Warm-up learning rate per task (addition is unstable at 3e-3: its reward falls back).
 DEFAULT_SFT_LR: dict[str, float] = {"reverse": 3e-3, "addition": 1e-3, "copy": 3e-3}
 _FALLBACK_STEPS, _FALLBACK_LR = 150, 3e-3
 
@@ -310,8 +310,8 @@ def _install(tmp: Path, directory: Path, spec: dict[str, Any]) -> None:
 @contextlib.contextmanager
 def _torch_threads(n: int) -> Iterator[None]:
     """Run with ``n`` intra-op threads."""
-    # A ~1M-parameter model gains nothing from more, and on a busy 2-core machine two spinning
-    # threads made the SFT warm-up ~20x slower than one.
+    # A tiny model gains nothing from more, and on a busy machine a thread that waits for a core
+    # slows every op down (docs/troubleshooting.md, OMP_NUM_THREADS).
     previous = torch.get_num_threads()
     torch.set_num_threads(n)
     try:

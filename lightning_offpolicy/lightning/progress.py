@@ -10,6 +10,10 @@ in the postfix. The ``lightning-offpolicy`` CLI uses it in place of Lightning's 
 Python pass it yourself::
 
     Trainer(max_steps=600, callbacks=[RolloutCallback(...), RLProgressBar()])
+
+Without it, Lightning's default bar (``RichProgressBar`` when ``rich`` is installed) also labels an
+epoch ``Epoch 1/-2`` when ``max_steps`` ends the fit: it prints ``max_epochs - 1``, and
+``max_epochs`` is -1 then. This bar labels it ``Epoch 1``.
 """
 
 from __future__ import annotations
