@@ -30,9 +30,10 @@ would otherwise wait for a long request.
 
 Usage::
 
-    python benchmarks/async_overlap.py --output docs/performance_async.md     # ~3-6 min on 2 CPU cores
+    python benchmarks/async_overlap.py --output docs/reports/performance_async.md     # ~3-6 min on 2 CPU cores
     python benchmarks/async_overlap.py --quick --engines hf --output /tmp/x.md
-    python benchmarks/async_overlap.py --partial --no-stop --max-new-tokens 96 --output docs/performance_partial.md
+    python benchmarks/async_overlap.py --partial --no-stop --max-new-tokens 96 \
+        --output docs/reports/performance_partial.md
 """
 
 from __future__ import annotations
@@ -46,7 +47,9 @@ import time
 from functools import partial
 from pathlib import Path
 
-from _report import header_bullets, load_bullet, run_header
+from harness.fit import KeptOpen, StepClock, bare_trainer
+from harness.report import header_bullets, load_bullet, run_header
+from harness.timer import PhaseTimer
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -54,87 +57,9 @@ import lightning as L  # noqa: E402
 import torch  # noqa: E402
 
 from lightning_offpolicy.data.tasks import PromptDataModule  # noqa: E402
+from lightning_offpolicy.lightning.callback import RolloutCallback  # noqa: E402
 from lightning_offpolicy.lightning.module import OffPolicyRLModule  # noqa: E402
-from lightning_offpolicy.rollout import HFEngine, HFProcessEngine, RolloutCallback  # noqa: E402
-
-
-class StepClock(L.Callback):
-    """Per batch: wall time between consecutive batch starts, and the rollout side's share of it.
-
-    Placed before the ``RolloutCallback``; its ``after_rollout`` part right after it, so the time
-    between the two ``on_train_batch_start`` calls is the rollout side of the step: push, generate,
-    score (synchronous), or the wait for the background producer (asynchronous).
-    """
-
-    def __init__(self) -> None:
-        self.starts: list[float] = []
-        self.rollout_side: list[float] = []
-        self.after_rollout = _AfterRollout(self)
-
-    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-        self.starts.append(time.perf_counter())
-
-    def on_train_end(self, trainer, pl_module):
-        self.starts.append(time.perf_counter())
-
-
-class _AfterRollout(L.Callback):
-    def __init__(self, clock: StepClock) -> None:
-        self.clock = clock
-        self.rollout: RolloutCallback | None = None  # set by run_fit: its per-batch counts are read here
-        self.interrupted_frac: list[float] = []
-
-    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-        self.clock.rollout_side.append(time.perf_counter() - self.clock.starts[-1])
-        if self.rollout is not None:
-            self.interrupted_frac.append(self.rollout.last_timing.get("interrupted_frac", 0.0))
-
-
-class PhaseTimer:
-    """Wall time and the calling thread's CPU time of each call of some methods, per phase name.
-
-    ``cpu / wall`` below 1 is time the thread was ready but did not run: waiting for the GIL or for a
-    core (with two busy threads on two idle cores, the GIL).
-    """
-
-    def __init__(self) -> None:
-        self.wall: dict[str, list[float]] = {}
-        self.cpu: dict[str, list[float]] = {}
-
-    def wrap(self, owner: object, method: str, phase: str) -> None:
-        original = getattr(owner, method)
-
-        def timed(*args, **kwargs):
-            wall, cpu = time.perf_counter(), time.thread_time()
-            try:
-                return original(*args, **kwargs)
-            finally:
-                self.wall.setdefault(phase, []).append(time.perf_counter() - wall)
-                self.cpu.setdefault(phase, []).append(time.thread_time() - cpu)
-
-        setattr(owner, method, timed)
-
-    def mean(self, phase: str, skip: int) -> float:
-        values = self.wall.get(phase, [])[skip:]
-        return statistics.mean(values) if values else 0.0
-
-    def cpu_share(self, phase: str, skip: int) -> float:
-        wall, cpu = self.wall.get(phase, [])[skip:], self.cpu.get(phase, [])[skip:]
-        return sum(cpu) / sum(wall) if wall and sum(wall) > 0 else float("nan")
-
-
-class KeptOpen:
-    """Lets several fits share one engine (the callback closes its engine at the end of a fit)."""
-
-    def __init__(self, engine) -> None:
-        self.engine = engine
-
-    def __getattr__(self, name):
-        return getattr(self.engine, name)
-
-    def close(self) -> None:  # the benchmark closes the engine itself, once
-        pass
-
+from lightning_offpolicy.rollout import HFEngine, HFProcessEngine  # noqa: E402
 
 #: The stop id of ``--no-stop`` runs: the padding id, which the SFT-warmed tiny model never samples.
 NO_STOP_ID = 0
@@ -164,15 +89,7 @@ def run_fit(engine, batches: int, max_staleness: int, steps_per_batch: int, args
     phases.wrap(engine, "update_weights", "push")
     if max_staleness > 0:  # the trainer's side of a push: waiting for the request in flight + the push
         phases.wrap(callback, "_after_async_step", "push_and_wait")
-    trainer = L.Trainer(
-        accelerator="cpu",
-        max_steps=batches * steps_per_batch,
-        callbacks=[clock, callback, clock.after_rollout],
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        enable_checkpointing=False,
-    )
+    trainer = bare_trainer(batches * steps_per_batch, [clock, callback, clock.after_rollout])
     data = PromptDataModule(task="reverse", prompts_per_step=args.prompts_per_step, num_train_prompts=4096)
     trainer.fit(module, data)
     steps = [b - a for a, b in zip(clock.starts, clock.starts[1:], strict=False)][args.warmup :]

@@ -57,7 +57,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
-from _report import code_line, machine_line
+from harness.report import code_line, machine_line
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
@@ -761,7 +761,7 @@ def _json_safe(value):
 
 
 def results_json(results: list[SizeResult], argv: list[str], elapsed: float, profiled: list[str]) -> dict:
-    """The measurements behind the report, for benchmarks/summarize.py (the markdown is unchanged)."""
+    """The measurements behind the report, for tools/summarize.py (the markdown is unchanged)."""
     cmd = " ".join(shlex.quote(a) for a in ["python", "benchmarks/correction_bench.py", *argv])
     header = {
         "machine": machine_line(),

@@ -17,7 +17,7 @@ with a note when vLLM is not installed. Every run trains the same number of batc
 
 Usage::
 
-    python benchmarks/end_to_end.py --output docs/performance_end_to_end.md   # ~3-5 min on 2 CPU cores
+    python benchmarks/end_to_end.py --output docs/reports/performance_end_to_end.md   # ~3-5 min on 2 CPU cores
     python benchmarks/end_to_end.py --quick --output /tmp/e2e.md              # HF only, 4 batches
 """
 
@@ -34,10 +34,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from _report import header_bullets, load_bullet, run_header
-
-# benchmarks/*.py run as scripts: their directory is on sys.path.
-from async_overlap import KeptOpen, StepClock
+from harness.fit import KeptOpen, StepClock
+from harness.report import header_bullets, load_bullet, run_header
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -47,8 +45,9 @@ import yaml  # noqa: E402
 
 from lightning_offpolicy.cli import OffPolicyCLI  # noqa: E402
 from lightning_offpolicy.data.tasks import PromptDataModule  # noqa: E402
+from lightning_offpolicy.lightning.callback import RolloutCallback  # noqa: E402
 from lightning_offpolicy.lightning.module import OffPolicyRLModule  # noqa: E402
-from lightning_offpolicy.rollout import HFEngine, RolloutCallback  # noqa: E402
+from lightning_offpolicy.rollout import HFEngine  # noqa: E402
 
 QUICKSTART = ROOT / "configs" / "quickstart.yaml"
 VLLM_CONFIG = ROOT / "configs" / "vllm.yaml"

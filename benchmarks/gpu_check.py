@@ -25,7 +25,7 @@ left covers it and the parts after it, and a part that overruns is stopped.
 
 Usage::
 
-    python benchmarks/gpu_check.py                                  # CUDA: docs/performance_gpu.md / .json
+    python benchmarks/gpu_check.py                                  # CUDA: docs/reports/performance_gpu.md / .json
     python benchmarks/gpu_check.py --output-dir /tmp/out --budget-s 380
     python benchmarks/gpu_check.py --cpu-smoke --output-dir /tmp/x  # the same code on CPU, tiny shapes
 """
@@ -49,7 +49,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from _report import status_kib  # benchmarks/ is the script's own folder
+from harness.memory import status_kib  # benchmarks/ is the script's own folder
 
 ROOT = Path(__file__).resolve().parent.parent
 PARTS = ("checkpoint", "fsdp", "lora", "logprobs")
@@ -688,7 +688,9 @@ def _failure(part: dict) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--output-dir", type=Path, default=None, help="where performance_gpu.md / .json go (default docs/)")
+    p.add_argument(
+        "--output-dir", type=Path, default=None, help="where performance_gpu.md / .json go (default docs/reports/)"
+    )
     p.add_argument("--budget-s", type=float, default=380.0, help="wall-clock budget of the whole run (seconds)")
     p.add_argument("--cpu-smoke", action="store_true", help="the same code on CPU with a tiny model and 2 steps")
     p.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated subset of {', '.join(PARTS)}")
@@ -711,7 +713,7 @@ def main(argv: list[str] | None = None) -> int:
     parts = [x for x in PARTS if x in parts]  # dependency order: the checkpoint first
     max_steps = args.max_steps or (4 if smoke else 8)
     repeats = args.repeats or (1 if smoke else 3)
-    out_dir = args.output_dir or (ROOT / "docs")
+    out_dir = args.output_dir or (ROOT / "docs" / "reports")
     out_dir.mkdir(parents=True, exist_ok=True)
     work = args.workdir or Path(tempfile.mkdtemp(prefix="gpu_check_"))
     work.mkdir(parents=True, exist_ok=True)
@@ -814,7 +816,7 @@ def main(argv: list[str] | None = None) -> int:
 def _code_line() -> str:
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     try:
-        from _report import code_line
+        from harness.report import code_line
 
         return code_line()
     except Exception:  # no git on the machine: not worth failing the report

@@ -15,10 +15,10 @@ See ``METHOD`` below for how memory is measured (it is written into the report t
 
 Usage::
 
-    python benchmarks/logprob_memory.py --output docs/performance_logprobs.md   # ~ a few minutes
+    python benchmarks/logprob_memory.py --output docs/reports/performance_logprobs.md   # ~ a few minutes
     python benchmarks/logprob_memory.py --quick --output /tmp/x.md              # smoke test, seconds
-    python benchmarks/logprob_memory.py --methods fused --merge-json docs/performance_logprobs.json \
-        --output docs/performance_logprobs.md   # re-measure the fused rows only, keep the others
+    python benchmarks/logprob_memory.py --methods fused --merge-json docs/reports/performance_logprobs.json \
+        --output docs/reports/performance_logprobs.md   # re-measure the fused rows only, keep the others
 """
 
 from __future__ import annotations
@@ -28,7 +28,6 @@ import datetime as _dt
 import gc
 import json
 import os
-import resource
 import shlex
 import subprocess
 import sys
@@ -36,7 +35,8 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from _report import code_line, machine_line, mb, status_kib
+from harness.memory import mb, mem_available_bytes, peak_bytes, reset_peak, rss_bytes
+from harness.report import code_line, machine_line
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -130,31 +130,6 @@ tensors whatever `chunk_size` is passed."""
 # --------------------------------------------------------------------------- worker (subprocess)
 
 
-def _rss_bytes() -> int:
-    kib = status_kib("VmRSS")
-    if kib is None:  # non-Linux: psutil if present
-        import psutil  # type: ignore[import-not-found]
-
-        return psutil.Process().memory_info().rss
-    return kib * 1024
-
-
-def _reset_peak() -> bool:
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        return status_kib("VmHWM") is not None
-    except OSError:
-        return False
-
-
-def _peak_bytes(reset_ok: bool) -> int:
-    if reset_ok:
-        return status_kib("VmHWM") * 1024
-    ru = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return ru if sys.platform == "darwin" else ru * 1024
-
-
 def _step_fn(method: str, temperature: float, chunk_size: int):
     import torch
 
@@ -206,21 +181,21 @@ def fused_worker(args: argparse.Namespace) -> dict:
     logits_bytes = args.tokens * args.vocab * hidden.element_size()
     grad_bytes = (hidden.numel() + weight.numel()) * hidden.element_size()
     gc.collect()
-    base = _rss_bytes()
+    base = rss_bytes()
 
     times, held, peak_fwd, peak, lp_sum, reset_ok = [], 0, 0, 0, 0.0, True
     for _ in range(args.repeats):
         hidden.grad = weight.grad = None
         gc.collect()
-        reset_ok = _reset_peak() and reset_ok
+        reset_ok = reset_peak() and reset_ok
         t0 = time.perf_counter()
         lp = fwd(hidden, weight, targets)
-        held = max(held, _rss_bytes() - base)
-        peak_fwd = max(peak_fwd, _peak_bytes(reset_ok) - base)
+        held = max(held, rss_bytes() - base)
+        peak_fwd = max(peak_fwd, peak_bytes(reset_ok) - base)
         loss = lp.sum()
         loss.backward()
         times.append(time.perf_counter() - t0)
-        peak = max(peak, _peak_bytes(reset_ok) - base)
+        peak = max(peak, peak_bytes(reset_ok) - base)
         lp_sum = float(lp.detach().double().sum())
         check = lp.detach()[0, :64].double()
         del loss
@@ -273,21 +248,21 @@ def worker(args: argparse.Namespace) -> dict:
     targets = torch.randint(0, args.vocab, (1, args.tokens))
     logits_bytes = logits.numel() * logits.element_size()
     gc.collect()
-    base = _rss_bytes()
+    base = rss_bytes()
 
     times, held, peak_fwd, peak, lp_sum, reset_ok = [], 0, 0, 0, 0.0, True
     for _ in range(args.repeats):
         logits.grad = None
         gc.collect()
-        reset_ok = _reset_peak() and reset_ok  # peak of this step alone (where the kernel allows)
+        reset_ok = reset_peak() and reset_ok  # peak of this step alone (where the kernel allows)
         t0 = time.perf_counter()
         lp = fwd(logits, targets)
-        held = max(held, _rss_bytes() - base)
-        peak_fwd = max(peak_fwd, _peak_bytes(reset_ok) - base)
+        held = max(held, rss_bytes() - base)
+        peak_fwd = max(peak_fwd, peak_bytes(reset_ok) - base)
         loss = lp.sum()
         loss.backward()
         times.append(time.perf_counter() - t0)
-        peak = max(peak, _peak_bytes(reset_ok) - base)
+        peak = max(peak, peak_bytes(reset_ok) - base)
         lp_sum = float(lp.detach().double().sum())
         del lp, loss
     assert logits.grad is not None and logits.grad.shape == logits.shape
@@ -314,16 +289,6 @@ def worker(args: argparse.Namespace) -> dict:
 # --------------------------------------------------------------------------- driver
 
 
-def _mem_available() -> int | None:
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        return None
-    return None
-
-
 def run_case(
     vocab: int,
     tokens: int,
@@ -337,7 +302,7 @@ def run_case(
 ) -> dict:
     logits_bytes = vocab * tokens * (2 if dtype == "bfloat16" else 4)
     need = (EXPECTED_PEAK[(method, dtype)] + 1.0) * logits_bytes + 1e9
-    avail = _mem_available()
+    avail = mem_available_bytes()
     if avail is not None and need > avail:
         return {
             "vocab": vocab, "tokens": tokens, "dtype": dtype, "method": method,

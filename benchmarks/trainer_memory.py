@@ -28,7 +28,7 @@ cases again under glibc's defaults (see ``METHOD``).
 
 Usage::
 
-    python benchmarks/trainer_memory.py --output docs/performance_trainer_memory.md   # ~5-8 min, 2 CPU cores
+    python benchmarks/trainer_memory.py --output docs/reports/performance_trainer_memory.md   # ~5-8 min, 2 CPU cores
     python benchmarks/trainer_memory.py --quick --output /tmp/mem.md                  # tiny model only, ~1 min
 """
 
@@ -47,10 +47,9 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-# benchmarks/*.py run as scripts: their directory is on sys.path. The RSS helpers are the ones
-# benchmarks/logprob_memory.py measures with (VmRSS, VmHWM reset through /proc/self/clear_refs).
-from _report import MB, header_bullets, load_bullet, mb, mb_diff, run_header
-from logprob_memory import _mem_available, _peak_bytes, _reset_peak, _rss_bytes
+# benchmarks/*.py run as scripts: their directory is on sys.path, and with it the shared harness.
+from harness.memory import MB, mb, mb_diff, mem_available_bytes, peak_bytes, reset_peak, rss_bytes
+from harness.report import header_bullets, load_bullet, run_header
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -159,7 +158,7 @@ METHOD = """\
 * Naive logprobs: the worker replaces `lightning_offpolicy.logprobs.token_logprobs` by
   `log_softmax(logits.float() / T, -1).gather(-1, targets)` (the entropy, logged by the module,
   from `exp` of it under `no_grad`): what the kit's lean path replaces (see
-  `docs/performance_logprobs.md` for the isolated comparison)."""
+  `docs/reports/performance_logprobs.md` for the isolated comparison)."""
 
 
 # --------------------------------------------------------------------------- worker (subprocess)
@@ -249,6 +248,7 @@ def _make_module(model: Any, case: Case) -> Any:
 
 def _fit_one_batch(module: Any, rollout: Any, on_batch_end: Callable[[], None] | None = None) -> None:
     import lightning as L
+    from harness.fit import bare_trainer
     from torch.utils.data import DataLoader
 
     callbacks = []
@@ -259,16 +259,7 @@ def _fit_one_batch(module: Any, rollout: Any, on_batch_end: Callable[[], None] |
                 on_batch_end()
 
         callbacks.append(_After())
-    trainer = L.Trainer(
-        accelerator="cpu",
-        devices=1,
-        max_steps=module.optimizer_steps_per_batch,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        callbacks=callbacks,
-    )
+    trainer = bare_trainer(module.optimizer_steps_per_batch, callbacks)
     trainer.fit(module, DataLoader([rollout], batch_size=None, collate_fn=_identity))
     if trainer.global_step != module.optimizer_steps_per_batch:
         raise RuntimeError(f"{trainer.global_step} optimizer steps, expected {module.optimizer_steps_per_batch}")
@@ -306,17 +297,17 @@ def worker(model_name: str, case_key: str, threads: int) -> dict[str, Any]:
     param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     gc.collect()
     _malloc_trim()
-    baseline = _rss_bytes()
+    baseline = rss_bytes()
 
     # 3. Module (peft wrapping, reference copy) and one fitted batch, under a reset peak counter.
-    reset_ok = _reset_peak()
+    reset_ok = reset_peak()
     module = _make_module(model, case)
-    setup = _rss_bytes() - baseline
+    setup = rss_bytes() - baseline
     held: list[int] = []
     started = time.perf_counter()
-    _fit_one_batch(module, rollout, on_batch_end=lambda: held.append(_rss_bytes() - baseline))
+    _fit_one_batch(module, rollout, on_batch_end=lambda: held.append(rss_bytes() - baseline))
     seconds = time.perf_counter() - started
-    peak = _peak_bytes(reset_ok) - baseline
+    peak = peak_bytes(reset_ok) - baseline
 
     trainable = _numel(module.policy, trainable=True)
     reference = _numel(module.reference_model)
@@ -543,7 +534,7 @@ def main(argv: list[str] | None = None) -> int:
     plan = [(m, c, True) for m in models for c in cases]
     plan += [(m, c, False) for m in models for c in cases if c.key in default_cases]
     for model, case, pinned in plan:
-        need, avail = _estimated_need(MODELS[model]), _mem_available()
+        need, avail = _estimated_need(MODELS[model]), mem_available_bytes()
         if avail is not None and need > avail:
             skipped = f"skipped: needs ~{need / 1e9:.1f} GB, {avail / 1e9:.1f} GB available"
             results.append(

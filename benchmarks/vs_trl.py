@@ -37,7 +37,7 @@ prompts and sampler seeds, the same for both sides).
 
 Usage::
 
-    python benchmarks/vs_trl.py --seeds 0,1,2 --output docs/performance_vs_trl.md   # 600 steps, ~15-30 min
+    python benchmarks/vs_trl.py --seeds 0,1,2 --output docs/reports/performance_vs_trl.md   # 600 steps, ~15-30 min
     python benchmarks/vs_trl.py --quick --output /tmp/vs_trl.md              # smoke test, 3 steps
     python benchmarks/vs_trl.py --sides kit --engines vllm --kit-engine-dtype bfloat16 --kit-correction token_tis
 
@@ -59,7 +59,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from _report import run_header
+from harness.report import run_header
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -275,6 +275,7 @@ def run_kit(
 
     import lightning as L
     import torch
+    from harness.fit import bare_trainer
     from torch.utils.data import DataLoader
 
     from lightning_offpolicy.data.tasks.datamodule import PromptDataset, collate_prompts
@@ -348,16 +349,7 @@ def run_kit(
         shuffle=False,
         collate_fn=collate_prompts,
     )
-    trainer = L.Trainer(
-        accelerator="cpu",
-        devices=1,
-        max_steps=steps,
-        callbacks=[rollout, Record()],
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-    )
+    trainer = bare_trainer(steps, [rollout, Record()])
     began = time.perf_counter()
     trainer.fit(module, train_dataloaders=loader)
     return _step_record(starts, rewards, began, rollout_kl)

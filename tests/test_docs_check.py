@@ -1,4 +1,4 @@
-"""benchmarks/docs_check.py: the figures of the docs are parsed, re-run and compared within a tolerance.
+"""tools/docs_check.py: the figures of the docs are parsed, re-run and compared within a tolerance.
 
 The quick part here: parsing the real docs, the comparison logic against hand-made numbers, and
 one end-to-end check on a short real fit and a small real selfcheck written into a fixture doc.
@@ -16,8 +16,8 @@ from lightning_offpolicy.correction import PRESETS
 from lightning_offpolicy.selfcheck import LOSS_CHECKS
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "benchmarks"))
-import docs_check  # noqa: E402  (benchmarks/ is not a package)
+sys.path.insert(0, str(ROOT / "tools"))
+import docs_check  # noqa: E402  (tools/ is not a package)
 
 
 def _figures(kind: str) -> list[docs_check.Figure]:

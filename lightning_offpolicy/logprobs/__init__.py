@@ -39,7 +39,7 @@ logits tensor: the backward peaks at ``1 + 4 * chunk_size / (s * N)`` for bf16/f
 1.25 for ``chunk_size = 1024, N = 8192``) and at ~1.0 for float32 logits (computed in place in
 the gradient); the forward peaks at ``4 * chunk_size / (s * N)`` (twice that with the entropy) and
 keeps only ``N`` floats for the backward. ``benchmarks/logprob_memory.py`` measures it; see
-``docs/performance_logprobs.md``.
+``docs/reports/performance_logprobs.md``.
 Values are computed in float32 (float64 for float64 logits), so bf16 logits lose nothing compared
 with the naive ``.float()`` path.
 

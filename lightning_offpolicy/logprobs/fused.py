@@ -43,7 +43,7 @@ The chunk is ``c = min(chunk_size, max(64, N // 32))``, so for bf16 (``s = 2``) 
 widths; for float32 inputs it is at most 0.0625x of their float32 logits. At
 ``N = 8192, V = 151936`` (bf16): ``c = 256``, forward 233 MB (311 MB with the entropy,
 0.125x), backward 233 MB (0.094x), against 2.49 GB for the logits and as much again for their
-gradient. ``benchmarks/logprob_memory.py`` measures it (``docs/performance_logprobs.md``).
+gradient. ``benchmarks/logprob_memory.py`` measures it (``docs/reports/performance_logprobs.md``).
 
 Limits: there is no double backward (the entropy, as in ``token_logprobs``, carries its gradient),
 and the head must be linear: ``lm_head`` as a plain ``nn.Linear``, or with plain peft LoRA adapters
