@@ -48,7 +48,7 @@ from functools import partial
 from pathlib import Path
 
 from harness.fit import KeptOpen, StepClock, bare_trainer
-from harness.report import header_bullets, load_bullet, run_header
+from harness.report import header_bullets, load_bullet, load_prose, run_header
 from harness.timer import PhaseTimer
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -184,26 +184,9 @@ def measure(kind: str, args) -> dict:
 OVERLAP_GOAL = 1.1
 
 
-METHOD = """\
-Each engine runs the same fit twice (tiny Llama on `reverse`, same seed, prompts and batch):
-synchronous (`max_staleness=0`) and asynchronous (`max_staleness=u`, `sync_every=u`, with `u`
-optimizer steps per batch: generation runs one batch ahead). A step is the wall time between two
-consecutive `on_train_batch_start` calls (everything: push, generation or waiting for it, the
-decoupled PPO step, logging). In the synchronous run the rollout side of each step (weight push +
-generate + score, timed around the callback's hook) is measured too; the rest is training. In
-the asynchronous run that hook only waits for the producer (the wait column). Ideal async step = max(generation,
-training); the goal is an asynchronous step <= 1.1x the ideal. vLLM: one engine serves both runs (started in an
-unmeasured warm-up fit).
-
-Where the asynchronous step goes: each run also times, per call, `training_step` (trainer thread),
-the engine's `generate` (the producer thread when asynchronous) and `update_weights` (the push),
-in wall time and in the calling thread's CPU time (`time.thread_time`). In the asynchronous run the
-trainer thread's step splits into training, waiting for a batch (`take`), the push with its wait
-for the generation request in flight (`push + wait`), and the rest (Lightning's loop, logging,
-callbacks). `slowdown` is a phase's wall time side by side over its wall time alone (sync run);
-`CPU share` is CPU time / wall time of the thread in that phase: below 1, the thread was ready
-but not running, i.e. waiting for the GIL (both threads run Python between the kernels) or for a
-core taken by other processes."""
+#: The report's fixed prose (templates/<this script>.md).
+PROSE = load_prose(__file__)
+METHOD = PROSE["method"]
 
 
 def render(results: list[dict], argv: list[str], elapsed: float, args) -> str:

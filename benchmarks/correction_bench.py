@@ -57,7 +57,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
-from harness.report import code_line, machine_line
+from harness.report import code_line, load_prose, machine_line
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
@@ -67,34 +67,9 @@ from lightning_offpolicy.metrics.correction import CorrectionMetrics, PolicyLoss
 
 MiB = 1024.0 * 1024.0
 
-METHOD = """\
-- **Step** = `compute_correction` -> `policy_loss` forward + `loss.backward()` into `logprobs`
-  (a leaf with `requires_grad`) -> `CorrectionMetrics.update(stats=...)` +
-  `PolicyLossMetrics.update(info=...)`. Default `PolicyLossConfig()` (PPO clip 0.2, token-mean).
-  `bypass` / `pure_is` get `prox_logprobs=None`. Metrics are reset (untimed) after every step.
-- **Inputs** (seeded): `prox = -|randn| * 2`; `rollout = prox + 0.05 * randn` plus ~1 large outlier
-  per 2 rows (+-U(4, 12) nats, so the outlier veto fires on some rows); `logprobs = prox + 0.01 *
-  randn`; response lengths uniform in [T/8, T] per row (one row full, one row length 1), right
-  padding filled with NaN in all three logprob tensors; one advantage per sequence ([B], randn).
-- **Time**: `time.perf_counter` around each stage (CPU ops are synchronous); median over the
-  timed rounds after warm-up; each round runs every preset once in a shuffled order plus the
-  bandwidth probe; Python's cyclic GC is off during rounds. `IQR` is the inter-quartile range of
-  the step time, a noise indicator.
-- **Bytes touched** (measured): one step runs under a `TorchDispatchMode` that records every
-  aten op (forward, autograd backward, metric updates). `distinct` = sum of `nbytes` of the
-  distinct storages any op reads or writes (the five inputs, every intermediate, every output;
-  each counted once, all dtypes: bool masks 1 B/elt, float64 8 B/elt), also given as a multiple
-  of one [B, T] float32 tensor. `op traffic` = sum over non-view ops of input + output bytes
-  (what the eager pipeline moves when nothing stays in cache).
-- **Bandwidth bound**: `torch.add(a, b, out=c)` on [B, T] float32 (12 B/element moved), timed in
-  every round. `hot` reuses the same 3 tensors (cache-resident when 3 x B x T x 4 B fits the LLC);
-  `stream` cycles through distinct tensors totalling >= 4x the LLC. `bound = distinct bytes /
-  BW`; `x bound` = median step time / bound (1.0 would be a fused kernel at add speed).
-- **Peak extra memory** (measured): one step under `torch.profiler.profile(profile_memory=True)`;
-  the allocation events of the CPU allocator are replayed in time order, summing sizes of blocks
-  allocated inside the step (frees of blocks allocated before it are ignored); the maximum of
-  that running sum is the peak extra memory of the step (allocator bytes, not RSS).
-"""
+#: The report's fixed prose (templates/<this script>.md).
+PROSE = load_prose(__file__)
+METHOD = PROSE["method"]
 
 
 # ------------------------------------------------------------------------------------ inputs

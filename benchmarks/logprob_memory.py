@@ -36,7 +36,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from harness.memory import mb, mem_available_bytes, peak_bytes, reset_peak, rss_bytes
-from harness.report import code_line, machine_line
+from harness.report import code_line, load_prose, machine_line
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -78,54 +78,11 @@ EXPECTED_PEAK = {
     ("fused", "bfloat16"): 0.6,
 }
 
-METHOD = """\
-* Every (case, method) runs in a **fresh subprocess**, so no allocator cache or earlier peak leaks
-  between measurements. In it: import, a small warm-up call of the same method (kernels, thread
-  pool), then the logits are allocated and filled in place (`torch.empty(...).normal_()`, no
-  temporary) as a leaf with `requires_grad=True`, plus int64 targets.
-* Baseline = the process RSS (`VmRSS`) right after that. Before each timed step the kernel's
-  peak-RSS counter (`VmHWM`) is reset by writing `5` to `/proc/self/clear_refs` (Linux >= 4.0),
-  so the peak read afterwards is the peak of that step alone (max over the steps). Where the
-  reset is not available the lifetime `ru_maxrss` is used instead and the report says so (it is
-  only valid when nothing before the step peaked higher).
-* `held after fwd`: RSS after the forward, minus the baseline: what is kept alive for the backward.
-  `peak fwd`: `VmHWM` after the forward. `peak fwd+bwd`: `VmHWM` after `.backward()`, which
-  includes `logits.grad` (one logits-sized tensor in the logits' dtype, which any method has to
-  produce). All three are *extra* bytes over the baseline, also given as a multiple of one logits
-  tensor (`x logits`).
-* RSS counts what the process really touched, intermediates inside ATen ops included. glibc
-  serves large allocations with `mmap` and unmaps them on free, but its mmap threshold is dynamic
-  (it rises to the size of a freed mmapped block, up to 32 MiB): blocks just under 32 MiB, such
-  as a `256 x 32000` float32 chunk (32.8 MB), then come from the heap, which keeps some freed
-  memory mapped. That retention is real on CPU and is counted.
-* time: wall clock of forward + backward after the warm-up, the best of `--repeats` steps
-  (`logits.grad` reset to `None` between them; the memory peak is over all of them). CPU timings
-  on a shared machine (see the load average above) are noisy: read the ratio between the two
-  methods, not the absolute seconds.
-* `lp sum rel. diff`: |sum of lean logprobs - sum of naive logprobs| / |sum of naive| on the same
-  seeded logits, a sanity check that both computed the same thing.
-* fused: the same protocol, but the leaves are the hidden states `[1, T, H]` and the head weight
-  `[V, H]` (in the baseline), and `x logits` is still in units of one `[T, V]` logits tensor of
-  the input dtype, which this method never makes. Its peak includes `hidden.grad` and
-  `weight.grad` (`(T + V) * H` elements, which any method returns; given separately) and the
-  chunk temporaries. `max |diff|`: after the timed steps, the fused logprobs of the first 64
-  tokens against `log_softmax(linear(hidden.float(), weight.float()) / T)` on those rows (float32
-  logits, as the fused head computes them for bf16 inputs on CPU and CUDA). Its time
-  includes the head's matmuls (forward, recompute, `grad_hidden`, `grad_weight`: four
-  `T x H x V` products), which the lean and naive times (logits given) do not: `fused / lean`
-  compares a whole head + logprob with the logprob alone.
-"""
+#: The report's fixed prose (templates/<this script>.md).
+PROSE = load_prose(__file__)
+METHOD = PROSE["method"]
 
-EXPECTED = """\
-What to expect (see the `lightning_offpolicy/logprobs/__init__.py` docstring): the lean peak is the gradient
-(1 logits tensor, which every method returns) plus float32 `[chunk, V]` temporaries, i.e. about
-`1 + 4 * chunk / (s * T)` logits tensors for `s`-byte logits in the backward (float32 logits are
-processed in place in the gradient: `1.0`), and only `N` floats are kept between forward and
-backward. The naive path keeps a float32 `[T, V]` copy from forward to backward and peaks with
-three float32 `[T, V]` tensors in the backward: 3 logits tensors for float32 logits, 6 for
-bf16 logits (each float32 copy is twice the bf16 logits). For bf16 / fp16 logits `token_logprobs`
-caps the chunk at `max(64, N // 20)` rows by itself, which keeps the lean peak near 1.1 logits
-tensors whatever `chunk_size` is passed."""
+EXPECTED = PROSE["expected"]
 
 # --------------------------------------------------------------------------- worker (subprocess)
 

@@ -49,7 +49,7 @@ from typing import Any
 
 # benchmarks/*.py run as scripts: their directory is on sys.path, and with it the shared harness.
 from harness.memory import MB, mb, mb_diff, mem_available_bytes, peak_bytes, reset_peak, rss_bytes
-from harness.report import header_bullets, load_bullet, run_header
+from harness.report import header_bullets, load_bullet, load_prose, run_header
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -119,46 +119,9 @@ PINNED_MMAP_THRESHOLD = 65536
 DEFAULT_MALLOC_CASES = ("full_ref", "lora_ref")
 LEARNING_RATE = 1e-6
 
-METHOD = """\
-* Every (model, case) runs in a **fresh subprocess** (one OpenMP thread), so no allocator cache
-  or earlier peak leaks between cases, with glibc's mmap threshold pinned
-  (`MALLOC_MMAP_THRESHOLD_=65536`): every block of 64 KiB or more is its own mapping, returned to
-  the kernel when freed, so RSS follows what is live. With glibc's defaults the threshold rises
-  with the first large frees (up to 32 MiB) and freed blocks below it stay in the heap: RSS then
-  carries a few hundred MB of run-to-run retention that hides the differences between cases (a
-  trial run of this benchmark had the lean path 220 MB *above* the naive one). The headline
-  cases are measured under the defaults too (last table: what `top` shows). In the subprocess,
-  in this order:
-  1. imports, then one whole warm-up step of the same case on the tiny model (touches the code
-     pages of every kernel, optimizer and peft path the step uses: libtorch's code is file-backed
-     RSS too), then everything is freed, `gc.collect()` and glibc `malloc_trim(0)`;
-  2. the measured model is built (random float32 weights) and its rollout batch made; again
-     `gc.collect()` + `malloc_trim(0)`; **baseline** = `VmRSS` now. The policy's own weights are
-     in the baseline; everything the trainer adds to them is not;
-  3. `OffPolicyRLModule(model=<instance>, ...)` (peft wrapping, the frozen reference copy), a
-     `Trainer` and `fit` over one batch. Just before `fit` the kernel's peak-RSS counter is reset
-     (`5 > /proc/self/clear_refs`); **peak** = `VmHWM` after the fit, which also covers the module
-     set-up (measured separately as `set-up`, RSS after the module was built). Where the reset is
-     not available, the lifetime `ru_maxrss` is used and the report says so.
-* `peak extra` = peak - baseline: reference copy, LoRA adapters, gradients, AdamW state,
-  activations, logits and every temporary, as the process really touched them (RSS, not an
-  allocator count: `tracemalloc` sees no torch memory at all and `psutil` sampling misses
-  short peaks). `held` = RSS after the step minus the baseline (AdamW state, the reference).
-* `state (analytic)` = what the parameters alone imply: trainable x 4 B x 3 (gradient, AdamW
-  `exp_avg`, `exp_avg_sq`) + reference parameters x 4 B. `peak - state` is the working memory
-  (activations, logits, temporaries) on top of that state *at the peak*: with full fine-tuning
-  the peak can come when every gradient and the AdamW state are allocated and most activations
-  are already freed, so it is smaller than a micro-batch's activations; with LoRA the state is
-  small and the peak is the activations and logits of a micro-batch.
-* The step: `ppo_epochs = 1`, `num_minibatches = 2` (the second optimizer step runs with AdamW's
-  state allocated: steady state), `max_tokens_per_microbatch = 2048`, token TIS (cap 2), PPO clip
-  0.2 / 0.28, AdamW lr 1e-6 (torch's default implementation on CPU: no multi-tensor temporaries),
-  `ref_kl_coef = 0.001` in the reference cases. Batch: `rows` full-length sequences of random
-  tokens, random rollout logprobs and advantages (values do not change memory).
-* Naive logprobs: the worker replaces `lightning_offpolicy.logprobs.token_logprobs` by
-  `log_softmax(logits.float() / T, -1).gather(-1, targets)` (the entropy, logged by the module,
-  from `exp` of it under `no_grad`): what the kit's lean path replaces (see
-  `docs/reports/performance_logprobs.md` for the isolated comparison)."""
+#: The report's fixed prose (templates/<this script>.md).
+PROSE = load_prose(__file__)
+METHOD = PROSE["method"]
 
 
 # --------------------------------------------------------------------------- worker (subprocess)

@@ -103,3 +103,30 @@ def write_report(output: Path | None, markdown: str, payload: dict[str, Any]) ->
         output.parent.mkdir(parents=True, exist_ok=True)
         output.write_text(markdown)
         output.with_suffix(".json").write_text(json.dumps(payload, indent=2) + "\n")
+
+
+def load_prose(script: str | Path) -> dict[str, str]:
+    """The fixed prose of a script's report, kept out of its code, by section.
+
+    Args:
+        script: the script's path (``__file__``); its prose is ``templates/<stem>.md`` beside it.
+
+    Returns:
+        Section name -> text. A section starts at a line ``<!-- prose: NAME -->`` and runs to the next
+        such line or the end of the file; its text has neither the newline after its marker nor the one
+        before the next marker (or ending the file).
+        A text may hold ``str.format`` fields, which the script fills.
+    """
+    path = Path(script).resolve().parent / "templates" / (Path(script).stem + ".md")
+    sections: dict[str, str] = {}
+    name, lines = None, []
+    for line in path.read_text().split("\n"):
+        if line.startswith("<!-- prose: ") and line.endswith(" -->"):
+            if name is not None:
+                sections[name] = "\n".join(lines)
+            name, lines = line[len("<!-- prose: ") : -len(" -->")], []
+        elif name is not None:
+            lines.append(line)
+    if name is not None:
+        sections[name] = "\n".join(lines).removesuffix("\n")
+    return sections
