@@ -159,7 +159,7 @@ def task_data(task: str, settings: dict[str, Any], seed: int) -> tuple[Any, Any]
         data = PromptDataModule(task="reverse", prompts_per_step=settings["prompts_per_step"], num_train_prompts=2048)
         return data, None
     from torch.utils.data import DataLoader
-    from vs_trl import kit_reward, make_prompts
+    from vs_trl_task import kit_reward, make_prompts
 
     from lightning_offpolicy.data.tasks.datamodule import PromptDataset, collate_prompts
 

@@ -217,7 +217,7 @@ def prepare_model(task: str, workdir: Path) -> str:
 
         resolve_model_path("tiny:reverse")
         return "tiny:reverse"
-    from vs_trl import build_checkpoint
+    from vs_trl_task import build_checkpoint
 
     return str(build_checkpoint(workdir / "letter_model", seed=0))
 
