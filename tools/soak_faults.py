@@ -36,18 +36,9 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from soak import (  # noqa: E402  (a script beside this one)
-    ROOT,
-    SoakConfig,
-    machine,
-    prepare_tiny_models,
-    run_dir,
-    run_fit,
-    run_slug,
-    saved_run_config,
-    select_configs,
-    vllm_installed,
-)
+from soak import machine, prepare_tiny_models, run_dir, saved_run_config  # noqa: E402
+from soak_configs import ROOT, SoakConfig, run_slug, select_configs, vllm_installed  # noqa: E402
+from soak_processes import run_fit  # noqa: E402
 
 FAULTS = ("sigterm-group", "engine-killed", "full-disk")
 SIGTERM_STATUS = 143
