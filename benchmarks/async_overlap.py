@@ -48,7 +48,7 @@ from functools import partial
 from pathlib import Path
 
 from harness.fit import KeptOpen, StepClock, bare_trainer
-from harness.report import header_bullets, load_bullet, load_prose, run_header
+from harness.report import header_bullets, load_bullet, load_prose, method_sections, run_header, write_report
 from harness.timer import PhaseTimer
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -202,16 +202,11 @@ def render(results: list[dict], argv: list[str], elapsed: float, args) -> str:
         f"- **Wall time of the whole run**: {elapsed:.1f} s",
         load_bullet(args.load_start, os.getloadavg()[0]),
         "",
-        "The machine is shared and noisy: read the ratios (measured within one run), not the seconds.",
-        "Overlap needs idle cores: with a load above the core count, generation and training compete",
-        "with other work and the asynchronous run cannot reach the ideal.",
-        "",
-        "## Method",
-        "",
-        METHOD,
-        "",
-        "## Results",
-        "",
+        *method_sections(
+            METHOD,
+            "Overlap needs idle cores: with a load above the core count, generation and training compete",
+            "with other work and the asynchronous run cannot reach the ideal.",
+        ),
         "| engine | sync step s | async step s | generation s | training s | ideal s "
         "| async wait s | speed-up | overlap efficiency | hidden share of the shorter phase |",
         "|---|---|---|---|---|---|---|---|---|---|",
@@ -316,12 +311,7 @@ def main(argv: list[str] | None = None) -> int:
                 continue
         results.append(measure(kind, args))
         print(json.dumps(results[-1]), flush=True)
-    report = render(results, argv, time.perf_counter() - began, args)
-    print(report)
-    if args.output is not None:
-        args.output.parent.mkdir(parents=True, exist_ok=True)
-        args.output.write_text(report)
-        args.output.with_suffix(".json").write_text(json.dumps(results, indent=2) + "\n")
+    write_report(args.output, render(results, argv, time.perf_counter() - began, args), results)
     return 0
 
 

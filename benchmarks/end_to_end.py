@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from harness.fit import KeptOpen, StepClock
-from harness.report import header_bullets, load_bullet, load_prose, run_header
+from harness.report import header_bullets, load_bullet, load_prose, method_sections, run_header, write_report
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -230,14 +230,7 @@ def render(results: list[dict[str, Any]], notes: list[str], header: dict[str, An
         f"- **Wall time of the whole run**: {header['elapsed_s']:.1f} s",
         load_bullet(header["load_start"], header["load_end"]),
         "",
-        "The machine is shared and noisy: read the ratios (measured within one run), not the seconds.",
-        "",
-        "## Method",
-        "",
-        METHOD,
-        "",
-        "## Results",
-        "",
+        *method_sections(METHOD),
         "| run | engine, mode | engine dtype | batches/s | optimizer steps/s | generated tokens/s | engine tokens/s "
         "| tokens/batch | median step s | rollout side s | mean reward | batches/s vs (a) | tokens/s vs (a) |",
         "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
@@ -306,12 +299,7 @@ def main(argv: list[str] | None = None) -> int:
         "load_end": os.getloadavg()[0],
         "notes": notes,
     }
-    report = render(results, notes, header)
-    print(report)
-    if args.output is not None:
-        args.output.parent.mkdir(parents=True, exist_ok=True)
-        args.output.write_text(report)
-        args.output.with_suffix(".json").write_text(json.dumps({"header": header, "results": results}, indent=2) + "\n")
+    write_report(args.output, render(results, notes, header), {"header": header, "results": results})
     return 0
 
 

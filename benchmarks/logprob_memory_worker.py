@@ -35,6 +35,22 @@ def _step_fn(method: str, temperature: float, chunk_size: int):
     return fwd
 
 
+def _measured(
+    base: int, held: int, peak_fwd: int, peak: int, times: list[float], reset_ok: bool, lp_sum: float
+) -> dict:
+    """What every worker reports of its step: memory (RSS bytes), the best time, the logprob sum."""
+    return {
+        "baseline_rss": base,
+        "held_after_fwd": held,
+        "peak_fwd": peak_fwd,
+        "peak_fwd_bwd": peak,
+        "time_s": min(times),
+        "times_s": times,
+        "peak_reset": reset_ok,
+        "lp_sum": lp_sum,
+    }
+
+
 def fused_worker(args: argparse.Namespace) -> dict:
     """The fused head: hidden [1, T, H] and weight [V, H] leaves -> logprobs -> backward."""
     import torch
@@ -92,14 +108,7 @@ def fused_worker(args: argparse.Namespace) -> dict:
         "hidden": width,
         "logits_bytes": logits_bytes,
         "grad_bytes": grad_bytes,
-        "baseline_rss": base,
-        "held_after_fwd": held,
-        "peak_fwd": peak_fwd,
-        "peak_fwd_bwd": peak,
-        "time_s": min(times),
-        "times_s": times,
-        "peak_reset": reset_ok,
-        "lp_sum": lp_sum,
+        **_measured(base, held, peak_fwd, peak, times, reset_ok, lp_sum),
         "max_abs_diff": float((check - ref).abs().max()),
         "threads": torch.get_num_threads(),
         "skipped": "",
@@ -152,14 +161,7 @@ def worker(args: argparse.Namespace) -> dict:
         "method": args.method,
         "chunk_size": args.chunk_size if args.method == "lean" else None,
         "logits_bytes": logits_bytes,
-        "baseline_rss": base,
-        "held_after_fwd": held,
-        "peak_fwd": peak_fwd,
-        "peak_fwd_bwd": peak,
-        "time_s": min(times),
-        "times_s": times,
-        "peak_reset": reset_ok,
-        "lp_sum": lp_sum,
+        **_measured(base, held, peak_fwd, peak, times, reset_ok, lp_sum),
         "threads": torch.get_num_threads(),
         "skipped": "",
     }

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import os
 import statistics
 import sys
@@ -32,7 +31,7 @@ import time
 from pathlib import Path
 
 from harness.memory import mb, peak_bytes, reset_peak, rss_bytes
-from harness.report import header_bullets, load_bullet, run_header
+from harness.report import header_bullets, load_bullet, run_header, write_report
 
 FULL = {"vocab": 151936, "hidden": 896, "tokens": 1024, "widths": [0, 20, 64, 512], "repeats": 3}
 QUICK = {"vocab": 4000, "hidden": 64, "tokens": 256, "widths": [0, 20, 64], "repeats": 2}
@@ -161,13 +160,7 @@ def main(argv: list[str] | None = None) -> int:
     load_start = os.getloadavg()[0]
     rows = measure("fused", settings) + measure("lean", settings)
     header = {**run_header("sampling_mask_cost.py", argv), "load": [load_start, os.getloadavg()[0]]}
-    report = render(header, settings, rows)
-    print(report)
-    if args.output is not None:
-        args.output.parent.mkdir(parents=True, exist_ok=True)
-        args.output.write_text(report)
-        data = {"header": header, "settings": settings, "rows": rows}
-        args.output.with_suffix(".json").write_text(json.dumps(data, indent=2) + "\n")
+    write_report(args.output, render(header, settings, rows), {"header": header, "settings": settings, "rows": rows})
     return 0
 
 

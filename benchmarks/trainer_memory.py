@@ -46,7 +46,7 @@ from typing import Any
 
 # benchmarks/*.py run as scripts: their directory is on sys.path, and with it the shared harness.
 from harness.memory import MB, mb, mb_diff, mem_available_bytes
-from harness.report import header_bullets, load_bullet, load_prose, run_header
+from harness.report import header_bullets, load_bullet, load_prose, run_header, write_report
 from trainer_memory_worker import (
     CASES,
     DEFAULT_MALLOC_CASES,
@@ -286,13 +286,8 @@ def main(argv: list[str] | None = None) -> int:
         "load_end": os.getloadavg()[0],
         "models": {m: asdict(MODELS[m]) for m in models},
     }
-    report = render(results, ratios, header)
-    print(report)
-    if args.output is not None:
-        args.output.parent.mkdir(parents=True, exist_ok=True)
-        args.output.write_text(report)
-        payload = {"header": header, "results": results, "ratios": ratios}
-        args.output.with_suffix(".json").write_text(json.dumps(payload, indent=2) + "\n")
+    payload = {"header": header, "results": results, "ratios": ratios}
+    write_report(args.output, render(results, ratios, header), payload)
     return 0
 
 

@@ -96,7 +96,27 @@ def load_bullet(start: float, end: float) -> str:
     return f"- **Load average** (1 min) at the start / end: {start:.1f} / {end:.1f} on {os.cpu_count()} cores"
 
 
-def write_report(output: Path | None, markdown: str, payload: dict[str, Any]) -> None:
+def method_sections(method: str, *before: str) -> list[str]:
+    """The report lines from the note on the shared machine to the Results heading.
+
+    Args:
+        method: the report's method text.
+        before: lines between the note and the Method heading (what else the reader must know first).
+    """
+    return [
+        "The machine is shared and noisy: read the ratios (measured within one run), not the seconds.",
+        *before,
+        "",
+        "## Method",
+        "",
+        method,
+        "",
+        "## Results",
+        "",
+    ]
+
+
+def write_report(output: Path | None, markdown: str, payload: Any) -> None:
     """Print the report; with ``output``, write it there and ``payload`` as JSON beside it (``.json``)."""
     print(markdown)
     if output is not None:
