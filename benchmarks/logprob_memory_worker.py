@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import gc
 import time
+from collections.abc import Callable
+from typing import Any
 
 from harness.memory import peak_bytes, reset_peak, rss_bytes
 
@@ -35,11 +37,39 @@ def _step_fn(method: str, temperature: float, chunk_size: int):
     return fwd
 
 
-def _measured(
-    base: int, held: int, peak_fwd: int, peak: int, times: list[float], reset_ok: bool, lp_sum: float
-) -> dict:
-    """What every worker reports of its step: memory (RSS bytes), the best time, the logprob sum."""
-    return {
+def _measure_steps(step: Callable[[], Any], leaves: list[Any], repeats: int, keep_rows: int = 0) -> tuple[dict, Any]:
+    """Forward (``step``, returning logprobs ``[1, T]``) and backward ``repeats`` times, measured.
+
+    Args:
+        step: the forward, from the leaves to the logprobs.
+        leaves: the tensors whose gradients the backward fills (cleared before each repeat).
+        repeats: how many steps; the time is the best one, the memory the largest.
+        keep_rows: how many of the last step's logprobs to return (float64), for a sanity check.
+
+    Returns:
+        The figures (memory in RSS bytes above the RSS before the first step, times, the logprob sum)
+        and the kept logprobs (``None`` without ``keep_rows``).
+    """
+    gc.collect()
+    base = rss_bytes()
+    times, held, peak_fwd, peak, lp_sum, reset_ok, kept = [], 0, 0, 0, 0.0, True, None
+    for _ in range(repeats):
+        for leaf in leaves:
+            leaf.grad = None
+        gc.collect()
+        reset_ok = reset_peak() and reset_ok  # peak of this step alone (where the kernel allows)
+        t0 = time.perf_counter()
+        lp = step()
+        held = max(held, rss_bytes() - base)
+        peak_fwd = max(peak_fwd, peak_bytes(reset_ok) - base)
+        loss = lp.sum()
+        loss.backward()
+        times.append(time.perf_counter() - t0)
+        peak = max(peak, peak_bytes(reset_ok) - base)
+        lp_sum = float(lp.detach().double().sum())
+        kept = lp.detach()[0, :keep_rows].double() if keep_rows else None
+        del lp, loss
+    measured = {
         "baseline_rss": base,
         "held_after_fwd": held,
         "peak_fwd": peak_fwd,
@@ -49,6 +79,7 @@ def _measured(
         "peak_reset": reset_ok,
         "lp_sum": lp_sum,
     }
+    return measured, kept
 
 
 def fused_worker(args: argparse.Namespace) -> dict:
@@ -75,25 +106,7 @@ def fused_worker(args: argparse.Namespace) -> dict:
     targets = torch.randint(0, args.vocab, (1, args.tokens))
     logits_bytes = args.tokens * args.vocab * hidden.element_size()
     grad_bytes = (hidden.numel() + weight.numel()) * hidden.element_size()
-    gc.collect()
-    base = rss_bytes()
-
-    times, held, peak_fwd, peak, lp_sum, reset_ok = [], 0, 0, 0, 0.0, True
-    for _ in range(args.repeats):
-        hidden.grad = weight.grad = None
-        gc.collect()
-        reset_ok = reset_peak() and reset_ok
-        t0 = time.perf_counter()
-        lp = fwd(hidden, weight, targets)
-        held = max(held, rss_bytes() - base)
-        peak_fwd = max(peak_fwd, peak_bytes(reset_ok) - base)
-        loss = lp.sum()
-        loss.backward()
-        times.append(time.perf_counter() - t0)
-        peak = max(peak, peak_bytes(reset_ok) - base)
-        lp_sum = float(lp.detach().double().sum())
-        check = lp.detach()[0, :64].double()
-        del loss
+    measured, check = _measure_steps(lambda: fwd(hidden, weight, targets), [hidden, weight], args.repeats, 64)
     assert hidden.grad is not None and weight.grad is not None
     with torch.no_grad():  # sanity check on 64 rows: the unfused expression, in float32
         z = torch.nn.functional.linear(hidden[0, :64].float(), weight.float()) / args.temperature
@@ -108,7 +121,7 @@ def fused_worker(args: argparse.Namespace) -> dict:
         "hidden": width,
         "logits_bytes": logits_bytes,
         "grad_bytes": grad_bytes,
-        **_measured(base, held, peak_fwd, peak, times, reset_ok, lp_sum),
+        **measured,
         "max_abs_diff": float((check - ref).abs().max()),
         "threads": torch.get_num_threads(),
         "skipped": "",
@@ -135,24 +148,7 @@ def worker(args: argparse.Namespace) -> dict:
     logits = torch.empty(1, args.tokens, args.vocab, dtype=dtype).normal_(0.0, 2.0).requires_grad_(True)
     targets = torch.randint(0, args.vocab, (1, args.tokens))
     logits_bytes = logits.numel() * logits.element_size()
-    gc.collect()
-    base = rss_bytes()
-
-    times, held, peak_fwd, peak, lp_sum, reset_ok = [], 0, 0, 0, 0.0, True
-    for _ in range(args.repeats):
-        logits.grad = None
-        gc.collect()
-        reset_ok = reset_peak() and reset_ok  # peak of this step alone (where the kernel allows)
-        t0 = time.perf_counter()
-        lp = fwd(logits, targets)
-        held = max(held, rss_bytes() - base)
-        peak_fwd = max(peak_fwd, peak_bytes(reset_ok) - base)
-        loss = lp.sum()
-        loss.backward()
-        times.append(time.perf_counter() - t0)
-        peak = max(peak, peak_bytes(reset_ok) - base)
-        lp_sum = float(lp.detach().double().sum())
-        del lp, loss
+    measured, _ = _measure_steps(lambda: fwd(logits, targets), [logits], args.repeats)
     assert logits.grad is not None and logits.grad.shape == logits.shape
     return {
         "vocab": args.vocab,
@@ -161,7 +157,7 @@ def worker(args: argparse.Namespace) -> dict:
         "method": args.method,
         "chunk_size": args.chunk_size if args.method == "lean" else None,
         "logits_bytes": logits_bytes,
-        **_measured(base, held, peak_fwd, peak, times, reset_ok, lp_sum),
+        **measured,
         "threads": torch.get_num_threads(),
         "skipped": "",
     }
