@@ -26,6 +26,13 @@ Kinds and tolerances (the numbers are parsed from the docs, never copied here):
   they follow the machine's load.
 * ``selfcheck``: every number of every row but the ``ms`` (timing) column must be within
   ``SELFCHECK_REL_TOLERANCE`` (relative) or ``SELFCHECK_ABS_TOLERANCE`` (absolute) of the table.
+* ``output``, ``report``, ``quote``: single figures stated in the marker after its command, checked
+  against a line an example prints, a JSON report, or the source document of a figure too costly to
+  re-measure here (tools/docs_check_figures.py)::
+
+    <!-- docs-check: output `python examples/<name>.py` reward, first {10} batches {0.22} -> last {10} {0.44} -->
+    <!-- docs-check: report `docs/reports/performance_gpu.json` 20.6=parts.lora.peak_allocated_bytes:GiB -->
+    <!-- docs-check: quote `docs/async.md` 0.44 0.65 -->
 
 Usage::
 
@@ -49,7 +56,10 @@ import subprocess
 import sys
 import tempfile
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
+
+from docs_check_figures import check_figure
 
 ROOT = Path(__file__).resolve().parent.parent
 #: Largest |measured - documented| mean train/reward of a block of batches.
@@ -61,9 +71,11 @@ SELFCHECK_REL_TOLERANCE = 0.02
 SELFCHECK_ABS_TOLERANCE = 2e-3
 #: Columns of the selfcheck table that are timings (not compared).
 SELFCHECK_TIMING_COLUMNS = ("ms",)
-KINDS = ("quickstart", "selfcheck")
+#: The table kinds are checked here, the single figures by docs_check_figures.py.
+FIGURE_KINDS = ("output", "report", "quote")
+KINDS = ("quickstart", "selfcheck", *FIGURE_KINDS)
 
-_MARKER = re.compile(r"<!--\s*docs-check:\s*(?P<kind>[\w-]+)\s+`(?P<command>[^`]+)`\s*-->")
+_MARKER = re.compile(r"<!--\s*docs-check:\s*(?P<kind>[\w-]+)\s+`(?P<command>[^`]+)`(?P<spec>.*?)\s*-->")
 _BLOCK = re.compile(r"^(\d+)-(\d+)$")
 _README = re.compile(
     r"from \*\*(?P<first>\d+\.\d+)\*\*\s+\(first (?P<n1>\d+) batches\)\s+to \*\*(?P<last>\d+\.\d+)\*\*\s+"
@@ -80,6 +92,8 @@ class Figure:
     kind: str
     command: str
     body: str
+    #: The figures a single-figure marker states (after its command).
+    spec: str = ""
 
     @property
     def where(self) -> str:
@@ -95,7 +109,8 @@ def find_figures(path: Path) -> list[Figure]:
     figures = []
     for match in _MARKER.finditer(text):
         line = text.count("\n", 0, match.start()) + 1
-        figures.append(Figure(path, line, match["kind"], match["command"].strip(), text[match.end() :]))
+        figure = Figure(path, line, match["kind"], match["command"].strip(), text[match.end() :], match["spec"].strip())
+        figures.append(figure)
     return figures
 
 
@@ -277,7 +292,12 @@ def check(files: list[Path], only: tuple[str, ...] = KINDS) -> int:
     quickstart_runs: dict[str, list[float]] = {}
     for figure in figures:
         print(f"docs-check: {figure.where}: {figure.kind}: `{figure.command}`", flush=True)
-        if figure.kind == "quickstart":
+        if figure.kind in FIGURE_KINDS:
+            problems = check_figure(
+                figure.kind, figure.command, figure.spec, figure.body, partial(_run, timeout_s=1800)
+            )
+            measured = ""
+        elif figure.kind == "quickstart":
             documented = parse_reward_table(figure.body)
             if figure.command not in quickstart_runs:
                 quickstart_runs[figure.command] = run_quickstart(figure.command)
@@ -292,7 +312,7 @@ def check(files: list[Path], only: tuple[str, ...] = KINDS) -> int:
             measured = "\n".join(f"{k}: {v}" for k, v in fresh.items())
         if problems:
             failures += 1
-            print("  MISMATCH:\n    " + "\n    ".join(problems) + "\n  measured:\n" + measured)
+            print("  MISMATCH:\n    " + "\n    ".join(problems) + ("\n  measured:\n" + measured if measured else ""))
         else:
             print("  ok" + (f", measured:\n{measured}" if figure.kind == "quickstart" else ""))
     print(f"docs-check: {len(figures) - failures} of {len(figures)} figures match")
