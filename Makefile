@@ -2,7 +2,7 @@
 #   make demo   create .venv, install, run the main job on the embedded default
 #   make test   create .venv with the dev and vLLM extras, run the whole suite
 #   make selfcheck  every correction preset on a real tiny model (no training)
-#   make bench  run the benchmarks under benchmarks/ (including the side-by-side against TRL)
+#   make bench  run the benchmarks under benchmarks/ (including the side-by-side against TRL); reports in docs/reports/
 #   make vs-trl-top-p  the TRL side-by-side at top_p 0.9, with and without the sampling mask (part of bench)
 #   make study  the mismatch study: correction vs staleness / engine mismatch, two tasks (~65 min on 2 cores)
 #   make soak   every shipped config to its max_steps, quiet and beside a CPU hog, then its fault runs (~3.5 h)
@@ -118,13 +118,15 @@ soak: $(VENV)/.dev
 	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} $(PY) tools/soak_faults.py --output docs/reports/soak_faults.md
 
 # The figures of README.md and docs/*.md marked `<!-- docs-check: ... -->` (the quickstart reward
-# table, the selfcheck table), re-run with the command the docs state and compared within the
-# tolerances stated in tools/docs_check.py; exit status 1 on a mismatch.
+# table, the selfcheck table, the examples' printed figures), re-run with the command the docs state
+# and compared within the tolerances stated in tools/docs_check.py; figures too costly to re-run here
+# (GPU runs, hours of training) against the report or document they were taken from. Exit status 1
+# on a mismatch.
 docs-check: $(VENV)/.base
 	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} $(PY) tools/docs_check.py
 
 lint: $(VENV)/.dev
-	$(VENV)/bin/ruff check lightning_offpolicy tests benchmarks examples
+	$(VENV)/bin/ruff check lightning_offpolicy tests benchmarks studies tools examples
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache
