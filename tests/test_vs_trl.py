@@ -174,7 +174,7 @@ def test_vs_trl_quick(tmp_path):
     assert "| TRL GRPOTrainer | hf |" in text and "| kit: OffPolicyRLModule" in text
     # tools/summarize.py gathers it into docs/reports/performance.md.
     page = subprocess.run(
-        [sys.executable, str(BENCH_DIR / "summarize.py"), "--docs", str(tmp_path)],
+        [sys.executable, str(BENCH_DIR.parent / "tools" / "summarize.py"), "--docs", str(tmp_path)],
         capture_output=True,
         text=True,
         timeout=120,
