@@ -172,7 +172,7 @@ def test_a_stopped_soak_takes_its_run_and_hog_down_and_keeps_its_report(tmp_path
     import psutil
 
     output = tmp_path / "soak.md"
-    command = [sys.executable, str(ROOT / "benchmarks" / "soak.py"), "--quick", "--only", "quickstart", "--conditions",
+    command = [sys.executable, str(ROOT / "tools" / "soak.py"), "--quick", "--only", "quickstart", "--conditions",
                "hog", "--workdir", str(tmp_path / "runs"), "--output", str(output)]  # fmt: skip
     log = tmp_path / "soak.log"
     with open(log, "w") as out:
