@@ -180,7 +180,7 @@ def measure(kind: str, args) -> dict:
     }
 
 
-#: Issue 12's goal for the asynchronous step: at most this multiple of max(generation, training).
+#: The goal for the asynchronous step: at most this multiple of max(generation, training).
 OVERLAP_GOAL = 1.1
 
 

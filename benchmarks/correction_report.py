@@ -152,7 +152,7 @@ def render_table(res: SizeResult) -> str:
 
 
 ONE_PASS_GOAL = 3.0
-"""Goal (issue 12, item 3): the fused step within 3x one memory-bound pass over its inputs."""
+"""Goal: the fused step within 3x one memory-bound pass over its inputs."""
 PEAK_GOAL = 4.0
 """Goal: the fused step's peak extra memory at most 4 [B, T] float32 tensors."""
 

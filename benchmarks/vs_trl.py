@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """The same task, model, tokenizer, prompts, reward and hyper-parameters: TRL's ``GRPOTrainer`` and the kit.
 
-This is the measurement of issue 10: a new user's path, an ordinary Hugging Face checkpoint directory
+A new user's path, an ordinary Hugging Face checkpoint directory
 and tokenizer, trained with the kit as it ships, side by side with TRL on the same machine, back to back.
 
 * **Model**: a random-init Llama (vocab 64, hidden 128, 2 layers, 2 heads of dim 64), saved with

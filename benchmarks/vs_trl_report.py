@@ -42,7 +42,7 @@ def _ratio(a: float | None, b: float | None) -> float | None:
     return None if a is None or b is None or b == 0 else a / b
 
 
-#: The end-to-end speed goal of issue 12: the kit's steps/s over TRL's, same task, same machine.
+#: The end-to-end speed goal: the kit's steps/s over TRL's, same task, same machine.
 SPEED_GOAL = 2.0
 
 
