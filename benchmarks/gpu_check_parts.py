@@ -40,6 +40,7 @@ QWEN25_15B: dict[str, Any] = dict(
 #: embeddings, predicts its input token again with certainty; at 0.2 its layers shape the output, as the
 #: 28 layers of the real shape do at 0.02.
 SMOKE_SHAPE: dict[str, Any] = dict(
+    QWEN25_15B,
     initializer_range=0.2,
     vocab_size=1024,
     hidden_size=64,
@@ -48,11 +49,6 @@ SMOKE_SHAPE: dict[str, Any] = dict(
     num_attention_heads=2,
     num_key_value_heads=1,
     max_position_embeddings=512,
-    rope_theta=1000000.0,
-    rms_norm_eps=1e-6,
-    tie_word_embeddings=True,
-    use_sliding_window=False,
-    hidden_act="silu",
 )
 #: Standard deviation of the logits over the tokenizer's ids, on a chat prompt, that the checkpoint's
 #: final norm is scaled to. A random model at the default init spreads its probability over all 151936

@@ -148,6 +148,33 @@ STALENESS_PLAN = {
 }
 
 
+def _corrected(
+    correction: tuple[str, str, dict[str, Any], dict[str, Any]],
+    short: str,
+    name: str,
+    task: str,
+    group: str,
+    max_staleness: int,
+    sync_every: int,
+    engine: str = "float32",
+) -> Condition:
+    """The condition of one correction (an entry of :func:`corrections`, named ``short``) in one setting."""
+    label, preset_name, kwargs, loss_kwargs = correction
+    return Condition(
+        name,
+        task,
+        group,
+        label,
+        preset_name,
+        kwargs,
+        max_staleness,
+        sync_every,
+        engine,
+        loss_kwargs,
+        prox_method_of(short),
+    )
+
+
 def build_conditions(args: argparse.Namespace, task: str) -> list[Condition]:
     """Every condition of the study on ``task``, in report order."""
     known = corrections(args)
@@ -160,20 +187,8 @@ def build_conditions(args: argparse.Namespace, task: str) -> list[Condition]:
         # and sync_every - 1 <= max_staleness holds for every k >= num_minibatches - 1.
         sync_every = min(TASKS[task].num_minibatches, k + 1)
         for short in chosen:
-            label, name, kwargs, loss_kwargs = known[short]
             conditions.append(
-                Condition(
-                    f"{task}/stale{k}-{short}",
-                    task,
-                    f"async staleness {k}",
-                    label,
-                    name,
-                    kwargs,
-                    k,
-                    sync_every,
-                    loss_kwargs=loss_kwargs,
-                    prox_method=prox_method_of(short),
-                )
+                _corrected(known[short], short, f"{task}/stale{k}-{short}", task, f"async staleness {k}", k, sync_every)
             )
     noisy = list(args.mismatch_corrections)
     bf16 = list(dict.fromkeys([noisy[0], noisy[-1]]))  # a bf16 engine is close: uncorrected vs the last
@@ -182,22 +197,7 @@ def build_conditions(args: argparse.Namespace, task: str) -> list[Condition]:
         ("noisy", "noisy", "mismatch noisy engine", noisy),
     ):
         for short in chosen:
-            label, name, kwargs, loss_kwargs = known[short]
-            conditions.append(
-                Condition(
-                    f"{task}/{prefix}-{short}",
-                    task,
-                    group,
-                    label,
-                    name,
-                    kwargs,
-                    0,
-                    1,
-                    engine,
-                    loss_kwargs,
-                    prox_method_of(short),
-                )
-            )
+            conditions.append(_corrected(known[short], short, f"{task}/{prefix}-{short}", task, group, 0, 1, engine))
     return conditions
 
 
