@@ -15,7 +15,6 @@ from typing import Any
 from harness.memory import status_kib  # benchmarks/ is the script's own folder
 
 ROOT = Path(__file__).resolve().parent.parent
-PARTS = ("checkpoint", "fsdp", "lora", "logprobs")
 
 
 PARTS = ("checkpoint", "fsdp", "lora", "logprobs")

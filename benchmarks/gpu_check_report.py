@@ -3,13 +3,9 @@
 from __future__ import annotations
 
 import math
-from pathlib import Path
 from typing import Any
 
-from gpu_check_parts import LOGIT_STD, LOGPROB_CHUNK, LOGPROB_GPU
-
-ROOT = Path(__file__).resolve().parent.parent
-PARTS = ("checkpoint", "fsdp", "lora", "logprobs")
+from gpu_check_parts import LOGIT_STD, LOGPROB_CHUNK, LOGPROB_GPU, PARTS
 
 
 def _finite(x: Any) -> bool:

@@ -102,7 +102,6 @@ __all__ = [
     "sci",
 ]
 
-ROOT = Path(__file__).resolve().parent.parent
 
 import torch  # noqa: E402
 
