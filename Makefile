@@ -6,7 +6,7 @@
 #   make vs-trl-top-p  the TRL side-by-side at top_p 0.9, with and without the sampling mask (part of bench)
 #   make study  the mismatch study: correction vs staleness / engine mismatch, two tasks (~65 min on 2 cores)
 #   make soak   every shipped config to its max_steps, quiet and beside a CPU hog, then its fault runs (~3.5 h)
-#   make docs-check  re-run the cheap figures of README.md / docs/ and compare (~3-5 min; not in `make test`)
+#   make docs-check  re-run the cheap figures of README.md / docs/ and compare (~5-15 min; not in `make test`)
 PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
