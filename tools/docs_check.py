@@ -41,8 +41,8 @@ Usage::
     python tools/docs_check.py --files docs/getting_started.md
 
 Exit status 0 when every figure matches, 1 on a mismatch (each one listed, with the measured
-table to paste), 2 when no figure was found. The quickstart's 300 batches, the selfcheck and the
-two examples take 3-5 min on 2 quiet cores and up to ~15 min on busy ones; not part of ``make test``.
+table to paste), 2 when no figure was found. It takes minutes (the quickstart's 300 batches and the
+two examples dominate): not part of ``make test``.
 """
 
 from __future__ import annotations
