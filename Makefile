@@ -2,11 +2,11 @@
 #   make demo   create .venv, install, run the main job on the embedded default
 #   make test   create .venv with the dev and vLLM extras, run the whole suite
 #   make selfcheck  every correction preset on a real tiny model (no training)
-#   make bench  run the benchmarks under benchmarks/ (including the side-by-side against TRL)
+#   make bench  run the benchmarks under benchmarks/ (including the side-by-side against TRL); reports in docs/reports/
 #   make vs-trl-top-p  the TRL side-by-side at top_p 0.9, with and without the sampling mask (part of bench)
 #   make study  the mismatch study: correction vs staleness / engine mismatch, two tasks (~65 min on 2 cores)
 #   make soak   every shipped config to its max_steps, quiet and beside a CPU hog, then its fault runs (~3.5 h)
-#   make docs-check  re-run the cheap figures of README.md / docs/ and compare (~3-5 min; not in `make test`)
+#   make docs-check  re-run the cheap figures of README.md / docs/ and compare (~5-15 min; not in `make test`)
 PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
@@ -68,22 +68,22 @@ test: $(VENV)/.dev
 	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} $(PY) -m pytest tests -n $(TEST_WORKERS) --dist loadgroup --durations=25
 
 # Every benchmark writes docs/performance_<name>.md and a .json next to it; summarize.py then
-# gathers the key ratios into docs/performance.md with the wall time of the whole target
+# gathers the key ratios into docs/reports/performance.md with the wall time of the whole target
 # (~20-30 min on 2 busy cores, plus ~1.5 h for vs_trl's 5 seeds x 2 engines x 2 sides). One shell,
 # so that the start time and load reach summarize.py.
 bench: $(VENV)/.dev
 	set -e; start=$$(date +%s); load=$$($(PY) -c "import os; print(os.getloadavg()[0])"); \
 	export OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1}; \
 	$(PY) benchmarks/correction_bench.py --full --threads 1 --repeats 20 --profile auto \
-		--output docs/performance_correction.md; \
-	$(PY) benchmarks/logprob_memory.py --output docs/performance_logprobs.md; \
-	$(PY) benchmarks/sampling_mask_cost.py --output docs/performance_sampling_mask.md; \
-	$(PY) benchmarks/async_overlap.py --output docs/performance_async.md; \
-	$(PY) benchmarks/end_to_end.py --output docs/performance_end_to_end.md; \
-	$(PY) benchmarks/trainer_memory.py --output docs/performance_trainer_memory.md; \
-	$(PY) benchmarks/vs_trl.py --seeds 0,1,2,3,4 --engines hf,vllm --output docs/performance_vs_trl.md; \
+		--output docs/reports/performance_correction.md; \
+	$(PY) benchmarks/logprob_memory.py --output docs/reports/performance_logprobs.md; \
+	$(PY) benchmarks/sampling_mask_cost.py --output docs/reports/performance_sampling_mask.md; \
+	$(PY) benchmarks/async_overlap.py --output docs/reports/performance_async.md; \
+	$(PY) benchmarks/end_to_end.py --output docs/reports/performance_end_to_end.md; \
+	$(PY) benchmarks/trainer_memory.py --output docs/reports/performance_trainer_memory.md; \
+	$(PY) benchmarks/vs_trl.py --seeds 0,1,2,3,4 --engines hf,vllm --output docs/reports/performance_vs_trl.md; \
 	$(MAKE) --no-print-directory vs-trl-top-p; \
-	$(PY) benchmarks/summarize.py --docs docs --output docs/performance.md --started $$start --load-start $$load
+	$(PY) tools/summarize.py --docs docs/reports --output docs/reports/performance.md --started $$start --load-start $$load
 
 # top_p 0.9 on vs_trl's task: TRL and the kit with the sampling mask, the kit without it, and both at
 # top_p 1.0 (3 seeds each); the kit in bypass mode with and without the mask (5 seeds each). ~50 min
@@ -99,32 +99,34 @@ vs-trl-top-p: $(VENV)/.dev
 	$(PY) benchmarks/vs_trl.py --seeds 0,1,2,3,4 --top-p 0.9 --sides kit --kit-correction bypass \
 		--kit-sampling-mask off --output $(TOP_P_RUNS)/bypass_nomask.md; \
 	$(PY) benchmarks/vs_trl.py --from-json $(TOP_P_RUNS)/mask.json $(TOP_P_RUNS)/nomask.json $(TOP_P_RUNS)/full.json \
-		$(TOP_P_RUNS)/bypass_mask.json $(TOP_P_RUNS)/bypass_nomask.json --output docs/performance_vs_trl_top_p.md
+		$(TOP_P_RUNS)/bypass_mask.json $(TOP_P_RUNS)/bypass_nomask.json --output docs/reports/performance_vs_trl_top_p.md
 
 # 8 calibration fits, then 118 short RL fits on two tasks, 2 at a time (one thread each), niced:
-# the report is docs/results.md, the per-batch series and the plots are in docs/results/ (the
-# reading is kept in docs/results/reading.md). 62 min on 2 cores.
+# the report is docs/reports/results.md, the per-batch series and the plots are in docs/reports/results/ (the
+# reading is kept in docs/reports/results/reading.md). 62 min on 2 cores.
 study: $(VENV)/.dev
-	OMP_NUM_THREADS=1 nice -n 10 $(PY) benchmarks/mismatch_study.py --output-dir docs/results \
-		--reading docs/results/reading.md
+	OMP_NUM_THREADS=1 nice -n 10 $(PY) studies/mismatch_study.py --output-dir docs/reports/results \
+		--reading docs/reports/results/reading.md
 
 # Every config under configs/ to its full max_steps, once quiet and once beside a busy-loop process:
 # exit 0, reward rises, staleness bound, no leftover process, the last checkpoint resumes. Then the
 # fault runs: SIGTERM to the process group (every config), the vLLM engine killed mid-fit, a full
-# disk at a save; each resumes from what it saved. Writes docs/soak.md and docs/soak_faults.md (+
+# disk at a save; each resumes from what it saved. Writes docs/reports/soak.md and docs/reports/soak_faults.md (+
 # .json). Not part of `make test` (about 3.5 h on 2 cores).
 soak: $(VENV)/.dev
-	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} $(PY) benchmarks/soak.py --output docs/soak.md
-	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} $(PY) benchmarks/soak_faults.py --output docs/soak_faults.md
+	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} $(PY) tools/soak.py --output docs/reports/soak.md
+	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} $(PY) tools/soak_faults.py --output docs/reports/soak_faults.md
 
 # The figures of README.md and docs/*.md marked `<!-- docs-check: ... -->` (the quickstart reward
-# table, the selfcheck table), re-run with the command the docs state and compared within the
-# tolerances stated in benchmarks/docs_check.py; exit status 1 on a mismatch.
+# table, the selfcheck table, the examples' printed figures), re-run with the command the docs state
+# and compared within the tolerances stated in tools/docs_check.py; figures too costly to re-run here
+# (GPU runs, hours of training) against the report or document they were taken from. Exit status 1
+# on a mismatch.
 docs-check: $(VENV)/.base
-	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} $(PY) benchmarks/docs_check.py
+	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} $(PY) tools/docs_check.py
 
 lint: $(VENV)/.dev
-	$(VENV)/bin/ruff check lightning_offpolicy tests benchmarks examples
+	$(VENV)/bin/ruff check lightning_offpolicy tests benchmarks studies tools examples
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache

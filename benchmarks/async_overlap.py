@@ -30,9 +30,10 @@ would otherwise wait for a long request.
 
 Usage::
 
-    python benchmarks/async_overlap.py --output docs/performance_async.md     # ~3-6 min on 2 CPU cores
+    python benchmarks/async_overlap.py --output docs/reports/performance_async.md     # ~3-6 min on 2 CPU cores
     python benchmarks/async_overlap.py --quick --engines hf --output /tmp/x.md
-    python benchmarks/async_overlap.py --partial --no-stop --max-new-tokens 96 --output docs/performance_partial.md
+    python benchmarks/async_overlap.py --partial --no-stop --max-new-tokens 96 \
+        --output docs/reports/performance_partial.md
 """
 
 from __future__ import annotations
@@ -46,7 +47,9 @@ import time
 from functools import partial
 from pathlib import Path
 
-from _report import header_bullets, load_bullet, run_header
+from harness.fit import KeptOpen, StepClock, bare_trainer
+from harness.report import header_bullets, load_bullet, load_prose, method_sections, run_header, write_report
+from harness.timer import PhaseTimer
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -57,85 +60,6 @@ from lightning_offpolicy.data.tasks import PromptDataModule  # noqa: E402
 from lightning_offpolicy.lightning.callback import RolloutCallback  # noqa: E402
 from lightning_offpolicy.lightning.module import OffPolicyRLModule  # noqa: E402
 from lightning_offpolicy.rollout import HFEngine, HFProcessEngine  # noqa: E402
-
-
-class StepClock(L.Callback):
-    """Per batch: wall time between consecutive batch starts, and the rollout side's share of it.
-
-    Placed before the ``RolloutCallback``; its ``after_rollout`` part right after it, so the time
-    between the two ``on_train_batch_start`` calls is the rollout side of the step: push, generate,
-    score (synchronous), or the wait for the background producer (asynchronous).
-    """
-
-    def __init__(self) -> None:
-        self.starts: list[float] = []
-        self.rollout_side: list[float] = []
-        self.after_rollout = _AfterRollout(self)
-
-    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-        self.starts.append(time.perf_counter())
-
-    def on_train_end(self, trainer, pl_module):
-        self.starts.append(time.perf_counter())
-
-
-class _AfterRollout(L.Callback):
-    def __init__(self, clock: StepClock) -> None:
-        self.clock = clock
-        self.rollout: RolloutCallback | None = None  # set by run_fit: its per-batch counts are read here
-        self.interrupted_frac: list[float] = []
-
-    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-        self.clock.rollout_side.append(time.perf_counter() - self.clock.starts[-1])
-        if self.rollout is not None:
-            self.interrupted_frac.append(self.rollout.last_timing.get("interrupted_frac", 0.0))
-
-
-class PhaseTimer:
-    """Wall time and the calling thread's CPU time of each call of some methods, per phase name.
-
-    ``cpu / wall`` below 1 is time the thread was ready but did not run: waiting for the GIL or for a
-    core (with two busy threads on two idle cores, the GIL).
-    """
-
-    def __init__(self) -> None:
-        self.wall: dict[str, list[float]] = {}
-        self.cpu: dict[str, list[float]] = {}
-
-    def wrap(self, owner: object, method: str, phase: str) -> None:
-        original = getattr(owner, method)
-
-        def timed(*args, **kwargs):
-            wall, cpu = time.perf_counter(), time.thread_time()
-            try:
-                return original(*args, **kwargs)
-            finally:
-                self.wall.setdefault(phase, []).append(time.perf_counter() - wall)
-                self.cpu.setdefault(phase, []).append(time.thread_time() - cpu)
-
-        setattr(owner, method, timed)
-
-    def mean(self, phase: str, skip: int) -> float:
-        values = self.wall.get(phase, [])[skip:]
-        return statistics.mean(values) if values else 0.0
-
-    def cpu_share(self, phase: str, skip: int) -> float:
-        wall, cpu = self.wall.get(phase, [])[skip:], self.cpu.get(phase, [])[skip:]
-        return sum(cpu) / sum(wall) if wall and sum(wall) > 0 else float("nan")
-
-
-class KeptOpen:
-    """Lets several fits share one engine (the callback closes its engine at the end of a fit)."""
-
-    def __init__(self, engine) -> None:
-        self.engine = engine
-
-    def __getattr__(self, name):
-        return getattr(self.engine, name)
-
-    def close(self) -> None:  # the benchmark closes the engine itself, once
-        pass
-
 
 #: The stop id of ``--no-stop`` runs: the padding id, which the SFT-warmed tiny model never samples.
 NO_STOP_ID = 0
@@ -165,15 +89,7 @@ def run_fit(engine, batches: int, max_staleness: int, steps_per_batch: int, args
     phases.wrap(engine, "update_weights", "push")
     if max_staleness > 0:  # the trainer's side of a push: waiting for the request in flight + the push
         phases.wrap(callback, "_after_async_step", "push_and_wait")
-    trainer = L.Trainer(
-        accelerator="cpu",
-        max_steps=batches * steps_per_batch,
-        callbacks=[clock, callback, clock.after_rollout],
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        enable_checkpointing=False,
-    )
+    trainer = bare_trainer(batches * steps_per_batch, [clock, callback, clock.after_rollout])
     data = PromptDataModule(task="reverse", prompts_per_step=args.prompts_per_step, num_train_prompts=4096)
     trainer.fit(module, data)
     steps = [b - a for a, b in zip(clock.starts, clock.starts[1:], strict=False)][args.warmup :]
@@ -264,30 +180,13 @@ def measure(kind: str, args) -> dict:
     }
 
 
-#: Issue 12's goal for the asynchronous step: at most this multiple of max(generation, training).
+#: The goal for the asynchronous step: at most this multiple of max(generation, training).
 OVERLAP_GOAL = 1.1
 
 
-METHOD = """\
-Each engine runs the same fit twice (tiny Llama on `reverse`, same seed, prompts and batch):
-synchronous (`max_staleness=0`) and asynchronous (`max_staleness=u`, `sync_every=u`, with `u`
-optimizer steps per batch: generation runs one batch ahead). A step is the wall time between two
-consecutive `on_train_batch_start` calls (everything: push, generation or waiting for it, the
-decoupled PPO step, logging). In the synchronous run the rollout side of each step (weight push +
-generate + score, timed around the callback's hook) is measured too; the rest is training. In
-the asynchronous run that hook only waits for the producer (the wait column). Ideal async step = max(generation,
-training); the goal is an asynchronous step <= 1.1x the ideal. vLLM: one engine serves both runs (started in an
-unmeasured warm-up fit).
-
-Where the asynchronous step goes: each run also times, per call, `training_step` (trainer thread),
-the engine's `generate` (the producer thread when asynchronous) and `update_weights` (the push),
-in wall time and in the calling thread's CPU time (`time.thread_time`). In the asynchronous run the
-trainer thread's step splits into training, waiting for a batch (`take`), the push with its wait
-for the generation request in flight (`push + wait`), and the rest (Lightning's loop, logging,
-callbacks). `slowdown` is a phase's wall time side by side over its wall time alone (sync run);
-`CPU share` is CPU time / wall time of the thread in that phase: below 1, the thread was ready
-but not running, i.e. waiting for the GIL (both threads run Python between the kernels) or for a
-core taken by other processes."""
+#: The report's fixed prose (templates/<this script>.md).
+PROSE = load_prose(__file__)
+METHOD = PROSE["method"]
 
 
 def render(results: list[dict], argv: list[str], elapsed: float, args) -> str:
@@ -303,16 +202,11 @@ def render(results: list[dict], argv: list[str], elapsed: float, args) -> str:
         f"- **Wall time of the whole run**: {elapsed:.1f} s",
         load_bullet(args.load_start, os.getloadavg()[0]),
         "",
-        "The machine is shared and noisy: read the ratios (measured within one run), not the seconds.",
-        "Overlap needs idle cores: with a load above the core count, generation and training compete",
-        "with other work and the asynchronous run cannot reach the ideal.",
-        "",
-        "## Method",
-        "",
-        METHOD,
-        "",
-        "## Results",
-        "",
+        *method_sections(
+            METHOD,
+            "Overlap needs idle cores: with a load above the core count, generation and training compete",
+            "with other work and the asynchronous run cannot reach the ideal.",
+        ),
         "| engine | sync step s | async step s | generation s | training s | ideal s "
         "| async wait s | speed-up | overlap efficiency | hidden share of the shorter phase |",
         "|---|---|---|---|---|---|---|---|---|---|",
@@ -417,12 +311,7 @@ def main(argv: list[str] | None = None) -> int:
                 continue
         results.append(measure(kind, args))
         print(json.dumps(results[-1]), flush=True)
-    report = render(results, argv, time.perf_counter() - began, args)
-    print(report)
-    if args.output is not None:
-        args.output.parent.mkdir(parents=True, exist_ok=True)
-        args.output.write_text(report)
-        args.output.with_suffix(".json").write_text(json.dumps(results, indent=2) + "\n")
+    write_report(args.output, render(results, argv, time.perf_counter() - began, args), results)
     return 0
 
 

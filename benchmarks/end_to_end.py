@@ -17,7 +17,7 @@ with a note when vLLM is not installed. Every run trains the same number of batc
 
 Usage::
 
-    python benchmarks/end_to_end.py --output docs/performance_end_to_end.md   # ~3-5 min on 2 CPU cores
+    python benchmarks/end_to_end.py --output docs/reports/performance_end_to_end.md   # ~3-5 min on 2 CPU cores
     python benchmarks/end_to_end.py --quick --output /tmp/e2e.md              # HF only, 4 batches
 """
 
@@ -34,10 +34,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from _report import header_bullets, load_bullet, run_header
-
-# benchmarks/*.py run as scripts: their directory is on sys.path.
-from async_overlap import KeptOpen, StepClock
+from harness.fit import KeptOpen, StepClock
+from harness.report import header_bullets, load_bullet, load_prose, method_sections, run_header, write_report
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -217,29 +215,9 @@ def add_ratios(results: list[dict[str, Any]]) -> None:
             r[f"{name}_vs_a"] = r[name] / base[name] if base else math.nan
 
 
-METHOD = """\
-Each run is `configs/quickstart.yaml` built by the kit's CLI (`OffPolicyCLI(..., run=False)`: the
-same module, data, trainer and `RolloutCallback` as `lightning-offpolicy fit`), with no logger,
-checkpoint or progress bar, `max_steps` set for the number of batches, the engine swapped where
-the row says so, and `max_staleness` / `sync_every` set (async: `sync_every = max_staleness = 2`,
-a push after every batch, as `configs/vllm_async.yaml`). Same seed, prompts and batch size in
-every run. Timing: the wall time from the start of the first counted batch
-(`on_train_batch_start`) to the end of training (`on_train_end`): generation or the wait for it,
-weight pushes, the decoupled PPO step, logging; engine start-up is outside it (the vLLM engine
-is started and warmed up in an unmeasured fit, then shared by (c) and (d)).
-
-* `batches/s` = counted batches / wall s; `optimizer steps/s` = that x 2 (2 mini-batches per batch);
-* `generated tokens/s` = response tokens of the counted batches (the rollouts actually trained,
-  counted from each batch's `RolloutBatch`) / wall s: what the whole loop delivers;
-* `engine tokens/s` = the same tokens / the summed time of the engine's `generate` calls (what
-  the callback logs per batch as `rollout/tokens_per_s`, aggregated over the counted batches):
-  the engine's own speed, which the asynchronous runs partly hide behind training;
-* `rollout side s` = mean time of the callback's batch-start hook (push + generate + score when
-  synchronous, the wait for the background producer when asynchronous);
-* `vs (a)`: ratio to run (a) of this same invocation.
-
-The tiny model keeps generation and training both ~0.1-0.3 s per batch: these are the costs of
-the loop's machinery (Python, Lightning, the engine's IPC), not of a large model's FLOPs."""
+#: The report's fixed prose (templates/<this script>.md).
+PROSE = load_prose(__file__)
+METHOD = PROSE["method"]
 
 
 def render(results: list[dict[str, Any]], notes: list[str], header: dict[str, Any]) -> str:
@@ -252,14 +230,7 @@ def render(results: list[dict[str, Any]], notes: list[str], header: dict[str, An
         f"- **Wall time of the whole run**: {header['elapsed_s']:.1f} s",
         load_bullet(header["load_start"], header["load_end"]),
         "",
-        "The machine is shared and noisy: read the ratios (measured within one run), not the seconds.",
-        "",
-        "## Method",
-        "",
-        METHOD,
-        "",
-        "## Results",
-        "",
+        *method_sections(METHOD),
         "| run | engine, mode | engine dtype | batches/s | optimizer steps/s | generated tokens/s | engine tokens/s "
         "| tokens/batch | median step s | rollout side s | mean reward | batches/s vs (a) | tokens/s vs (a) |",
         "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
@@ -328,12 +299,7 @@ def main(argv: list[str] | None = None) -> int:
         "load_end": os.getloadavg()[0],
         "notes": notes,
     }
-    report = render(results, notes, header)
-    print(report)
-    if args.output is not None:
-        args.output.parent.mkdir(parents=True, exist_ok=True)
-        args.output.write_text(report)
-        args.output.with_suffix(".json").write_text(json.dumps({"header": header, "results": results}, indent=2) + "\n")
+    write_report(args.output, render(results, notes, header), {"header": header, "results": results})
     return 0
 
 

@@ -17,7 +17,7 @@ Variants: ``lean`` and ``generate`` (``HFEngine(sampler=...)``; the lean loop ru
 ``--compile``, also ``lean, torch.compile`` (the model compiled with ``dynamic=True``; its
 compile time is reported apart).
 
-    python benchmarks/generation.py --output docs/performance_generation.md
+    python benchmarks/generation.py --output docs/reports/performance_generation.md
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _report import header_bullets, load_bullet, run_header  # noqa: E402
+from harness.report import header_bullets, load_bullet, run_header  # noqa: E402
 
 from lightning_offpolicy.demo.tiny import build_tiny_llama  # noqa: E402
 from lightning_offpolicy.rollout.engine import SamplingConfig  # noqa: E402

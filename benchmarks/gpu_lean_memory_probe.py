@@ -4,7 +4,7 @@ A random-weight model shaped like Qwen2.5-1.5B in bf16 on one CUDA device (one N
 sharded case), 32 prompts x 8 samples, 32 new tokens. For each case: the peak allocated memory above
 the weights, the time, and the first sampled ids (equal across samplers: they draw the same tokens).
 ``lean-no-grad`` is the lean loop under ``no_grad`` instead of ``inference_mode``, as it must run on a
-sharded module (docs/performance_gpu.md).
+sharded module (docs/reports/performance_gpu.md).
 
     python benchmarks/gpu_lean_memory_probe.py
 """

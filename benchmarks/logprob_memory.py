@@ -15,20 +15,18 @@ See ``METHOD`` below for how memory is measured (it is written into the report t
 
 Usage::
 
-    python benchmarks/logprob_memory.py --output docs/performance_logprobs.md   # ~ a few minutes
+    python benchmarks/logprob_memory.py --output docs/reports/performance_logprobs.md   # ~ a few minutes
     python benchmarks/logprob_memory.py --quick --output /tmp/x.md              # smoke test, seconds
-    python benchmarks/logprob_memory.py --methods fused --merge-json docs/performance_logprobs.json \
-        --output docs/performance_logprobs.md   # re-measure the fused rows only, keep the others
+    python benchmarks/logprob_memory.py --methods fused --merge-json docs/reports/performance_logprobs.json \
+        --output docs/reports/performance_logprobs.md   # re-measure the fused rows only, keep the others
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime as _dt
-import gc
 import json
 import os
-import resource
 import shlex
 import subprocess
 import sys
@@ -36,7 +34,9 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from _report import code_line, machine_line, mb, status_kib
+from harness.memory import mb, mem_available_bytes
+from harness.report import code_line, load_prose, machine_line
+from logprob_memory_worker import worker
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -78,250 +78,11 @@ EXPECTED_PEAK = {
     ("fused", "bfloat16"): 0.6,
 }
 
-METHOD = """\
-* Every (case, method) runs in a **fresh subprocess**, so no allocator cache or earlier peak leaks
-  between measurements. In it: import, a small warm-up call of the same method (kernels, thread
-  pool), then the logits are allocated and filled in place (`torch.empty(...).normal_()`, no
-  temporary) as a leaf with `requires_grad=True`, plus int64 targets.
-* Baseline = the process RSS (`VmRSS`) right after that. Before each timed step the kernel's
-  peak-RSS counter (`VmHWM`) is reset by writing `5` to `/proc/self/clear_refs` (Linux >= 4.0),
-  so the peak read afterwards is the peak of that step alone (max over the steps). Where the
-  reset is not available the lifetime `ru_maxrss` is used instead and the report says so (it is
-  only valid when nothing before the step peaked higher).
-* `held after fwd`: RSS after the forward, minus the baseline: what is kept alive for the backward.
-  `peak fwd`: `VmHWM` after the forward. `peak fwd+bwd`: `VmHWM` after `.backward()`, which
-  includes `logits.grad` (one logits-sized tensor in the logits' dtype, which any method has to
-  produce). All three are *extra* bytes over the baseline, also given as a multiple of one logits
-  tensor (`x logits`).
-* RSS counts what the process really touched, intermediates inside ATen ops included. glibc
-  serves large allocations with `mmap` and unmaps them on free, but its mmap threshold is dynamic
-  (it rises to the size of a freed mmapped block, up to 32 MiB): blocks just under 32 MiB, such
-  as a `256 x 32000` float32 chunk (32.8 MB), then come from the heap, which keeps some freed
-  memory mapped. That retention is real on CPU and is counted.
-* time: wall clock of forward + backward after the warm-up, the best of `--repeats` steps
-  (`logits.grad` reset to `None` between them; the memory peak is over all of them). CPU timings
-  on a shared machine (see the load average above) are noisy: read the ratio between the two
-  methods, not the absolute seconds.
-* `lp sum rel. diff`: |sum of lean logprobs - sum of naive logprobs| / |sum of naive| on the same
-  seeded logits, a sanity check that both computed the same thing.
-* fused: the same protocol, but the leaves are the hidden states `[1, T, H]` and the head weight
-  `[V, H]` (in the baseline), and `x logits` is still in units of one `[T, V]` logits tensor of
-  the input dtype, which this method never makes. Its peak includes `hidden.grad` and
-  `weight.grad` (`(T + V) * H` elements, which any method returns; given separately) and the
-  chunk temporaries. `max |diff|`: after the timed steps, the fused logprobs of the first 64
-  tokens against `log_softmax(linear(hidden.float(), weight.float()) / T)` on those rows (float32
-  logits, as the fused head computes them for bf16 inputs on CPU and CUDA). Its time
-  includes the head's matmuls (forward, recompute, `grad_hidden`, `grad_weight`: four
-  `T x H x V` products), which the lean and naive times (logits given) do not: `fused / lean`
-  compares a whole head + logprob with the logprob alone.
-"""
+#: The report's fixed prose (templates/<this script>.md).
+PROSE = load_prose(__file__)
+METHOD = PROSE["method"]
 
-EXPECTED = """\
-What to expect (see docs/logprobs.md, "The logits path"): the lean peak is the gradient
-(1 logits tensor, which every method returns) plus float32 `[chunk, V]` temporaries, i.e. about
-`1 + 4 * chunk / (s * T)` logits tensors for `s`-byte logits in the backward (float32 logits are
-processed in place in the gradient: `1.0`), and only `N` floats are kept between forward and
-backward. The naive path keeps a float32 `[T, V]` copy from forward to backward and peaks with
-three float32 `[T, V]` tensors in the backward: 3 logits tensors for float32 logits, 6 for
-bf16 logits (each float32 copy is twice the bf16 logits). For bf16 / fp16 logits `token_logprobs`
-caps the chunk at `max(64, N // 20)` rows by itself, which keeps the lean peak near 1.1 logits
-tensors whatever `chunk_size` is passed."""
-
-# --------------------------------------------------------------------------- worker (subprocess)
-
-
-def _rss_bytes() -> int:
-    kib = status_kib("VmRSS")
-    if kib is None:  # non-Linux: psutil if present
-        import psutil  # type: ignore[import-not-found]
-
-        return psutil.Process().memory_info().rss
-    return kib * 1024
-
-
-def _reset_peak() -> bool:
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        return status_kib("VmHWM") is not None
-    except OSError:
-        return False
-
-
-def _peak_bytes(reset_ok: bool) -> int:
-    if reset_ok:
-        return status_kib("VmHWM") * 1024
-    ru = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return ru if sys.platform == "darwin" else ru * 1024
-
-
-def _step_fn(method: str, temperature: float, chunk_size: int):
-    import torch
-
-    from lightning_offpolicy.logprobs import token_logprobs
-
-    if method == "lean":
-
-        def fwd(logits, targets):
-            return token_logprobs(logits, targets, temperature, chunk_size=chunk_size)
-
-    elif method == "naive":
-
-        def fwd(logits, targets):
-            return torch.log_softmax(logits.float() / temperature, -1).gather(-1, targets[..., None]).squeeze(-1)
-
-    elif method == "fused":
-        from lightning_offpolicy.logprobs.fused import fused_linear_token_logprobs
-
-        def fwd(hidden, weight, targets):
-            return fused_linear_token_logprobs(hidden, weight, targets, temperature=temperature, chunk_size=chunk_size)
-
-    else:
-        raise ValueError(method)
-    return fwd
-
-
-def fused_worker(args: argparse.Namespace) -> dict:
-    """The fused head: hidden [1, T, H] and weight [V, H] leaves -> logprobs -> backward."""
-    import torch
-
-    from lightning_offpolicy.logprobs.fused import chunk_rows
-
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    dtype = getattr(torch, args.dtype)
-    fwd = _step_fn("fused", args.temperature, args.chunk_size)
-    width = args.hidden
-
-    w_h = torch.randn(1, min(args.tokens, 64), width).to(dtype).requires_grad_(True)
-    w_w = torch.randn(args.vocab, width).to(dtype).requires_grad_(True)
-    fwd(w_h, w_w, torch.randint(0, args.vocab, w_h.shape[:-1])).sum().backward()
-    del w_h, w_w
-    gc.collect()
-
-    torch.manual_seed(args.seed)
-    hidden = torch.empty(1, args.tokens, width, dtype=dtype).normal_(0.0, 1.0).requires_grad_(True)
-    weight = torch.empty(args.vocab, width, dtype=dtype).normal_(0.0, 2.0 / width**0.5).requires_grad_(True)
-    targets = torch.randint(0, args.vocab, (1, args.tokens))
-    logits_bytes = args.tokens * args.vocab * hidden.element_size()
-    grad_bytes = (hidden.numel() + weight.numel()) * hidden.element_size()
-    gc.collect()
-    base = _rss_bytes()
-
-    times, held, peak_fwd, peak, lp_sum, reset_ok = [], 0, 0, 0, 0.0, True
-    for _ in range(args.repeats):
-        hidden.grad = weight.grad = None
-        gc.collect()
-        reset_ok = _reset_peak() and reset_ok
-        t0 = time.perf_counter()
-        lp = fwd(hidden, weight, targets)
-        held = max(held, _rss_bytes() - base)
-        peak_fwd = max(peak_fwd, _peak_bytes(reset_ok) - base)
-        loss = lp.sum()
-        loss.backward()
-        times.append(time.perf_counter() - t0)
-        peak = max(peak, _peak_bytes(reset_ok) - base)
-        lp_sum = float(lp.detach().double().sum())
-        check = lp.detach()[0, :64].double()
-        del loss
-    assert hidden.grad is not None and weight.grad is not None
-    with torch.no_grad():  # sanity check on 64 rows: the unfused expression, in float32
-        z = torch.nn.functional.linear(hidden[0, :64].float(), weight.float()) / args.temperature
-        ref = torch.log_softmax(z, -1).gather(-1, targets[0, :64, None]).squeeze(-1).double()
-    return {
-        "vocab": args.vocab,
-        "tokens": args.tokens,
-        "dtype": args.dtype,
-        "method": "fused",
-        "chunk_size": args.chunk_size,
-        "chunk_used": chunk_rows(args.tokens, args.chunk_size),
-        "hidden": width,
-        "logits_bytes": logits_bytes,
-        "grad_bytes": grad_bytes,
-        "baseline_rss": base,
-        "held_after_fwd": held,
-        "peak_fwd": peak_fwd,
-        "peak_fwd_bwd": peak,
-        "time_s": min(times),
-        "times_s": times,
-        "peak_reset": reset_ok,
-        "lp_sum": lp_sum,
-        "max_abs_diff": float((check - ref).abs().max()),
-        "threads": torch.get_num_threads(),
-        "skipped": "",
-    }
-
-
-def worker(args: argparse.Namespace) -> dict:
-    if args.method == "fused":
-        return fused_worker(args)
-    import torch
-
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    dtype = getattr(torch, args.dtype)
-    fwd = _step_fn(args.method, args.temperature, args.chunk_size)
-
-    # Warm-up on a small input (kernels, OpenMP pool), freed before the baseline.
-    w = torch.randn(1, min(args.tokens, 64), args.vocab).to(dtype).requires_grad_(True)
-    fwd(w, torch.randint(0, args.vocab, w.shape[:-1])).sum().backward()
-    del w
-    gc.collect()
-
-    torch.manual_seed(args.seed)
-    logits = torch.empty(1, args.tokens, args.vocab, dtype=dtype).normal_(0.0, 2.0).requires_grad_(True)
-    targets = torch.randint(0, args.vocab, (1, args.tokens))
-    logits_bytes = logits.numel() * logits.element_size()
-    gc.collect()
-    base = _rss_bytes()
-
-    times, held, peak_fwd, peak, lp_sum, reset_ok = [], 0, 0, 0, 0.0, True
-    for _ in range(args.repeats):
-        logits.grad = None
-        gc.collect()
-        reset_ok = _reset_peak() and reset_ok  # peak of this step alone (where the kernel allows)
-        t0 = time.perf_counter()
-        lp = fwd(logits, targets)
-        held = max(held, _rss_bytes() - base)
-        peak_fwd = max(peak_fwd, _peak_bytes(reset_ok) - base)
-        loss = lp.sum()
-        loss.backward()
-        times.append(time.perf_counter() - t0)
-        peak = max(peak, _peak_bytes(reset_ok) - base)
-        lp_sum = float(lp.detach().double().sum())
-        del lp, loss
-    assert logits.grad is not None and logits.grad.shape == logits.shape
-    return {
-        "vocab": args.vocab,
-        "tokens": args.tokens,
-        "dtype": args.dtype,
-        "method": args.method,
-        "chunk_size": args.chunk_size if args.method == "lean" else None,
-        "logits_bytes": logits_bytes,
-        "baseline_rss": base,
-        "held_after_fwd": held,
-        "peak_fwd": peak_fwd,
-        "peak_fwd_bwd": peak,
-        "time_s": min(times),
-        "times_s": times,
-        "peak_reset": reset_ok,
-        "lp_sum": lp_sum,
-        "threads": torch.get_num_threads(),
-        "skipped": "",
-    }
-
-
-# --------------------------------------------------------------------------- driver
-
-
-def _mem_available() -> int | None:
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        return None
-    return None
+EXPECTED = PROSE["expected"]
 
 
 def run_case(
@@ -337,7 +98,7 @@ def run_case(
 ) -> dict:
     logits_bytes = vocab * tokens * (2 if dtype == "bfloat16" else 4)
     need = (EXPECTED_PEAK[(method, dtype)] + 1.0) * logits_bytes + 1e9
-    avail = _mem_available()
+    avail = mem_available_bytes()
     if avail is not None and need > avail:
         return {
             "vocab": vocab, "tokens": tokens, "dtype": dtype, "method": method,

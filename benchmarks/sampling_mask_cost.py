@@ -16,7 +16,7 @@ reset before each step (``/proc/self/clear_refs``, as ``benchmarks/logprob_memor
 
 Usage::
 
-    python benchmarks/sampling_mask_cost.py --output docs/performance_sampling_mask.md   # ~2-4 min
+    python benchmarks/sampling_mask_cost.py --output docs/reports/performance_sampling_mask.md   # ~2-4 min
     python benchmarks/sampling_mask_cost.py --quick --output /tmp/x.md                  # seconds
 """
 
@@ -24,15 +24,14 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import os
 import statistics
 import sys
 import time
 from pathlib import Path
 
-from _report import header_bullets, load_bullet, mb, run_header
-from logprob_memory import _peak_bytes, _reset_peak, _rss_bytes
+from harness.memory import mb, peak_bytes, reset_peak, rss_bytes
+from harness.report import header_bullets, load_bullet, run_header, write_report
 
 FULL = {"vocab": 151936, "hidden": 896, "tokens": 1024, "widths": [0, 20, 64, 512], "repeats": 3}
 QUICK = {"vocab": 4000, "hidden": 64, "tokens": 256, "widths": [0, 20, 64], "repeats": 2}
@@ -95,12 +94,12 @@ def measure(path: str, settings: dict) -> list[dict]:
             for tensor in inputs.values():
                 tensor.grad = None
             gc.collect()
-            base = _rss_bytes()
-            reset_ok = _reset_peak()
+            base = rss_bytes()
+            reset_ok = reset_peak()
             began = time.perf_counter()
             step(path, inputs, targets, masks[width])
             times[width].append(time.perf_counter() - began)
-            peaks[width] = max(peaks[width], _peak_bytes(reset_ok) - base)
+            peaks[width] = max(peaks[width], peak_bytes(reset_ok) - base)
     plain = widths[0]
     rows = []
     for width in widths:
@@ -162,13 +161,7 @@ def main(argv: list[str] | None = None) -> int:
     load_start = os.getloadavg()[0]
     rows = measure("fused", settings) + measure("lean", settings)
     header = {**run_header("sampling_mask_cost.py", argv), "load": [load_start, os.getloadavg()[0]]}
-    report = render(header, settings, rows)
-    print(report)
-    if args.output is not None:
-        args.output.parent.mkdir(parents=True, exist_ok=True)
-        args.output.write_text(report)
-        data = {"header": header, "settings": settings, "rows": rows}
-        args.output.with_suffix(".json").write_text(json.dumps(data, indent=2) + "\n")
+    write_report(args.output, render(header, settings, rows), {"header": header, "settings": settings, "rows": rows})
     return 0
 
 

@@ -28,330 +28,41 @@ cases again under glibc's defaults (see ``METHOD``).
 
 Usage::
 
-    python benchmarks/trainer_memory.py --output docs/performance_trainer_memory.md   # ~5-8 min, 2 CPU cores
+    python benchmarks/trainer_memory.py --output docs/reports/performance_trainer_memory.md   # ~5-8 min, 2 CPU cores
     python benchmarks/trainer_memory.py --quick --output /tmp/mem.md                  # tiny model only, ~1 min
 """
 
 from __future__ import annotations
 
 import argparse
-import ctypes
-import gc
 import json
 import os
 import subprocess
 import sys
 import time
-from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-# benchmarks/*.py run as scripts: their directory is on sys.path. The RSS helpers are the ones
-# benchmarks/logprob_memory.py measures with (VmRSS, VmHWM reset through /proc/self/clear_refs).
-from _report import MB, header_bullets, load_bullet, mb, mb_diff, run_header
-from logprob_memory import _mem_available, _peak_bytes, _reset_peak, _rss_bytes
+# benchmarks/*.py run as scripts: their directory is on sys.path, and with it the shared harness.
+from harness.memory import MB, mb, mb_diff, mem_available_bytes
+from harness.report import header_bullets, load_bullet, load_prose, run_header, write_report
+from trainer_memory_worker import (
+    CASES,
+    DEFAULT_MALLOC_CASES,
+    MODELS,
+    NUM_MINIBATCHES,
+    PINNED_MMAP_THRESHOLD,
+    Case,
+    ModelSpec,
+    worker,
+)
 
 ROOT = Path(__file__).resolve().parent.parent
 
-
-@dataclass(frozen=True)
-class ModelSpec:
-    """A Llama built from a config (random weights) and the rollout batch one step trains on."""
-
-    name: str
-    config: dict[str, int]  # overrides of lightning_offpolicy.demo.tiny.tiny_llama_config
-    rows: int
-    prompt_len: int
-    response_len: int
-
-
-MODELS = {
-    # The quickstart's model and batch: 16 prompts x 8 samples, ~10-character prompts, 8 new tokens.
-    "tiny": ModelSpec("tiny", {"vocab_size": 64}, rows=128, prompt_len=12, response_len=8),
-    # ~168M parameters (33M of them in each of the embedding and the untied lm_head). 16 rows of
-    # 32 + 96 tokens = 2048 tokens per step (1024 per optimizer step): about a minute per case on
-    # one core; enough tokens that activations and logits are visible next to the weights' state.
-    "llama-168m": ModelSpec(
-        "llama-168m",
-        {
-            "vocab_size": 32000,
-            "hidden_size": 1024,
-            "intermediate_size": 2816,
-            "num_hidden_layers": 8,
-            "num_attention_heads": 16,
-            "num_key_value_heads": 16,
-            "head_dim": 64,
-            "max_position_embeddings": 512,
-        },
-        rows=16,
-        prompt_len=32,
-        response_len=96,
-    ),
-}
-
-
-@dataclass(frozen=True)
-class Case:
-    """One trainer configuration."""
-
-    key: str
-    name: str
-    lora_rank: int
-    reference: str  # "none", "frozen_copy" or "disable_adapter"
-    logprobs: str  # "lean" or "naive"
-
-
-CASES = [
-    Case("full", "full", 0, "none", "lean"),
-    Case("full_ref", "full + frozen_copy", 0, "frozen_copy", "lean"),
-    Case("lora", "lora16", 16, "none", "lean"),
-    Case("lora_ref", "lora16 + disable_adapter", 16, "disable_adapter", "lean"),
-    Case("full_ref_naive", "full + frozen_copy, naive logprobs", 0, "frozen_copy", "naive"),
-    Case("lora_ref_naive", "lora16 + disable_adapter, naive logprobs", 16, "disable_adapter", "naive"),
-]
-NUM_MINIBATCHES = 2
-REF_KL_COEF = 0.001
-#: glibc's mmap threshold in the workers (bytes). Pinning it (which also turns off glibc's dynamic
-#: threshold, that rises up to 32 MiB) makes every block >= 64 KiB an mmap, unmapped when freed:
-#: RSS then follows the live memory, and the cases can be compared to within a few MB.
-PINNED_MMAP_THRESHOLD = 65536
-#: Cases measured a second time under glibc's default allocator settings (what `top` shows).
-DEFAULT_MALLOC_CASES = ("full_ref", "lora_ref")
-LEARNING_RATE = 1e-6
-
-METHOD = """\
-* Every (model, case) runs in a **fresh subprocess** (one OpenMP thread), so no allocator cache
-  or earlier peak leaks between cases, with glibc's mmap threshold pinned
-  (`MALLOC_MMAP_THRESHOLD_=65536`): every block of 64 KiB or more is its own mapping, returned to
-  the kernel when freed, so RSS follows what is live. With glibc's defaults the threshold rises
-  with the first large frees (up to 32 MiB) and freed blocks below it stay in the heap: RSS then
-  carries a few hundred MB of run-to-run retention that hides the differences between cases (a
-  trial run of this benchmark had the lean path 220 MB *above* the naive one). The headline
-  cases are measured under the defaults too (last table: what `top` shows). In the subprocess,
-  in this order:
-  1. imports, then one whole warm-up step of the same case on the tiny model (touches the code
-     pages of every kernel, optimizer and peft path the step uses: libtorch's code is file-backed
-     RSS too), then everything is freed, `gc.collect()` and glibc `malloc_trim(0)`;
-  2. the measured model is built (random float32 weights) and its rollout batch made; again
-     `gc.collect()` + `malloc_trim(0)`; **baseline** = `VmRSS` now. The policy's own weights are
-     in the baseline; everything the trainer adds to them is not;
-  3. `OffPolicyRLModule(model=<instance>, ...)` (peft wrapping, the frozen reference copy), a
-     `Trainer` and `fit` over one batch. Just before `fit` the kernel's peak-RSS counter is reset
-     (`5 > /proc/self/clear_refs`); **peak** = `VmHWM` after the fit, which also covers the module
-     set-up (measured separately as `set-up`, RSS after the module was built). Where the reset is
-     not available, the lifetime `ru_maxrss` is used and the report says so.
-* `peak extra` = peak - baseline: reference copy, LoRA adapters, gradients, AdamW state,
-  activations, logits and every temporary, as the process really touched them (RSS, not an
-  allocator count: `tracemalloc` sees no torch memory at all and `psutil` sampling misses
-  short peaks). `held` = RSS after the step minus the baseline (AdamW state, the reference).
-* `state (analytic)` = what the parameters alone imply: trainable x 4 B x 3 (gradient, AdamW
-  `exp_avg`, `exp_avg_sq`) + reference parameters x 4 B. `peak - state` is the working memory
-  (activations, logits, temporaries) on top of that state *at the peak*: with full fine-tuning
-  the peak can come when every gradient and the AdamW state are allocated and most activations
-  are already freed, so it is smaller than a micro-batch's activations; with LoRA the state is
-  small and the peak is the activations and logits of a micro-batch.
-* The step: `ppo_epochs = 1`, `num_minibatches = 2` (the second optimizer step runs with AdamW's
-  state allocated: steady state), `max_tokens_per_microbatch = 2048`, token TIS (cap 2), PPO clip
-  0.2 / 0.28, AdamW lr 1e-6 (torch's default implementation on CPU: no multi-tensor temporaries),
-  `ref_kl_coef = 0.001` in the reference cases. Batch: `rows` full-length sequences of random
-  tokens, random rollout logprobs and advantages (values do not change memory).
-* Naive logprobs: the worker replaces `lightning_offpolicy.logprobs.causal_lm.token_logprobs` by
-  `log_softmax(logits.float() / T, -1).gather(-1, targets)` (the entropy, logged by the module,
-  from `exp` of it under `no_grad`): what the kit's lean path replaces (see
-  `docs/performance_logprobs.md` for the isolated comparison)."""
-
-
-# --------------------------------------------------------------------------- worker (subprocess)
-
-
-def _malloc_trim() -> None:
-    """Give freed heap memory back to the kernel, so the baseline is not inflated by a warm-up's leftovers."""
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):
-        pass
-
-
-def _naive_token_logprobs(
-    logits: Any, targets: Any, temperature: float = 1.0, chunk_size: int = 1024, return_entropy: bool = False
-) -> Any:
-    """The textbook path ``token_logprobs`` replaces (``chunk_size`` is ignored)."""
-    import torch
-
-    logp = torch.log_softmax(logits.float() / temperature, dim=-1)
-    lp = logp.gather(-1, targets.long()[..., None]).squeeze(-1)
-    if not return_entropy:
-        return lp
-    with torch.no_grad():
-        entropy = -(logp.exp() * logp).sum(-1)
-    return lp, entropy
-
-
-def _identity(x: Any) -> Any:
-    return x
-
-
-def _build_model(spec: ModelSpec, seed: int = 0) -> Any:
-    import torch
-    from transformers import LlamaForCausalLM
-
-    from lightning_offpolicy.demo.tiny import tiny_llama_config
-
-    torch.manual_seed(seed)
-    return LlamaForCausalLM(tiny_llama_config(**spec.config)).to(torch.float32).eval()
-
-
-def _make_rollout(spec: ModelSpec, seed: int = 0) -> Any:
-    import torch
-
-    from lightning_offpolicy.batch import RolloutBatch
-
-    gen = torch.Generator().manual_seed(seed)
-    vocab = spec.config["vocab_size"]
-    prompts = torch.randint(3, vocab, (spec.rows, spec.prompt_len), generator=gen).tolist()
-    responses = torch.randint(3, vocab, (spec.rows, spec.response_len), generator=gen).tolist()
-    rollout_lp = (-torch.rand(spec.rows, spec.response_len, generator=gen) * 4.0).tolist()
-    return RolloutBatch.from_sequences(
-        prompt_ids=prompts,
-        response_ids=responses,
-        rewards=torch.rand(spec.rows, generator=gen),
-        advantages=torch.randn(spec.rows, generator=gen),
-        group_ids=[i // 8 for i in range(spec.rows)],
-        policy_versions=[0] * spec.rows,
-        rollout_logprobs=rollout_lp,
-        pad_token_id=0,
-    )
-
-
-def _make_module(model: Any, case: Case) -> Any:
-    from functools import partial
-
-    import torch
-
-    from lightning_offpolicy.correction import OffPolicyCorrectionConfig, PolicyLossConfig
-    from lightning_offpolicy.data.tokenizers import CharTokenizer
-    from lightning_offpolicy.lightning.module import OffPolicyRLModule
-
-    with_ref = case.reference != "none"
-    return OffPolicyRLModule(
-        model=model,
-        tokenizer=CharTokenizer(),  # required with a model instance; unused when fed RolloutBatch directly
-        optimizer=partial(torch.optim.AdamW, lr=LEARNING_RATE),
-        correction=OffPolicyCorrectionConfig(tis_level="token", tis_clip_high=2.0),
-        loss=PolicyLossConfig(eps_clip_low=0.2, eps_clip_high=0.28, ref_kl_coef=REF_KL_COEF if with_ref else 0.0),
-        num_minibatches=NUM_MINIBATCHES,
-        max_tokens_per_microbatch=2048,
-        reference=case.reference if with_ref else "auto",
-        lora_rank=case.lora_rank,
-    )
-
-
-def _fit_one_batch(module: Any, rollout: Any, on_batch_end: Callable[[], None] | None = None) -> None:
-    import lightning as L
-    from torch.utils.data import DataLoader
-
-    callbacks = []
-    if on_batch_end is not None:
-
-        class _After(L.Callback):
-            def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-                on_batch_end()
-
-        callbacks.append(_After())
-    trainer = L.Trainer(
-        accelerator="cpu",
-        devices=1,
-        max_steps=module.optimizer_steps_per_batch,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        callbacks=callbacks,
-    )
-    trainer.fit(module, DataLoader([rollout], batch_size=None, collate_fn=_identity))
-    if trainer.global_step != module.optimizer_steps_per_batch:
-        raise RuntimeError(f"{trainer.global_step} optimizer steps, expected {module.optimizer_steps_per_batch}")
-
-
-def _numel(model: Any, trainable: bool | None = None) -> int:
-    if model is None:
-        return 0
-    return sum(p.numel() for p in model.parameters() if trainable is None or p.requires_grad == trainable)
-
-
-def worker(model_name: str, case_key: str, threads: int) -> dict[str, Any]:
-    import warnings
-
-    import torch
-
-    warnings.filterwarnings("ignore")
-    torch.set_num_threads(threads)
-    spec = MODELS[model_name]
-    case = next(c for c in CASES if c.key == case_key)
-    if case.logprobs == "naive":
-        import lightning_offpolicy.logprobs.causal_lm as causal_lm_module
-
-        causal_lm_module.token_logprobs = _naive_token_logprobs
-
-    # 1. Warm-up: the same case, one whole step, on the tiny model.
-    warm = MODELS["tiny"]
-    _fit_one_batch(_make_module(_build_model(warm, seed=1), case), _make_rollout(warm, seed=1))
-    gc.collect()
-    _malloc_trim()
-
-    # 2. The measured model and its batch, then the baseline.
-    model = _build_model(spec)
-    rollout = _make_rollout(spec)
-    param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    gc.collect()
-    _malloc_trim()
-    baseline = _rss_bytes()
-
-    # 3. Module (peft wrapping, reference copy) and one fitted batch, under a reset peak counter.
-    reset_ok = _reset_peak()
-    module = _make_module(model, case)
-    setup = _rss_bytes() - baseline
-    held: list[int] = []
-    started = time.perf_counter()
-    _fit_one_batch(module, rollout, on_batch_end=lambda: held.append(_rss_bytes() - baseline))
-    seconds = time.perf_counter() - started
-    peak = _peak_bytes(reset_ok) - baseline
-
-    trainable = _numel(module.policy, trainable=True)
-    reference = _numel(module.reference_model)
-    minibatch_rows = spec.rows // NUM_MINIBATCHES
-    return {
-        "model": spec.name,
-        "case": case.key,
-        "label": case.name,
-        "lora_rank": case.lora_rank,
-        "reference": case.reference,
-        "logprobs": case.logprobs,
-        "params": _numel(module.policy),
-        "base_params": sum(p.numel() for n, p in module.policy.named_parameters() if "lora_" not in n),
-        "trainable_params": trainable,
-        "reference_params": reference,
-        "param_bytes": param_bytes,
-        "state_bytes_analytic": trainable * 4 * 3 + reference * 4,
-        # One optimizer step's logits: [rows / num_minibatches, response + 1, V] float32.
-        "logits_bytes": minibatch_rows * (spec.response_len + 1) * spec.config["vocab_size"] * 4,
-        "rows": spec.rows,
-        "prompt_len": spec.prompt_len,
-        "response_len": spec.response_len,
-        "tokens": spec.rows * (spec.prompt_len + spec.response_len),
-        "baseline_rss": baseline,
-        "setup_extra": setup,
-        "held_extra": held[-1] if held else 0,
-        "peak_extra": peak,
-        "peak_reset": reset_ok,
-        "step_s": seconds,
-        "threads": torch.get_num_threads(),
-        "malloc": "pinned" if os.environ.get("MALLOC_MMAP_THRESHOLD_") else "default",
-    }
-
-
-# --------------------------------------------------------------------------- driver
+#: The report's fixed prose (templates/<this script>.md).
+PROSE = load_prose(__file__)
+METHOD = PROSE["method"]
 
 
 def run_case(model: str, case: Case, threads: int, timeout: float, pinned: bool = True) -> dict[str, Any]:
@@ -543,7 +254,7 @@ def main(argv: list[str] | None = None) -> int:
     plan = [(m, c, True) for m in models for c in cases]
     plan += [(m, c, False) for m in models for c in cases if c.key in default_cases]
     for model, case, pinned in plan:
-        need, avail = _estimated_need(MODELS[model]), _mem_available()
+        need, avail = _estimated_need(MODELS[model]), mem_available_bytes()
         if avail is not None and need > avail:
             skipped = f"skipped: needs ~{need / 1e9:.1f} GB, {avail / 1e9:.1f} GB available"
             results.append(
@@ -575,13 +286,8 @@ def main(argv: list[str] | None = None) -> int:
         "load_end": os.getloadavg()[0],
         "models": {m: asdict(MODELS[m]) for m in models},
     }
-    report = render(results, ratios, header)
-    print(report)
-    if args.output is not None:
-        args.output.parent.mkdir(parents=True, exist_ok=True)
-        args.output.write_text(report)
-        payload = {"header": header, "results": results, "ratios": ratios}
-        args.output.with_suffix(".json").write_text(json.dumps(payload, indent=2) + "\n")
+    payload = {"header": header, "results": results, "ratios": ratios}
+    write_report(args.output, render(results, ratios, header), payload)
     return 0
 
 

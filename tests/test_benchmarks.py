@@ -123,7 +123,7 @@ def test_async_overlap_bench_quick(tmp_path):
 # summary test reads exactly what the two others checked.
 END_TO_END = BENCH.parent / "end_to_end.py"
 TRAINER_MEMORY = BENCH.parent / "trainer_memory.py"
-SUMMARIZE = BENCH.parent / "summarize.py"
+SUMMARIZE = BENCH.parents[1] / "tools" / "summarize.py"
 _QUICK_DOCS: dict[str, Path] = {}
 
 
@@ -252,16 +252,16 @@ def test_summarize_quick_outputs(tmp_path_factory):
 
 
 def test_summarize_names_each_engines_own_seeds_of_a_merged_vs_trl_report():
-    """docs/performance_vs_trl.json merges invocations (vs_trl --from-json): each comparison line names the
+    """docs/reports/performance_vs_trl.json merges invocations (vs_trl --from-json): each comparison line names the
     seeds of its own engine's rows (e.g. 5 hf seeds and 3 vllm seeds)."""
     import importlib.util
     import json
 
-    sys.path.insert(0, str(SUMMARIZE.parent))  # its sibling modules (_report.py), as when run as a script
+    sys.path.insert(0, str(SUMMARIZE.parent))  # its folder, as when run as a script (it adds benchmarks/ itself)
     spec = importlib.util.spec_from_file_location("summarize", SUMMARIZE)
     summarize = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(summarize)
-    data = json.loads((BENCH.parents[1] / "docs" / "performance_vs_trl.json").read_text())
+    data = json.loads((BENCH.parents[1] / "docs" / "reports" / "performance_vs_trl.json").read_text())
     lines = summarize.vs_trl(data)
     for key, ratio in data["ratios"].items():
         engine = ratio.get("engine", key)

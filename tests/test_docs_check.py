@@ -1,4 +1,4 @@
-"""benchmarks/docs_check.py: the figures of the docs are parsed, re-run and compared within a tolerance.
+"""tools/docs_check.py: the figures of the docs are parsed, re-run and compared within a tolerance.
 
 The quick part here: parsing the real docs, the comparison logic against hand-made numbers, and
 one end-to-end check on a short real fit and a small real selfcheck written into a fixture doc.
@@ -16,8 +16,8 @@ from lightning_offpolicy.correction import PRESETS
 from lightning_offpolicy.demo.selfcheck import LOSS_CHECKS
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "benchmarks"))
-import docs_check  # noqa: E402  (benchmarks/ is not a package)
+sys.path.insert(0, str(ROOT / "tools"))
+import docs_check  # noqa: E402  (tools/ is not a package)
 
 
 def _figures(kind: str) -> list[docs_check.Figure]:
@@ -114,3 +114,67 @@ def test_check_end_to_end_on_a_short_fit_and_a_small_selfcheck(tmp_path, capsys)
     assert docs_check.main(["--files", str(doc), "--only", "selfcheck"]) == 1
     doc.write_text("no figures\n")
     assert docs_check.main(["--files", str(doc)]) == 2
+
+
+# ------------------------------------------------------------------------------ single figures
+def test_single_figure_checks_by_hand(tmp_path):
+    import docs_check_figures as figures
+
+    assert figures.rounding("0.668") == pytest.approx(5e-4)
+    assert figures.rounding("20.6") == pytest.approx(0.05)
+    assert figures.rounding("3e-4") == pytest.approx(5e-5)
+    body = "\nthe reward rose from 0.22 (first\n10 batches) to 0.44.\n\nA later 0.99 is not in the paragraph."
+    assert figures.missing_from_text(["0.22", "0.44", "10"], body) == []
+    (missing,) = figures.missing_from_text(["0.22", "0.99"], body)
+    assert missing.startswith("0.99:")
+
+    spec = "reward, first {10} batches {0.22} -> last {10} {0.44}"
+    printed = "setup\nreward, first 10 batches 0.230 -> last 10 0.461\n"
+    assert figures.compare_output(spec, printed) == []  # within 0.02 + the stated rounding (0.005)
+    (far,) = figures.compare_output(spec, printed.replace("0.461", "0.500"))
+    assert "stated 0.44, printed 0.500" in far
+    assert figures.compare_output(spec, "nothing printed") == [f"no printed line matches {spec!r}"]
+    with pytest.raises(ValueError, match="holes"):
+        figures.output_template("no holes")
+
+    report = {"parts": {"lora": {"peak_allocated_bytes": 20.553 * 2**30}}, "rows": [{"x": 0.126}]}
+    assert figures.compare_report("20.6=parts.lora.peak_allocated_bytes:GiB 0.13=rows.0.x", report) == []
+    (wrong,) = figures.compare_report("20.4=parts.lora.peak_allocated_bytes:GiB", report)
+    assert wrong == "parts.lora.peak_allocated_bytes: stated 20.4, the report has 20.553"
+    assert figures.compare_report("1=rows.3.x", report) == ["rows.3.x: not a number in the report"]
+    with pytest.raises(ValueError, match="unknown unit"):
+        figures.report_spec("1=a:KiB")
+    with pytest.raises(ValueError, match="number=path"):
+        figures.report_spec("a=b")
+
+    assert figures.compare_quote("0.44 0.65", "from **0.44** to **0.65**; 0.655") == []
+    assert figures.compare_quote("0.08", "stayed at 0.080") == ["0.08: not in the source"]
+
+    assert figures.example_argv("python examples/sft_then_rl.py --steps 2")[1:] == [
+        str(ROOT / "examples" / "sft_then_rl.py"),
+        "--steps",
+        "2",
+    ]
+    with pytest.raises(ValueError, match="examples"):
+        figures.example_argv("python train.py")
+    doc = tmp_path / "doc.md"
+    doc.write_text(
+        "<!-- docs-check: quote `README.md` 0.123456789 -->\nA figure: 0.123456789.\n\n"
+        "<!-- docs-check: report `docs/reports/performance_gpu.json` 1.5=parts.lora.peak_allocated_bytes:GiB -->\n"
+        "Peak 1.5 GiB.\n"
+    )
+    assert docs_check.main(["--files", str(doc), "--only", "quote", "report"]) == 1
+
+
+def test_the_docs_mark_their_single_figures_where_the_text_states_them():
+    import docs_check_figures as figures
+
+    marked = [f for kind in docs_check.FIGURE_KINDS for f in _figures(kind)]
+    assert {f.kind for f in marked} == set(docs_check.FIGURE_KINDS)
+    assert {f.path.name for f in marked} == {"README.md", "journeys.md"}
+    for figure in marked:
+        assert figures.missing_from_text(figures.stated_figures(figure.kind, figure.spec), figure.body) == []
+        if figure.kind == "output":
+            assert Path(figures.example_argv(figure.command)[1]).is_file()
+        else:
+            assert (ROOT / figure.command).is_file()

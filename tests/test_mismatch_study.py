@@ -1,4 +1,4 @@
-"""Smoke test of benchmarks/mismatch_study.py: ``--quick`` runs, and its three outputs agree.
+"""Smoke test of studies/mismatch_study.py: ``--quick`` runs, and its three outputs agree.
 
 Not a check of the study's conclusions (6 tiny batches say nothing about stability): only that the
 JSON has every run's series and the calibration, the PNGs are PNGs, the markdown tables list the
@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-STUDY = Path(__file__).resolve().parent.parent / "benchmarks" / "mismatch_study.py"
+STUDY = Path(__file__).resolve().parent.parent / "studies" / "mismatch_study.py"
 QUICK = ("onpolicy", "stale4-bypass", "stale4-tis")
 TASKS = ("reverse", "letter")
 QUICK_NAMES = [f"{task}/{short}" for task in TASKS for short in QUICK]
@@ -28,7 +28,7 @@ def _load_study():
 
     spec = importlib.util.spec_from_file_location("mismatch_study", STUDY)
     study = importlib.util.module_from_spec(spec)
-    sys.path.insert(0, str(STUDY.parent))  # the script imports its siblings _report and vs_trl
+    sys.path.insert(0, str(STUDY.parent))  # as when run as a script (it adds benchmarks/ itself)
     # Its dataclasses look their module up; the module another test file imported stays registered
     # afterwards (popping it made a later pickle of that module's functions fail).
     previous = sys.modules.get("mismatch_study")
@@ -230,7 +230,7 @@ def test_paired_delta_is_the_mean_difference_with_a_student_t_interval():
 
 def test_markdown_table_matches_the_json(quick_study):
     out, proc = quick_study
-    report = out.with_suffix(".md")  # the default: docs/results -> docs/results.md
+    report = out.with_suffix(".md")  # the default: docs/reports/results -> docs/reports/results.md
     text = report.read_text()
     for needed in ("**Machine**", "nproc=", "**Date**", "**Code**", "**Command**", "**Wall time", "## Method"):
         assert needed in text, needed

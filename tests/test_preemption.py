@@ -33,7 +33,7 @@ from lightning_offpolicy.rollout.engine import INTERRUPTED
 from tests.vllm_fixtures import requires_vllm
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "benchmarks"))
+sys.path.insert(0, str(ROOT / "tools"))
 import soak_faults  # noqa: E402
 
 STEPS_PER_BATCH = 2  # num_minibatches below, and in configs/quickstart.yaml

@@ -1,4 +1,4 @@
-"""benchmarks/prox_loglinear.py and the study's ``-loglinear`` corrections: the conditions it builds, a quick run."""
+"""studies/prox_loglinear.py and the study's ``-loglinear`` corrections: the conditions it builds, a quick run."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import json
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
-import mismatch_study  # noqa: E402  (benchmarks/ is not a package)
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "studies"))
+import mismatch_study  # noqa: E402  (studies/ is not a package)
 import prox_loglinear  # noqa: E402
 
 

@@ -1,4 +1,4 @@
-"""benchmarks/soak.py and soak_faults.py: their readers and checks on real files and processes, quick runs."""
+"""tools/soak.py and soak_faults.py: their readers and checks on real files and processes, quick runs."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "benchmarks"))
+sys.path.insert(0, str(ROOT / "tools"))
 import soak  # noqa: E402
 import soak_faults  # noqa: E402
 
@@ -102,7 +102,7 @@ def test_quick_soak_of_the_quickstart_quiet_and_beside_a_hog(tmp_path):
 @requires_vllm
 @pytest.mark.slow
 @pytest.mark.long(
-    "a real configs/vllm_async.yaml fit under benchmarks/soak.py: the vLLM engine's processes and "
+    "a real configs/vllm_async.yaml fit under tools/soak.py: the vLLM engine's processes and "
     "their exit are what the soak checks"
 )
 def test_quick_soak_of_the_async_vllm_config(tmp_path, vllm_engine_holder):
@@ -172,7 +172,7 @@ def test_a_stopped_soak_takes_its_run_and_hog_down_and_keeps_its_report(tmp_path
     import psutil
 
     output = tmp_path / "soak.md"
-    command = [sys.executable, str(ROOT / "benchmarks" / "soak.py"), "--quick", "--only", "quickstart", "--conditions",
+    command = [sys.executable, str(ROOT / "tools" / "soak.py"), "--quick", "--only", "quickstart", "--conditions",
                "hog", "--workdir", str(tmp_path / "runs"), "--output", str(output)]  # fmt: skip
     log = tmp_path / "soak.log"
     with open(log, "w") as out:
@@ -198,7 +198,7 @@ def test_a_stopped_soak_takes_its_run_and_hog_down_and_keeps_its_report(tmp_path
     assert report["runs"] == [] and report["meta"]["pending"] == [["quickstart", "hog"]]
 
 
-# ------------------------------------------------------------------------------ benchmarks/soak_faults.py
+# ------------------------------------------------------------------------------ tools/soak_faults.py
 
 
 def test_every_fault_applies_where_it_can_happen():

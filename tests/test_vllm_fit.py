@@ -52,7 +52,7 @@ def test_the_default_engine_dtype_is_the_trainers(tmp_path):
     """``VLLMEngine()`` (``dtype="auto"``) samples in the trainer's float32, not in vLLM's bfloat16 downcast.
 
     The downcast stalled the vs_trl task at a reward of ~0.08 where a float32 engine reached 0.9
-    (docs/performance_vs_trl.md): "auto" must follow the module that starts the engine.
+    (docs/reports/performance_vs_trl.md): "auto" must follow the module that starts the engine.
     """
     pytest.importorskip("vllm")
     import lightning as L

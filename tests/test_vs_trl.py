@@ -172,9 +172,9 @@ def test_vs_trl_quick(tmp_path):
     assert out.with_suffix(".png").stat().st_size > 0
     text = out.read_text()
     assert "| TRL GRPOTrainer | hf |" in text and "| kit: OffPolicyRLModule" in text
-    # benchmarks/summarize.py gathers it into docs/performance.md.
+    # tools/summarize.py gathers it into docs/reports/performance.md.
     page = subprocess.run(
-        [sys.executable, str(BENCH_DIR / "summarize.py"), "--docs", str(tmp_path)],
+        [sys.executable, str(BENCH_DIR.parent / "tools" / "summarize.py"), "--docs", str(tmp_path)],
         capture_output=True,
         text=True,
         timeout=120,
@@ -202,7 +202,7 @@ def test_vs_trl_quick_vllm(tmp_path):
 def test_reports_of_two_invocations_merge_into_one(tmp_path):
     """--from-json: rows run as two invocations (e.g. hf and vllm, or the kit's sync and async variants)
     give one report, the same numbers as one invocation over all the runs."""
-    data = json.loads((BENCH_DIR.parent / "docs" / "performance_vs_trl.json").read_text())
+    data = json.loads((BENCH_DIR.parent / "docs" / "reports" / "performance_vs_trl.json").read_text())
     groups = list(dict.fromkeys((r["engine"], r["label"]) for r in data["runs"]))
     assert len(groups) >= 2, groups
     halves = [groups[:1], groups[1:]]

@@ -133,7 +133,7 @@ class RolloutCallback(Callback):
             ``max_staleness >= 1`` and an engine with ``interrupt()`` (HFEngine, HFProcessEngine,
             VLLMEngine, RemoteVLLMEngine). Logs ``rollout/interrupted_frac``,
             ``rollout/continuation_calls`` and ``rollout/tokens_per_version``. Worth it when
-            completions are long against a training step (docs/performance_async.md).
+            completions are long against a training step (docs/reports/performance_async.md).
     """
 
     def __init__(

@@ -3,7 +3,7 @@
 Why: with ``RolloutCallback(max_staleness >= 1)`` an in-process :class:`~lightning_offpolicy.rollout.HFEngine`
 generates in the producer thread while the trainer trains in the main thread. Both run Python between
 their kernels and take turns on the GIL: on a small model each side runs ~10-40% slower beside the
-other than alone (docs/performance_async.md). :class:`HFProcessEngine` runs the same sampling loop in
+other than alone (docs/reports/performance_async.md). :class:`HFProcessEngine` runs the same sampling loop in
 a child process with its own interpreter, so the two sides only share the cores.
 
 How: the engine keeps its own copy of the policy (as ``HFEngine(dtype=...)`` does) in shared memory.

@@ -5,7 +5,7 @@
 concatenation), runs its logits-processor and stopping-criteria lists and keeps every step's
 scores. This loop does the same computation with less around it, under ``torch.inference_mode``
 (the engine enters it). Measured on the tiny Llama of ``benchmarks/vs_trl.py`` (64 rows, 16 new
-tokens, one CPU thread; ``docs/performance_generation.md``) the forward passes are most of a call:
+tokens, one CPU thread; ``docs/reports/performance_generation.md``) the forward passes are most of a call:
 the loop takes about 10-20% off ``generate``'s time, most of it from ``inference_mode``.
 
 - the prefill sees what ``generate`` gives it for left-padded prompts: the attention mask, the

