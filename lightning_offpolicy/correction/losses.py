@@ -145,8 +145,9 @@ def policy_loss(
     if correction is not None:
         check_compatible(correction.config, loss_cfg)
         if correction.mask.shape != response_mask.shape or correction.weights.shape != response_mask.shape:
+            shape = correction.mask.shape if correction.mask.shape != response_mask.shape else correction.weights.shape
             raise ValueError(
-                f"policy_loss: correction was computed for a batch of shape {tuple(correction.mask.shape)}, "
+                f"policy_loss: correction was computed for a batch of shape {tuple(shape)}, "
                 f"response_mask is {tuple(response_mask.shape)} (it would be broadcast silently): pass the "
                 "compute_correction output of this batch."
             )
