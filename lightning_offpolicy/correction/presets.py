@@ -8,6 +8,8 @@ of the config (``OffPolicyCorrectionConfig.token_tis()``); :data:`PRESET_METHODS
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from typing_extensions import Self
 
 from lightning_offpolicy.correction.validation import Anchor, RejectLevel, TISLevel
@@ -18,8 +20,13 @@ VERL_GEO_LOW = 1.0 / 1.001
 VERL_GEO_HIGH = 1.0 / 0.999
 
 
+@dataclass
 class CorrectionPresets:
-    """The presets, as classmethods that build the config class they are called on."""
+    """The presets, as classmethods that build the config class they are called on.
+
+    A dataclass without fields: a config class built on it stays a pure dataclass, which
+    LightningCLI (jsonargparse) exposes field by field.
+    """
 
     @classmethod
     def disabled(cls) -> Self:
