@@ -384,3 +384,24 @@ def test_loss_config_defaults_are_valid():
     cfg = P()
     assert cfg.loss_type == "ppo" and cfg.aggregation == "token-mean"
     assert math.isclose(cfg.eps_clip_low, 0.2) and cfg.dual_clip is None
+
+
+def test_the_docs_preset_table_matches_the_code():
+    # docs/off_policy_correction.md lists every preset with its defaults; the values live in presets.py.
+    import inspect
+    from pathlib import Path
+
+    from lightning_offpolicy.correction.presets import PRESET_METHODS
+
+    text = (Path(__file__).resolve().parents[1] / "docs" / "off_policy_correction.md").read_text()
+    table = text.split("| Preset | Sets |", 1)[1].split("\n\n", 1)[0]
+    documented = {}
+    for row in table.splitlines()[2:]:
+        name, args = re.match(r"\| `(\w+)\((.*?)\)`", row).groups()
+        documented[name] = eval(f"dict({args})")  # the defaults as written, e.g. low=1/1.001
+        for alias in re.findall(r"alias `(\w+)`", row.split("|")[1]):
+            assert PRESET_METHODS[alias] == name, alias
+    assert set(documented) == set(PRESET_METHODS.values())
+    for name, defaults in documented.items():
+        parameters = inspect.signature(getattr(C, name)).parameters.values()
+        assert defaults == {p.name: p.default for p in parameters}, name
