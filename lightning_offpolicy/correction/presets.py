@@ -1,4 +1,4 @@
-"""The correction presets: each one's values live here, and only here (docs/off_policy_correction.md, section 4).
+"""The correction presets: each one's values live here, and only here (docs/off_policy_correction.md, section 1).
 
 :class:`CorrectionPresets` is the base class of
 :class:`~lightning_offpolicy.correction.OffPolicyCorrectionConfig`, so every preset is a classmethod
@@ -9,10 +9,12 @@ of the config (``OffPolicyCorrectionConfig.token_tis()``); :data:`PRESET_METHODS
 from __future__ import annotations
 
 from dataclasses import dataclass
-
-from typing_extensions import Self
+from typing import TYPE_CHECKING
 
 from lightning_offpolicy.correction.validation import Anchor, RejectLevel, TISLevel
+
+if TYPE_CHECKING:  # typing.Self is Python >= 3.11; the annotations are never evaluated at run time
+    from typing_extensions import Self
 
 VERL_GEO_LOW = 1.0 / 1.001
 """verl's default geometric bounds ``0.999_1.001`` bound ``pi_rollout / pi_old``; on the kit's
