@@ -73,7 +73,8 @@ def test_print_config_round_trips(tmp_path, capsys, config):
     printed.write_text(first)
     assert print_config(capsys, printed) == first
     # The file's own correction survives (token TIS in most configs; the default, none, in reasoning_gym.yaml).
-    expected = (yaml.safe_load(config.read_text())["model"].get("correction") or {}).get("tis_level")
+    correction = yaml.safe_load(config.read_text())["model"].get("correction") or {}
+    expected = (PRESETS[correction]().to_dict() if isinstance(correction, str) else correction).get("tis_level")
     assert yaml.safe_load(first)["model"]["correction"]["tis_level"] == expected
 
 
@@ -177,8 +178,10 @@ def test_short_fit_writes_tensorboard_metrics(tmp_path):
     assert OffPolicyCorrectionConfig.token_tis()  # the config of the run (sanity)
 
 
-def test_dapo_entropy_bonus_and_peer_names_from_yaml(tmp_path):
-    """DAPO's settings (rollout:), the entropy bonus (model.loss) and verl's correction names, from YAML."""
+def test_dapo_entropy_bonus_and_correction_from_yaml(tmp_path, capsys):
+    """DAPO's settings (rollout:), the entropy bonus (model.loss) and verl's decoupled_k3_rs_token_tis in the
+    kit's names, from YAML; verl's own names are refused there (OffPolicyCorrectionConfig.from_peer_names
+    takes them, in Python)."""
     extra = tmp_path / "dapo.yaml"
     extra.write_text(
         """
@@ -186,10 +189,11 @@ model:
   loss:
     entropy_coef: 0.01
   correction:
-    rollout_is: token
-    rollout_is_threshold: 2.0
-    rollout_rs: seq_mean_k3
-    rollout_rs_threshold: 0.02
+    tis_level: token
+    tis_clip_high: 2.0
+    kl_reject: k3
+    kl_reject_level: seq_mean
+    kl_reject_threshold: 0.02
 rollout:
   dynamic_sampling: true
   max_refill_batches: 3
@@ -198,8 +202,7 @@ rollout:
   overlong_penalty_factor: 0.5
 """
     )
-    with pytest.warns(UserWarning, match="verl's rollout_is='token' is the kit's tis_level='token'"):
-        cli = parse("--config", str(ROOT / "configs" / "quickstart.yaml"), "--config", str(extra))
+    cli = parse("--config", str(ROOT / "configs" / "quickstart.yaml"), "--config", str(extra))
     assert cli.model.loss_config.entropy_coef == 0.01
     assert cli.model.correction == PRESETS["decoupled_k3_rs"](threshold=0.02).replace(
         tis_level="token", tis_clip_high=2.0
@@ -208,6 +211,11 @@ rollout:
     assert callback.dapo.dynamic_sampling and callback.dapo.max_refill_batches == 3
     assert callback.dapo.overlong_filter and callback.dapo.overlong_buffer == 4
     assert callback.dapo.overlong_penalty_factor == 0.5
+    peer = tmp_path / "verl.yaml"
+    peer.write_text("model:\n  correction:\n    rollout_is: token\n")
+    with pytest.raises(SystemExit):
+        parse("--config", str(ROOT / "configs" / "quickstart.yaml"), "--config", str(peer))
+    assert "rollout_is" in capsys.readouterr().err
 
 
 # ---------------------------------------------------------------------------- correction presets by name

@@ -270,39 +270,17 @@ def test_check_compatible(objective, loss_type):
         policy_loss(x, x, x, x, torch.ones(1, 2), P(loss_type=loss_type), correction=corr)
 
 
-# ------------------------------------------------------------------------------ deprecated spellings
-def test_deprecated_use_tis_and_cap_are_mapped():
-    with pytest.warns(DeprecationWarning, match="use_tis") as record:
-        cfg = C(use_tis=True, tis_imp_ratio_cap=3.0)
-    assert cfg.tis_level == "token"
-    assert cfg.tis_clip_high == 3.0
-    assert cfg.use_tis is None and cfg.tis_imp_ratio_cap is None
-    assert cfg == C.token_tis(clip_high=3.0)
-    # the warning points at the caller, not at the library
-    assert any(w.filename == __file__ for w in record)
-
-
-def test_deprecated_cap_alone():
-    with pytest.warns(DeprecationWarning, match="tis_imp_ratio_cap"):
-        cfg = C(tis_imp_ratio_cap=1.5)
-    assert cfg.tis_clip_high == 1.5 and cfg.tis_level is None
-    with pytest.warns(DeprecationWarning):
-        cfg = C(use_tis=True)
-    assert cfg.tis_level == "token" and cfg.tis_clip_high == 2.0
-    with pytest.warns(DeprecationWarning):
-        cfg = C(use_tis=False)
-    assert cfg.tis_level is None
-
-
-def test_deprecated_use_tis_conflict():
-    with pytest.warns(DeprecationWarning), raises_naming("use_tis") as err:
-        C(use_tis=True, tis_level="sequence")
-    assert "tis_level" in str(err.value)
-    # the deprecated spelling goes through the same validation as the new one
-    with pytest.warns(DeprecationWarning), raises_naming("tis_clip_high"):
-        C(use_tis=True, tis_imp_ratio_cap=-1.0)
-    with pytest.warns(DeprecationWarning), pytest.raises(CorrectionConfigError, match="double correction"):
-        C(use_tis=True, objective="pure_is")
+# ------------------------------------------------------------------------------ removed spellings
+@pytest.mark.parametrize(
+    ("old", "new"), [(dict(use_tis=True), "tis_level='token'"), (dict(tis_imp_ratio_cap=3.0), "tis_clip_high")]
+)
+def test_removed_spellings_are_refused_naming_the_new_one(old, new):
+    # No release shipped them: the config takes the new names only, and from_peer_names names the new one.
+    with pytest.raises(TypeError, match=next(iter(old))):
+        C(**old)
+    with raises_naming(next(iter(old))) as err:
+        C.from_peer_names(**old)
+    assert f"was removed; use {new}" in str(err.value)
 
 
 def test_new_spellings_do_not_warn():
@@ -406,3 +384,24 @@ def test_loss_config_defaults_are_valid():
     cfg = P()
     assert cfg.loss_type == "ppo" and cfg.aggregation == "token-mean"
     assert math.isclose(cfg.eps_clip_low, 0.2) and cfg.dual_clip is None
+
+
+def test_the_docs_preset_table_matches_the_code():
+    # docs/off_policy_correction.md lists every preset with its defaults; the values live in presets.py.
+    import inspect
+    from pathlib import Path
+
+    from lightning_offpolicy.correction.presets import PRESET_METHODS
+
+    text = (Path(__file__).resolve().parents[1] / "docs" / "off_policy_correction.md").read_text()
+    table = text.split("| Preset | Sets |", 1)[1].split("\n\n", 1)[0]
+    documented = {}
+    for row in table.splitlines()[2:]:
+        name, args = re.match(r"\| `(\w+)\((.*?)\)`", row).groups()
+        documented[name] = eval(f"dict({args})")  # the defaults as written, e.g. low=1/1.001
+        for alias in re.findall(r"alias `(\w+)`", row.split("|")[1]):
+            assert PRESET_METHODS[alias] == name, alias
+    assert set(documented) == set(PRESET_METHODS.values())
+    for name, defaults in documented.items():
+        parameters = inspect.signature(getattr(C, name)).parameters.values()
+        assert defaults == {p.name: p.default for p in parameters}, name

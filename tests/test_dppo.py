@@ -35,6 +35,7 @@ import torch
 
 from lightning_offpolicy.correction import (
     CorrectionConfigError,
+    CorrectionOutput,
     OffPolicyCorrectionConfig,
     PolicyLossConfig,
     compute_correction,
@@ -187,7 +188,8 @@ def _kit(b, loss_cfg, corr_cfg, *, weights=None):
             lp, None, anchor, adv, mask, loss_cfg, correction=compute_correction(None, anchor, mask, corr_cfg)
         )
     elif weights is not None:
-        loss, info = policy_loss(lp, anchor, rollout, adv, mask, loss_cfg, weights=_t(weights))
+        correction = CorrectionOutput(_t(weights), mask, None, corr_cfg)
+        loss, info = policy_loss(lp, anchor, rollout, adv, mask, loss_cfg, correction=correction)
     else:
         correction = compute_correction(anchor, rollout, mask, corr_cfg)
         loss, info = policy_loss(lp, anchor, rollout, adv, mask, loss_cfg, correction=correction)
@@ -198,7 +200,7 @@ def _kit(b, loss_cfg, corr_cfg, *, weights=None):
 def _peer_config(**names) -> PolicyLossConfig:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", PeerNameWarning)
-        return PolicyLossConfig(**names)
+        return PolicyLossConfig.from_peer_names(**names)
 
 
 def _both_signs_masked(b, masked: np.ndarray) -> None:

@@ -122,7 +122,7 @@ def test_m2po_equals_areal(cut):
     batch = _batch()
     threshold = 0.04 if cut == "default" else _thresholds(batch)[cut]
     with pytest.warns(PeerNameWarning, match="AReaL's m2_threshold"):
-        cfg = C(m2_threshold=threshold)
+        cfg = C.from_peer_names(m2_threshold=threshold)
     assert cfg == C.m2po(threshold=threshold)
     mask = batch["mask"] != 0
     expected = _areal_m2po_mask(batch["rollout"], batch["prox"], mask, threshold)
@@ -209,7 +209,7 @@ def test_m2po_settings_are_validated_by_name(kwargs, message):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", PeerNameWarning)
         with pytest.raises(CorrectionConfigError, match=message):
-            C(**kwargs)
+            C.from_peer_names(**kwargs)
 
 
 def test_the_module_refuses_m2po_with_the_fused_loss():

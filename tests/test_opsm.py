@@ -35,6 +35,7 @@ from reference import make_batch, ref_policy_loss  # noqa: E402
 
 from lightning_offpolicy.correction import (  # noqa: E402
     CorrectionConfigError,
+    CorrectionOutput,
     OffPolicyCorrectionConfig,
     PolicyLossConfig,
     compute_correction,
@@ -157,7 +158,7 @@ def _kit_loss(batch, cfg, loss_cfg, adv):
 def test_slime_use_opsm(delta):
     batch = _batch()
     with pytest.warns(PeerNameWarning, match="slime's use_opsm"):
-        cfg = C(use_opsm=True, opsm_delta=delta)
+        cfg = C.from_peer_names(use_opsm=True, opsm_delta=delta)
     assert cfg == C.opsm(threshold=delta, reference="prox")
     # slime's old log-probs are the recomputed ones: the kit's pi_prox.
     expected_mask = _slime_opsm_mask(batch["theta"], batch["prox"], batch["adv"], batch["mask"], delta)
@@ -198,7 +199,7 @@ def test_trl_off_policy_mask_threshold_with_vllm_importance_sampling(threshold):
     batch = _batch(seed=1)
     adv_seq = np.array([-1.0, 0.7, -0.4, 1.2, -0.9, 0.5])
     with pytest.warns(PeerNameWarning, match="TRL's"):
-        cfg = C(
+        cfg = C.from_peer_names(
             off_policy_mask_threshold=threshold,
             vllm_importance_sampling_mode="token_truncate",
             vllm_importance_sampling_clip_max=3.0,
@@ -254,17 +255,21 @@ def test_opsm_metrics_are_the_rejection_rates():
         PolicyLossMetrics(cfg).update(info=plain_info)
 
 
-def test_policy_loss_plain_arguments_equal_the_correction_output():
+def test_policy_loss_of_a_correction_slice_equals_the_correction_output():
     batch = _batch()
     cfg = C.opsm(threshold=0.1)
     theta, prox, rollout = _f32(batch["theta"]), _f32(batch["prox"]), _f32(batch["rollout"])
     adv, mask = _f32(batch["adv"]), _f32(batch["mask"])
     with_output = policy_loss(theta, prox, rollout, adv, mask, correction=compute_correction(prox, rollout, mask, cfg))
-    plain = policy_loss(theta, prox, rollout, adv, mask, opsm_mask=True, opsm_threshold=0.1, opsm_reference="rollout")
+    plain = policy_loss(
+        theta, prox, rollout, adv, mask, correction=CorrectionOutput(torch.ones_like(mask), mask, None, cfg)
+    )
     assert torch.equal(with_output[0], plain[0])
     assert float(with_output[1].opsm_rejected_tokens) == float(plain[1].opsm_rejected_tokens) > 0
     with pytest.raises(ValueError, match="policy_loss needs rollout_logprobs"):
-        policy_loss(theta, prox, None, adv, mask, opsm_mask=True, opsm_reference="rollout")
+        policy_loss(
+            theta, prox, None, adv, mask, correction=CorrectionOutput(torch.ones_like(mask), mask, None, C.opsm())
+        )
 
 
 @pytest.mark.parametrize(
@@ -282,17 +287,17 @@ def test_opsm_settings_are_validated_by_name(kwargs, message):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", PeerNameWarning)
         with pytest.raises(CorrectionConfigError, match=message):
-            C(**kwargs)
+            C.from_peer_names(**kwargs)
 
 
 def test_trl_threshold_alone_turns_on_opsm_only_and_slime_off_is_the_default():
     with pytest.warns(PeerNameWarning, match="only when a vllm_importance_sampling"):
-        cfg = C(off_policy_mask_threshold=0.5)
+        cfg = C.from_peer_names(off_policy_mask_threshold=0.5)
     assert cfg == C.opsm() == C.opsm(threshold=0.5, reference="rollout")
     with pytest.warns(PeerNameWarning, match="kit's default"):
-        assert C(use_opsm=False) == C()
+        assert C.from_peer_names(use_opsm=False) == C()
     with pytest.warns(PeerNameWarning, match="read only with use_opsm"):
-        assert C(opsm_delta=0.01) == C(), "slime reads --opsm-delta only with --use-opsm"
+        assert C.from_peer_names(opsm_delta=0.01) == C(), "slime reads --opsm-delta only with --use-opsm"
 
 
 # ------------------------------------------------------------------ with the rest of the kit, vs tests/reference.py

@@ -129,17 +129,16 @@ def test_every_verl_preset_is_expressible(name):
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         try:
-            built = C(**verl)
+            built = C.from_peer_names(**verl)
         except CorrectionConfigError as err:
             # The signed k1 modes: refused, with the kit's settings for the same rejection.
             assert "k1" in str(err) and "reciprocal" in str(err), err
             kept = {k: v for k, v in verl.items() if not k.startswith("rollout_rs")}
-            built = C(**kept, **_settings_of(str(err)))
+            built = C.from_peer_names(**kept, **_settings_of(str(err)))
     assert built == expected, (name, built.to_dict(), expected.to_dict())
     messages = [str(w.message) for w in caught if issubclass(w.category, PeerNameWarning)]
     assert all(message.startswith("verl's") and "the kit's" in message for message in messages), messages
-    for field in PEER_OF:
-        assert getattr(built, field) == PEER_DEFAULTS[field]
+    assert not any(hasattr(built, field) for field in PEER_OF), "peer names are no fields of the config"
 
 
 @pytest.mark.parametrize(
@@ -158,7 +157,7 @@ def test_every_verl_preset_is_expressible(name):
 )
 def test_skyrl_names(skyrl, expected):
     with pytest.warns(PeerNameWarning, match="SkyRL's .* the kit's"):
-        assert C(**skyrl) == expected
+        assert C.from_peer_names(**skyrl) == expected
 
 
 @pytest.mark.parametrize(
@@ -188,9 +187,9 @@ def test_skyrl_names(skyrl, expected):
 )
 def test_trl_names(trl, expected):
     with pytest.warns(PeerNameWarning, match="TRL's .* the kit's"):
-        assert C(**trl) == expected
+        assert C.from_peer_names(**trl) == expected
     with pytest.warns(PeerNameWarning, match="is the kit's default"):
-        assert C(vllm_importance_sampling_correction=False) == C()
+        assert C.from_peer_names(vllm_importance_sampling_correction=False) == C()
 
 
 @pytest.mark.parametrize(
@@ -203,14 +202,16 @@ def test_trl_names(trl, expected):
 )
 def test_opsm_names(names, expected):
     with pytest.warns(PeerNameWarning, match="(slime|TRL)'s .* the kit's opsm_mask: true"):
-        assert C(**names) == expected
+        assert C.from_peer_names(**names) == expected
 
 
 def test_areal_m2_threshold():
     with pytest.warns(PeerNameWarning, match="AReaL's m2_threshold=0.04 is the kit's m2po_mask: true"):
-        assert C(m2_threshold=0.04) == C.m2po() == C.m2po(threshold=0.04)
+        assert C.from_peer_names(m2_threshold=0.04) == C.m2po() == C.m2po(threshold=0.04)
     with pytest.warns(PeerNameWarning):
-        assert C(m2_threshold=0.1, tis_level="token") == C.m2po(threshold=0.1).replace(tis_level="token")
+        assert C.from_peer_names(m2_threshold=0.1, tis_level="token") == C.m2po(threshold=0.1).replace(
+            tis_level="token"
+        )
 
 
 @pytest.mark.parametrize(
@@ -243,7 +244,7 @@ def test_differences_are_refused_with_how(kwargs, message):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", PeerNameWarning)
         with pytest.raises(CorrectionConfigError, match=message):
-            C(**kwargs)
+            C.from_peer_names(**kwargs)
 
 
 def test_peer_names_from_yaml_and_round_trip():
@@ -254,7 +255,7 @@ rollout_rs: seq_mean_k3
 rollout_rs_threshold: 0.01
 """
     with pytest.warns(PeerNameWarning):
-        cfg = C(**yaml.safe_load(text))
+        cfg = C.from_peer_names(**yaml.safe_load(text))
     assert cfg == C(tis_level="token", tis_clip_high=2.0, **K3)
     assert not set(cfg.to_dict()) & set(PEER_OF), "peer names never reach a saved config"
     assert C(**cfg.to_dict()) == cfg
@@ -298,7 +299,7 @@ def test_skyrl_token_mask_needs_both_bounds(low, high):
     mask = np.ones_like(old)
     given = {"token_mask_is_threshold_low": low, "token_mask_is_threshold_high": high}
     with pytest.warns(PeerNameWarning, match="SkyRL's"):
-        cfg = C(**{name: value for name, value in given.items() if value is not None})
+        cfg = C.from_peer_names(**{name: value for name, value in given.items() if value is not None})
     out = compute_correction(_f32(old), _f32(rollout), _f32(mask), cfg)
     expected = _skyrl_token_mask(old, rollout, mask, low, high)
     np.testing.assert_array_equal(out.mask.double().numpy(), expected)
@@ -310,13 +311,13 @@ def test_skyrl_token_mask_needs_both_bounds(low, high):
 
 def test_skyrl_one_token_bound_says_it_turns_nothing_on():
     with pytest.warns(PeerNameWarning, match="alone turns no mask on") as caught:
-        C(token_mask_is_threshold_high=2.0)
+        C.from_peer_names(token_mask_is_threshold_high=2.0)
     assert "token_mask_low: null" in str(caught[0].message), "the kit's one-sided mask is spelled out"
 
 
 def test_skyrl_outlier_veto_with_one_token_bound_is_the_veto_alone():
     with pytest.warns(PeerNameWarning):
-        cfg = C(
+        cfg = C.from_peer_names(
             outlier_token_is_threshold_low=1e-4, outlier_token_is_threshold_high=100.0, token_mask_is_threshold_high=2.0
         )
     assert cfg == C.outlier_veto()
@@ -366,7 +367,7 @@ def test_trl_importance_weights_follow_trl(mode, clip_min, clip_max):
     if clip_max is not NOT_GIVEN:
         kwargs["vllm_importance_sampling_clip_max"] = clip_max
     with pytest.warns(PeerNameWarning, match="TRL's"):
-        cfg = C(**kwargs)
+        cfg = C.from_peer_names(**kwargs)
     out = compute_correction(_f32(old), _f32(sampling), _f32(mask), cfg)
     expected = _trl_importance_weights(old, sampling, mask, mode, clip_min, 3.0 if clip_max is NOT_GIVEN else clip_max)
     np.testing.assert_allclose((out.weights * out.mask).double().numpy(), expected, rtol=1e-6)
@@ -374,7 +375,7 @@ def test_trl_importance_weights_follow_trl(mode, clip_min, clip_max):
 
 def test_trl_clip_max_none_is_no_upper_bound():
     with pytest.warns(PeerNameWarning, match="no upper bound"):
-        cfg = C(
+        cfg = C.from_peer_names(
             vllm_importance_sampling_mode="token_truncate",
             vllm_importance_sampling_clip_min=0.5,
             vllm_importance_sampling_clip_max=None,
@@ -384,21 +385,22 @@ def test_trl_clip_max_none_is_no_upper_bound():
     weight = compute_correction(prox, rollout, torch.ones(1, 1), cfg).weights
     assert float(weight) == pytest.approx(math.exp(2.0), rel=1e-6)  # 7.39 as in TRL, not the default cap 3.0
     with pytest.warns(PeerNameWarning):
-        default_cap = C(vllm_importance_sampling_mode="token_truncate")
+        default_cap = C.from_peer_names(vllm_importance_sampling_mode="token_truncate")
     assert default_cap.tis_clip_high == 3.0
 
 
 def test_trl_clip_max_none_survives_copies_and_reads_not_given_afterwards():
     with pytest.warns(PeerNameWarning):
-        cfg = C(vllm_importance_sampling_mode="token_mask", vllm_importance_sampling_clip_max=None)
+        cfg = C.from_peer_names(vllm_importance_sampling_mode="token_mask", vllm_importance_sampling_clip_max=None)
     assert cfg.token_mask and cfg.token_mask_high is None and cfg.tis_clip_high == math.inf
-    assert cfg.vllm_importance_sampling_clip_max == PEER_DEFAULTS["vllm_importance_sampling_clip_max"] == 3.0
+    assert PEER_DEFAULTS["vllm_importance_sampling_clip_max"] == 3.0
+    assert not hasattr(cfg, "vllm_importance_sampling_clip_max")
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # a copy maps nothing again
         assert cfg.replace() == cfg
         assert C(**cfg.to_dict()) == cfg
         assert C(**yaml.safe_load(yaml.safe_dump(cfg.to_dict()))) == cfg  # inf is YAML's .inf
-        assert C(vllm_importance_sampling_clip_max=3.0) == C(), "TRL's default alone turns nothing on"
+        assert C.from_peer_names(vllm_importance_sampling_clip_max=3.0) == C(), "TRL's default alone turns nothing on"
 
 
 @pytest.mark.parametrize(
@@ -414,13 +416,12 @@ def test_trl_refusals(kwargs, message):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", PeerNameWarning)
         with pytest.raises(CorrectionConfigError, match=message):
-            C(**kwargs)
+            C.from_peer_names(**kwargs)
 
 
 def test_trl_clip_max_null_and_absent_through_jsonargparse():
-    """The CLI's parser fills every field with its default: null must stay "no upper bound", and a
-    config dumped as LightningCLI saves it (``skip_none=False``; the default writes 3.0) must load back
-    to the same config."""
+    """In YAML, a null clip_max is "no upper bound" and an absent one TRL's default; the config they
+    build is dumped as LightningCLI saves it (``skip_none=False``) and loads back to the same config."""
     from jsonargparse import ArgumentParser
 
     def build(correction: C | None = None) -> C | None:
@@ -432,15 +433,16 @@ def test_trl_clip_max_null_and_absent_through_jsonargparse():
         ("vllm_importance_sampling_mode: token_mask\n", 3.0),
         ("vllm_importance_sampling_mode: token_mask\nvllm_importance_sampling_clip_max: null\n", math.inf),
     ):
-        namespace = parser.parse_object({"run": {"correction": yaml.safe_load(text)}})
         with pytest.warns(PeerNameWarning):
-            built = parser.instantiate(namespace).run.correction
+            built = C.from_peer_names(**yaml.safe_load(text))
         assert built.tis_clip_high == cap
+        namespace = parser.parse_object({"run": {"correction": built.to_dict()}})
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", DeprecationWarning)  # jsonargparse renames skip_none; Lightning passes it
             dumped = yaml.safe_load(parser.dump(namespace, skip_none=False))
         reloaded = parser.parse_object(dumped)
-        with pytest.warns(PeerNameWarning):
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # kit names only: nothing maps again
             assert parser.instantiate(reloaded).run.correction == built
 
 
@@ -566,9 +568,9 @@ def test_policy_loss_peer_names(peer, names, expected):
     from lightning_offpolicy.correction.peer_names import LOSS_PEER_OF
 
     with pytest.warns(PeerNameWarning, match=f"^{peer}'s .* the kit's") as caught:
-        built = PolicyLossConfig(**names)
+        built = PolicyLossConfig.from_peer_names(**names)
     assert built == PolicyLossConfig(**expected)
-    assert all(getattr(built, name) is None for name in LOSS_PEER_OF), "peer names read None once mapped"
+    assert not any(hasattr(built, name) for name in LOSS_PEER_OF), "peer names are no fields of the config"
     if expected.get("loss_type", "ppo").startswith("dppo") and peer != "verl":
         assert "bypass_mode: true" in str(caught[0].message), "SkyRL / prime-rl divide by pi_rollout: say so"
 
@@ -592,7 +594,7 @@ def test_policy_loss_peer_names_refused_with_how(names, message):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", PeerNameWarning)
         with pytest.raises(CorrectionConfigError, match=message):
-            PolicyLossConfig(**names)
+            PolicyLossConfig.from_peer_names(**names)
 
 
 def test_prime_rl_loss_table_from_yaml_round_trips():
@@ -605,9 +607,18 @@ kl_tau: 1.0e-3
 adv_tau: 1.0
 """
     with pytest.warns(PeerNameWarning, match="prime-rl's"):
-        cfg = PolicyLossConfig(**yaml.safe_load(text))
+        cfg = PolicyLossConfig.from_peer_names(**yaml.safe_load(text))
     assert (cfg.loss_type, cfg.rollout_kl_coef, cfg.rollout_kl_estimator) == ("dppo_tv", 2e-3, "k2")
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # a copy maps nothing again
         assert PolicyLossConfig(**dataclasses.asdict(cfg)) == cfg
         assert dataclasses.replace(cfg) == cfg
+
+
+def test_from_peer_names_refuses_an_unknown_key_by_name():
+    with pytest.raises(CorrectionConfigError, match=r"from_peer_names: 'rollout_iss' is neither a peer's setting"):
+        C.from_peer_names(rollout_iss="token")
+    with pytest.raises(CorrectionConfigError, match=r"from_peer_names: 'clip_ratio_lo' is neither"):
+        PolicyLossConfig.from_peer_names(clip_ratio_lo=0.2)
+    with pytest.raises(TypeError, match="rollout_is"):
+        C(rollout_is="token")  # the dataclass takes the kit's names only

@@ -1,4 +1,4 @@
-"""policy_loss's plain arguments (weights, mask, objective, ...) against its correction= convenience."""
+"""policy_loss's one correction argument: a compute_correction output, or a slice of its rows without stats."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import torch
 
 from lightning_offpolicy.correction import (
     CorrectionConfigError,
+    CorrectionOutput,
     OffPolicyCorrectionConfig,
     PolicyLossConfig,
     compute_correction,
@@ -57,16 +58,16 @@ CASES = [(name, "ppo") for name in sorted(CONFIGS)] + [
 
 
 @pytest.mark.parametrize(("name", "loss_type"), CASES)
-def test_plain_arguments_equal_the_correction_output_in_float64(name, loss_type):
+def test_a_slice_without_stats_equals_the_correction_output_in_float64(name, loss_type):
     cfg = CONFIGS[name]
     theta, prox, rollout, advantages, mask, ref = _batch()
     loss_cfg = PolicyLossConfig(loss_type=loss_type, dual_clip=3.0, rollout_kl_coef=0.1, ref_kl_coef=0.05)
     out = compute_correction(None if cfg.bypass_mode else prox, rollout, mask, cfg)
     common = (prox, rollout, advantages, mask, loss_cfg)
     by_output = _loss_and_grad(theta, *common, correction=out, ref_logprobs=ref)
-    plain = _loss_and_grad(
-        theta, *common, ref_logprobs=ref, weights=out.weights, mask=out.mask, **cfg.policy_loss_kwargs()
-    )
+    # What a trainer passes per micro-batch: the weights and mask, and a config of the loss's fields only.
+    sliced = CorrectionOutput(out.weights, out.mask, None, C(**cfg.policy_loss_kwargs()))
+    plain = _loss_and_grad(theta, *common, correction=sliced, ref_logprobs=ref)
     assert by_output[0].dtype == torch.float64
     assert torch.equal(by_output[0], plain[0])
     assert torch.equal(by_output[2], plain[2])
@@ -81,7 +82,12 @@ def test_hand_computed_token_tis_ppo_in_float64():
     weights = torch.tensor([[1.5, 0.25]], dtype=torch.float64)
     mask = torch.ones(1, 2, dtype=torch.float64)
     loss, info, grad = _loss_and_grad(
-        theta, prox, prox, torch.ones(1, dtype=torch.float64), mask, weights=weights, mask=mask, objective="ppo"
+        theta,
+        prox,
+        prox,
+        torch.ones(1, dtype=torch.float64),
+        mask,
+        correction=CorrectionOutput(weights, mask, None, C()),
     )
     assert loss.item() == pytest.approx(-(1.5 * 1.2 + 0.25 * 0.5) / 2, rel=1e-12)
     # Only the unclipped token carries a gradient: d/dtheta (-w r A / 2) = -w r / 2 = -0.25 * 0.5 / 2.
@@ -93,12 +99,13 @@ def test_rejected_tokens_leave_the_numerator_but_not_the_denominator():
     theta = torch.zeros(1, 2, dtype=torch.float64)
     ones = torch.ones(1, 2, dtype=torch.float64)
     kept_one = torch.tensor([[1.0, 0.0]], dtype=torch.float64)
-    loss, info, _ = _loss_and_grad(theta, theta, theta, torch.ones(1, dtype=torch.float64), ones, mask=kept_one)
+    correction = CorrectionOutput(ones, kept_one, None, C())
+    loss, info, _ = _loss_and_grad(theta, theta, theta, torch.ones(1, dtype=torch.float64), ones, correction=correction)
     assert loss.item() == pytest.approx(-0.5)
     assert info.kept_tokens.item() == 1 and info.response_tokens.item() == 2
 
 
-def test_no_correction_and_no_plain_argument_is_plain_ppo():
+def test_no_correction_is_plain_ppo():
     theta, prox, rollout, advantages, mask, _ = _batch(1)
     out = compute_correction(prox, rollout, mask, C.disabled())
     plain = _loss_and_grad(theta, prox, rollout, advantages, mask)
@@ -106,25 +113,31 @@ def test_no_correction_and_no_plain_argument_is_plain_ppo():
     assert torch.equal(plain[0], by_output[0]) and torch.equal(plain[2], by_output[2])
 
 
-@pytest.mark.parametrize(
-    "given",
-    [{"weights": "w"}, {"mask": "m"}, {"objective": "ppo"}, {"bypass_mode": False}, {"is_clip_high": 2.0}],
-)
-def test_correction_and_a_plain_argument_together_is_refused(given):
+@pytest.mark.parametrize("name", ["weights", "mask", "objective", "bypass_mode", "is_clip_high"])
+def test_the_correction_enters_only_as_one_output(name):
+    # The former plain arguments are gone: the CorrectionOutput (its config included) carries them.
     theta, prox, rollout, advantages, mask, _ = _batch()
-    out = compute_correction(prox, rollout, mask, C.token_tis())
-    values = {k: out.weights if v == "w" else out.mask if v == "m" else v for k, v in given.items()}
-    with pytest.raises(ValueError, match=rf"either correction= or the plain arguments \({next(iter(given))}\)"):
-        policy_loss(theta, prox, rollout, advantages, mask, correction=out, **values)
+    with pytest.raises(TypeError, match=name):
+        policy_loss(theta, prox, rollout, advantages, mask, **{name: None})
 
 
-def test_plain_arguments_are_validated():
+def _slice(mask, config, weights=None, kept=None):
+    """A CorrectionOutput without stats, as a trainer builds one per micro-batch."""
+    return CorrectionOutput(
+        torch.ones_like(mask) if weights is None else weights, mask if kept is None else kept, None, config
+    )
+
+
+def test_the_objective_is_validated_by_its_config():
     theta, prox, rollout, advantages, mask, _ = _batch()
-    with pytest.raises(CorrectionConfigError, match=r"policy_loss.objective='vanilla' is not a known choice"):
-        policy_loss(theta, prox, rollout, advantages, mask, objective="vanilla")
+    with pytest.raises(
+        CorrectionConfigError, match=r"OffPolicyCorrectionConfig.objective='vanilla' is not a known choice"
+    ):
+        C(objective="vanilla")
     # reinforce: -A log pi_theta over the response tokens, no weight, no clip (a hand computation).
     leaf = theta.detach().clone().requires_grad_(True)
-    loss, info = policy_loss(leaf, None, rollout, advantages, mask, objective="reinforce", bypass_mode=True)
+    reinforce = C(objective="reinforce", bypass_mode=True)
+    loss, info = policy_loss(leaf, None, rollout, advantages, mask, correction=_slice(mask, reinforce))
     adv = advantages if advantages.dim() == 2 else advantages[:, None].expand_as(mask)
     expected = -(adv * torch.where(mask.bool(), theta, 0.0)).sum() / mask.sum()
     torch.testing.assert_close(loss, expected)
@@ -132,22 +145,20 @@ def test_plain_arguments_are_validated():
     torch.testing.assert_close(leaf.grad, torch.where(mask.bool(), -adv / mask.sum(), 0.0))
     assert info.clipped_tokens == 0
     with pytest.raises(CorrectionConfigError, match=r"objective='cispo' needs is_clip_high"):
-        policy_loss(theta, prox, rollout, advantages, mask, objective="cispo")
-    with pytest.raises(CorrectionConfigError, match=r"policy_loss.is_clip_low=3.0 is greater than"):
-        policy_loss(theta, prox, rollout, advantages, mask, objective="pure_is", is_clip_low=3.0, is_clip_high=2.0)
+        C(objective="cispo", is_clip_high=None)
+    with pytest.raises(CorrectionConfigError, match=r"is_clip_low=3.0 is greater than"):
+        C(objective="pure_is", bypass_mode=True, is_clip_low=3.0, is_clip_high=2.0)
     with pytest.raises(CorrectionConfigError, match=r"loss_type='gspo' cannot apply"):
         gspo = PolicyLossConfig(loss_type="gspo")
-        policy_loss(theta, prox, rollout, advantages, mask, gspo, objective="cispo", is_clip_high=2.0)
+        policy_loss(theta, prox, rollout, advantages, mask, gspo, correction=_slice(mask, C.cispo(clip_high=2.0)))
     with pytest.raises(CorrectionConfigError, match=r"bypass_mode=True has no pi_prox"):
-        policy_loss(
-            theta, prox, rollout, advantages, mask, bypass_mode=True, objective="cispo", anchor="prox", is_clip_high=2.0
-        )
-    with pytest.raises(ValueError, match=r"policy_loss: weights has shape \(1, 6\), response_mask \(4, 6\)"):
-        policy_loss(theta, prox, rollout, advantages, mask, weights=torch.ones(1, 6))
-    with pytest.raises(ValueError, match=r"policy_loss: mask has shape \(4, 5\)"):
-        policy_loss(theta, prox, rollout, advantages, mask, mask=torch.ones(4, 5))
+        C(bypass_mode=True, objective="cispo", anchor="prox", is_clip_high=2.0)
+    with pytest.raises(ValueError, match=r"policy_loss: correction was computed for a batch of shape \(1, 6\)"):
+        policy_loss(theta, prox, rollout, advantages, mask, correction=_slice(mask, C(), weights=torch.ones(1, 6)))
+    with pytest.raises(ValueError, match=r"policy_loss: correction was computed for a batch of shape \(4, 5\)"):
+        policy_loss(theta, prox, rollout, advantages, mask, correction=_slice(mask, C(), kept=torch.ones(4, 5)))
     # Bypass reads rollout_logprobs, never prox_logprobs.
-    loss, _ = policy_loss(theta, None, rollout, advantages, mask, bypass_mode=True)
+    loss, _ = policy_loss(theta, None, rollout, advantages, mask, correction=_slice(mask, C.bypass()))
     assert torch.isfinite(loss)
     with pytest.raises(ValueError, match="needs prox_logprobs"):
         policy_loss(theta, None, rollout, advantages, mask)

@@ -168,9 +168,9 @@ def test_presets_take_it_through_replace():
 def test_arealsown_prox_logp_method_maps(method, kit):
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        built = C(prox_logp_method=method, tis_level="token", tis_clip_high=CAP)
+        built = C.from_peer_names(prox_logp_method=method, tis_level="token", tis_clip_high=CAP)
     assert built.prox_method == kit
-    assert built.prox_logp_method is None and "prox_logp_method" not in built.to_dict()
+    assert not hasattr(built, "prox_logp_method") and "prox_logp_method" not in built.to_dict()
     messages = [str(w.message) for w in caught if issubclass(w.category, PeerNameWarning)]
     assert len(messages) == 1 and messages[0].startswith("AReaL's prox_logp_method") and "the kit's" in messages[0]
     assert PEER_OF["prox_logp_method"] == "AReaL" and PEER_DEFAULTS["prox_logp_method"] is None
@@ -180,14 +180,14 @@ def test_arealsown_prox_logp_method_maps(method, kit):
 
 def test_arealsown_name_refusals():
     with pytest.raises(CorrectionConfigError, match="AReaL's prox_logp_method='linear' is not one of"):
-        C(prox_logp_method="linear")
+        C.from_peer_names(prox_logp_method="linear")
     with pytest.raises(CorrectionConfigError, match="AReaL and verl are mixed"):
-        C(prox_logp_method="loglinear", rollout_is="token")
+        C.from_peer_names(prox_logp_method="loglinear", rollout_is="token")
     with pytest.raises(CorrectionConfigError, match="conflicts with the peer setting"):
-        C(prox_method="loglinear", prox_logp_method="recompute")
+        C.from_peer_names(prox_method="loglinear", prox_logp_method="recompute")
     # AReaL's loglinear in bypass mode: the kit's own refusal, naming its fields.
     with pytest.raises(CorrectionConfigError, match="bypass_mode=True has no pi_prox"):
-        C(prox_logp_method="loglinear", bypass_mode=True)
+        C.from_peer_names(prox_logp_method="loglinear", bypass_mode=True)
 
 
 # ------------------------------------------------------------------------------ the module step

@@ -9,6 +9,7 @@
 tensor([[1.5000, 1.0000, 1.0000]])
 """
 
+from lightning_offpolicy.correction.aggregation import aggregate
 from lightning_offpolicy.correction.config import (
     PRESETS,
     CorrectionConfigError,
@@ -20,7 +21,7 @@ from lightning_offpolicy.correction.config import (
 )
 from lightning_offpolicy.correction.correction import CorrectionOutput, CorrectionStats, compute_correction
 from lightning_offpolicy.correction.kl import KL_ESTIMATORS, kl_estimate
-from lightning_offpolicy.correction.losses import PolicyLossInfo, aggregate, policy_loss
+from lightning_offpolicy.correction.losses import PolicyLossInfo, policy_loss
 from lightning_offpolicy.correction.ratios import safe_exp
 
 __all__ = [

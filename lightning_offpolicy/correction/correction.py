@@ -86,13 +86,14 @@ class CorrectionOutput:
     Attributes:
         weights: ``[B, T]`` float32, detached IS weights (1.0 where no weight applies).
         mask: ``[B, T]`` float32, ``response_mask`` times every rejection mask.
-        stats: :class:`CorrectionStats` for the metrics.
+        stats: :class:`CorrectionStats` for the metrics; ``None`` in a slice of rows built for
+            :func:`~lightning_offpolicy.correction.policy_loss`, which does not read it.
         config: the configuration that produced it (the loss reads its objective from here).
     """
 
     weights: torch.Tensor
     mask: torch.Tensor
-    stats: CorrectionStats
+    stats: CorrectionStats | None
     config: OffPolicyCorrectionConfig
 
 

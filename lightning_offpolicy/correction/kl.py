@@ -17,8 +17,8 @@ from __future__ import annotations
 
 import torch
 
-from lightning_offpolicy.correction.config import KLEstimator
 from lightning_offpolicy.correction.ratios import LOG_RATIO_CLAMP, log_ratio, safe_exp
+from lightning_offpolicy.correction.validation import KLEstimator
 
 KL_ESTIMATORS: tuple[str, ...] = ("k1", "abs", "k2", "k3", "low_var_kl")
 

@@ -23,8 +23,8 @@ OPSM (``opsm_mask``): after the surrogate, the tokens with ``A < 0`` of every se
 ``log pi_ref - log pi_theta`` over its response tokens exceeds ``opsm_threshold`` leave the numerator too
 (:func:`~lightning_offpolicy.correction.masks.off_policy_sequence_mask`).
 
-Aggregation: rejected tokens leave the numerator, the denominator keeps the original response
-token count (or a global count passed in, for exactness under gradient accumulation and DDP).
+Aggregation (:mod:`~lightning_offpolicy.correction.aggregation`): rejected tokens leave the numerator,
+the denominator keeps the original response token count (or a global count passed in).
 """
 
 from __future__ import annotations
@@ -33,25 +33,19 @@ from dataclasses import dataclass
 
 import torch
 
+from lightning_offpolicy.correction.aggregation import aggregate, entropy_bonus
 from lightning_offpolicy.correction.checks import check_response_values
-from lightning_offpolicy.correction.config import (
-    DPPO_LOSS_TYPES,
-    Anchor,
-    CorrectionConfigError,
-    Objective,
-    PolicyLossConfig,
-    TISLevel,
-    _check_bounds,
-    _check_choice,
-    _check_positive,
-    check_compatible,
-    check_objective_compatible,
-)
+from lightning_offpolicy.correction.config import check_compatible
 from lightning_offpolicy.correction.correction import CorrectionOutput
 from lightning_offpolicy.correction.dppo import dppo_surrogate
 from lightning_offpolicy.correction.kl import kl_estimate
+from lightning_offpolicy.correction.loss_config import PolicyLossConfig
 from lightning_offpolicy.correction.masks import off_policy_sequence_mask
-from lightning_offpolicy.correction.ratios import finite_logprobs, log_ratio, masked, safe_exp, sequence_sum
+from lightning_offpolicy.correction.ratios import finite_logprobs, log_ratio, masked
+from lightning_offpolicy.correction.surrogates import current_policy_weighted, ppo_surrogate
+from lightning_offpolicy.correction.validation import DPPO_LOSS_TYPES
+
+__all__ = ["PolicyLossInfo", "aggregate", "constants_of_the_step", "entropy_bonus", "policy_loss"]
 
 
 @dataclass
@@ -92,54 +86,6 @@ class PolicyLossInfo:
     response_sequences: torch.Tensor | None = None
 
 
-def aggregate(
-    per_token: torch.Tensor,
-    kept_mask: torch.Tensor,
-    response_mask: torch.Tensor,
-    mode: str = "token-mean",
-    token_count: float | torch.Tensor | None = None,
-    sequence_count: float | torch.Tensor | None = None,
-    norm_constant: float | None = None,
-) -> torch.Tensor:
-    """Reduce a per-token loss to a scalar.
-
-    Args:
-        per_token: ``[B, T]`` loss per token (padding may hold anything).
-        kept_mask: ``[B, T]`` tokens that enter the numerator.
-        response_mask: ``[B, T]`` response tokens: the denominator counts these, rejected or not.
-        mode: ``"token-mean"``, ``"seq-mean-token-mean"`` or ``"seq-mean-token-sum-norm"``.
-        token_count: denominator of ``token-mean``; defaults to this batch's response tokens. Pass
-            the global count (divided by the number of gradient-averaging ranks) for exactness.
-        sequence_count: denominator of the ``seq-mean-*`` modes; defaults to this batch's
-            sequences with at least one response token.
-        norm_constant: per-sequence divisor of ``seq-mean-token-sum-norm`` (default ``T``).
-    """
-    numerator = masked(per_token, kept_mask)
-    response = response_mask.to(numerator.dtype)
-    if mode == "token-mean":
-        count = response.sum() if token_count is None else _given_count(token_count, numerator)
-        return numerator.sum() / count.clamp(min=_MIN_COUNT if token_count is not None else 1.0)
-    if mode in ("seq-mean-token-mean", "seq-mean-token-sum-norm"):
-        if mode == "seq-mean-token-mean":
-            per_seq = numerator.sum(dim=-1) / response.sum(dim=-1).clamp(min=1.0)
-        else:
-            per_seq = numerator.sum(dim=-1) / float(norm_constant or per_token.shape[-1])
-        if sequence_count is None:
-            count = (response.sum(dim=-1) > 0).to(numerator.dtype).sum().clamp(min=1.0)
-        else:
-            count = _given_count(sequence_count, numerator).clamp(min=_MIN_COUNT)
-        return per_seq.sum() / count
-    raise ValueError(f"aggregation mode {mode!r} is not known.")
-
-
-# A count passed in may be a global count divided by the number of ranks (below 1); only 0 is guarded.
-_MIN_COUNT = 1e-12
-
-
-def _given_count(count: float | torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-    return torch.as_tensor(count, dtype=like.dtype, device=like.device)
-
-
 def policy_loss(
     logprobs: torch.Tensor,
     prox_logprobs: torch.Tensor | None,
@@ -152,26 +98,14 @@ def policy_loss(
     token_count: float | torch.Tensor | None = None,
     sequence_count: float | torch.Tensor | None = None,
     *,
-    weights: torch.Tensor | None = None,
-    mask: torch.Tensor | None = None,
-    objective: Objective | None = None,
-    bypass_mode: bool | None = None,
-    anchor: Anchor | None = None,
-    objective_level: TISLevel | None = None,
-    is_clip_low: float | None = None,
-    is_clip_high: float | None = None,
-    opsm_mask: bool | None = None,
-    opsm_threshold: float | None = None,
-    opsm_reference: Anchor | None = None,
     entropy: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, PolicyLossInfo]:
     """Total loss ``policy + rollout_kl_coef * rollout_kl + ref_kl_coef * ref_kl - entropy_coef * H`` and its parts.
 
-    The correction enters either as ``correction=`` (the output of :func:`compute_correction`,
-    which fills ``weights``, ``mask`` and the objective from its config, and checks that config
-    against ``loss_cfg``) or as the plain keyword arguments below, e.g. per micro-batch of a trainer
-    that sliced the weights and mask of one :func:`compute_correction` call and checked the configs
-    once (``check_compatible``). Passing both is a ``ValueError``.
+    The correction enters as one :class:`~lightning_offpolicy.correction.CorrectionOutput`: its
+    ``weights``, its ``mask`` and, from its ``config``, the objective. A trainer that slices one
+    :func:`compute_correction` output per micro-batch passes
+    ``CorrectionOutput(weights[rows], mask[rows], None, config)``.
 
     Args:
         logprobs: ``[B, T]`` logprobs of the sampled tokens under ``pi_theta`` (with gradient).
@@ -183,37 +117,21 @@ def policy_loss(
         advantages: ``[B, T]`` per-token advantages, or ``[B]`` per-sequence (broadcast).
         response_mask: ``[B, T]`` 1 on response tokens.
         loss_cfg: the surrogate and aggregation; defaults to :class:`PolicyLossConfig`.
-        correction: output of :func:`compute_correction` for this batch (weights, masks and the
-            objective); ``None`` (with no plain argument) means plain decoupled PPO without weights or masks.
+        correction: this batch's detached IS ``weights``, its ``mask`` (``response_mask`` times
+            every rejection mask: rejected tokens leave the numerator, not the denominator) and the
+            ``config`` whose objective, bypass mode and OPSM mask the loss applies; ``stats`` is
+            not read. ``None``: plain decoupled PPO without weights or masks.
         ref_logprobs: ``[B, T]`` under the reference policy, needed when ``ref_kl_coef > 0``.
         token_count: global token denominator (see :func:`aggregate`).
         sequence_count: global sequence denominator (see :func:`aggregate`).
-        weights: ``[B, T]`` detached IS weights (``CorrectionOutput.weights``); ``None``: 1 everywhere.
-        mask: ``[B, T]`` response mask times every rejection mask (``CorrectionOutput.mask``);
-            ``None``: ``response_mask`` alone. Rejected tokens leave the numerator, not the denominator.
-        objective: ``"ppo"`` (default), ``"pure_is"``, ``"cispo"`` or ``"reinforce"``
-            (``OffPolicyCorrectionConfig.objective``).
-        bypass_mode: ``pi_prox := pi_rollout``: PPO clips against ``rollout_logprobs`` and
-            ``prox_logprobs`` is not read (``OffPolicyCorrectionConfig.bypass_mode``; default ``False``).
-        anchor: For ``cispo``: ``"rollout"`` (default) or ``"prox"``, the denominator of the
-            current-policy ratio (``OffPolicyCorrectionConfig.anchor``).
-        objective_level: For ``pure_is``: weight per ``"token"`` (default) or per ``"sequence"``
-            (``OffPolicyCorrectionConfig.objective_level``).
-        is_clip_low: Lower clip of the ``pure_is`` / ``cispo`` weight (``None``: none).
-        is_clip_high: Upper clip of the ``pure_is`` / ``cispo`` weight; required by those objectives.
-        opsm_mask: Off-policy sequence masking (``OffPolicyCorrectionConfig.opsm_mask``): drop the
-            negative-advantage tokens of every sequence whose mean ``log pi_reference - log pi_theta``
-            over its response tokens exceeds ``opsm_threshold``; default ``False``.
-        opsm_threshold: Its threshold (default 0.5).
-        opsm_reference: Its reference policy, ``"rollout"`` (default) or ``"prox"``
-            (``rollout_logprobs`` in bypass mode).
         entropy: ``[B, T]`` per-token entropy of ``pi_theta`` (with gradient), needed when
             ``loss_cfg.entropy_coef > 0`` (``causal_lm_token_logprobs(..., return_entropy=True)``).
 
+    Returns:
+        The total loss (with gradient) and its detached parts, as sums (:class:`PolicyLossInfo`).
+
     Raises:
-        ValueError: ``correction`` given together with a plain argument; an unknown ``objective``,
-            ``anchor`` or ``objective_level``, a missing ``is_clip_high``, ``bypass_mode`` with ``cispo`` on ``"prox"``,
-            or a ``loss_cfg.loss_type`` the objective replaces
+        ValueError: a ``loss_cfg.loss_type`` the correction's objective replaces
             (:class:`~lightning_offpolicy.correction.CorrectionConfigError`); a shape differs from
             ``response_mask``'s (``advantages``: ``[B]`` or ``[B, T]``; ``correction``: computed for
             this batch), or, at a response token, NaN in a logprob tensor the loss reads, or NaN /
@@ -222,50 +140,19 @@ def policy_loss(
             ``ref_logprobs`` gives the clamped loss.
     """
     loss_cfg = loss_cfg if loss_cfg is not None else PolicyLossConfig()
-    plain = {
-        "weights": weights,
-        "mask": mask,
-        "objective": objective,
-        "bypass_mode": bypass_mode,
-        "anchor": anchor,
-        "objective_level": objective_level,
-        "is_clip_low": is_clip_low,
-        "is_clip_high": is_clip_high,
-        "opsm_mask": opsm_mask,
-        "opsm_threshold": opsm_threshold,
-        "opsm_reference": opsm_reference,
-    }
+    weights = mask = None
+    how = _Objective()
     if correction is not None:
-        given = [name for name, value in plain.items() if value is not None]
-        if given:
-            raise ValueError(
-                f"policy_loss: pass either correction= or the plain arguments ({', '.join(given)}), not both: "
-                "correction= fills them from its weights, mask and config."
-            )
         check_compatible(correction.config, loss_cfg)
+        if correction.mask.shape != response_mask.shape or correction.weights.shape != response_mask.shape:
+            shape = correction.mask.shape if correction.mask.shape != response_mask.shape else correction.weights.shape
+            raise ValueError(
+                f"policy_loss: correction was computed for a batch of shape {tuple(shape)}, "
+                f"response_mask is {tuple(response_mask.shape)} (it would be broadcast silently): pass the "
+                "compute_correction output of this batch."
+            )
         weights, mask = correction.weights, correction.mask
         how = _Objective(**correction.config.policy_loss_kwargs())
-    else:
-        how = _Objective.checked(
-            objective=objective if objective is not None else "ppo",
-            bypass_mode=bool(bypass_mode),
-            anchor=anchor if anchor is not None else "rollout",
-            objective_level=objective_level if objective_level is not None else "token",
-            is_clip_low=is_clip_low,
-            is_clip_high=is_clip_high,
-            opsm_mask=bool(opsm_mask),
-            opsm_threshold=opsm_threshold if opsm_threshold is not None else _Objective.opsm_threshold,
-            opsm_reference=opsm_reference if opsm_reference is not None else _Objective.opsm_reference,
-            loss_cfg=loss_cfg,
-        )
-    if correction is not None and (
-        correction.mask.shape != response_mask.shape or correction.weights.shape != response_mask.shape
-    ):
-        raise ValueError(
-            f"policy_loss: correction was computed for a batch of shape {tuple(correction.mask.shape)}, "
-            f"response_mask is {tuple(response_mask.shape)} (it would be broadcast silently): pass the "
-            "compute_correction output of this batch."
-        )
     prox_logprobs, rollout_logprobs, ref_logprobs = constants_of_the_step(prox_logprobs, rollout_logprobs, ref_logprobs)
     advantages, read = _checked_loss_inputs(
         logprobs, prox_logprobs, rollout_logprobs, advantages, response_mask, loss_cfg, how, ref_logprobs,
@@ -371,30 +258,6 @@ class _Objective:
     opsm_threshold: float = 0.5
     opsm_reference: str = "rollout"
 
-    @classmethod
-    def checked(cls, loss_cfg: PolicyLossConfig, **values: object) -> _Objective:
-        """Validated plain arguments (a config was validated when it was built)."""
-        own = "policy_loss"
-        how = cls(**values)
-        _check_choice(own, "objective", how.objective, Objective)
-        _check_choice(own, "anchor", how.anchor, Anchor)
-        _check_choice(own, "objective_level", how.objective_level, TISLevel)
-        if how.objective in ("pure_is", "cispo"):
-            if how.is_clip_high is None:
-                raise CorrectionConfigError(
-                    f"{own}: objective={how.objective!r} needs is_clip_high (the weight's upper clip)."
-                )
-            _check_bounds(own, "is_clip_low", how.is_clip_low, "is_clip_high", how.is_clip_high)
-        if how.bypass_mode and how.objective == "cispo" and how.anchor == "prox":
-            raise CorrectionConfigError(
-                f"{own}: bypass_mode=True has no pi_prox for objective='cispo' with anchor='prox'."
-            )
-        if how.opsm_mask:
-            _check_choice(own, "opsm_reference", how.opsm_reference, Anchor)
-            _check_positive(own, "opsm_threshold", how.opsm_threshold)
-        check_objective_compatible(how.objective, loss_cfg)
-        return how
-
     @property
     def opsm_reference_name(self) -> str:
         """The tensor OPSM compares ``pi_theta`` with (in bypass mode ``pi_prox`` is ``pi_rollout``)."""
@@ -446,14 +309,14 @@ def _policy_loss_terms(
             loss_cfg.dppo_delta_low, loss_cfg.dppo_delta_high, loss_cfg.dppo_ratio_cap,
         )  # fmt: skip
     elif objective == "ppo":
-        per_token, clipped, dual = _ppo_surrogate(logprobs, anchor, adv, valid, kept, loss_cfg)
+        per_token, clipped, dual = ppo_surrogate(logprobs, anchor, adv, valid, kept, loss_cfg)
     elif objective == "reinforce":
         per_token = -adv * masked(logprobs, valid)
         clipped = dual = torch.zeros_like(valid)
     else:
         base = rollout_logprobs if (objective == "pure_is" or how.anchor == "rollout") else prox_logprobs
         level = how.objective_level if objective == "pure_is" else "token"
-        per_token, clipped = _current_policy_weighted(
+        per_token, clipped = current_policy_weighted(
             logprobs, base, adv, valid, kept, level, how.is_clip_low, how.is_clip_high
         )
         dual = torch.zeros_like(valid)
@@ -530,21 +393,6 @@ def _policy_loss_terms(
     return total, info
 
 
-def entropy_bonus(
-    entropy: torch.Tensor,
-    response_mask: torch.Tensor,
-    loss_cfg: PolicyLossConfig,
-    token_count: float | torch.Tensor | None = None,
-    sequence_count: float | torch.Tensor | None = None,
-) -> torch.Tensor:
-    """The entropy term (before ``-entropy_coef``): ``entropy`` aggregated like the loss over the response."""
-    valid = response_mask.bool()
-    return aggregate(
-        entropy, valid, valid, mode=loss_cfg.aggregation, token_count=token_count,
-        sequence_count=sequence_count, norm_constant=loss_cfg.loss_norm_constant,
-    )  # fmt: skip
-
-
 _ROLLOUT_HINT = "turn on logprob return in the rollout engine (vLLM: SamplingParams(logprobs=0))"
 _ENTROPY_HINT = "entropy_coef > 0 needs the per-token entropy with its gradient (return_entropy=True in the forward)"
 
@@ -556,55 +404,3 @@ def _require(tensor: torch.Tensor | None, name: str, response_mask: torch.Tensor
         raise ValueError(
             f"policy_loss: {name} has shape {tuple(tensor.shape)}, response_mask {tuple(response_mask.shape)}."
         )
-
-
-def _ppo_surrogate(
-    logprobs: torch.Tensor,
-    anchor: torch.Tensor,
-    adv: torch.Tensor,
-    valid: torch.Tensor,
-    kept: torch.Tensor,
-    loss_cfg: PolicyLossConfig,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    log_r = log_ratio(logprobs, anchor, valid)
-    if loss_cfg.loss_type == "gspo":
-        # Sequence ratio exp(mean_t log r_t), with each token's own gradient (straight-through).
-        n = kept.float().sum(dim=-1, keepdim=True).clamp(min=1.0)
-        seq_log_r = (sequence_sum(log_r, kept).unsqueeze(-1) / n).detach()
-        log_r = masked(logprobs - logprobs.detach(), valid) + seq_log_r
-    ratio = safe_exp(log_r)
-    if loss_cfg.loss_type == "sapo":
-        tau = torch.where(adv > 0, loss_cfg.tau_pos, loss_cfg.tau_neg)
-        gate = torch.sigmoid(tau * (ratio - 1.0)) * (4.0 / tau)
-        return -gate * adv, torch.zeros_like(valid), torch.zeros_like(valid)
-    unclipped = -adv * ratio
-    clipped_loss = -adv * ratio.clamp(1.0 - loss_cfg.eps_clip_low, 1.0 + loss_cfg.eps_clip_high)
-    loss = torch.maximum(unclipped, clipped_loss)
-    clip_active = valid & (clipped_loss > unclipped)
-    dual_active = torch.zeros_like(valid)
-    if loss_cfg.dual_clip is not None:
-        bound = -adv * loss_cfg.dual_clip
-        dual_active = valid & (adv < 0) & (loss > bound)
-        loss = torch.where(adv < 0, torch.minimum(loss, bound), loss)
-    return loss, clip_active, dual_active
-
-
-def _current_policy_weighted(
-    logprobs: torch.Tensor,
-    base: torch.Tensor,
-    adv: torch.Tensor,
-    valid: torch.Tensor,
-    kept: torch.Tensor,
-    level: str,
-    clip_low: float | None,
-    clip_high: float | None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    with torch.no_grad():
-        log_w = log_ratio(logprobs.detach(), base, valid)
-        if level == "sequence":
-            log_w = sequence_sum(log_w, kept).unsqueeze(-1).expand_as(log_w)
-        raw = safe_exp(log_w)
-        weight = raw.clamp(min=clip_low, max=clip_high)
-        clipped = valid & (weight != raw)
-    # Gradient flows only through log pi_theta: d/dtheta L = -w * A * grad log pi_theta.
-    return -weight * adv * masked(logprobs, valid), clipped

@@ -11,7 +11,6 @@ import math
 
 import torch
 
-from lightning_offpolicy.correction.config import RejectEstimator, RejectLevel
 from lightning_offpolicy.correction.kl import kl_of_log_ratio
 from lightning_offpolicy.correction.ratios import (
     log_ratio,
@@ -21,6 +20,7 @@ from lightning_offpolicy.correction.ratios import (
     sequence_mean,
     sequence_sum,
 )
+from lightning_offpolicy.correction.validation import RejectEstimator, RejectLevel
 
 
 def within(log_values: torch.Tensor, low: float | None, high: float | None) -> torch.Tensor:

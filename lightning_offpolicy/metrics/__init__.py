@@ -1,7 +1,8 @@
 """torchmetrics classes: the correction and policy-loss metrics of a training step, and the held-out
 evaluation's, each exact across devices."""
 
-from lightning_offpolicy.metrics.correction import CorrectionMetrics, PolicyLossMetrics
+from lightning_offpolicy.metrics.correction import CorrectionMetrics
 from lightning_offpolicy.metrics.evaluation import EvaluationBatch, EvaluationMetrics
+from lightning_offpolicy.metrics.policy_loss import PolicyLossMetrics
 
 __all__ = ["CorrectionMetrics", "EvaluationBatch", "EvaluationMetrics", "PolicyLossMetrics"]

@@ -29,6 +29,7 @@ import torch
 
 from lightning_offpolicy.batch import PromptBatch, RolloutBatch
 from lightning_offpolicy.correction import (
+    CorrectionOutput,
     CorrectionStats,
     OffPolicyCorrectionConfig,
     PolicyLossConfig,
@@ -196,13 +197,11 @@ def corrected_loss(
         batch.advantages,
         batch.response_mask,
         loss,
+        CorrectionOutput(batch.is_weights, batch.correction_mask, None, OffPolicyCorrectionConfig(**objective)),
         ref_logprobs=batch.ref_logprobs,
         token_count=token_count,
         sequence_count=sequence_count,
-        weights=batch.is_weights,
-        mask=batch.correction_mask,
         entropy=entropy,
-        **objective,
     )
 
 
