@@ -67,7 +67,7 @@ TEST_WORKERS ?= 2
 test: $(VENV)/.dev
 	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} $(PY) -m pytest tests -n $(TEST_WORKERS) --dist loadgroup --durations=25
 
-# Every benchmark writes docs/performance_<name>.md and a .json next to it; summarize.py then
+# Every benchmark writes docs/reports/performance_<name>.md and a .json next to it; summarize.py then
 # gathers the key ratios into docs/reports/performance.md with the wall time of the whole target
 # (~20-30 min on 2 busy cores, plus ~1.5 h for vs_trl's 5 seeds x 2 engines x 2 sides). One shell,
 # so that the start time and load reach summarize.py.
