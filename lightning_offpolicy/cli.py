@@ -10,7 +10,7 @@ Config groups: ``model`` (:class:`~lightning_offpolicy.lightning.module.OffPolic
 :class:`~lightning_offpolicy.data.tasks.PromptDataModule`,
 :class:`~lightning_offpolicy.data.DatasetDataModule`, or your own), ``rollout``
 (:class:`~lightning_offpolicy.lightning.callback.RolloutCallback`, always added), ``trainer``.
-``model.temperature`` is linked to ``rollout.temperature``: the trainer scores tokens with the
+``model.temperature`` is linked to ``rollout.sampling.temperature``: the trainer scores tokens with the
 temperature the engine samples with. On the command line ``model.model`` is a string (a path, a hub
 name or ``tiny:<task>``); a module instance is for Python callers of ``OffPolicyRLModule``, and
 typing it as ``torch.nn.Module`` here would list every ``torch.nn`` class in ``fit --help``. Unless
@@ -169,7 +169,7 @@ class OffPolicyCLI(LightningCLI):
     def add_arguments_to_parser(self, parser) -> None:
         _accept_correction_presets(parser)
         parser.add_lightning_class_args(RolloutCallback, "rollout")
-        parser.link_arguments("rollout.temperature", "model.temperature")
+        parser.link_arguments("rollout.sampling.temperature", "model.temperature")
         # SIGTERM (preemption): checkpoint at the next batch boundary, then exit 143, not 0.
         parser.add_lightning_class_args(PreemptionCheckpoint, "preemption")
 
