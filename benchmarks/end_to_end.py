@@ -126,8 +126,8 @@ def build_fit(batches: int, max_staleness: int) -> tuple[OffPolicyCLI, RolloutCa
         "--trainer.enable_progress_bar=false",
         "--trainer.enable_model_summary=false",
         f"--trainer.max_steps={batches * steps_per_batch}",
-        f"--rollout.max_staleness={max_staleness}",
-        f"--rollout.sync_every={max(1, max_staleness)}",  # as configs/vllm_async.yaml: a push per batch
+        f"--rollout.asynchrony.max_staleness={max_staleness}",
+        f"--rollout.asynchrony.sync_every={max(1, max_staleness)}",  # as configs/vllm_async.yaml: a push per batch
     ]  # fmt: skip
     cli = OffPolicyCLI(
         OffPolicyRLModule,

@@ -30,7 +30,7 @@ def check_group_size(samples_per_prompt: int, advantage_estimator: str) -> None:
     """``ValueError`` when a group estimator gets groups of one sample (it would train nothing)."""
     if advantage_estimator in GROUP_ESTIMATORS and samples_per_prompt < 2:
         raise ValueError(
-            f"rollout.samples_per_prompt={samples_per_prompt} with rollout.advantage_estimator="
+            f"rollout.sampling.samples_per_prompt={samples_per_prompt} with rollout.advantage_estimator="
             f"{advantage_estimator!r}: a group baseline over one sample makes every advantage 0, so nothing "
             "would be trained (train/grad_norm 0 at every step). Set samples_per_prompt >= 2, or "
             "advantage_estimator='reinforce' (no group baseline)."

@@ -18,6 +18,7 @@ from lightning_offpolicy.data import DatasetDataModule
 from lightning_offpolicy.data.tokenizers import HFTokenizer, encode_prompt, encode_prompts
 from lightning_offpolicy.lightning.callback import RolloutCallback
 from lightning_offpolicy.lightning.module import OffPolicyRLModule
+from lightning_offpolicy.rollout import SamplingConfig
 from tests.module_helpers import TOKENIZER, tiny_model
 from tests.tokenizer_builders import CHAT_TEMPLATE, save_char_tokenizer
 
@@ -142,7 +143,8 @@ def fit(data, max_new_tokens: int = 8, max_steps: int = 1) -> L.Trainer:
         max_steps=max_steps,
         callbacks=[
             RolloutCallback(
-                samples_per_prompt=2, max_new_tokens=max_new_tokens, reward_fn=lambda p, c, m: [0.0] * len(c)
+                sampling=SamplingConfig(samples_per_prompt=2, max_new_tokens=max_new_tokens),
+                reward_fn=lambda p, c, m: [0.0] * len(c),
             )
         ],
         logger=False,
