@@ -37,7 +37,7 @@ def test_every_shipped_config_parses_and_instantiates(config):
     cli = parse("--config", str(config))
     assert isinstance(cli.model, OffPolicyRLModule)
     assert any(type(c).__name__ == "RolloutCallback" for c in cli.trainer.callbacks)
-    assert cli.model.temperature == cli.config["rollout"]["temperature"]
+    assert cli.model.temperature == cli.config["rollout"]["sampling"]["temperature"]
 
 
 @pytest.mark.parametrize("config", CORRECTION_CONFIGS, ids=lambda p: p.stem)
@@ -191,11 +191,12 @@ model:
     rollout_rs: seq_mean_k3
     rollout_rs_threshold: 0.02
 rollout:
-  dynamic_sampling: true
-  max_refill_batches: 3
-  overlong_filter: true
-  overlong_buffer: 4
-  overlong_penalty_factor: 0.5
+  dapo:
+    dynamic_sampling: true
+    max_refill_batches: 3
+    overlong_filter: true
+    overlong_buffer: 4
+    overlong_penalty_factor: 0.5
 """
     )
     with pytest.warns(UserWarning, match="verl's rollout_is='token' is the kit's tis_level='token'"):

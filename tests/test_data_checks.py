@@ -166,7 +166,9 @@ def test_a_prompt_longer_than_the_context_fails_before_the_first_step_naming_its
         fit(data)  # before: one step trained, the long row never came up; on a long run it fails hours in
     message = str(info.value)
     assert f"`source` row 250 ({path} line 251): prompt_field 'prompt' is 262 tokens" in message
-    assert "rollout.max_new_tokens=8 that is 270 > the model's context (max_position_embeddings=256)" in message
+    assert (
+        "rollout.sampling.max_new_tokens=8 that is 270 > the model's context (max_position_embeddings=256)" in message
+    )
     assert "2 of 300 prompts of `source` are too long (others: row 270 (302)); the longest is row 270" in message
 
 

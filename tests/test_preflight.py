@@ -122,7 +122,7 @@ def test_max_new_tokens_at_the_models_context_fails_at_fit_start(tmp_path):
     )
     with pytest.raises(ValueError) as info:
         fit(module, callback, tmp_path)
-    assert "rollout.max_new_tokens=256" in str(info.value) and "max_position_embeddings=256" in str(info.value)
+    assert "rollout.sampling.max_new_tokens=256" in str(info.value) and "max_position_embeddings=256" in str(info.value)
     assert CountingHFEngine.calls == 0
 
 
@@ -140,7 +140,7 @@ def test_prompt_plus_max_new_tokens_past_the_context_fails_before_generating(tmp
     with pytest.raises(ValueError) as info:
         fit(module, callback, tmp_path)
     message = str(info.value)
-    assert f"rollout.max_new_tokens={max_new_tokens}" in message and "max_position_embeddings=256" in message
+    assert f"rollout.sampling.max_new_tokens={max_new_tokens}" in message and "max_position_embeddings=256" in message
     longest = int(message.split("(")[1].split(" tokens")[0])
     assert longest + max_new_tokens > 256 and longest >= shortest
     assert CountingHFEngine.calls == 0 and module.policy_version == 0
@@ -155,7 +155,7 @@ def test_vllm_max_model_len_is_checked_before_the_engine_starts(tmp_path):
     callback = RolloutCallback(engine=engine, sampling=SamplingConfig(samples_per_prompt=2, max_new_tokens=40))
     with pytest.raises(ValueError) as info:
         fit(module, callback, tmp_path)
-    assert "rollout.max_new_tokens=40" in str(info.value) and "max_model_len=32" in str(info.value)
+    assert "rollout.sampling.max_new_tokens=40" in str(info.value) and "max_model_len=32" in str(info.value)
     assert not engine.started
 
 
