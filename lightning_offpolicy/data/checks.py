@@ -437,7 +437,8 @@ def check_prompt_lengths(
         others = ", ".join(f"row {r} ({n})" for r, n in too_long[1:])
         raise ValueError(
             f"{owner}: {locate(row)}: prompt_field {field!r} is {length} tokens, and with "
-            f"rollout.sampling.max_new_tokens={max_new_tokens} that is {length + max_new_tokens} > {limit[1]} ({limit[0]} tokens): a prompt may "
+            f"rollout.sampling.max_new_tokens={max_new_tokens} that is {length + max_new_tokens} > {limit[1]} "
+            f"({limit[0]} tokens): a prompt may "
             f"have at most {budget} tokens. {count} of {len(rows)} prompts of `{locate.setting}` are too long"
             + (f" (others: {others})" if others else "")
             + f"; the longest is row {longest_row} ({longest[0]} tokens). Drop or shorten those rows, lower "
