@@ -810,7 +810,7 @@ engine the first batch is identical in every condition of a task).
   every push), so with `max_staleness=0` it samples with exactly the trainer's weights;
   `HFEngine(dtype="bfloat16")` a bfloat16 copy; the *noisy* engine is the float32 copy plus a fixed
   Gaussian perturbation (`{noise} x rms(tensor)` per tensor, the same noise at every push).
-* Asynchronous runs: `RolloutCallback(max_staleness=k)`: generation in a background thread, the
+* Asynchronous runs: `AsyncSettings(max_staleness=k)`: generation in a background thread, the
   weights pushed after every batch; admission control makes every batch after the first few
   exactly `k` optimizer steps stale (`staleness/mean` in the tables).
 * Recorded per batch (a callback reading `trainer.callback_metrics` after each batch):
