@@ -28,7 +28,7 @@ What the engine guarantees (each one checked by ``tests/test_vllm_engine.py`` an
   trainer's did: a sync that silently never arrived is caught at once instead of poisoning the
   run with stale rollouts.
 * **LoRA (peft) models, two ways** (``lora_sync``): ``"merged"`` pushes the base weights with
-  the adapters folded in (:func:`~lightning_offpolicy.rollout.vllm.weight_sync.merged_state_dict`,
+  the adapters folded in (:func:`~lightning_offpolicy.rollout.vllm.peft_export.merged_state_dict`,
   computed out of place: the trainer's weights stay bit-identical); ``"adapter"`` pushes the
   base weights once and then only the adapter, applied by vLLM's LoRA support (a new
   ``LoRARequest`` per sync). The self-check runs in both modes against the peft model's forward.
@@ -80,18 +80,16 @@ from lightning_offpolicy.rollout.vllm.errors import (
     start_failure_message,
     supported_cpu_head_dims,
 )
+from lightning_offpolicy.rollout.vllm.export import is_peft_model, write_safetensors
 from lightning_offpolicy.rollout.vllm.lora import vllm_lora_rank, write_base_checkpoint
-from lightning_offpolicy.rollout.vllm.weight_sync import (
+from lightning_offpolicy.rollout.vllm.peft_export import (
     adapter_rank,
     base_state_dict,
     full_state_dict,
-    is_peft_model,
     merged_state_dict,
-    probe_ids,
     save_adapter,
-    weights_dtype,
-    write_safetensors,
 )
+from lightning_offpolicy.rollout.vllm.weight_sync import probe_ids, weights_dtype
 
 __all__ = ["VLLMEngine", "supported_cpu_head_dims", "vllm_available"]
 

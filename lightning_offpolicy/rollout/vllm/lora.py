@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from lightning_offpolicy.rollout.vllm.weight_sync import write_safetensors
+from lightning_offpolicy.rollout.vllm.export import write_safetensors
 
 __all__ = ["vllm_lora_rank", "write_base_checkpoint"]
 

@@ -83,6 +83,7 @@ from lightning_offpolicy.rollout.engine import (
 )
 from lightning_offpolicy.rollout.vllm.base import SUPPORT_LOGPROBS, RawSample, VLLMEngineBase, support_request
 from lightning_offpolicy.rollout.vllm.errors import DEV_MODE_HINT
+from lightning_offpolicy.rollout.vllm.export import make_private_dirs, write_safetensors
 from lightning_offpolicy.rollout.vllm.http import (
     CONNECT_TIMEOUT_S,
     HTTPClient,
@@ -92,14 +93,9 @@ from lightning_offpolicy.rollout.vllm.http import (
     is_loopback,
     parse_base_url,
 )
+from lightning_offpolicy.rollout.vllm.peft_export import full_state_dict
 from lightning_offpolicy.rollout.vllm.streamed import StreamedChoices
-from lightning_offpolicy.rollout.vllm.weight_sync import (
-    PROBE_LENGTH,
-    full_state_dict,
-    make_private_dirs,
-    probe_ids,
-    write_safetensors,
-)
+from lightning_offpolicy.rollout.vllm.weight_sync import PROBE_LENGTH, probe_ids
 
 __all__ = ["RemoteVLLMEngine"]
 
