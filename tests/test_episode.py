@@ -33,7 +33,8 @@ def test_to_rollout_batch_equals_the_batch_built_from_the_sequences():
     completions = _completions()
     prompts = [[3, 4, 5], [1, 2]]
     episodes = [
-        Episode(group=g, turns=[Turn(p, c)], reward=r) for g, p, c, r in zip([0, 1], prompts, completions, [0.75, -0.5])
+        Episode(group=g, turns=[Turn(p, c)], reward=r)
+        for g, p, c, r in zip([0, 1], prompts, completions, [0.75, -0.5], strict=True)
     ]
     advantages, groups = torch.tensor([0.5, -0.5]), torch.tensor([0, 1])
     rollout = to_rollout_batch(episodes, advantages, groups, pad_token_id=0)
