@@ -106,8 +106,8 @@ def work_line() -> str:
     model, rollout = cfg["model"], cfg["rollout"]
     steps = model.get("ppo_epochs", 1) * model.get("num_minibatches", 1)
     return (
-        f"{cfg['data']['init_args']['prompts_per_step']} prompts x {rollout['samples_per_prompt']} samples x "
-        f"<= {rollout['max_new_tokens']} new tokens, {steps} optimizer steps (configs/quickstart.yaml)"
+        f"{cfg['data']['init_args']['prompts_per_step']} prompts x {rollout['sampling']['samples_per_prompt']} "
+        f"samples x <= {rollout['sampling']['max_new_tokens']} new tokens, {steps} optimizer steps (configs/quickstart.yaml)"
     )
 
 

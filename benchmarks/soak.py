@@ -381,7 +381,7 @@ def soak_one(
             result.failures.append("reward did not rise (first vs last block)")
 
         staleness = scalars(directory, "staleness/max")
-        result.staleness_bound = int(rollout.get("max_staleness", 0))
+        result.staleness_bound = int((rollout.get("asynchrony") or {}).get("max_staleness", 0))
         result.staleness_max = max(staleness) if staleness else None
         if result.staleness_max is None:
             result.failures.append("staleness/max not logged")
