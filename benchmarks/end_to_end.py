@@ -103,11 +103,11 @@ def quickstart() -> dict[str, Any]:
 def work_line() -> str:
     """The work per batch, read from the config the runs are built from."""
     cfg = quickstart()
-    model, rollout = cfg["model"], cfg["rollout"]
+    model, sampling = cfg["model"], cfg["rollout"]["sampling"]
     steps = model.get("ppo_epochs", 1) * model.get("num_minibatches", 1)
     return (
-        f"{cfg['data']['init_args']['prompts_per_step']} prompts x {rollout['sampling']['samples_per_prompt']} "
-        f"samples x <= {rollout['sampling']['max_new_tokens']} new tokens, {steps} optimizer steps (configs/quickstart.yaml)"
+        f"{cfg['data']['init_args']['prompts_per_step']} prompts x {sampling['samples_per_prompt']} samples x "
+        f"<= {sampling['max_new_tokens']} new tokens, {steps} optimizer steps (configs/quickstart.yaml)"
     )
 
 
