@@ -25,6 +25,7 @@ checkpoint any earlier run of the same logger name wrote (``last.ckpt``, ``preem
 
 from __future__ import annotations
 
+import argparse
 import logging
 import os
 import re
@@ -170,6 +171,10 @@ class OffPolicyCLI(LightningCLI):
         _accept_correction_presets(parser)
         parser.add_lightning_class_args(RolloutCallback, "rollout")
         parser.link_arguments("rollout.sampling.temperature", "model.temperature")
+        # Greedy decoding is for evaluation only (RolloutCallback refuses it): not a training option.
+        for action in parser._actions:
+            if action.dest == "rollout.sampling.greedy":
+                action.help = argparse.SUPPRESS
         # SIGTERM (preemption): checkpoint at the next batch boundary, then exit 143, not 0.
         parser.add_lightning_class_args(PreemptionCheckpoint, "preemption")
 
