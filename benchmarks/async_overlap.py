@@ -6,8 +6,8 @@ trainer's process; ``HFProcessEngine``, the same in a child process; ``VLLMEngin
 installed) the same fit runs twice on the tiny ``reverse`` model: the same prompts, the same
 batch, the same number of steps:
 
-* **sync**: ``RolloutCallback(max_staleness=0)``: push, generate, then train, one after the other;
-* **async**: ``RolloutCallback(max_staleness=u, sync_every=u)`` with ``u`` optimizer steps per
+* **sync**: ``AsyncSettings(max_staleness=0)``: push, generate, then train, one after the other;
+* **async**: ``AsyncSettings(max_staleness=u, sync_every=u)`` with ``u`` optimizer steps per
   batch: generation of batch ``j + 1`` overlaps the training of batch ``j``.
 
 The sync run also measures the two components per batch: generation (push + generate + score)
@@ -59,7 +59,7 @@ import torch  # noqa: E402
 from lightning_offpolicy.data.tasks import PromptDataModule  # noqa: E402
 from lightning_offpolicy.lightning.callback import RolloutCallback  # noqa: E402
 from lightning_offpolicy.lightning.module import OffPolicyRLModule  # noqa: E402
-from lightning_offpolicy.rollout import HFEngine, HFProcessEngine  # noqa: E402
+from lightning_offpolicy.rollout import AsyncSettings, HFEngine, HFProcessEngine, SamplingConfig  # noqa: E402
 
 #: The stop id of ``--no-stop`` runs: the padding id, which the SFT-warmed tiny model never samples.
 NO_STOP_ID = 0
@@ -75,11 +75,10 @@ def run_fit(engine, batches: int, max_staleness: int, steps_per_batch: int, args
     )
     callback = RolloutCallback(
         engine=engine,
-        samples_per_prompt=args.samples_per_prompt,
-        max_new_tokens=args.max_new_tokens,
-        max_staleness=max_staleness,
-        sync_every=max(1, max_staleness),
-        partial_rollouts=partial_rollouts,
+        sampling=SamplingConfig(samples_per_prompt=args.samples_per_prompt, max_new_tokens=args.max_new_tokens),
+        asynchrony=AsyncSettings(
+            max_staleness=max_staleness, sync_every=max(1, max_staleness), partial_rollouts=partial_rollouts
+        ),
     )
     clock = StepClock()
     clock.after_rollout.rollout = callback

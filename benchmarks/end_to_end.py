@@ -102,11 +102,11 @@ def quickstart() -> dict[str, Any]:
 def work_line() -> str:
     """The work per batch, read from the config the runs are built from."""
     cfg = quickstart()
-    model, rollout = cfg["model"], cfg["rollout"]
+    model, sampling = cfg["model"], cfg["rollout"]["sampling"]
     steps = model.get("ppo_epochs", 1) * model.get("num_minibatches", 1)
     return (
-        f"{cfg['data']['init_args']['prompts_per_step']} prompts x {rollout['samples_per_prompt']} samples x "
-        f"<= {rollout['max_new_tokens']} new tokens, {steps} optimizer steps (configs/quickstart.yaml)"
+        f"{cfg['data']['init_args']['prompts_per_step']} prompts x {sampling['samples_per_prompt']} samples x "
+        f"<= {sampling['max_new_tokens']} new tokens, {steps} optimizer steps (configs/quickstart.yaml)"
     )
 
 
@@ -125,8 +125,8 @@ def build_fit(batches: int, max_staleness: int) -> tuple[OffPolicyCLI, RolloutCa
         "--trainer.enable_progress_bar=false",
         "--trainer.enable_model_summary=false",
         f"--trainer.max_steps={batches * steps_per_batch}",
-        f"--rollout.max_staleness={max_staleness}",
-        f"--rollout.sync_every={max(1, max_staleness)}",  # as configs/vllm_async.yaml: a push per batch
+        f"--rollout.asynchrony.max_staleness={max_staleness}",
+        f"--rollout.asynchrony.sync_every={max(1, max_staleness)}",  # as configs/vllm_async.yaml: a push per batch
     ]  # fmt: skip
     cli = OffPolicyCLI(
         OffPolicyRLModule,

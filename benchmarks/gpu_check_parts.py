@@ -65,8 +65,8 @@ LOGIT_STD = 5.0
 FSDP_ENGINE = [
     "--rollout.engine.class_path=lightning_offpolicy.rollout.HFEngine",
     "--rollout.engine.init_args.dtype=null",
-    "--rollout.max_staleness=0",
-    "--rollout.sync_every=1",
+    "--rollout.asynchrony.max_staleness=0",
+    "--rollout.asynchrony.sync_every=1",
 ]
 #: configs/lora_single_gpu.yaml without vLLM: the HFEngine with its own bf16 copy, asynchronous as shipped.
 LORA_ENGINE = [
@@ -77,8 +77,8 @@ LORA_ENGINE = [
 SMOKE_FIT = [
     "--trainer.accelerator=cpu",
     "--data.init_args.prompts_per_step=4",
-    "--rollout.samples_per_prompt=2",
-    "--rollout.max_new_tokens=4",
+    "--rollout.sampling.samples_per_prompt=2",
+    "--rollout.sampling.max_new_tokens=4",
 ]
 
 #: (hidden, vocab, token counts) of the logprob part.

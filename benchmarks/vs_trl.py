@@ -186,7 +186,7 @@ def main(argv: list[str] | None = None) -> int:
         "--kit-max-staleness",
         type=int,
         default=None,
-        help="the kit's RolloutCallback(max_staleness=N): N >= 1 generates the next batch while the trainer "
+        help="the kit's AsyncSettings(max_staleness=N): N >= 1 generates the next batch while the trainer "
         "trains on this one (asynchronous, on the second core); default 0 (synchronous)",
     )
     parser.add_argument(

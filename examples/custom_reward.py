@@ -20,7 +20,7 @@ from lightning_offpolicy.data.tasks import PromptDataModule
 from lightning_offpolicy.lightning.callback import RolloutCallback
 from lightning_offpolicy.lightning.module import OffPolicyRLModule
 from lightning_offpolicy.lightning.progress import RLProgressBar
-from lightning_offpolicy.rollout import HFEngine
+from lightning_offpolicy.rollout import HFEngine, SamplingConfig
 
 
 def exact_match_reward(prompts: list[str], completions: list[str], metadata: list[dict]) -> list[float]:
@@ -53,8 +53,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     rollout = RolloutCallback(
         engine=HFEngine(dtype="bfloat16"),
         reward_fn=exact_match_reward,
-        samples_per_prompt=8,
-        max_new_tokens=data.task.max_new_tokens,
+        sampling=SamplingConfig(samples_per_prompt=8, max_new_tokens=data.task.max_new_tokens),
     )
     trainer = L.Trainer(
         max_steps=args.max_steps,

@@ -33,7 +33,7 @@ from lightning_offpolicy.demo.tiny_bpe import build_bpe_checkpoint
 from lightning_offpolicy.lightning.callback import RolloutCallback
 from lightning_offpolicy.lightning.module import OffPolicyRLModule
 from lightning_offpolicy.lightning.progress import RLProgressBar
-from lightning_offpolicy.rollout import HFEngine
+from lightning_offpolicy.rollout import HFEngine, SamplingConfig
 
 #: basic_arithmetic at its simplest: one term of 1-3 digits, no sign, no parentheses.
 TASK_CONFIG = {"min_terms": 1, "max_terms": 1, "min_digits": 1, "max_digits": 3}
@@ -99,7 +99,11 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         devices=1,
         # No reward_fn: the datamodule's reasoning-gym scorer is used.
         # RLProgressBar: Lightning's default bar labels the second epoch "Epoch 1/-2" when max_steps ends the fit.
-        callbacks=[RolloutCallback(HFEngine(), samples_per_prompt=8, max_new_tokens=8), history, RLProgressBar()],
+        callbacks=[
+            RolloutCallback(HFEngine(), sampling=SamplingConfig(samples_per_prompt=8, max_new_tokens=8)),
+            history,
+            RLProgressBar(),
+        ],
         logger=L.pytorch.loggers.TensorBoardLogger(args.logdir, name="own_model_and_data"),
         log_every_n_steps=1,
         enable_checkpointing=False,

@@ -25,7 +25,7 @@ from lightning_offpolicy.data.tokenizers import CharTokenizer
 from lightning_offpolicy.demo.tiny import build_tiny_llama, greedy_reward
 from lightning_offpolicy.lightning.callback import RolloutCallback
 from lightning_offpolicy.lightning.mixin import OffPolicyMixin
-from lightning_offpolicy.rollout import HFEngine
+from lightning_offpolicy.rollout import HFEngine, SamplingConfig
 
 
 class ReverseLM(OffPolicyMixin, L.LightningModule):
@@ -98,7 +98,11 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     rl = L.Trainer(
         max_steps=args.rl_steps,
         accelerator="cpu",
-        callbacks=[RolloutCallback(engine=HFEngine(dtype="bfloat16"), samples_per_prompt=8, max_new_tokens=8)],
+        callbacks=[
+            RolloutCallback(
+                engine=HFEngine(dtype="bfloat16"), sampling=SamplingConfig(samples_per_prompt=8, max_new_tokens=8)
+            )
+        ],
         logger=L.pytorch.loggers.TensorBoardLogger(args.logdir, name="sft_then_rl"),
         log_every_n_steps=1,
         enable_checkpointing=False,

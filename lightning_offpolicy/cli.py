@@ -8,7 +8,7 @@
 Config groups: ``model`` (:class:`~lightning_offpolicy.lightning.module.OffPolicyRLModule`; ``model.model``
 is a string here, a path, a hub name or ``tiny:<task>``), ``data`` (any LightningDataModule yielding
 ``PromptBatch``, by ``class_path``), ``rollout``
-(:class:`~lightning_offpolicy.lightning.callback.RolloutCallback`, always added; ``rollout.temperature``
+(:class:`~lightning_offpolicy.lightning.callback.RolloutCallback`, always added; ``rollout.sampling.temperature``
 is linked to ``model.temperature``), ``preemption``, ``trainer``. On top of LightningCLI:
 
 * the training bar is :class:`~lightning_offpolicy.lightning.progress.RLProgressBar` unless the config
@@ -25,6 +25,7 @@ The why of each: docs/getting_started.md ("Change the run from the command line 
 
 from __future__ import annotations
 
+import argparse
 import logging
 import os
 import re
@@ -171,7 +172,11 @@ class OffPolicyCLI(LightningCLI):
     def add_arguments_to_parser(self, parser) -> None:
         _accept_correction_presets(parser)
         parser.add_lightning_class_args(RolloutCallback, "rollout")
-        parser.link_arguments("rollout.temperature", "model.temperature")
+        parser.link_arguments("rollout.sampling.temperature", "model.temperature")
+        # Greedy decoding is for evaluation only (RolloutCallback refuses it): not a training option.
+        for action in parser._actions:
+            if action.dest == "rollout.sampling.greedy":
+                action.help = argparse.SUPPRESS
         # SIGTERM (preemption): checkpoint at the next batch boundary, then exit 143, not 0.
         parser.add_lightning_class_args(PreemptionCheckpoint, "preemption")
 

@@ -30,7 +30,7 @@ def check_group_size(samples_per_prompt: int, advantage_estimator: str) -> None:
     """``ValueError`` when a group estimator gets groups of one sample (it would train nothing)."""
     if advantage_estimator in GROUP_ESTIMATORS and samples_per_prompt < 2:
         raise ValueError(
-            f"rollout.samples_per_prompt={samples_per_prompt} with rollout.advantage_estimator="
+            f"rollout.sampling.samples_per_prompt={samples_per_prompt} with rollout.advantage_estimator="
             f"{advantage_estimator!r}: a group baseline over one sample makes every advantage 0, so nothing "
             "would be trained (train/grad_norm 0 at every step). Set samples_per_prompt >= 2, or "
             "advantage_estimator='reinforce' (no group baseline)."
@@ -92,8 +92,8 @@ def check_context(max_new_tokens: int, limit: tuple[int, str] | None) -> None:
     """``ValueError`` when ``max_new_tokens`` alone leaves no room for a prompt in the context."""
     if limit is not None and max_new_tokens >= limit[0]:
         raise ValueError(
-            f"rollout.max_new_tokens={max_new_tokens} leaves no room for a prompt within {limit[1]}: prompt + "
-            f"completion must fit in {limit[0]} tokens. Lower rollout.max_new_tokens."
+            f"rollout.sampling.max_new_tokens={max_new_tokens} leaves no room for a prompt within {limit[1]}: prompt + "
+            f"completion must fit in {limit[0]} tokens. Lower rollout.sampling.max_new_tokens."
         )
 
 
@@ -101,8 +101,9 @@ def check_prompt_fits(longest_prompt: int, max_new_tokens: int, limit: tuple[int
     """``ValueError`` when the longest prompt + ``max_new_tokens`` runs past the context."""
     if limit is not None and longest_prompt + max_new_tokens > limit[0]:
         raise ValueError(
-            f"The longest prompt of this batch ({longest_prompt} tokens) + rollout.max_new_tokens={max_new_tokens} "
-            f"= {longest_prompt + max_new_tokens} tokens exceeds {limit[1]}. Lower rollout.max_new_tokens, use "
+            f"The longest prompt of this batch ({longest_prompt} tokens) + rollout.sampling.max_new_tokens="
+            f"{max_new_tokens} = {longest_prompt + max_new_tokens} tokens exceeds {limit[1]}. Lower "
+            "rollout.sampling.max_new_tokens, use "
             "shorter prompts, or a model / engine with a longer context."
         )
 

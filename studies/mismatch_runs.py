@@ -20,7 +20,7 @@ from lightning_offpolicy.correction import PolicyLossConfig, preset  # noqa: E40
 from lightning_offpolicy.data.tasks import PromptDataModule  # noqa: E402
 from lightning_offpolicy.lightning.callback import RolloutCallback  # noqa: E402
 from lightning_offpolicy.lightning.module import OffPolicyRLModule  # noqa: E402
-from lightning_offpolicy.rollout import HFEngine  # noqa: E402
+from lightning_offpolicy.rollout import AsyncSettings, HFEngine, SamplingConfig  # noqa: E402
 
 #: Per-batch keys recorded besides the ``rollout_corr/*`` keys below.
 SERIES_KEYS = (
@@ -197,11 +197,11 @@ def run_one(condition: Condition, seed: int, settings: dict[str, Any]) -> dict[s
     callback = RolloutCallback(
         engine=make_engine(condition.engine, settings["noise_scale"]),
         reward_fn=reward_fn,
-        samples_per_prompt=settings["samples_per_prompt"],
-        max_new_tokens=settings["max_new_tokens"],
+        sampling=SamplingConfig(
+            samples_per_prompt=settings["samples_per_prompt"], max_new_tokens=settings["max_new_tokens"]
+        ),
         seed=seed,
-        max_staleness=condition.max_staleness,
-        sync_every=condition.sync_every,
+        asynchrony=AsyncSettings(max_staleness=condition.max_staleness, sync_every=condition.sync_every),
     )
     recorder = SeriesRecorder()
     version_kl = VersionKL()

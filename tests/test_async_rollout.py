@@ -19,7 +19,7 @@ from lightning_offpolicy.batch import PromptBatch
 from lightning_offpolicy.data.tasks import PromptDataModule
 from lightning_offpolicy.lightning.callback import RolloutCallback
 from lightning_offpolicy.lightning.module import OffPolicyRLModule
-from lightning_offpolicy.rollout import HFEngine
+from lightning_offpolicy.rollout import AsyncSettings, HFEngine, SamplingConfig
 from lightning_offpolicy.rollout.producer import RolloutProducer
 
 
@@ -58,11 +58,9 @@ def fit(
     )
     callback = RolloutCallback(
         engine=engine or HFEngine(dtype="float32"),
-        samples_per_prompt=2,
-        max_new_tokens=7,
+        sampling=SamplingConfig(samples_per_prompt=2, max_new_tokens=7),
         seed=seed,
-        max_staleness=max_staleness,
-        sync_every=sync_every,
+        asynchrony=AsyncSettings(max_staleness=max_staleness, sync_every=sync_every),
         **callback_kwargs,
     )
     callback._background = callback._background or force_background
@@ -203,7 +201,7 @@ def test_a_stuck_reward_in_the_background_stops_the_fit_at_reward_timeout_s(tmp_
 )
 def test_bad_staleness_settings_name_the_setting(kwargs, match):
     with pytest.raises(ValueError, match=match):
-        RolloutCallback(**kwargs)
+        RolloutCallback(asynchrony=AsyncSettings(**kwargs))
 
 
 def test_background_generation_refuses_an_engine_sharing_the_trainer_weights(tmp_path):
@@ -307,7 +305,10 @@ def test_two_rank_ddp_async_shards_the_prompts_and_keeps_the_bound(tmp_path):
 
     module = OffPolicyRLModule(model="tiny:reverse", optimizer=partial(torch.optim.AdamW, lr=1e-3), num_minibatches=2)
     callback = RolloutCallback(
-        engine=HFEngine(dtype="float32"), samples_per_prompt=2, max_new_tokens=7, max_staleness=2, seed=3
+        engine=HFEngine(dtype="float32"),
+        sampling=SamplingConfig(samples_per_prompt=2, max_new_tokens=7),
+        asynchrony=AsyncSettings(max_staleness=2),
+        seed=3,
     )
     trainer = L.Trainer(
         accelerator="cpu",

@@ -24,6 +24,7 @@ from lightning_offpolicy.demo.tiny_bpe import build_bpe_checkpoint
 from lightning_offpolicy.lightning.callback import RolloutCallback
 from lightning_offpolicy.lightning.checkpoint_identity import IDENTITY_KEY, CheckpointMismatchError, policy_identity
 from lightning_offpolicy.lightning.module import OffPolicyRLModule
+from lightning_offpolicy.rollout import SamplingConfig
 from tests.module_helpers import tiny_model
 from tests.tokenizer_builders import save_char_tokenizer
 
@@ -48,7 +49,7 @@ def fit(module: OffPolicyRLModule, root: Path, max_steps: int, ckpt_path=None) -
     trainer = L.Trainer(
         accelerator="cpu",
         max_steps=max_steps,
-        callbacks=[RolloutCallback(samples_per_prompt=2, max_new_tokens=4, seed=1)],
+        callbacks=[RolloutCallback(sampling=SamplingConfig(samples_per_prompt=2, max_new_tokens=4), seed=1)],
         default_root_dir=root,
         logger=False,
         enable_checkpointing=False,

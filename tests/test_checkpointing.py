@@ -29,6 +29,7 @@ from lightning_offpolicy.lightning.checkpointing import (
 )
 from lightning_offpolicy.lightning.module import OffPolicyRLModule
 from lightning_offpolicy.lightning.preemption import SAVE_ERROR_EXIT_CODE, PreemptionCheckpoint
+from lightning_offpolicy.rollout import SamplingConfig
 from tests.module_helpers import TOKENIZER, tiny_model
 
 
@@ -138,7 +139,7 @@ def fit(root, max_steps: int, *extra, every: int = 4, ckpt_path=None, record=Non
     module = OffPolicyRLModule(
         model=tiny_model(), tokenizer=TOKENIZER, optimizer=partial(torch.optim.AdamW, lr=1e-3), num_minibatches=2
     )
-    rollout = RolloutCallback(samples_per_prompt=2, max_new_tokens=3, seed=1)
+    rollout = RolloutCallback(sampling=SamplingConfig(samples_per_prompt=2, max_new_tokens=3), seed=1)
     callbacks = [
         *extra,
         rollout,
@@ -188,8 +189,9 @@ def test_lightning_model_checkpoint_misses_the_last_steps_and_periodic_checkpoin
 
     def last_step(callback, root):
         trainer = L.Trainer(
-            accelerator="cpu", max_steps=10, callbacks=[RolloutCallback(samples_per_prompt=2, max_new_tokens=3),
-            callback], default_root_dir=root, logger=False, enable_progress_bar=False, enable_model_summary=False,
+            accelerator="cpu", max_steps=10,
+            callbacks=[RolloutCallback(sampling=SamplingConfig(samples_per_prompt=2, max_new_tokens=3)), callback],
+            default_root_dir=root, logger=False, enable_progress_bar=False, enable_model_summary=False,
         )  # fmt: skip
         module = OffPolicyRLModule(model=tiny_model(), tokenizer=TOKENIZER, num_minibatches=2)
         trainer.fit(module, PromptDataModule(task="reverse", prompts_per_step=2, num_train_prompts=64))

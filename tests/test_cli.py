@@ -37,7 +37,7 @@ def test_every_shipped_config_parses_and_instantiates(config):
     cli = parse("--config", str(config))
     assert isinstance(cli.model, OffPolicyRLModule)
     assert any(type(c).__name__ == "RolloutCallback" for c in cli.trainer.callbacks)
-    assert cli.model.temperature == cli.config["rollout"]["temperature"]
+    assert cli.model.temperature == cli.config["rollout"]["sampling"]["temperature"]
 
 
 @pytest.mark.parametrize("config", CORRECTION_CONFIGS, ids=lambda p: p.stem)
@@ -85,7 +85,7 @@ def test_invalid_values_give_a_clear_error_before_training(capsys):
     with pytest.raises(ValueError, match="tis_clip_low"):
         parse("--config", str(ROOT / "configs" / "quickstart.yaml"), "--model.correction.tis_clip_low=3.0")
     with pytest.raises(ValueError, match="max_staleness >= sync_every - 1"):
-        parse("--config", str(ROOT / "configs" / "vllm_async.yaml"), "--rollout.sync_every=4")
+        parse("--config", str(ROOT / "configs" / "vllm_async.yaml"), "--rollout.asynchrony.sync_every=4")
     with pytest.raises(SystemExit):
         parse("--config", str(ROOT / "configs" / "lora_single_gpu.yaml"), "--rollout.engine.init_args.lora_sync=lora")
     assert "lora_sync" in capsys.readouterr().err
@@ -97,11 +97,11 @@ def test_help_documents_the_knobs(capsys):
     out = capsys.readouterr().out
     for text in (
         "--model.correction.geo_mask_low",
-        "--rollout.samples_per_prompt",
+        "--rollout.sampling.samples_per_prompt",
         "Completions per prompt",
-        "--rollout.max_staleness",
+        "--rollout.asynchrony.max_staleness",
         "Most policy versions",
-        "--rollout.sync_every",
+        "--rollout.asynchrony.sync_every",
         "--model.lora_rank",
         "--model.gradient_checkpointing",
     ):
@@ -148,7 +148,7 @@ def test_short_fit_writes_tensorboard_metrics(tmp_path):
             f"--trainer.default_root_dir={tmp_path}",
             "--trainer.enable_progress_bar=false",
             "--data.init_args.prompts_per_step=4",
-            "--rollout.samples_per_prompt=4",
+            "--rollout.sampling.samples_per_prompt=4",
             "--trainer.val_check_interval=2",
             "--data.init_args.num_val_prompts=8",
         ]
@@ -195,11 +195,12 @@ model:
     kl_reject_level: seq_mean
     kl_reject_threshold: 0.02
 rollout:
-  dynamic_sampling: true
-  max_refill_batches: 3
-  overlong_filter: true
-  overlong_buffer: 4
-  overlong_penalty_factor: 0.5
+  dapo:
+    dynamic_sampling: true
+    max_refill_batches: 3
+    overlong_filter: true
+    overlong_buffer: 4
+    overlong_penalty_factor: 0.5
 """
     )
     cli = parse("--config", str(ROOT / "configs" / "quickstart.yaml"), "--config", str(extra))

@@ -112,7 +112,7 @@ def test_fit_a_users_own_data_module_with_weighted_rewards(tmp_path):
             f"--trainer.logger.init_args.save_dir={tmp_path}",
             f"--trainer.default_root_dir={tmp_path}",
             "--trainer.enable_progress_bar=false",
-            "--rollout.samples_per_prompt=2",
+            "--rollout.sampling.samples_per_prompt=2",
         ]
     )
     (version,) = list((tmp_path / "quickstart").iterdir())

@@ -16,6 +16,7 @@ from lightning_offpolicy.demo.tiny import build_tiny_llama
 from lightning_offpolicy.lightning.callback import RolloutCallback
 from lightning_offpolicy.lightning.module import OffPolicyRLModule
 from lightning_offpolicy.rollout.advantages import compute_advantages
+from lightning_offpolicy.rollout.asynchrony import AsyncSettings
 from lightning_offpolicy.rollout.dapo import DAPOSettings, informative_rows, overlong_penalty
 from lightning_offpolicy.rollout.engine import SamplingConfig
 from lightning_offpolicy.rollout.hf.engine import HFEngine
@@ -128,15 +129,24 @@ def test_overlong_filter_and_soft_punishment():
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
-        (dict(max_refill_batches=-1), "max_refill_batches"),
-        (dict(overlong_buffer=17), r"overlong_buffer=17 must be an int in \[0, max_new_tokens=16\]"),
-        (dict(overlong_penalty_factor=-1.0), "overlong_penalty_factor"),
-        (dict(dynamic_sampling=True, samples_per_prompt=1, advantage_estimator="reinforce"), "samples_per_prompt >= 2"),
+        (dict(dapo=dict(max_refill_batches=-1)), "max_refill_batches"),
+        (dict(dapo=dict(overlong_buffer=17)), r"overlong_buffer=17 must be an int in \[0, max_new_tokens=16\]"),
+        (dict(dapo=dict(overlong_penalty_factor=-1.0)), "overlong_penalty_factor"),
+        (
+            {
+                "dapo": {"dynamic_sampling": True},
+                "sampling": {"samples_per_prompt": 1},
+                "advantage_estimator": "reinforce",
+            },
+            "samples_per_prompt >= 2",
+        ),
     ],
 )
 def test_bad_settings_name_the_argument(kwargs, message):
+    kwargs = dict(kwargs)
+    sampling = SamplingConfig(max_new_tokens=16, **kwargs.pop("sampling", {}))
     with pytest.raises(ValueError, match=message):
-        RolloutCallback(max_new_tokens=16, **kwargs)
+        RolloutCallback(sampling=sampling, dapo=DAPOSettings(**kwargs.pop("dapo")), **kwargs)
 
 
 class _Logged(L.Callback):
@@ -163,13 +173,9 @@ def test_fit_with_dapo_logs_the_counts(tmp_path, max_staleness):
     module = OffPolicyRLModule(model="tiny:reverse", optimizer=partial(torch.optim.AdamW, lr=1e-3))
     callback = RolloutCallback(
         engine=HFEngine(dtype="float32"),
-        samples_per_prompt=2,
-        max_new_tokens=7,
-        max_staleness=max_staleness,
-        dynamic_sampling=True,
-        max_refill_batches=2,
-        overlong_filter=True,
-        overlong_buffer=2,
+        sampling=SamplingConfig(samples_per_prompt=2, max_new_tokens=7),
+        asynchrony=AsyncSettings(max_staleness=max_staleness),
+        dapo=DAPOSettings(dynamic_sampling=True, max_refill_batches=2, overlong_filter=True, overlong_buffer=2),
     )
     logged = _Logged()
     trainer = L.Trainer(

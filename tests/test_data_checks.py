@@ -18,6 +18,7 @@ from lightning_offpolicy.data import DatasetDataModule
 from lightning_offpolicy.data.tokenizers import HFTokenizer, encode_prompt, encode_prompts
 from lightning_offpolicy.lightning.callback import RolloutCallback
 from lightning_offpolicy.lightning.module import OffPolicyRLModule
+from lightning_offpolicy.rollout import SamplingConfig
 from tests.module_helpers import TOKENIZER, tiny_model
 from tests.tokenizer_builders import CHAT_TEMPLATE, save_char_tokenizer
 
@@ -142,7 +143,8 @@ def fit(data, max_new_tokens: int = 8, max_steps: int = 1) -> L.Trainer:
         max_steps=max_steps,
         callbacks=[
             RolloutCallback(
-                samples_per_prompt=2, max_new_tokens=max_new_tokens, reward_fn=lambda p, c, m: [0.0] * len(c)
+                sampling=SamplingConfig(samples_per_prompt=2, max_new_tokens=max_new_tokens),
+                reward_fn=lambda p, c, m: [0.0] * len(c),
             )
         ],
         logger=False,
@@ -164,7 +166,9 @@ def test_a_prompt_longer_than_the_context_fails_before_the_first_step_naming_its
         fit(data)  # before: one step trained, the long row never came up; on a long run it fails hours in
     message = str(info.value)
     assert f"`source` row 250 ({path} line 251): prompt_field 'prompt' is 262 tokens" in message
-    assert "rollout.max_new_tokens=8 that is 270 > the model's context (max_position_embeddings=256)" in message
+    assert (
+        "rollout.sampling.max_new_tokens=8 that is 270 > the model's context (max_position_embeddings=256)" in message
+    )
     assert "2 of 300 prompts of `source` are too long (others: row 270 (302)); the longest is row 270" in message
 
 

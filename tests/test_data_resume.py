@@ -18,6 +18,7 @@ from lightning_offpolicy.data import DatasetDataModule
 from lightning_offpolicy.data.tasks import PromptDataModule
 from lightning_offpolicy.lightning.callback import RolloutCallback
 from lightning_offpolicy.lightning.module import OffPolicyRLModule
+from lightning_offpolicy.rollout import SamplingConfig
 from tests.module_helpers import TOKENIZER, tiny_model
 
 
@@ -48,7 +49,7 @@ def fit(data, root, record, max_steps, ckpt_path=None, every=None, reward_fn=Non
         model=tiny_model(), tokenizer=TOKENIZER, optimizer=partial(torch.optim.AdamW, lr=1e-3), num_minibatches=1
     )
     callbacks = [
-        RolloutCallback(samples_per_prompt=2, max_new_tokens=3, seed=1, reward_fn=reward_fn),
+        RolloutCallback(sampling=SamplingConfig(samples_per_prompt=2, max_new_tokens=3), seed=1, reward_fn=reward_fn),
         RecordPrompts(record),
     ]
     if every:

@@ -88,7 +88,7 @@ def test_parse_errors_name_what_is_expected():
 def test_check_end_to_end_on_a_short_fit_and_a_small_selfcheck(tmp_path, capsys):
     fit = (
         "lightning-offpolicy fit --config configs/quickstart.yaml --trainer.max_steps=8 "
-        "--data.init_args.prompts_per_step=4 --rollout.samples_per_prompt=4"
+        "--data.init_args.prompts_per_step=4 --rollout.sampling.samples_per_prompt=4"
     )
     selfcheck = "lightning-offpolicy selfcheck --batch 8 --new-tokens 8 --logdir ''"
     rewards = docs_check.run_quickstart(fit)

@@ -19,7 +19,7 @@ from lightning_offpolicy.data.tasks import TASKS, CopyTask, PromptDataModule
 from lightning_offpolicy.lightning.callback import RolloutCallback
 from lightning_offpolicy.lightning.module import OffPolicyRLModule
 from lightning_offpolicy.metrics.evaluation import EvaluationBatch, EvaluationMetrics, prompt_seed
-from lightning_offpolicy.rollout import HFEngine
+from lightning_offpolicy.rollout import AsyncSettings, HFEngine
 from lightning_offpolicy.rollout.engine import SamplingConfig
 from tests.module_helpers import argmax_completion, tiny_model
 
@@ -214,11 +214,9 @@ def fit(
     module = OffPolicyRLModule(model="tiny:reverse", optimizer=partial(torch.optim.AdamW, lr=1e-3))
     rollout = RolloutCallback(
         engine=engine,
-        samples_per_prompt=SAMPLES,
-        max_new_tokens=NEW_TOKENS,
+        sampling=SamplingConfig(samples_per_prompt=SAMPLES, max_new_tokens=NEW_TOKENS),
         seed=SEED,
-        max_staleness=max_staleness,
-        sync_every=sync_every,
+        asynchrony=AsyncSettings(max_staleness=max_staleness, sync_every=sync_every),
         success_threshold=THRESHOLD,
     )
     spy = EvalSpy()

@@ -13,6 +13,7 @@ import pytest
 from lightning_offpolicy.data.tasks import PromptDataModule
 from lightning_offpolicy.lightning.callback import RolloutCallback
 from lightning_offpolicy.lightning.module import OffPolicyRLModule
+from lightning_offpolicy.rollout import SamplingConfig
 
 
 def validate(devices: int) -> dict[str, float]:
@@ -21,7 +22,11 @@ def validate(devices: int) -> dict[str, float]:
         accelerator="cpu",
         devices=devices,
         strategy="ddp_spawn" if devices > 1 else "auto",
-        callbacks=[RolloutCallback(samples_per_prompt=3, max_new_tokens=7, seed=5, success_threshold=0.5)],
+        callbacks=[
+            RolloutCallback(
+                sampling=SamplingConfig(samples_per_prompt=3, max_new_tokens=7), seed=5, success_threshold=0.5
+            )
+        ],
         logger=False,
         enable_progress_bar=False,
         enable_model_summary=False,

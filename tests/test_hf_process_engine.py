@@ -16,7 +16,7 @@ import torch
 from lightning_offpolicy.data.tasks import PromptDataModule
 from lightning_offpolicy.lightning.callback import RolloutCallback
 from lightning_offpolicy.lightning.module import OffPolicyRLModule
-from lightning_offpolicy.rollout import HFEngine, HFProcessEngine, SamplingConfig
+from lightning_offpolicy.rollout import AsyncSettings, HFEngine, HFProcessEngine, SamplingConfig
 from tests.engine_contract import EngineContract
 from tests.module_helpers import tiny_model
 
@@ -90,7 +90,12 @@ def test_asynchronous_fit_keeps_the_staleness_bound_and_closes_the_process(tmp_p
     L.seed_everything(0)
     module = OffPolicyRLModule(model="tiny:reverse", optimizer=partial(torch.optim.AdamW, lr=1e-3))
     engine = HFProcessEngine()
-    callback = RolloutCallback(engine=engine, samples_per_prompt=2, max_new_tokens=7, max_staleness=1, seed=3)
+    callback = RolloutCallback(
+        engine=engine,
+        sampling=SamplingConfig(samples_per_prompt=2, max_new_tokens=7),
+        asynchrony=AsyncSettings(max_staleness=1),
+        seed=3,
+    )
     versions = []
 
     class Spy(L.Callback):

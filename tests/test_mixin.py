@@ -16,6 +16,7 @@ from lightning_offpolicy.lightning import checkpoint_identity as identity
 from lightning_offpolicy.lightning.checkpoint_identity import CheckpointMismatchError
 from lightning_offpolicy.lightning.mixin import OffPolicyMixin
 from lightning_offpolicy.lightning.module import OffPolicyRLModule
+from lightning_offpolicy.rollout import SamplingConfig
 from tests.module_helpers import TOKENIZER, fit_on, make_rollout, tiny_model
 
 CORRECTION = OffPolicyCorrectionConfig.geo_mis_token_tis(low=0.8, high=1.25, clip_high=1.5)
@@ -164,7 +165,7 @@ def test_mixin_trains_a_dropout_model_without_dropout_and_gives_its_modes_back()
         enable_model_summary=False,
         # float32 engine sharing the weights: generation and training are the same function
         # of the weights once dropout is off, so the only mismatch left is batching round-off.
-        callbacks=[RolloutCallback(engine=HFEngine(), samples_per_prompt=4, max_new_tokens=6)],
+        callbacks=[RolloutCallback(engine=HFEngine(), sampling=SamplingConfig(samples_per_prompt=4, max_new_tokens=6))],
     )
     trainer.fit(module, PromptDataModule(task="reverse", prompts_per_step=4, num_train_prompts=16))
 

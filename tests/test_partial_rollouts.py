@@ -20,7 +20,7 @@ import torch
 from lightning_offpolicy.data.tasks import PromptDataModule
 from lightning_offpolicy.lightning.callback import RolloutCallback
 from lightning_offpolicy.lightning.module import OffPolicyRLModule
-from lightning_offpolicy.rollout import HFEngine, HFProcessEngine
+from lightning_offpolicy.rollout import AsyncSettings, HFEngine, HFProcessEngine
 from lightning_offpolicy.rollout.engine import INTERRUPTED, Completion, InterruptibleEngine, SamplingConfig
 from lightning_offpolicy.rollout.partial import PartialStats, generate_resumable
 from tests.module_helpers import perturbed, tiny_model
@@ -250,11 +250,9 @@ def partial_fit(root, max_batches: int, partial_rollouts: bool = True, ckpt_path
     module = OffPolicyRLModule(model="tiny:reverse", optimizer=partial(torch.optim.AdamW, lr=1e-3))
     callback = RolloutCallback(
         engine=HFEngine(dtype="float32", eos_token_id=NEVER, stop_token_ids=[]),
-        samples_per_prompt=2,
-        max_new_tokens=max_new_tokens,
+        sampling=SamplingConfig(samples_per_prompt=2, max_new_tokens=max_new_tokens),
         seed=3,
-        max_staleness=2,
-        partial_rollouts=partial_rollouts,
+        asynchrony=AsyncSettings(max_staleness=2, partial_rollouts=partial_rollouts),
     )
     spy, timing = VersionSpy(), TimingSpy(callback)
     trainer = L.Trainer(
@@ -298,7 +296,7 @@ def test_resume_after_a_stop_mid_interruption_loses_no_batch(tmp_path):
 
 def test_partial_rollouts_name_what_they_need(tmp_path):
     with pytest.raises(ValueError, match="partial_rollouts=True needs max_staleness >= 1"):
-        RolloutCallback(partial_rollouts=True)
+        RolloutCallback(asynchrony=AsyncSettings(partial_rollouts=True))
 
     class NoInterrupt:
         share_weights = False
@@ -312,7 +310,7 @@ def test_partial_rollouts_name_what_they_need(tmp_path):
         def close(self):
             pass
 
-    callback = RolloutCallback(engine=NoInterrupt(), max_staleness=1, partial_rollouts=True)
+    callback = RolloutCallback(engine=NoInterrupt(), asynchrony=AsyncSettings(max_staleness=1, partial_rollouts=True))
     trainer = L.Trainer(accelerator="cpu", max_steps=1, callbacks=[callback], logger=False, default_root_dir=tmp_path)
     module = OffPolicyRLModule(model="tiny:reverse")
     with pytest.raises(ValueError, match="needs an engine that can be interrupted"):

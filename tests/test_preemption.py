@@ -28,7 +28,7 @@ from lightning_offpolicy.demo.tiny import build_tiny_llama
 from lightning_offpolicy.lightning.callback import RolloutCallback
 from lightning_offpolicy.lightning.module import OffPolicyRLModule
 from lightning_offpolicy.lightning.preemption import SAVE_ERROR_EXIT_CODE, SIGTERM_EXIT_CODE, PreemptionCheckpoint
-from lightning_offpolicy.rollout import HFEngine
+from lightning_offpolicy.rollout import AsyncSettings, HFEngine, SamplingConfig
 from lightning_offpolicy.rollout.engine import INTERRUPTED
 from tests.vllm_fixtures import requires_vllm
 
@@ -70,7 +70,9 @@ def build(tmp_path, max_steps: int, callbacks, max_new_tokens: int = 7, val_ever
         optimizer=partial(torch.optim.AdamW, lr=1e-3),
         num_minibatches=STEPS_PER_BATCH,
     )
-    rollout_callback = RolloutCallback(samples_per_prompt=2, max_new_tokens=max_new_tokens, seed=1, **rollout)
+    rollout_callback = RolloutCallback(
+        sampling=SamplingConfig(samples_per_prompt=2, max_new_tokens=max_new_tokens), seed=1, **rollout
+    )
     trainer = L.Trainer(
         accelerator="cpu",
         max_steps=max_steps,
@@ -243,7 +245,11 @@ def test_sigterm_during_the_last_batch_still_saves_and_exits_143(tmp_path):
 def test_sigterm_stops_the_background_producer(tmp_path):
     preemption = PreemptionCheckpoint(dirpath=str(tmp_path))
     module, rollout, trainer, data = build(
-        tmp_path, 40, [SendSigterm(at_batch=2), preemption], engine=HFEngine(dtype="bfloat16"), max_staleness=1
+        tmp_path,
+        40,
+        [SendSigterm(at_batch=2), preemption],
+        engine=HFEngine(dtype="bfloat16"),
+        asynchrony=AsyncSettings(max_staleness=1),
     )
     with pytest.raises(SystemExit) as info:
         trainer.fit(module, data)
@@ -302,7 +308,7 @@ def run_cli(
         f"--trainer.logger.init_args.save_dir={tmp_path / name}",
         "--trainer.enable_progress_bar=false",
         "--data.init_args.prompts_per_step=4",
-        "--rollout.samples_per_prompt=2",
+        "--rollout.sampling.samples_per_prompt=2",
         *args,
     ]  # fmt: skip
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
@@ -509,7 +515,8 @@ def full_disk_cli(tmp_path: Path, every: int, *extra_args: str, sigterm: bool, p
         sys.executable, "-m", "lightning_offpolicy.cli", "fit",
         "--config", str(ROOT / "configs" / "quickstart.yaml"), "--config", str(extra),
         f"--trainer.default_root_dir={tmp_path / 'run'}", f"--trainer.logger.init_args.save_dir={tmp_path / 'run'}",
-        "--trainer.enable_progress_bar=false", "--data.init_args.prompts_per_step=4", "--rollout.samples_per_prompt=2",
+        "--trainer.enable_progress_bar=false", "--data.init_args.prompts_per_step=4",
+        "--rollout.sampling.samples_per_prompt=2",
         "--trainer.max_steps=2000", *extra_args,
     ]  # fmt: skip
     log_path = tmp_path / "fit.log"

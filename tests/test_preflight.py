@@ -19,7 +19,7 @@ from lightning_offpolicy.demo.tiny import build_tiny_llama
 from lightning_offpolicy.lightning.callback import RolloutCallback
 from lightning_offpolicy.lightning.module import OffPolicyRLModule
 from lightning_offpolicy.preflight import GROUP_ESTIMATORS, looks_local
-from lightning_offpolicy.rollout import HFEngine
+from lightning_offpolicy.rollout import HFEngine, SamplingConfig
 from lightning_offpolicy.rollout.advantages import compute_advantages
 from tests.test_cli import ROOT, parse
 
@@ -61,20 +61,25 @@ def test_group_estimators_give_zero_advantages_for_groups_of_one(estimator):
 @pytest.mark.parametrize("estimator", GROUP_ESTIMATORS)
 def test_one_sample_per_prompt_with_a_group_estimator_is_refused_at_construction(estimator):
     with pytest.raises(ValueError) as info:
-        RolloutCallback(samples_per_prompt=1, advantage_estimator=estimator)
+        RolloutCallback(sampling=SamplingConfig(samples_per_prompt=1), advantage_estimator=estimator)
     message = str(info.value)
-    for text in ("rollout.samples_per_prompt=1", f"rollout.advantage_estimator={estimator!r}", "reinforce", ">= 2"):
+    for text in (
+        "rollout.sampling.samples_per_prompt=1",
+        f"rollout.advantage_estimator={estimator!r}",
+        "reinforce",
+        ">= 2",
+    ):
         assert text in message
 
 
 def test_one_sample_per_prompt_is_fine_with_reinforce_and_groups_of_two_with_grpo():
-    RolloutCallback(samples_per_prompt=1, advantage_estimator="reinforce")
-    RolloutCallback(samples_per_prompt=2, advantage_estimator="grpo")
+    RolloutCallback(sampling=SamplingConfig(samples_per_prompt=1), advantage_estimator="reinforce")
+    RolloutCallback(sampling=SamplingConfig(samples_per_prompt=2), advantage_estimator="grpo")
 
 
 def test_cli_refuses_one_sample_per_prompt_with_grpo():
-    with pytest.raises(ValueError, match="rollout.samples_per_prompt=1"):
-        parse("--config", str(ROOT / "configs" / "quickstart.yaml"), "--rollout.samples_per_prompt=1")
+    with pytest.raises(ValueError, match="rollout.sampling.samples_per_prompt=1"):
+        parse("--config", str(ROOT / "configs" / "quickstart.yaml"), "--rollout.sampling.samples_per_prompt=1")
 
 
 # ---------------------------------------------------------------------------- vocabulary
@@ -84,7 +89,9 @@ def test_tokenizer_larger_than_the_embedding_fails_before_the_first_step(tmp_pat
     model = build_tiny_llama(vocab_size=32)
     module = OffPolicyRLModule(model=model, tokenizer=tokenizer)
     CountingHFEngine.calls = 0
-    callback = RolloutCallback(engine=CountingHFEngine(), samples_per_prompt=2, max_new_tokens=4)
+    callback = RolloutCallback(
+        engine=CountingHFEngine(), sampling=SamplingConfig(samples_per_prompt=2, max_new_tokens=4)
+    )
     with pytest.raises(ValueError) as info:
         fit(module, callback, tmp_path)
     assert "48 token ids" in str(info.value) and "32 rows" in str(info.value)
@@ -100,7 +107,7 @@ def test_the_rollout_callback_checks_the_vocabulary_of_any_module(tmp_path):
 
     module = PlainModule(model=build_tiny_llama(vocab_size=40), tokenizer=CharTokenizer())
     with pytest.raises(ValueError, match="48 token ids but the model's input embedding only 40 rows"):
-        fit(module, RolloutCallback(samples_per_prompt=2, max_new_tokens=4), tmp_path)
+        fit(module, RolloutCallback(sampling=SamplingConfig(samples_per_prompt=2, max_new_tokens=4)), tmp_path)
     assert module.policy_version == 0
 
 
@@ -110,10 +117,12 @@ def test_max_new_tokens_at_the_models_context_fails_at_fit_start(tmp_path):
     assert model.config.max_position_embeddings == 256
     module = OffPolicyRLModule(model=model, tokenizer=CharTokenizer())
     CountingHFEngine.calls = 0
-    callback = RolloutCallback(engine=CountingHFEngine(), samples_per_prompt=2, max_new_tokens=256)
+    callback = RolloutCallback(
+        engine=CountingHFEngine(), sampling=SamplingConfig(samples_per_prompt=2, max_new_tokens=256)
+    )
     with pytest.raises(ValueError) as info:
         fit(module, callback, tmp_path)
-    assert "rollout.max_new_tokens=256" in str(info.value) and "max_position_embeddings=256" in str(info.value)
+    assert "rollout.sampling.max_new_tokens=256" in str(info.value) and "max_position_embeddings=256" in str(info.value)
     assert CountingHFEngine.calls == 0
 
 
@@ -125,11 +134,13 @@ def test_prompt_plus_max_new_tokens_past_the_context_fails_before_generating(tmp
     max_new_tokens = 256 - shortest + 1  # every prompt of the set runs past 256
     module = OffPolicyRLModule(model=build_tiny_llama(), tokenizer=tokenizer)
     CountingHFEngine.calls = 0
-    callback = RolloutCallback(engine=CountingHFEngine(), samples_per_prompt=2, max_new_tokens=max_new_tokens)
+    callback = RolloutCallback(
+        engine=CountingHFEngine(), sampling=SamplingConfig(samples_per_prompt=2, max_new_tokens=max_new_tokens)
+    )
     with pytest.raises(ValueError) as info:
         fit(module, callback, tmp_path)
     message = str(info.value)
-    assert f"rollout.max_new_tokens={max_new_tokens}" in message and "max_position_embeddings=256" in message
+    assert f"rollout.sampling.max_new_tokens={max_new_tokens}" in message and "max_position_embeddings=256" in message
     longest = int(message.split("(")[1].split(" tokens")[0])
     assert longest + max_new_tokens > 256 and longest >= shortest
     assert CountingHFEngine.calls == 0 and module.policy_version == 0
@@ -141,10 +152,10 @@ def test_vllm_max_model_len_is_checked_before_the_engine_starts(tmp_path):
 
     engine = VLLMEngine(max_model_len=32, eos_token_id=2)
     module = OffPolicyRLModule(model=build_tiny_llama(), tokenizer=CharTokenizer())
-    callback = RolloutCallback(engine=engine, samples_per_prompt=2, max_new_tokens=40)
+    callback = RolloutCallback(engine=engine, sampling=SamplingConfig(samples_per_prompt=2, max_new_tokens=40))
     with pytest.raises(ValueError) as info:
         fit(module, callback, tmp_path)
-    assert "rollout.max_new_tokens=40" in str(info.value) and "max_model_len=32" in str(info.value)
+    assert "rollout.sampling.max_new_tokens=40" in str(info.value) and "max_model_len=32" in str(info.value)
     assert not engine.started
 
 

@@ -26,6 +26,7 @@ import psutil
 import pytest
 import torch
 
+from lightning_offpolicy.rollout import AsyncSettings
 from lightning_offpolicy.rollout.engine import Completion, RolloutEngine, SamplingConfig
 from lightning_offpolicy.rollout.vllm import LocalVLLMServer, RemoteVLLMEngine, launch_local_server
 from tests.engine_contract import VLLMEngineContract
@@ -507,7 +508,10 @@ def test_fit_with_remote_rollouts(server, weights_dir, tiny_ckpt, trainer_model,
     engine.generate = spy
     module = OffPolicyRLModule(model=str(tiny_ckpt), optimizer=partial(torch.optim.AdamW, lr=1e-3))
     callback = RolloutCallback(
-        engine=engine, samples_per_prompt=4, max_new_tokens=8, seed=0, max_staleness=max_staleness
+        engine=engine,
+        sampling=SamplingConfig(samples_per_prompt=4, max_new_tokens=8),
+        seed=0,
+        asynchrony=AsyncSettings(max_staleness=max_staleness),
     )
     trainer = L.Trainer(
         accelerator="cpu",

@@ -10,12 +10,14 @@ import torch
 from lightning_offpolicy.data.tasks import PromptDataModule
 from lightning_offpolicy.lightning.callback import RolloutCallback
 from lightning_offpolicy.lightning.module import OffPolicyRLModule
-from lightning_offpolicy.rollout import HFEngine
+from lightning_offpolicy.rollout import HFEngine, SamplingConfig
 
 
 def build(max_steps: int, root):
     module = OffPolicyRLModule(model="tiny:reverse", optimizer=partial(torch.optim.AdamW, lr=1e-3), num_minibatches=2)
-    callback = RolloutCallback(engine=HFEngine(dtype="bfloat16"), samples_per_prompt=2, max_new_tokens=7, seed=3)
+    callback = RolloutCallback(
+        engine=HFEngine(dtype="bfloat16"), sampling=SamplingConfig(samples_per_prompt=2, max_new_tokens=7), seed=3
+    )
     trainer = L.Trainer(
         accelerator="cpu",
         max_steps=max_steps,

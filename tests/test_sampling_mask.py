@@ -274,8 +274,10 @@ def _quickstart_mismatch(tmp_path, name: str, *overrides: str) -> dict[str, floa
 def test_the_quickstart_with_top_p_measures_the_engine_not_the_truncation(tmp_path, monkeypatch):
     monkeypatch.chdir(Path(__file__).resolve().parents[1])
     full = _quickstart_mismatch(tmp_path, "full")
-    masked = _quickstart_mismatch(tmp_path, "masked", "--rollout.top_p=0.7")
-    unmasked = _quickstart_mismatch(tmp_path, "unmasked", "--rollout.top_p=0.7", "--rollout.sampling_mask=false")
+    masked = _quickstart_mismatch(tmp_path, "masked", "--rollout.sampling.top_p=0.7")
+    unmasked = _quickstart_mismatch(
+        tmp_path, "unmasked", "--rollout.sampling.top_p=0.7", "--rollout.sampling.sampling_mask=false"
+    )
     # With the mask the bf16 engine's gap reads at the top_p=1.0 level (lower: top-p cuts the tail,
     # where bf16 rounding moves logprobs most); without it, the log of the mass cut off dominates.
     for key in ("kl", "abs_diff"):

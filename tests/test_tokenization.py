@@ -22,6 +22,7 @@ from lightning_offpolicy.data.tasks import PromptDataModule
 from lightning_offpolicy.data.tokenizers import CharTokenizer, HFTokenizer, encode_prompt
 from lightning_offpolicy.lightning.callback import RolloutCallback
 from lightning_offpolicy.lightning.module import OffPolicyRLModule
+from lightning_offpolicy.rollout import SamplingConfig
 from lightning_offpolicy.rollout.engine import SpecialTokens, first_stop, generation_eos_ids
 from lightning_offpolicy.rollout.hf.engine import HFEngine
 from tests.tokenizer_builders import (
@@ -306,7 +307,7 @@ def test_rollout_prompts_follow_the_tokenizer_and_stop_on_every_eos(hf_checkpoin
     ]
     module = OffPolicyRLModule(model=str(hf_checkpoint))
     capture = _CaptureRollout()
-    rollout_cb = RolloutCallback(max_new_tokens=24, samples_per_prompt=16, seed=1)
+    rollout_cb = RolloutCallback(sampling=SamplingConfig(max_new_tokens=24, samples_per_prompt=16), seed=1)
     trainer = L.Trainer(
         max_steps=1,
         logger=False,

@@ -15,6 +15,7 @@ from lightning_offpolicy.data.tokenizers import (
     HFTokenizer,
     load_tokenizer,
 )
+from lightning_offpolicy.rollout import SamplingConfig
 
 
 def test_default_alphabet_covers_tasks_and_fits_the_tiny_model():
@@ -124,7 +125,7 @@ def test_a_model_directory_without_tokenizer_files_fails_at_load_naming_them(tmp
     trainer = L.Trainer(
         accelerator="cpu",
         max_steps=1,
-        callbacks=[RolloutCallback(engine=HFEngine(), samples_per_prompt=2, max_new_tokens=4)],
+        callbacks=[RolloutCallback(engine=HFEngine(), sampling=SamplingConfig(samples_per_prompt=2, max_new_tokens=4))],
         logger=False,
         enable_checkpointing=False,
         enable_progress_bar=False,

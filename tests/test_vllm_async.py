@@ -17,6 +17,7 @@ from lightning_offpolicy.cli import main
 from lightning_offpolicy.data.tasks import PromptDataModule
 from lightning_offpolicy.lightning.callback import RolloutCallback
 from lightning_offpolicy.lightning.module import OffPolicyRLModule
+from lightning_offpolicy.rollout import AsyncSettings, SamplingConfig
 from lightning_offpolicy.rollout.vllm.inprocess import VLLMEngine
 from tests.test_async_rollout import VersionSpy
 from tests.test_vllm_fit import vllm_children
@@ -33,7 +34,7 @@ def test_async_vllm_fit_from_the_yaml_stays_within_max_staleness_and_logs_the_qu
         "fit", "--config", str(ROOT / "configs" / "vllm_async.yaml"),
         "--trainer.max_steps=16", f"--trainer.logger.init_args.save_dir={tmp_path}",
         f"--trainer.default_root_dir={tmp_path}", "--trainer.enable_progress_bar=false",
-        "--data.init_args.prompts_per_step=8", "--rollout.samples_per_prompt=4",
+        "--data.init_args.prompts_per_step=8", "--rollout.sampling.samples_per_prompt=4",
         # The config ships bypass mode, whose rollout_corr/* compare pi_theta per mini-batch (the
         # second one has moved a step): decoupled here, so the first batch's metric is the bf16 gap alone.
         "--model.correction.bypass_mode=false",
@@ -93,7 +94,11 @@ def test_engine_death_mid_async_fit_stops_cleanly_and_keeps_the_checkpoint(tmp_p
         accelerator="cpu",
         max_steps=40,
         callbacks=[
-            RolloutCallback(engine=engine, samples_per_prompt=2, max_new_tokens=7, max_staleness=2),
+            RolloutCallback(
+                engine=engine,
+                sampling=SamplingConfig(samples_per_prompt=2, max_new_tokens=7),
+                asynchrony=AsyncSettings(max_staleness=2),
+            ),
             spy,
             killer,
             checkpoints,

@@ -9,6 +9,7 @@ import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from lightning_offpolicy.cli import main
+from lightning_offpolicy.rollout import SamplingConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -19,7 +20,7 @@ def test_fit_with_vllm_rollouts_logs_a_real_bf16_mismatch_and_closes_the_engine(
         "fit", "--config", str(ROOT / "configs" / "vllm.yaml"),
         "--trainer.max_steps=6", f"--trainer.logger.init_args.save_dir={tmp_path}",
         f"--trainer.default_root_dir={tmp_path}", "--trainer.enable_progress_bar=false",
-        "--data.init_args.prompts_per_step=8", "--rollout.samples_per_prompt=4",
+        "--data.init_args.prompts_per_step=8", "--rollout.sampling.samples_per_prompt=4",
     ])  # fmt: skip
     (version,) = list((tmp_path / "vllm").iterdir())
     events = EventAccumulator(str(version))
@@ -73,7 +74,7 @@ def test_the_default_engine_dtype_is_the_trainers(tmp_path):
             seen.append((engine.compute_dtype, float(trainer.callback_metrics["rollout_corr/abs_logprob_diff_max"])))
 
     module = OffPolicyRLModule(model=build_tiny_llama(), tokenizer=CharTokenizer())
-    rollout = RolloutCallback(engine=engine, samples_per_prompt=2, max_new_tokens=8)
+    rollout = RolloutCallback(engine=engine, sampling=SamplingConfig(samples_per_prompt=2, max_new_tokens=8))
     trainer = L.Trainer(
         accelerator="cpu", max_steps=2, callbacks=[rollout, Record()], default_root_dir=tmp_path, logger=False,
         enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,

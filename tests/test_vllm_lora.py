@@ -19,12 +19,7 @@ from lightning_offpolicy.data.tokenizers import CharTokenizer
 from lightning_offpolicy.logprobs import causal_lm_token_logprobs
 from lightning_offpolicy.rollout.engine import Completion, SamplingConfig
 from lightning_offpolicy.rollout.vllm.inprocess import VLLMEngine
-from lightning_offpolicy.rollout.vllm.weight_sync import (
-    adapter_rank,
-    base_state_dict,
-    merged_state_dict,
-    save_adapter,
-)
+from lightning_offpolicy.rollout.vllm.peft_export import adapter_rank, base_state_dict, merged_state_dict, save_adapter
 from tests.vllm_fixtures import (
     ENGINE_KWARGS,
     requires_vllm,

@@ -13,7 +13,7 @@ own session, once per condition: ``quiet`` and ``hog`` (beside busy-loop process
 * the reward rises: mean ``train/reward`` of the last block of batches > of the first block (read from
   the TensorBoard event files; a block is a quarter of the batches, at most 30; not asserted with
   ``--quick``, too few batches);
-* the staleness bound holds: every ``staleness/max`` <= the run's ``rollout.max_staleness``;
+* the staleness bound holds: every ``staleness/max`` <= the run's ``rollout.asynchrony.max_staleness``;
 * no process of its session is left over (DDP ranks, vLLM EngineCore processes) once it has exited;
 * the last checkpoint loads and resumes: a second fit from it (``--ckpt_path``) for ``--resume-batches``
   batches exits 0 and continues the policy version (first logged version = saved + one batch).
@@ -181,7 +181,7 @@ def soak_one(
             result.failures.append("reward did not rise (first vs last block)")
 
         staleness = scalars(directory, "staleness/max")
-        result.staleness_bound = int(rollout.get("max_staleness", 0))
+        result.staleness_bound = int((rollout.get("asynchrony") or {}).get("max_staleness", 0))
         result.staleness_max = max(staleness) if staleness else None
         if result.staleness_max is None:
             result.failures.append("staleness/max not logged")
@@ -234,7 +234,7 @@ def markdown(results: list[RunResult], skipped: list[SoakConfig], meta: dict[str
         "",
         "Checks per run: exit status 0; the reward rises (mean `train/reward` of the last block of batches > "
         "of the first, a block = a quarter of the batches, at most 30); every `staleness/max` <= "
-        "`rollout.max_staleness`; no process of the run's session (DDP ranks, vLLM EngineCore) outlives it; "
+        "`rollout.asynchrony.max_staleness`; no process of the run's session (DDP ranks, vLLM EngineCore) outlives it; "
         f"the last checkpoint resumes for {meta['resume_batches']} batches and continues the policy version. "
         f"`hog` runs beside {meta['hog_processes']} busy-loop process(es).",
         "",

@@ -18,8 +18,8 @@ CPU_FORMS: dict[str, list[str]] = {
         "--model.model=tiny:reverse", "--model.torch_dtype=float32", "--model.lora_rank=8",
         "--model.lora_alpha=16", "--model.optimizer.init_args.lr=1e-3", "--trainer.accelerator=cpu",
         "--rollout.engine.init_args.dtype=float32", "--rollout.engine.init_args.max_model_len=128",
-        "--rollout.engine.init_args.enforce_eager=true", "--rollout.max_new_tokens=8",
-        "--rollout.samples_per_prompt=2", "--data.init_args.prompts_per_step=4",
+        "--rollout.engine.init_args.enforce_eager=true", "--rollout.sampling.max_new_tokens=8",
+        "--rollout.sampling.samples_per_prompt=2", "--data.init_args.prompts_per_step=4",
     ],
 }  # fmt: skip
 # Local checkpoints that a shipped command builds (the config's own header names it): the soak builds

@@ -229,7 +229,7 @@ def check_prompt_lengths(
         field: the prompt column.
         locate: names a row in the message.
         tokenizer: what the rollouts encode prompts with (its own rule: bos, chat template).
-        max_new_tokens: ``rollout.max_new_tokens``.
+        max_new_tokens: ``rollout.sampling.max_new_tokens``.
         limit: ``(tokens, description)`` of the context, as :func:`lightning_offpolicy.preflight.context_limit`.
         owner: the class named in the message.
     """
@@ -261,11 +261,13 @@ def check_prompt_lengths(
         longest_row = -longest[1]
         others = ", ".join(f"row {r} ({n})" for r, n in too_long[1:])
         raise ValueError(
-            f"{owner}: {locate(row)}: prompt_field {field!r} is {length} tokens, and with rollout.max_new_tokens="
-            f"{max_new_tokens} that is {length + max_new_tokens} > {limit[1]} ({limit[0]} tokens): a prompt may "
+            f"{owner}: {locate(row)}: prompt_field {field!r} is {length} tokens, and with "
+            f"rollout.sampling.max_new_tokens={max_new_tokens} that is {length + max_new_tokens} > {limit[1]} "
+            f"({limit[0]} tokens): a prompt may "
             f"have at most {budget} tokens. {count} of {len(rows)} prompts of `{locate.setting}` are too long"
             + (f" (others: {others})" if others else "")
             + f"; the longest is row {longest_row} ({longest[0]} tokens). Drop or shorten those rows, lower "
-            "rollout.max_new_tokens, or use a model / engine with a longer context (vLLM: a larger max_model_len)."
+            "rollout.sampling.max_new_tokens, or use a model / engine with a longer context (vLLM: a larger "
+            "max_model_len)."
         )
     return longest[0]

@@ -207,7 +207,7 @@ class DatasetDataModule(ResumableTrainLoader, LightningDataModule):
 
         Args:
             tokenizer: the tokenizer the rollouts encode prompts with.
-            max_new_tokens: ``rollout.max_new_tokens``.
+            max_new_tokens: ``rollout.sampling.max_new_tokens``.
             limit: ``(tokens, description)`` of the context
                 (:func:`lightning_offpolicy.preflight.context_limit`); ``None``: not known, nothing checked.
         """

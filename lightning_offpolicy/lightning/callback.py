@@ -1,47 +1,23 @@
 """``RolloutCallback``: turns the run's prompts into scored rollouts for ``training_step``.
 
-Two ways of running, chosen by ``max_staleness``:
+* **Synchronous** (``asynchrony.max_staleness=0``, the default): in ``on_train_batch_start``, after
+  the previous optimizer step, it pushes the weights to the engine and attaches the step's
+  :class:`~lightning_offpolicy.batch.RolloutBatch` to its :class:`~lightning_offpolicy.batch.PromptBatch`
+  (not in the DataLoader: Lightning reads it one batch ahead, which would train one version stale).
+* **Asynchronous** (``max_staleness=k > 0``): a
+  :class:`~lightning_offpolicy.rollout.producer.RolloutProducer` thread generates from its own copy
+  of the train prompts, at most ``k`` versions ahead, and each step trains the next batch it finished.
+* **Held-out evaluation**: in ``on_validation_batch_start`` it attaches an
+  :class:`~lightning_offpolicy.metrics.evaluation.EvaluationBatch` (greedy and sampled completions,
+  scored) without moving anything of the training stream.
 
-* **Synchronous** (``max_staleness=0``, the default). In ``on_train_batch_start`` (after the
-  previous optimizer step, so with the weights of this very step) it pushes the weights to the
-  engine, generates ``samples_per_prompt`` completions per prompt, scores them with the reward
-  function, computes group advantages and attaches the
-  :class:`~lightning_offpolicy.batch.RolloutBatch` to the step's
-  :class:`~lightning_offpolicy.batch.PromptBatch`. Generating here rather than in the DataLoader
-  matters: Lightning reads the loader one batch ahead, so a loader that generated would always
-  train one version stale.
-* **Asynchronous** (``max_staleness=k > 0``). A background thread
-  (:class:`~lightning_offpolicy.rollout.producer.RolloutProducer`) generates from its own copy of
-  the train prompts while the trainer trains, admitting a batch only when it will be trained at
-  most ``k`` policy versions after the weights that generate it (admission control, nothing
-  generated is discarded). In ``on_train_batch_start`` the callback swaps the next finished
-  batch (prompts and rollout) into the loader's ``PromptBatch``: the loader's own batches only pace
-  the steps and epochs, so Lightning's one-batch read-ahead does not count against the bound.
-  Weights are pushed every ``sync_every`` optimizer steps, between two generation requests.
-
-Held-out evaluation: when the datamodule has a ``val_dataloader()`` of ``PromptBatch``, Lightning's
-validation loop runs (``val_check_interval``, ``check_val_every_n_epoch``, ``limit_val_batches``,
-the sanity check). In ``on_validation_batch_start`` the callback pushes the trainer's current
-weights, generates one greedy and ``samples_per_prompt`` sampled completions per prompt, scores
-them and attaches an :class:`~lightning_offpolicy.metrics.evaluation.EvaluationBatch`; the module logs
-``val/*`` (see :mod:`lightning_offpolicy.metrics.evaluation`). Evaluation leaves training as it is: no
-seed, prompt or counter of the training stream moves. In asynchronous mode it runs between two
-generation requests of the producer (``engine_access``) and tells the producer that its engine
-now holds the current weights.
-
-What it needs from the LightningModule (``OffPolicyRLModule`` has all of it):
-
-* ``policy``: the causal LM to sample with (shared with ``HFEngine``, no copy);
-* ``tokenizer``: ``encode_prompt(prompt) -> list[int]`` (or ``encode(text)``; see
-  :func:`~lightning_offpolicy.data.tokenizers.encode_prompt`), ``decode(ids) -> str``, ``pad_token_id``,
-  ``eos_token_id``. Engines stop on its eos and on every eos id of ``policy.generation_config``;
-* ``policy_version``: the number of optimizer steps taken, stamped on every generated token;
-* optionally ``optimizer_steps_per_batch`` (default 1): policy versions one batch advances, for the
-  admission rule of the asynchronous mode.
+How each mode works and what it needs of the LightningModule (``policy``, ``tokenizer``,
+``policy_version``, optionally ``optimizer_steps_per_batch``): docs/async.md and docs/training.md.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable
 from typing import Any, TypeVar
@@ -53,7 +29,7 @@ from lightning.pytorch.utilities import rank_zero_info
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from typing_extensions import override
 
-from lightning_offpolicy.argcheck import is_int, is_number, is_real
+from lightning_offpolicy.argcheck import is_number, is_real
 from lightning_offpolicy.batch import PromptBatch, RolloutBatch
 from lightning_offpolicy.data.rewards import DEFAULT_REWARD_TIMEOUT_S, RewardSpec, resolve_reward
 from lightning_offpolicy.lightning.log_steps import is_logging_step
@@ -61,8 +37,9 @@ from lightning_offpolicy.lightning.preemption import on_any_rank
 from lightning_offpolicy.metrics.evaluation import EvaluationBatch
 from lightning_offpolicy.preflight import check_context, check_group_size, check_vocab, context_limit
 from lightning_offpolicy.rollout.advantages import ADVANTAGE_ESTIMATORS
+from lightning_offpolicy.rollout.asynchrony import AsyncSettings
 from lightning_offpolicy.rollout.dapo import DAPOSettings
-from lightning_offpolicy.rollout.engine import InterruptibleEngine, RolloutEngine, SamplingConfig, generation_eos_ids
+from lightning_offpolicy.rollout.engine import InterruptibleEngine, RolloutEngine, SamplingConfig, fill_special_tokens
 from lightning_offpolicy.rollout.hf.engine import HFEngine
 from lightning_offpolicy.rollout.partial import RolloutStopped
 from lightning_offpolicy.rollout.producer import RolloutProducer
@@ -77,171 +54,87 @@ class RolloutCallback(Callback):
     """Generate, score and attach rollouts for every training batch, synchronously or in the background.
 
     Args:
-        engine: The rollout engine; ``None`` builds an :class:`HFEngine` that shares the module's
-            weights. ``HFEngine(dtype="bfloat16")`` samples from a bfloat16 copy (a real
-            training-inference mismatch, as with vLLM).
-        reward_fn: ``(prompts, completions, metadata) -> rewards`` (one float per completion): a
-            callable, an import path (``my_pkg.rewards.exact_match`` or ``my_pkg.rewards:exact_match``),
-            or a list of ``{"fn": path, "weight": w, "name": n}`` / paths whose weighted sum is the
-            reward, each part logged as ``reward/<name>`` (see
-            :func:`lightning_offpolicy.data.rewards.resolve_reward`). ``None`` takes the datamodule's
-            ``reward_fn``.
-        reward_timeout_s: Longest one call of the reward function on a batch may take (each part
-            of a weighted reward is one call; seconds). The call runs in a worker thread; past the
-            limit it is abandoned and the fit stops with a ``RewardError`` naming the reward and
-            the row it was scoring. A call still running after 10 s (or half the limit, if
-            shorter) is reported in the log, again at 20 s, 40 s, ... ``None``: no limit, and the
-            reward runs on the calling thread (for rewards that must run on the main thread).
-        max_new_tokens: Maximum tokens generated per completion.
-        temperature: Sampling temperature (the module scores with its own ``temperature``: keep
-            them equal).
-        top_k: Top-k filter of the sampler (0: off).
-        top_p: Nucleus filter of the sampler (1.0: off).
-        sampling_mask: Under top-k / top-p, renormalize the trainer's ``pi_prox`` / ``pi_theta`` /
-            reference logprobs over the tokens the engine kept at each position, as the engine's
-            own logprobs are (DeepSeek-V3.2's keep-sampling-mask; docs/off_policy_correction.md,
-            "Sampling masks"). ``False`` scores over the whole vocabulary: every importance ratio
-            then carries the log of the mass cut off; for comparisons only.
-        samples_per_prompt: Completions per prompt (the advantage group).
+        engine: The rollout engine; ``None``: an :class:`HFEngine` sharing the module's weights.
+        reward_fn: ``(prompts, completions, metadata) -> rewards``: a callable, an import path or a
+            weighted list (docs/training.md); ``None`` takes the datamodule's ``reward_fn``.
+        reward_timeout_s: Longest one reward call on a batch may take (seconds); ``None``: no limit.
+        sampling: How completions are sampled.
         advantage_estimator: ``"grpo"``, ``"dr_grpo"``, ``"rloo"`` or ``"reinforce"``.
-        seed: Base seed of the sampler; batch ``j`` on rank ``r`` uses a seed derived from (seed, j, r).
-        max_staleness: Most policy versions (optimizer steps) between the weights that generate a
-            token and the step that trains it. 0: synchronous generation with the step's own
-            weights; ``k > 0``: generation runs in a background thread, up to ``k`` versions ahead
-            (the engine must keep its own weights: vLLM, or ``HFEngine(dtype=...)``).
-        sync_every: Push the weights to the engine every this many optimizer steps (asynchronous
-            mode; at batch boundaries). Needs ``max_staleness >= sync_every - 1``, or no batch
-            could ever be admitted.
-        success_threshold: Held-out evaluation: a prompt passes (``val/pass@k``) when one of its
-            ``samples_per_prompt`` sampled completions gets a reward ``>= success_threshold``.
-        dynamic_sampling: DAPO's dynamic sampling: drop the groups whose rewards all equal each other
-            (zero advantage) and refill the batch with groups of further train prompts (a second pass
-            over the train dataloader); logs ``rollout/groups_dropped``, ``rollout/refill_batches``
-            and ``rollout/groups_short``.
-        max_refill_batches: Most extra generation calls per batch for the refill (then the batch
-            trains with fewer groups).
-        overlong_filter: DAPO's overlong filtering: completions cut at ``max_new_tokens`` stay in
-            their group's baseline but leave the loss (``rollout/overlong_filtered``).
-        overlong_buffer: DAPO's soft overlong punishment: within the last ``overlong_buffer`` tokens
-            before ``max_new_tokens`` the reward is lowered linearly, by up to
-            ``overlong_penalty_factor`` (logged as ``reward/overlong_penalty``); 0: off.
-        overlong_penalty_factor: The punishment at ``max_new_tokens``.
-        partial_rollouts: Asynchronous mode: a weight push interrupts the generation request in
-            flight instead of waiting for it, and the interrupted completions are continued from
-            their tokens so far under the new weights (each token keeps the version and logprob of
-            the weights that sampled it; AReaL's, slime's and SkyRL's partial rollouts). Needs
-            ``max_staleness >= 1`` and an engine with ``interrupt()`` (HFEngine, HFProcessEngine,
-            VLLMEngine, RemoteVLLMEngine). Logs ``rollout/interrupted_frac``,
-            ``rollout/continuation_calls`` and ``rollout/tokens_per_version``. Worth it when
-            completions are long against a training step (docs/reports/performance_async.md).
+        seed: Base seed of the sampler (batch ``j`` on rank ``r`` derives its own).
+        asynchrony: Background generation with bounded staleness; default: synchronous.
+        dapo: DAPO's dynamic sampling and overlong handling.
+        success_threshold: The reward a held-out sample needs for its prompt to pass (``val/pass@k``).
+
+    Raises:
+        ValueError: A setting is out of range or settings contradict each other; the message names
+            the setting.
     """
 
     def __init__(
         self,
         engine: RolloutEngine | None = None,
         reward_fn: RewardSpec = None,
-        max_new_tokens: int = 16,
-        temperature: float = 1.0,
-        top_k: int = 0,
-        top_p: float = 1.0,
-        sampling_mask: bool = True,
-        samples_per_prompt: int = 4,
+        reward_timeout_s: float | None = DEFAULT_REWARD_TIMEOUT_S,
+        sampling: SamplingConfig = SamplingConfig(),  # noqa: B008 (read-only, copied)
         advantage_estimator: str = "grpo",
         seed: int = 0,
-        max_staleness: int = 0,
-        sync_every: int = 1,
+        asynchrony: AsyncSettings = AsyncSettings(),  # noqa: B008 (frozen)
+        dapo: DAPOSettings = DAPOSettings(),  # noqa: B008 (frozen)
         success_threshold: float = 1.0,
-        dynamic_sampling: bool = False,
-        max_refill_batches: int = 4,
-        overlong_filter: bool = False,
-        overlong_buffer: int = 0,
-        overlong_penalty_factor: float = 1.0,
-        partial_rollouts: bool = False,
-        reward_timeout_s: float | None = DEFAULT_REWARD_TIMEOUT_S,
     ) -> None:
         if advantage_estimator not in ADVANTAGE_ESTIMATORS:
             raise ValueError(
                 f"RolloutCallback.advantage_estimator={advantage_estimator!r} is not known; allowed: "
                 f"{', '.join(ADVANTAGE_ESTIMATORS)}."
             )
-        if not is_int(max_staleness) or max_staleness < 0:
-            raise ValueError(
-                f"RolloutCallback.max_staleness={max_staleness!r} must be an int >= 0 (0: synchronous rollouts)."
-            )
-        if not is_int(sync_every) or sync_every < 1:
-            raise ValueError(f"RolloutCallback.sync_every={sync_every!r} must be an int >= 1.")
-        if max_staleness < sync_every - 1:
-            raise ValueError(
-                f"RolloutCallback.sync_every={sync_every} needs max_staleness >= sync_every - 1 = {sync_every - 1} "
-                f"(got max_staleness={max_staleness}): between two pushes the engine falls up to sync_every - 1 "
-                "versions behind, so no batch could be admitted. Raise max_staleness or lower sync_every."
-            )
         if not is_real(success_threshold):
             raise ValueError(
                 f"RolloutCallback.success_threshold={success_threshold!r} must be a number (the reward a sample "
                 "needs for its prompt to count in val/pass@k)."
-            )
-        if not isinstance(partial_rollouts, bool):
-            raise ValueError(f"RolloutCallback.partial_rollouts={partial_rollouts!r} must be True or False.")
-        if partial_rollouts and max_staleness < 1:
-            raise ValueError(
-                "RolloutCallback.partial_rollouts=True needs max_staleness >= 1: synchronous rollouts never push "
-                "weights while a request is in flight, so there is nothing to interrupt."
             )
         if reward_timeout_s is not None and not (is_number(reward_timeout_s) and reward_timeout_s > 0):
             raise ValueError(
                 f"RolloutCallback.reward_timeout_s={reward_timeout_s!r} must be > 0 (seconds per reward call) or "
                 "None (no limit)."
             )
-        check_group_size(samples_per_prompt, advantage_estimator)
-        self.dapo = DAPOSettings(
-            dynamic_sampling=bool(dynamic_sampling),
-            max_refill_batches=max_refill_batches,
-            overlong_filter=bool(overlong_filter),
-            overlong_buffer=overlong_buffer,
-            overlong_penalty_factor=overlong_penalty_factor,
-        )
-        self.dapo.check("RolloutCallback", max_new_tokens)
-        if dynamic_sampling and samples_per_prompt < 2:
+        for name, value, kind in (
+            ("sampling", sampling, SamplingConfig),
+            ("asynchrony", asynchrony, AsyncSettings),
+            ("dapo", dapo, DAPOSettings),
+        ):
+            if not isinstance(value, kind):
+                raise TypeError(f"RolloutCallback.{name} must be a {kind.__name__}; got {type(value).__name__}.")
+        if sampling.greedy:
             raise ValueError(
-                "RolloutCallback.dynamic_sampling=True needs samples_per_prompt >= 2: a group of one sample "
-                "always has equal rewards, so every group would be dropped."
+                "RolloutCallback.sampling.greedy=True: training needs the logprobs of a sampling distribution; "
+                "greedy decoding is for evaluation only (the callback's held-out evaluation adds it itself)."
             )
+        check_group_size(sampling.samples_per_prompt, advantage_estimator)
+        dapo.check(sampling.max_new_tokens, sampling.samples_per_prompt)
         self.engine = engine
         self.reward_fn = resolve_reward(reward_fn, "RolloutCallback.reward_fn")
-        self.sampling = SamplingConfig(
-            max_new_tokens=max_new_tokens,
-            temperature=temperature,
-            top_k=top_k,
-            top_p=top_p,
-            samples_per_prompt=samples_per_prompt,
-            sampling_mask=sampling_mask,
-        )
+        self.sampling = dataclasses.replace(sampling)
         self.advantage_estimator = advantage_estimator
         self.seed = seed
-        self.max_staleness = max_staleness
-        self.sync_every = sync_every
+        self.asynchrony = asynchrony
+        self.dapo = dapo
         self.success_threshold = float(success_threshold)
-        self.partial_rollouts = partial_rollouts
         self.reward_timeout_s = None if reward_timeout_s is None else float(reward_timeout_s)
         # Policy version whose weights the current validation epoch pushed (None: not pushed yet).
         self._evaluated_version: int | None = None
         #: Batches handed to training so far (restored from checkpoints; numbers the seeds).
         self.generated_batches = 0
-        #: Samples generated but too stale to train (regenerated; 0 unless the module takes more
-        #: optimizer steps per batch than its ``optimizer_steps_per_batch`` announces).
+        #: Samples generated but too stale to train (regenerated; docs/async.md).
         self.dropped_samples = 0
         self.last_timing: dict[str, float] = {}
         self.producer: RolloutProducer | None = None
         self._preempted = False  # preempt() was called: the next batch start stops the fit
-        # Asynchronous machinery for max_staleness=0 too: the tests use it to prove both modes agree.
-        self._background = max_staleness > 0
+        self._background = asynchrony.background
         self._tokenizer: Any = None
         self._rank = 0
         self._version_at_batch_start = 0
         self._context_limit: tuple[int, str] | None = None
-        # Dynamic sampling: the refill prompts (a second pass over the train prompts) and, per batch
-        # index, the counts of its rollout until the batch is trained.
+        # Dynamic sampling's refill prompts (a second pass); each batch's counts until it is trained.
         self._refill_prompts: Any = None
         self._sampling_stats: dict[int, dict[str, float]] = {}
 
@@ -272,23 +165,11 @@ class RolloutCallback(Callback):
         policy_temperature = getattr(pl_module, "temperature", None)
         if policy_temperature is not None and abs(policy_temperature - self.sampling.temperature) > 1e-9:
             raise ValueError(
-                f"RolloutCallback.temperature={self.sampling.temperature} differs from the module's "
+                f"RolloutCallback.sampling.temperature={self.sampling.temperature} differs from the module's "
                 f"temperature={policy_temperature}: the trainer would score another distribution than the "
                 "engine samples. Set both to the same value."
             )
-        if self._background and (self.engine is None or getattr(self.engine, "share_weights", False)):
-            raise ValueError(
-                f"RolloutCallback(max_staleness={self.max_staleness}) generates in the background while the trainer "
-                "updates the weights, so the engine needs its own copy of them: use HFProcessEngine (generation in "
-                "its own process, the fastest on a CPU with a core to spare), VLLMEngine, or "
-                "HFEngine(dtype='float32' / 'bfloat16') instead of an HFEngine that shares the module's weights."
-            )
-        if self.partial_rollouts and not callable(getattr(self.engine, "interrupt", None)):
-            raise ValueError(
-                f"RolloutCallback.partial_rollouts=True needs an engine that can be interrupted (an `interrupt()` "
-                f"method); {type(self.engine).__name__} has none. Use HFProcessEngine, HFEngine(dtype=...), "
-                "VLLMEngine or RemoteVLLMEngine, or set partial_rollouts=False."
-            )
+        self.asynchrony.check_engine(self.engine)
         self._rank = trainer.global_rank
 
     @override
@@ -310,16 +191,7 @@ class RolloutCallback(Callback):
     def _engine(self, pl_module: LightningModule) -> RolloutEngine:
         if self.engine is None:
             self.engine = HFEngine()
-        if hasattr(self.engine, "set_special_tokens"):
-            # Stop where the model's generation config says (a chat model's end-of-turn id included),
-            # as transformers and vLLM do, besides the tokenizer's eos.
-            eos_ids = generation_eos_ids(pl_module.policy)
-            eos = pl_module.tokenizer.eos_token_id
-            self.engine.set_special_tokens(
-                pl_module.tokenizer.pad_token_id,
-                eos if eos is not None else (eos_ids[0] if eos_ids else None),
-                stop_token_ids=eos_ids,
-            )
+        fill_special_tokens(self.engine, pl_module.policy, pl_module.tokenizer)
         self._tokenizer = pl_module.tokenizer
         return self.engine
 
@@ -347,12 +219,12 @@ class RolloutCallback(Callback):
             prompt_batches=prompt_batches(
                 source, trainer.global_rank, trainer.world_size, skip=self.generated_batches, seed=self.seed
             ),
-            max_staleness=self.max_staleness,
+            max_staleness=self.asynchrony.max_staleness,
             steps_per_batch=_steps_per_batch(pl_module),
             first_index=self.generated_batches,
             trainer_version=version,
             engine_version=version,
-            interrupt=engine.interrupt if self.partial_rollouts else None,
+            interrupt=engine.interrupt if self.asynchrony.partial_rollouts else None,
         )
         self.producer.start()
 
@@ -390,10 +262,8 @@ class RolloutCallback(Callback):
     def preempt(self) -> None:
         """Cut the rollout in flight short for a preemption (thread-safe; PreemptionCheckpoint calls it on SIGTERM).
 
-        The engine's ``generate`` call in flight returns at once where the engine is interruptible
-        (a remote request that hangs too), the background producer starts no new request, and the batch
-        whose rollout was cut is not trained: its ``on_train_batch_start`` raises Lightning's
-        ``SIGTERMException``, so the state saved is that of the last completed batch.
+        The batch whose rollout was cut is not trained, so the state saved is that of the last
+        completed batch (docs/async.md, "Checkpoints, resume, failures").
         """
         self._preempted = True
         if self.producer is not None:
@@ -402,13 +272,9 @@ class RolloutCallback(Callback):
             self.engine.interrupt()
 
     def _unless_preempted(self, trainer: Trainer, work: Callable[[], _T]) -> _T:
-        """What ``work`` (the batch's generation) returns; if :meth:`preempt` cut it short, raise Lightning's
-        ``SIGTERMException`` instead (the batch is not trained, nothing of it logged).
-
-        Under several ranks every rank stops at the same batch: a rank whose generation was cut would
-        otherwise leave the others waiting in the training step's collectives. A rank the signal did not
-        reach finishes its generation first.
-        """
+        """What ``work`` (the batch's generation) returns, or Lightning's ``SIGTERMException`` if :meth:`preempt`
+        cut it short on any rank (every rank stops at the same batch, or the others would wait in the step's
+        collectives)."""
         try:
             result = work()
         except RolloutStopped:
@@ -451,9 +317,8 @@ class RolloutCallback(Callback):
         return rollout
 
     def _record_sync_probe_diff(self) -> None:
-        """Log the sync self-check's max |engine - trainer| probe logprob difference as ``rollout/sync_probe_diff``."""
-        diff = getattr(self.engine, "last_sync_check_max_abs_diff", None)
-        if diff is not None:
+        """Log the engine's sync self-check (max |engine - trainer| probe logprob) as ``rollout/sync_probe_diff``."""
+        if (diff := getattr(self.engine, "last_sync_check_max_abs_diff", None)) is not None:
             self.last_timing["sync_probe_diff"] = float(diff)
 
     def _pipeline(self) -> Rollouter:
@@ -532,7 +397,7 @@ class RolloutCallback(Callback):
     def _after_async_step(self, pl_module: LightningModule) -> None:
         version = int(pl_module.policy_version)
         self.producer.observe_steps_per_batch(version - self._version_at_batch_start)
-        if version - self.producer.engine_version < self.sync_every:
+        if version - self.producer.engine_version < self.asynchrony.sync_every:
             return
         started = time.perf_counter()
         # Waits for the generation request in flight, or interrupts it (partial_rollouts).

@@ -29,12 +29,15 @@ class DAPOSettings:
     """What of DAPO a rollout uses (all off by default).
 
     Args:
-        dynamic_sampling: Drop groups whose rewards all equal each other and refill the batch.
-        max_refill_batches: Most extra generation calls per batch to refill it (then the batch is
-            trained with the groups it has).
+        dynamic_sampling: Drop the groups whose rewards all equal each other and refill the batch
+            from further train prompts (``rollout/groups_dropped``).
+        max_refill_batches: Most extra generation calls per batch to refill it.
         overlong_filter: Leave completions cut at ``max_new_tokens`` out of the loss.
-        overlong_buffer: Tokens before ``max_new_tokens`` where the soft punishment applies (0: off).
+        overlong_buffer: Tokens before ``max_new_tokens`` where the reward is lowered linearly (0: off).
         overlong_penalty_factor: The punishment at ``max_new_tokens`` (subtracted from the reward).
+
+    Raises:
+        ValueError: A setting is out of range; the message names it and what is allowed.
     """
 
     dynamic_sampling: bool = False
@@ -43,20 +46,42 @@ class DAPOSettings:
     overlong_buffer: int = 0
     overlong_penalty_factor: float = 1.0
 
-    def check(self, owner: str, max_new_tokens: int) -> None:
-        """Raise ``ValueError`` naming ``owner.<setting>`` for a bad value."""
+    def __post_init__(self) -> None:
+        for name in ("dynamic_sampling", "overlong_filter"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"DAPOSettings.{name}={getattr(self, name)!r} must be True or False.")
         if not is_int(self.max_refill_batches) or self.max_refill_batches < 0:
             raise ValueError(
-                f"{owner}.max_refill_batches={self.max_refill_batches!r} must be an int >= 0 (extra generation "
+                f"DAPOSettings.max_refill_batches={self.max_refill_batches!r} must be an int >= 0 (extra generation "
                 "calls per batch to refill the groups dynamic sampling dropped)."
             )
-        if not is_int(self.overlong_buffer) or not 0 <= self.overlong_buffer <= max_new_tokens:
+        if not is_int(self.overlong_buffer) or self.overlong_buffer < 0:
             raise ValueError(
-                f"{owner}.overlong_buffer={self.overlong_buffer!r} must be an int in [0, max_new_tokens="
-                f"{max_new_tokens}] (the tokens before the limit where the reward is lowered; 0: off)."
+                f"DAPOSettings.overlong_buffer={self.overlong_buffer!r} must be an int >= 0 (the tokens before "
+                "max_new_tokens where the reward is lowered; 0: off)."
             )
         if not is_number(self.overlong_penalty_factor) or self.overlong_penalty_factor < 0:
-            raise ValueError(f"{owner}.overlong_penalty_factor={self.overlong_penalty_factor!r} must be a number >= 0.")
+            raise ValueError(
+                f"DAPOSettings.overlong_penalty_factor={self.overlong_penalty_factor!r} must be a number >= 0."
+            )
+
+    def check(self, max_new_tokens: int, samples_per_prompt: int) -> None:
+        """Check the settings against the sampling's.
+
+        Raises:
+            ValueError: ``overlong_buffer`` exceeds ``max_new_tokens``, or dynamic sampling meets
+                groups of one sample.
+        """
+        if self.overlong_buffer > max_new_tokens:
+            raise ValueError(
+                f"DAPOSettings.overlong_buffer={self.overlong_buffer!r} must be an int in [0, max_new_tokens="
+                f"{max_new_tokens}] (the tokens before the limit where the reward is lowered; 0: off)."
+            )
+        if self.dynamic_sampling and samples_per_prompt < 2:
+            raise ValueError(
+                "DAPOSettings.dynamic_sampling=True needs samples_per_prompt >= 2: a group of one sample "
+                "always has equal rewards, so every group would be dropped."
+            )
 
 
 def overlong_penalty(lengths: torch.Tensor, max_new_tokens: int, buffer: int, factor: float) -> torch.Tensor:

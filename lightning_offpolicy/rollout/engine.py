@@ -18,20 +18,18 @@ class SamplingConfig:
 
     Args:
         max_new_tokens: Maximum tokens generated per completion.
-        temperature: Softmax temperature; must be > 0 (greedy decoding has no sampling distribution
-            for the importance ratios: for evaluation, ask for ``greedy=True`` instead).
+        temperature: Softmax temperature, > 0 (the module must score with the same).
         top_k: Keep the ``top_k`` most likely tokens (0: off).
         top_p: Nucleus sampling mass (1.0: off).
         samples_per_prompt: Completions per prompt (the group of GRPO / RLOO).
-        greedy: Greedy (argmax) decoding, for evaluation only: one completion per prompt
-            (``samples_per_prompt`` must be 1), ``temperature`` / ``top_k`` / ``top_p`` are ignored,
-            and the completions' logprobs are the untempered model's (no sampling distribution:
-            never train on them).
-        sampling_mask: Under top-k / top-p, the engine reports the tokens it kept at every
-            sampled position (``Completion.sampling_support``) and the trainer renormalizes its
-            logprobs over them (DeepSeek-V3.2's keep-sampling-mask). ``False`` scores over the
-            whole vocabulary as most peers do by default: every importance ratio then carries the
-            log of the mass top-k / top-p cut off. For comparisons only.
+        greedy: Argmax decoding, one completion per prompt, for evaluation only (its logprobs are
+            not a sampling distribution's: never train on them).
+        sampling_mask: Under top-k / top-p, renormalize the trainer's logprobs over the tokens the
+            sampler kept (docs/off_policy_correction.md, "Sampling masks"); ``False`` is for
+            comparisons only.
+
+    Raises:
+        ValueError: A setting is out of range; the message names it and what is allowed.
     """
 
     max_new_tokens: int = 16
@@ -214,6 +212,21 @@ def generation_eos_ids(model: Any) -> list[int]:
     if hasattr(eos, "tolist"):
         eos = eos.tolist()
     return checked_token_ids(eos, "generation_config.eos_token_id")
+
+
+def fill_special_tokens(engine: Any, model: Any, tokenizer: Any) -> None:
+    """Give ``engine`` (when it has ``set_special_tokens``) the tokenizer's padding id and every stop id.
+
+    The engine stops where the model's generation config says (a chat model's end-of-turn id
+    included), as transformers and vLLM do, besides the tokenizer's eos.
+    """
+    if not hasattr(engine, "set_special_tokens"):
+        return
+    eos_ids = generation_eos_ids(model)
+    eos = tokenizer.eos_token_id
+    engine.set_special_tokens(
+        tokenizer.pad_token_id, eos if eos is not None else (eos_ids[0] if eos_ids else None), stop_token_ids=eos_ids
+    )
 
 
 def first_stop(tokens: list[int], stop_ids: list[int]) -> tuple[int, str]:

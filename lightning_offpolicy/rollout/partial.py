@@ -1,6 +1,6 @@
 """Partial rollouts: continue the completions a weight push interrupted, under the new weights.
 
-With ``RolloutCallback(partial_rollouts=True)`` a weight push does not wait for the generation
+With ``AsyncSettings(partial_rollouts=True)`` a weight push does not wait for the generation
 request in flight: it interrupts it (:class:`~lightning_offpolicy.rollout.engine.InterruptibleEngine`),
 loads the new weights, and generation goes on from where each completion stopped, as in AReaL,
 slime, SkyRL and prime-rl. A continued completion is the concatenation of its segments: each

@@ -32,14 +32,14 @@ def prompt_batches(loader: DataLoader, rank: int, world_size: int, skip: int, se
     """
     if not isinstance(loader, DataLoader):
         raise TypeError(
-            f"RolloutCallback(max_staleness>0) reads the train prompts ahead of the trainer and needs a "
+            f"RolloutCallback(asynchrony.max_staleness>0) reads the train prompts ahead of the trainer and needs a "
             f"torch DataLoader of PromptBatch from train_dataloader(); got {type(loader).__name__}."
         )
     sampler: DistributedSampler | None = None
     if world_size > 1 and not isinstance(loader.sampler, DistributedSampler):
         if isinstance(loader.dataset, IterableDataset):
             raise ValueError(
-                "RolloutCallback(max_staleness>0) with several processes cannot shard an IterableDataset of "
+                "RolloutCallback(asynchrony.max_staleness>0) with several processes cannot shard an IterableDataset of "
                 "prompts; use a map-style dataset, or shard it per rank yourself and use a DistributedSampler."
             )
         sampler = DistributedSampler(loader.dataset, num_replicas=world_size, rank=rank, shuffle=True, seed=seed)

@@ -1,6 +1,7 @@
 """The rollout pipeline without Lightning: prompts -> token ids -> completions -> rewards -> advantages.
 
-:class:`Rollouter` turns a :class:`~lightning_offpolicy.batch.PromptBatch` into the
+:class:`Rollouter` turns a :class:`~lightning_offpolicy.batch.PromptBatch` into episodes
+(:mod:`~lightning_offpolicy.rollout.episode`; a single-turn rollout is an episode of one turn), and those into the
 :class:`~lightning_offpolicy.batch.RolloutBatch` that ``training_step`` trains on (and, for held-out
 prompts, into an :class:`~lightning_offpolicy.metrics.evaluation.EvaluationBatch`) with whatever weights the
 engine holds. Pushing weights, threads and staleness are the callers' business: the
@@ -26,6 +27,7 @@ from lightning_offpolicy.preflight import check_prompt_fits
 from lightning_offpolicy.rollout.advantages import compute_advantages
 from lightning_offpolicy.rollout.dapo import DAPOSettings, informative_rows, overlong_penalty
 from lightning_offpolicy.rollout.engine import Completion, RolloutEngine, SamplingConfig
+from lightning_offpolicy.rollout.episode import Episode, single_turn_episodes, to_rollout_batch
 from lightning_offpolicy.rollout.partial import PartialStats, check_not_stopped, generate_resumable
 
 __all__ = ["Rollouter", "batch_seed"]
@@ -39,28 +41,21 @@ def batch_seed(seed: int, index: int, rank: int, refill: int = 0) -> int:
 
 @dataclass
 class _Samples:
-    """Scored completions of one or more generation calls, one entry per completion."""
+    """The episodes of one or more generation calls, in order (a single-turn rollout: one turn each)."""
 
-    prompt_ids: list[list[int]] = field(default_factory=list)
-    completions: list[Completion] = field(default_factory=list)
-    groups: list[int] = field(default_factory=list)
-    rewards: list[torch.Tensor] = field(default_factory=list)
-    components: list[dict[str, torch.Tensor]] = field(default_factory=list)
+    episodes: list[Episode] = field(default_factory=list)
 
-    def add(
-        self,
-        prompt_ids: list[list[int]],
-        completions: list[Completion],
-        rewards: torch.Tensor,
-        components: dict[str, torch.Tensor],
-        group_offset: int,
-    ) -> None:
-        """One generation call's completions; their groups numbered from ``group_offset``."""
-        self.prompt_ids += [prompt_ids[c.prompt_index] for c in completions]
-        self.completions += completions
-        self.groups += [group_offset + c.prompt_index for c in completions]
-        self.rewards.append(rewards)
-        self.components.append(components)
+    @property
+    def completions(self) -> list[Completion]:
+        return [e.completion for e in self.episodes]
+
+    @property
+    def groups(self) -> list[int]:
+        return [e.group for e in self.episodes]
+
+    def rewards(self) -> torch.Tensor:
+        """``[B]`` float32: each episode's reward."""
+        return torch.tensor([e.reward for e in self.episodes], dtype=torch.float64).float()
 
     def informative_groups(self, rewards: torch.Tensor) -> list[int]:
         """The groups whose rewards are not all equal, in order of appearance."""
@@ -171,7 +166,7 @@ class Rollouter:
         samples, generate_s = _Samples(), 0.0
         self._partial = PartialStats()
         generate_s += self._sample(samples, prompts, batch_seed(self.seed, index, rank), group_offset=0)
-        rewards = self._rewards(samples)
+        rewards = samples.rewards()
         keep = torch.ones(len(samples.completions), dtype=torch.bool)
         stats: dict[str, float] = {}
         if self.dapo.dynamic_sampling:
@@ -184,7 +179,7 @@ class Rollouter:
                 refills += 1
                 seed = batch_seed(self.seed, index, rank, refill=refills)
                 generate_s += self._sample(samples, self.more_prompts(), seed, group_offset=max(samples.groups) + 1)
-                rewards = self._rewards(samples)
+                rewards = samples.rewards()
                 informative = samples.informative_groups(rewards)
             chosen = set(informative[:wanted])
             if not chosen:  # nothing informative: train the batch's own groups (zero advantage, no signal)
@@ -235,40 +230,20 @@ class Rollouter:
             scored_total = scored.total.to(torch.float64) + penalty
         else:
             scored_total = scored.total.to(torch.float64)
-        samples.add(prompt_ids, completions, scored_total, components, group_offset)
+        samples.episodes += single_turn_episodes(prompt_ids, completions, scored_total, components, group_offset)
         return generate_s
 
-    @staticmethod
-    def _rewards(samples: _Samples) -> torch.Tensor:
-        return torch.cat(samples.rewards).float()
-
     def _build(self, samples: _Samples, rewards: torch.Tensor, keep: torch.Tensor) -> RolloutBatch:
-        """The rollout batch of the kept samples; group ids renumbered 0, 1, ... in their order."""
+        """The rollout batch of the kept episodes; group ids renumbered 0, 1, ... in their order."""
         rows = keep.nonzero().flatten().tolist()
-        completions = [samples.completions[i] for i in rows]
-        numbering = {g: n for n, g in enumerate(sorted({samples.groups[i] for i in rows}))}
-        group_ids = torch.tensor([numbering[samples.groups[i]] for i in rows], dtype=torch.long)
-        kept_rewards = rewards[rows]
-        supports, unknown = self._supports(completions)
-        rollout = RolloutBatch.from_sequences(
-            prompt_ids=[samples.prompt_ids[i] for i in rows],
-            response_ids=[c.token_ids for c in completions],
-            rewards=kept_rewards,
-            advantages=compute_advantages(self.advantage_estimator, kept_rewards, group_ids),
-            group_ids=group_ids,
-            policy_versions=[c.token_versions() for c in completions],
-            rollout_logprobs=None
-            if any(c.logprobs is None for c in completions)
-            else [c.logprobs for c in completions],
-            pad_token_id=self.tokenizer.pad_token_id,
-            sampling_supports=supports,
-        )
+        episodes = [samples.episodes[i] for i in rows]
+        numbering = {g: n for n, g in enumerate(sorted({e.group for e in episodes}))}
+        group_ids = torch.tensor([numbering[e.group] for e in episodes], dtype=torch.long)
+        supports, unknown = self._supports([e.completion for e in episodes])
+        advantages = compute_advantages(self.advantage_estimator, rewards[rows], group_ids)
+        rollout = to_rollout_batch(episodes, advantages, group_ids, self.tokenizer.pad_token_id, supports)
         if unknown is not None:
             rollout = _without_unknown_support(rollout, unknown)
-        names = list(dict.fromkeys(name for part in samples.components for name in part))
-        if names:
-            components = {name: torch.cat([part[name] for part in samples.components])[rows].float() for name in names}
-            rollout = rollout.with_fields(reward_components=components)
         return rollout
 
     def _supports(self, completions: list[Completion]) -> tuple[list[list[list[int]]] | None, list[list[bool]] | None]:

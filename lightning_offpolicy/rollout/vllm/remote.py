@@ -6,53 +6,12 @@ talks to a vLLM server started elsewhere (``docs/remote_vllm.md`` has the comman
 (tests, single-host runs). This module imports neither vLLM nor an HTTP library: the client is
 the standard library's ``http.client``, so a trainer host needs no vLLM at all.
 
-Same guarantees as the in-process :class:`~lightning_offpolicy.rollout.VLLMEngine`:
-
-* **Logprobs of the distribution sampled from.** The server must run with
-  ``--logprobs-mode processed_logprobs`` (vLLM's default returns raw model logprobs, which are
-  *not* ``pi_rollout`` once temperature / top-k / top-p apply). The engine reads the server's
-  configuration at connect time (``/server_info``, a dev-mode endpoint) and refuses any other mode.
-* **Token ids in, token ids out.** Prompts go to ``/v1/completions`` as token-id lists; each
-  answer carries the sampled ids (``return_token_ids``) and their logprobs (``logprobs=0``,
-  tokens named ``token_id:N``, so the server needs no tokenizer: ``--skip-tokenizer-init``).
-  Generation stops on the engine's stop ids (``eos_token_id`` and ``stop_token_ids``) and only on them
-  (``ignore_eos`` + ``stop_token_ids``), the
-  penalties are sent explicitly as neutral (a checkpoint's ``generation_config.json`` cannot slip
-  in a ``repetition_penalty``), and the seeds follow :class:`VLLMEngine`'s scheme exactly.
-* **In-place weight sync with a self-check.** :meth:`RemoteVLLMEngine.update_weights` writes the
-  trainer's weights as safetensors (atomically) into a private subdirectory of ``weights_dir``, a
-  directory the server can read (shared storage across machines), asks the server to reload them
-  in place (``POST /collective_rpc`` with ``reload_weights``) and to drop its prefix cache
-  (``POST /reset_prefix_cache``); both endpoints exist only with ``VLLM_SERVER_DEV_MODE=1``. With
-  ``check_weight_sync`` it then compares the server's logprobs of a probe sequence
-  (``prompt_logprobs``) with the trainer's (:class:`~lightning_offpolicy.rollout.vllm.weight_sync.SyncCheck`):
-  a sync that silently never arrived raises instead of poisoning the run.
-* **No hangs.** Every request has a deadline (``request_timeout_s``; the connection itself and the
-  connect-time checks the much shorter ``connect_timeout_s``, 30 s, so a hung server is reported
-  at once, not after a generation's allowance); a refused connection, a timeout, a dropped
-  connection or an HTTP error raises a ``RuntimeError`` that names the server and what to check.
-  :meth:`RemoteVLLMEngine.close` wakes a request in flight in another thread.
-* **Interruptible** (:class:`~lightning_offpolicy.rollout.engine.InterruptibleEngine`, partial
-  rollouts). :meth:`RemoteVLLMEngine.interrupt` makes the ``generate`` call in flight (or the
-  next one) return at once (2-3 ms on the test model): it shuts the call's connections down,
-  vLLM aborts a request whose client has gone (checked with its ``/metrics`` in
-  ``tests/test_partial_remote.py``), and each completion not finished comes back
-  :data:`~lightning_offpolicy.rollout.engine.INTERRUPTED` with the tokens and logprobs received so
-  far, which the server reports only when the request streams (``"stream": true``, server-sent
-  events).
-
-  *When to stream.* Streaming costs the server a few events per completion instead of one
-  answer: on the tiny test model (2 CPU cores, medians) 64 prompts x <=16 tokens took 0.31 s
-  streamed against 0.26 s unstreamed, 32 prompts x 4 samples x 64 tokens 1.9 s against 1.7 s.
-  So by default (``stream=None``) requests stream only once interrupts are in use, from the first
-  :meth:`RemoteVLLMEngine.interrupt` on: an engine never interrupted pays nothing, and the call
-  that first interrupt cuts short (sent unstreamed) returns its unfinished completions with no
-  tokens. ``stream=True`` streams from the start (partial rollouts that want the first call's
-  tokens too), ``False`` never. A streamed completion comes in chunks of ``stream_interval``
-  tokens (vLLM's per-request setting, default 8): token by token, the 32 x 4 x 64 call took
-  1.58 s against 1.25 s unstreamed (raw HTTP, medians of 9), in chunks of 8 1.29 s. An interrupt
-  keeps the tokens up to the last chunk received: at most ``stream_interval - 1`` sampled tokens
-  of a completion are dropped (and sampled again when it is continued).
+Same guarantees as the in-process :class:`~lightning_offpolicy.rollout.VLLMEngine` (logprobs of the
+distribution sampled from, token ids in and out, in-place weight sync with a self-check, no hangs),
+and interruptible (partial rollouts, streamed requests): how each is kept over HTTP, and when
+requests stream, is in docs/remote_vllm.md, "What the engine guarantees".
+Connecting is :class:`~lightning_offpolicy.rollout.vllm.remote_connect.ServerCheck`, the weight
+sync :class:`~lightning_offpolicy.rollout.vllm.remote_sync.RemoteWeightSync`.
 
 Start-up, connect and sync times measured on a CPU machine: ``docs/remote_vllm.md``.
 """
@@ -64,11 +23,7 @@ import contextlib
 import logging
 import os
 import shutil
-import socket
-import stat
-import tempfile
 import threading
-import time
 import warnings
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
@@ -86,20 +41,14 @@ from lightning_offpolicy.rollout.vllm.errors import DEV_MODE_HINT
 from lightning_offpolicy.rollout.vllm.http import (
     CONNECT_TIMEOUT_S,
     HTTPClient,
-    HTTPStatusError,
     StreamInterrupt,
     host_for_url,
     is_loopback,
     parse_base_url,
 )
+from lightning_offpolicy.rollout.vllm.remote_connect import ServerCheck
+from lightning_offpolicy.rollout.vllm.remote_sync import RemoteWeightSync
 from lightning_offpolicy.rollout.vllm.streamed import StreamedChoices
-from lightning_offpolicy.rollout.vllm.weight_sync import (
-    PROBE_LENGTH,
-    full_state_dict,
-    make_private_dirs,
-    probe_ids,
-    write_safetensors,
-)
 
 __all__ = ["RemoteVLLMEngine"]
 
@@ -109,7 +58,7 @@ _T = TypeVar("_T")
 _WHO = "RemoteVLLMEngine"
 
 
-class RemoteVLLMEngine(VLLMEngineBase):
+class RemoteVLLMEngine(ServerCheck, RemoteWeightSync, VLLMEngineBase):
     """Sample from a vLLM server (``vllm serve``) over its OpenAI-compatible HTTP API.
 
     The server must run with ``--logprobs-mode processed_logprobs`` and, for weight syncs, with
@@ -359,77 +308,6 @@ class RemoteVLLMEngine(VLLMEngineBase):
             "vllm/sync_reload_s": self.last_reload_time_s,
         }
 
-    def connect(self) -> None:
-        """Check the server now: reachable, the model served, dev mode and ``--logprobs-mode``.
-
-        Runs once, lazily, at the first ``generate`` / ``update_weights``; call it to fail early.
-        Raises ``RuntimeError`` when the server is unreachable or misconfigured for RL.
-        """
-        self._check_usable()
-        if self.connected:
-            return
-        begin = time.perf_counter()
-        listing = self._http.request("GET", "/v1/models", what="connect (/v1/models)", **self._connect_limit())
-        served = [m for m in (listing or {}).get("data", []) if isinstance(m, dict) and "id" in m]
-        names = [str(m["id"]) for m in served]
-        if self.model is None:
-            if len(served) != 1:
-                raise RuntimeError(
-                    f"RemoteVLLMEngine: the server at {self.base_url} serves {len(served)} models ({names}): "
-                    "pass RemoteVLLMEngine(model=...) to choose one."
-                )
-            entry = served[0]
-        else:
-            matches = [m for m in served if m["id"] == self.model]
-            if not matches:
-                raise RuntimeError(
-                    f"RemoteVLLMEngine.model={self.model!r} is not served by {self.base_url}; it serves {names}. "
-                    "Pass one of those (or model=None to take the only one)."
-                )
-            entry = matches[0]
-        max_len = entry.get("max_model_len")
-        max_model_len = int(max_len) if isinstance(max_len, int) and max_len > 1 else None
-        config = self._server_model_config()
-        if config is None:
-            self.dev_mode = False
-            warnings.warn(
-                f"RemoteVLLMEngine: the server at {self.base_url} is not in dev mode, so its --logprobs-mode cannot "
-                "be checked. Unless it runs with --logprobs-mode processed_logprobs, its logprobs are the raw "
-                "model's, NOT those of the distribution sampled from, and every off-policy correction is wrong. "
-                f"Weight syncs need dev mode too: {DEV_MODE_HINT}.",
-                RuntimeWarning,
-                stacklevel=3,
-            )
-        else:
-            self.dev_mode = True
-            mode = config.get("logprobs_mode")
-            if mode != "processed_logprobs":
-                raise RuntimeError(
-                    f"RemoteVLLMEngine: the server at {self.base_url} runs with --logprobs-mode {mode}: its logprobs "
-                    "are not those of the distribution it samples from (temperature / top-k / top-p applied), which "
-                    "RL needs. Restart it with --logprobs-mode processed_logprobs."
-                )
-            self.server_dtype = str(config.get("dtype")) if config.get("dtype") is not None else None
-            if max_model_len is None and isinstance(config.get("max_model_len"), int):
-                max_model_len = int(config["max_model_len"])
-            if config.get("generation_config") not in (None, "vllm"):
-                log.info(
-                    "RemoteVLLMEngine: the server reads default sampling parameters from %r; every request sets its "
-                    "own (start it with --generation-config vllm to be sure none applies).",
-                    config.get("generation_config"),
-                )
-        self.max_model_len = max_model_len
-        self.model_name = str(entry["id"])
-        self.connect_time_s = time.perf_counter() - begin
-        log.info(
-            "RemoteVLLMEngine: connected to %s (model %r, max_model_len %s, dev mode %s, dtype %s)",
-            self.base_url,
-            self.model_name,
-            self.max_model_len,
-            self.dev_mode,
-            self.server_dtype,
-        )
-
     def _prepare_generate(self, prompts: list[list[int]], sampling: SamplingConfig) -> None:
         top = max(max(p) for p in prompts)
         if self._vocab_size is not None and top >= self._vocab_size:
@@ -521,30 +399,6 @@ class RemoteVLLMEngine(VLLMEngineBase):
 
     # ------------------------------------------------------------------ requests
 
-    def _connect_limit(self) -> dict[str, Any]:
-        """The time limit of a connect-time request: ``connect_timeout_s``, or ``request_timeout_s`` if shorter."""
-        if self.connect_timeout_s <= self.request_timeout_s:
-            return {"timeout": self.connect_timeout_s, "timeout_setting": "connect_timeout_s"}
-        return {"timeout": self.request_timeout_s, "timeout_setting": "request_timeout_s"}
-
-    def _server_model_config(self) -> dict[str, Any] | None:
-        """The server's model configuration (``/server_info``); ``None`` when it is not in dev mode."""
-        try:
-            info = self._http.request(
-                "GET", "/server_info?config_format=json", what="connect (/server_info)", **self._connect_limit()
-            )
-        except HTTPStatusError as err:
-            if err.status == 404:
-                return None
-            raise
-        config = ((info or {}).get("vllm_config") or {}).get("model_config")
-        if not isinstance(config, dict):
-            raise RuntimeError(
-                f"RemoteVLLMEngine: /server_info of {self.base_url} has no vllm_config.model_config (not a vLLM "
-                "server, or a vLLM version this engine does not know; it was written for vLLM 0.32)."
-            )
-        return config
-
     def _completion_body(
         self, prompt: list[int], sampling: SamplingConfig, seed: int | None, streaming: bool
     ) -> dict[str, Any]:
@@ -608,124 +462,6 @@ class RemoteVLLMEngine(VLLMEngineBase):
                 f.cancel()
             raise
 
-    # ------------------------------------------------------------------ weight sync
-
-    def _sync(self, source: torch.nn.Module | Mapping[str, torch.Tensor]) -> None:
-        begin = time.perf_counter()
-        # A peft LoRA policy goes over as merged weights (W + scaling B A, computed out of place).
-        tensors = full_state_dict(source, "RemoteVLLMEngine.update_weights")
-        sync_dir = self._ensure_sync_dir()
-        write_safetensors(tensors, sync_dir, mode=0o640 if self.share_weights_with_group else 0o600)
-        del tensors
-        written = time.perf_counter()
-        self._reload_weights(self._server_path(sync_dir))
-        reloaded = time.perf_counter()
-        self._reset_prefix_cache()
-        self.last_write_time_s = written - begin
-        self.last_reload_time_s = reloaded - written
-        self.last_sync_time_s = time.perf_counter() - begin
-
-    def _ensure_sync_dir(self) -> Path:
-        if self._sync_dir is None:
-            assert self.weights_dir is not None
-            root = Path(self.weights_dir)
-            dir_mode = 0o750 if self.share_weights_with_group else 0o700
-            try:
-                make_private_dirs(root, dir_mode)  # the parents too: 0777 under umask 000 otherwise
-                # Private to this engine (mkdtemp: 0700, whatever the umask): the server loads every
-                # *.safetensors file of the directory it is given, so no other user may write there.
-                path = Path(tempfile.mkdtemp(prefix=f"lightning_offpolicy_sync_{socket.gethostname()}_", dir=root))
-                os.chmod(path, dir_mode)
-            except OSError as err:
-                raise RuntimeError(
-                    f"RemoteVLLMEngine: cannot create the sync directory in weights_dir={self.weights_dir!r} ({err}): "
-                    "it must be writable by the trainer."
-                ) from err
-            _warn_if_others_can_replace(root)
-            self._sync_dir = path
-        return self._sync_dir
-
-    def _server_path(self, local: Path) -> str:
-        """``local`` (inside ``weights_dir``) as the server sees it."""
-        if self.server_weights_dir is None:
-            return str(local)
-        assert self.weights_dir is not None
-        return str(Path(self.server_weights_dir) / local.relative_to(Path(self.weights_dir)))
-
-    def _reload_weights(self, server_path: str) -> None:
-        """Ask the server to reload its weights in place from the safetensors files in ``server_path``."""
-        try:
-            self._http.request(
-                "POST",
-                "/collective_rpc",
-                {
-                    "method": "reload_weights",
-                    "kwargs": {"weights_path": server_path},
-                    "timeout": self.request_timeout_s,
-                },
-                timeout=self.request_timeout_s,
-                what="reload_weights",
-            )
-        except HTTPStatusError as err:
-            if err.status == 404:
-                raise RuntimeError(f"RemoteVLLMEngine: the server has no /collective_rpc: {DEV_MODE_HINT}.") from err
-            # vLLM 0.32 swaps the weights for placeholders before loading: after a failed reload the
-            # server's model is half-loaded and its next generation kills the engine. Do not use it again.
-            self._failure = (
-                f"the server at {self.base_url} failed to reload the weights written to {server_path!r} and must be "
-                "restarted (a failed reload leaves vLLM's weights half-loaded). Is weights_dir on storage the server "
-                "can read at that path (set server_weights_dir if it mounts it elsewhere)?"
-            )
-            raise RuntimeError(f"{err} {self._failure}") from err
-
-    def _reset_prefix_cache(self) -> None:
-        """Drop the server's prefix cache: cached KV of the old weights must not serve new requests."""
-        for attempt in range(20):
-            answer = self._http.request(
-                "POST", "/reset_prefix_cache", timeout=self.request_timeout_s, what="reset_prefix_cache"
-            )
-            # vLLM 0.32 answers {"success": bool}; older versions answer with an empty 200.
-            if not isinstance(answer, dict) or answer.get("success", True):
-                return
-            time.sleep(0.05 * (attempt + 1))  # blocks still held by running requests (another client?)
-        raise RuntimeError(
-            f"RemoteVLLMEngine: the server at {self.base_url} refused to reset its prefix cache after the weight sync "
-            "(requests of another client still running?): cached KV of the old weights could serve new requests. "
-            "Use one server per trainer."
-        )
-
-    def _probe(self, module: torch.nn.Module | None = None) -> list[int]:
-        config = getattr(module, "config", None)
-        vocab = getattr(getattr(config, "get_text_config", lambda: config)(), "vocab_size", None)
-        if not isinstance(vocab, int):
-            vocab = int(module.get_input_embeddings().num_embeddings)
-        return probe_ids(vocab, self.max_model_len or PROBE_LENGTH + 1)
-
-    def _engine_probe_logprobs(self, probe: list[int]) -> torch.Tensor:
-        answer = self._http.request(
-            "POST",
-            "/v1/completions",
-            {
-                "model": self.model_name,
-                "prompt": probe,
-                "max_tokens": 1,
-                "temperature": 1.0,
-                "prompt_logprobs": 0,
-                "return_tokens_as_token_ids": True,
-                "seed": 0,
-            },
-            timeout=self.request_timeout_s,
-            what="weight-sync check",
-        )
-        entries = (((answer or {}).get("choices") or [{}])[0].get("prompt_logprobs") or [])[1:]  # position 0: none
-        if len(entries) != len(probe) - 1:
-            raise RuntimeError("RemoteVLLMEngine: the server returned no prompt logprobs for the weight-sync check.")
-        # JSON object keys are strings: {"17": {"logprob": ..., "rank": ...}}.
-        return torch.tensor(
-            [float(entry[str(tok)]["logprob"]) for entry, tok in zip(entries, probe[1:], strict=True)],
-            dtype=torch.float64,
-        )
-
 
 def _vocab_size(source: torch.nn.Module | Mapping[str, torch.Tensor]) -> int | None:
     """Rows of the input embedding of a causal LM or its state dict (``None`` when not found)."""
@@ -737,18 +473,3 @@ def _vocab_size(source: torch.nn.Module | Mapping[str, torch.Tensor]) -> int | N
         if name.endswith(("embed_tokens.weight", "wte.weight", "word_embeddings.weight")) and tensor.dim() == 2:
             return int(tensor.shape[0])
     return None
-
-
-def _warn_if_others_can_replace(root: Path) -> None:
-    """Warn when other users may rename entries of ``weights_dir``: a swapped sync directory is loaded."""
-    with contextlib.suppress(OSError):
-        st = root.stat()
-        if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH) and not st.st_mode & stat.S_ISVTX:
-            warnings.warn(
-                f"RemoteVLLMEngine: weights_dir={str(root)!r} is writable by other users (mode "
-                f"{st.st_mode & 0o7777:o}) without the sticky bit: one of them could replace the sync directory "
-                "between the write and the server's reload. Use a directory only the trainer (and the "
-                "server's user) can write, or chmod +t it.",
-                RuntimeWarning,
-                stacklevel=4,
-            )

@@ -1,0 +1,123 @@
+"""Export the trainer's weights for an engine: CPU tensors under checkpoint names, written atomically.
+
+Any engine that loads the trainer's weights from safetensors files (the in-process
+:class:`~lightning_offpolicy.rollout.VLLMEngine`, a remote ``vllm serve`` server reading a shared
+directory) takes them from :func:`export_state_dict` (wrappers removed, tied weights un-shared, as
+safetensors requires) and :func:`write_safetensors` (a reader never sees a half-written file).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from lightning_offpolicy.argcheck import is_int
+
+__all__ = ["export_state_dict", "is_peft_model", "make_private_dirs", "unwrap", "weight_source", "write_safetensors"]
+
+
+def unwrap(module: torch.nn.Module) -> torch.nn.Module:
+    """The model inside DDP / DataParallel / ``torch.compile`` wrappers (their names carry prefixes)."""
+    while True:
+        if isinstance(module, (torch.nn.parallel.DistributedDataParallel, torch.nn.DataParallel)):
+            module = module.module
+        elif hasattr(module, "_orig_mod") and isinstance(module._orig_mod, torch.nn.Module):
+            module = module._orig_mod
+        else:
+            return module
+
+
+def is_peft_model(source: Any) -> bool:
+    """Whether ``source`` is a peft model (LoRA adapters around a base model)."""
+    return type(source).__module__.startswith("peft.")
+
+
+def export_state_dict(source: torch.nn.Module | Mapping[str, torch.Tensor], who: str) -> dict[str, torch.Tensor]:
+    """The tensors of ``source`` (a module or a state dict) on CPU, contiguous, with no shared storage.
+
+    ``who`` names the caller in error messages (e.g. ``"VLLMEngine.update_weights"``). Sharded
+    (FSDP2 DTensor) parameters are gathered whole: a collective, so every rank must call it.
+    """
+    state = unwrap(source).state_dict() if isinstance(source, torch.nn.Module) else source
+    tensors: dict[str, torch.Tensor] = {}
+    seen: set[int] = set()
+    for name, value in state.items():
+        if not isinstance(value, torch.Tensor):
+            raise TypeError(f"{who}: {name!r} is a {type(value).__name__}, not a tensor.")
+        tensor = value.detach()
+        if hasattr(tensor, "full_tensor"):  # DTensor (FSDP2): the engine needs the whole parameter
+            tensor = tensor.full_tensor()
+        tensor = tensor.to("cpu")
+        ptr = tensor.untyped_storage().data_ptr() if tensor.numel() else -1
+        if ptr in seen:  # tied weights: safetensors refuses shared storage
+            tensor = tensor.clone()
+        seen.add(ptr)
+        tensors[name] = tensor.contiguous()
+    return tensors
+
+
+def weight_source(
+    source: torch.nn.Module | Mapping[str, torch.Tensor], version: int, who: str
+) -> tuple[torch.nn.Module | Mapping[str, torch.Tensor], bool]:
+    """Check the arguments of an engine's ``update_weights``; returns ``(source unwrapped, is a module)``."""
+    if not is_int(version):
+        raise TypeError(f"{who}: version must be an int, got {version!r}.")
+    is_module = isinstance(source, torch.nn.Module)
+    if not is_module and not isinstance(source, Mapping):
+        raise TypeError(
+            f"{who}: source must be a torch.nn.Module or a mapping of parameter names to tensors, "
+            f"got {type(source).__name__}."
+        )
+    return (unwrap(source) if is_module else source), is_module
+
+
+def make_private_dirs(directory: Path, mode: int = 0o700) -> list[Path]:
+    """Create ``directory`` and each missing parent with exactly ``mode``, whatever the umask; the ones created.
+
+    ``Path.mkdir(parents=True, mode=...)`` gives the parents it creates the umask's default
+    (``0777`` under umask 000) and the leaf ``mode`` less the umask. Existing directories are
+    left as they are.
+    """
+    missing: list[Path] = []
+    current = Path(os.path.abspath(directory))
+    while not current.is_dir():
+        missing.append(current)
+        if current.parent == current:
+            break
+        current = current.parent
+    created = []
+    for path in reversed(missing):
+        try:
+            path.mkdir(mode=mode)
+        except FileExistsError:  # another process made it in between: not ours to change
+            if not path.is_dir():
+                raise
+            continue
+        os.chmod(path, mode)
+        created.append(path)
+    return created
+
+
+def write_safetensors(
+    tensors: Mapping[str, torch.Tensor], directory: Path, filename: str = "model.safetensors", mode: int = 0o600
+) -> Path:
+    """Write ``tensors`` to ``directory / filename`` atomically; returns the file's path.
+
+    The partial file's name does not end in ``.safetensors``, so a loader globbing the directory
+    never picks it up. The file gets exactly ``mode`` (default owner-only) before it takes its
+    name, whatever the umask: the engine loads what it finds there, so no other user may write it.
+    A missing ``directory`` (and each missing parent) is created ``0700``, whatever the umask.
+    """
+    from safetensors.torch import save_file
+
+    make_private_dirs(directory, 0o700)
+    target = directory / filename
+    partial = directory / (filename + ".partial")
+    save_file(dict(tensors), str(partial))
+    os.chmod(partial, mode)
+    os.replace(partial, target)
+    return target

@@ -1,0 +1,164 @@
+"""The weight sync of :class:`~lightning_offpolicy.rollout.vllm.remote.RemoteVLLMEngine`: safetensors written
+into a private directory the server can read, reloaded in place over HTTP, the prefix cache dropped,
+and the probe the self-check scores (docs/remote_vllm.md)."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+import stat
+import tempfile
+import time
+import warnings
+from collections.abc import Mapping
+from pathlib import Path
+
+import torch
+
+from lightning_offpolicy.rollout.vllm.errors import DEV_MODE_HINT
+from lightning_offpolicy.rollout.vllm.export import make_private_dirs, write_safetensors
+from lightning_offpolicy.rollout.vllm.http import HTTPStatusError
+from lightning_offpolicy.rollout.vllm.peft_export import full_state_dict
+from lightning_offpolicy.rollout.vllm.weight_sync import PROBE_LENGTH, probe_ids
+
+__all__ = ["RemoteWeightSync"]
+
+
+class RemoteWeightSync:
+    """The weight-sync steps of :class:`~lightning_offpolicy.rollout.vllm.remote.RemoteVLLMEngine`.
+
+    A mixin: it reads the engine's ``weights_dir``, ``server_weights_dir``,
+    ``share_weights_with_group``, ``_http`` and time limits, and sets the ``last_*_time_s`` figures.
+    """
+
+    def _sync(self, source: torch.nn.Module | Mapping[str, torch.Tensor]) -> None:
+        begin = time.perf_counter()
+        # A peft LoRA policy goes over as merged weights (W + scaling B A, computed out of place).
+        tensors = full_state_dict(source, "RemoteVLLMEngine.update_weights")
+        sync_dir = self._ensure_sync_dir()
+        write_safetensors(tensors, sync_dir, mode=0o640 if self.share_weights_with_group else 0o600)
+        del tensors
+        written = time.perf_counter()
+        self._reload_weights(self._server_path(sync_dir))
+        reloaded = time.perf_counter()
+        self._reset_prefix_cache()
+        self.last_write_time_s = written - begin
+        self.last_reload_time_s = reloaded - written
+        self.last_sync_time_s = time.perf_counter() - begin
+
+    def _ensure_sync_dir(self) -> Path:
+        if self._sync_dir is None:
+            assert self.weights_dir is not None
+            root = Path(self.weights_dir)
+            dir_mode = 0o750 if self.share_weights_with_group else 0o700
+            try:
+                make_private_dirs(root, dir_mode)  # the parents too: 0777 under umask 000 otherwise
+                # Private to this engine (mkdtemp: 0700, whatever the umask): the server loads every
+                # *.safetensors file of the directory it is given, so no other user may write there.
+                path = Path(tempfile.mkdtemp(prefix=f"lightning_offpolicy_sync_{socket.gethostname()}_", dir=root))
+                os.chmod(path, dir_mode)
+            except OSError as err:
+                raise RuntimeError(
+                    f"RemoteVLLMEngine: cannot create the sync directory in weights_dir={self.weights_dir!r} ({err}): "
+                    "it must be writable by the trainer."
+                ) from err
+            _warn_if_others_can_replace(root)
+            self._sync_dir = path
+        return self._sync_dir
+
+    def _server_path(self, local: Path) -> str:
+        """``local`` (inside ``weights_dir``) as the server sees it."""
+        if self.server_weights_dir is None:
+            return str(local)
+        assert self.weights_dir is not None
+        return str(Path(self.server_weights_dir) / local.relative_to(Path(self.weights_dir)))
+
+    def _reload_weights(self, server_path: str) -> None:
+        """Ask the server to reload its weights in place from the safetensors files in ``server_path``."""
+        try:
+            self._http.request(
+                "POST",
+                "/collective_rpc",
+                {
+                    "method": "reload_weights",
+                    "kwargs": {"weights_path": server_path},
+                    "timeout": self.request_timeout_s,
+                },
+                timeout=self.request_timeout_s,
+                what="reload_weights",
+            )
+        except HTTPStatusError as err:
+            if err.status == 404:
+                raise RuntimeError(f"RemoteVLLMEngine: the server has no /collective_rpc: {DEV_MODE_HINT}.") from err
+            # vLLM 0.32 swaps the weights for placeholders before loading: after a failed reload the
+            # server's model is half-loaded and its next generation kills the engine. Do not use it again.
+            self._failure = (
+                f"the server at {self.base_url} failed to reload the weights written to {server_path!r} and must be "
+                "restarted (a failed reload leaves vLLM's weights half-loaded). Is weights_dir on storage the server "
+                "can read at that path (set server_weights_dir if it mounts it elsewhere)?"
+            )
+            raise RuntimeError(f"{err} {self._failure}") from err
+
+    def _reset_prefix_cache(self) -> None:
+        """Drop the server's prefix cache: cached KV of the old weights must not serve new requests."""
+        for attempt in range(20):
+            answer = self._http.request(
+                "POST", "/reset_prefix_cache", timeout=self.request_timeout_s, what="reset_prefix_cache"
+            )
+            # vLLM 0.32 answers {"success": bool}; older versions answer with an empty 200.
+            if not isinstance(answer, dict) or answer.get("success", True):
+                return
+            time.sleep(0.05 * (attempt + 1))  # blocks still held by running requests (another client?)
+        raise RuntimeError(
+            f"RemoteVLLMEngine: the server at {self.base_url} refused to reset its prefix cache after the weight sync "
+            "(requests of another client still running?): cached KV of the old weights could serve new requests. "
+            "Use one server per trainer."
+        )
+
+    def _probe(self, module: torch.nn.Module | None = None) -> list[int]:
+        config = getattr(module, "config", None)
+        vocab = getattr(getattr(config, "get_text_config", lambda: config)(), "vocab_size", None)
+        if not isinstance(vocab, int):
+            vocab = int(module.get_input_embeddings().num_embeddings)
+        return probe_ids(vocab, self.max_model_len or PROBE_LENGTH + 1)
+
+    def _engine_probe_logprobs(self, probe: list[int]) -> torch.Tensor:
+        answer = self._http.request(
+            "POST",
+            "/v1/completions",
+            {
+                "model": self.model_name,
+                "prompt": probe,
+                "max_tokens": 1,
+                "temperature": 1.0,
+                "prompt_logprobs": 0,
+                "return_tokens_as_token_ids": True,
+                "seed": 0,
+            },
+            timeout=self.request_timeout_s,
+            what="weight-sync check",
+        )
+        entries = (((answer or {}).get("choices") or [{}])[0].get("prompt_logprobs") or [])[1:]  # position 0: none
+        if len(entries) != len(probe) - 1:
+            raise RuntimeError("RemoteVLLMEngine: the server returned no prompt logprobs for the weight-sync check.")
+        # JSON object keys are strings: {"17": {"logprob": ..., "rank": ...}}.
+        return torch.tensor(
+            [float(entry[str(tok)]["logprob"]) for entry, tok in zip(entries, probe[1:], strict=True)],
+            dtype=torch.float64,
+        )
+
+
+def _warn_if_others_can_replace(root: Path) -> None:
+    """Warn when other users may rename entries of ``weights_dir``: a swapped sync directory is loaded."""
+    with contextlib.suppress(OSError):
+        st = root.stat()
+        if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH) and not st.st_mode & stat.S_ISVTX:
+            warnings.warn(
+                f"RemoteVLLMEngine: weights_dir={str(root)!r} is writable by other users (mode "
+                f"{st.st_mode & 0o7777:o}) without the sticky bit: one of them could replace the sync directory "
+                "between the write and the server's reload. Use a directory only the trainer (and the "
+                "server's user) can write, or chmod +t it.",
+                RuntimeWarning,
+                stacklevel=4,
+            )
