@@ -41,14 +41,14 @@ from lightning_offpolicy.correction.correction import (
 )
 from lightning_offpolicy.correction.distributed import is_distributed
 from lightning_offpolicy.correction.losses import (
+    LossObjective,
     PolicyLossInfo,
     checked_loss_inputs,
-    loss_scalars,
-    Objective,
-    policy_loss_terms,
     constants_of_the_step,
     entropy_bonus,
+    loss_scalars,
     policy_loss,
+    policy_loss_terms,
 )
 from lightning_offpolicy.correction.ratios import log_ratio
 
@@ -107,7 +107,7 @@ class FusedCorrectionStep:
         check_compatible(self.config, self.loss_config)
         self.statistics = statistics
         self.compiled = compiled
-        self._objective = Objective(**self.config.policy_loss_kwargs())
+        self._objective = LossObjective(**self.config.policy_loss_kwargs())
         self._graph = torch.compile(_own_code(self._step), dynamic=dynamic, backend=backend) if compiled else None
 
     def __call__(

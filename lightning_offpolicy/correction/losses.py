@@ -244,9 +244,9 @@ def policy_loss(
             )
         check_compatible(correction.config, loss_cfg)
         weights, mask = correction.weights, correction.mask
-        how = Objective(**correction.config.policy_loss_kwargs())
+        how = LossObjective(**correction.config.policy_loss_kwargs())
     else:
-        how = Objective.checked(
+        how = LossObjective.checked(
             objective=objective if objective is not None else "ppo",
             bypass_mode=bool(bypass_mode),
             anchor=anchor if anchor is not None else "rollout",
@@ -254,8 +254,8 @@ def policy_loss(
             is_clip_low=is_clip_low,
             is_clip_high=is_clip_high,
             opsm_mask=bool(opsm_mask),
-            opsm_threshold=opsm_threshold if opsm_threshold is not None else Objective.opsm_threshold,
-            opsm_reference=opsm_reference if opsm_reference is not None else Objective.opsm_reference,
+            opsm_threshold=opsm_threshold if opsm_threshold is not None else LossObjective.opsm_threshold,
+            opsm_reference=opsm_reference if opsm_reference is not None else LossObjective.opsm_reference,
             loss_cfg=loss_cfg,
         )
     if correction is not None and (
@@ -308,7 +308,7 @@ def checked_loss_inputs(
     advantages: torch.Tensor,
     response_mask: torch.Tensor,
     loss_cfg: PolicyLossConfig,
-    how: Objective,
+    how: LossObjective,
     ref_logprobs: torch.Tensor | None,
     weights: torch.Tensor | None = None,
     mask: torch.Tensor | None = None,
@@ -358,7 +358,7 @@ def checked_loss_inputs(
 
 
 @dataclass(frozen=True)
-class Objective:
+class LossObjective:
     """The objective settings :func:`policy_loss` reads (``OffPolicyCorrectionConfig``'s names)."""
 
     objective: str = "ppo"
@@ -372,7 +372,7 @@ class Objective:
     opsm_reference: str = "rollout"
 
     @classmethod
-    def checked(cls, loss_cfg: PolicyLossConfig, **values: object) -> Objective:
+    def checked(cls, loss_cfg: PolicyLossConfig, **values: object) -> LossObjective:
         """Validated plain arguments (a config was validated when it was built)."""
         own = "policy_loss"
         how = cls(**values)
@@ -426,7 +426,7 @@ def policy_loss_terms(
     loss_cfg: PolicyLossConfig,
     weights: torch.Tensor | None,
     mask: torch.Tensor | None,
-    how: Objective,
+    how: LossObjective,
     ref_logprobs: torch.Tensor | None,
     token_count: float | torch.Tensor | None,
     sequence_count: float | torch.Tensor | None,
