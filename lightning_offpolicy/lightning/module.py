@@ -14,6 +14,10 @@ the step's :class:`~lightning_offpolicy.batch.PromptBatch` by the ``RolloutCallb
    mini-batch (exact under accumulation and DDP), gradient clipping, optimizer and scheduler
    step, ``policy_version += 1``.
 
+Steps 1-4 are :class:`~lightning_offpolicy.train.update.PPOUpdate`, which imports no Lightning;
+this module gives it its forward, backward, optimizer and collectives
+(:mod:`lightning_offpolicy.lightning.update_hooks`).
+
 Held-out evaluation: ``validation_step`` aggregates the greedy and sampled completions that the
 ``RolloutCallback`` scores on each validation batch into ``val/*``
 (:class:`~lightning_offpolicy.metrics.evaluation.EvaluationMetrics`), logged at the end of the validation epoch.
@@ -105,10 +109,9 @@ class OffPolicyRLModule(LightningModule):
         fused_loss: Compute the correction, the policy loss, its gradient and the metric sums of
             each micro-batch in one ``torch.compile``'d graph
             (:class:`~lightning_offpolicy.correction.fused.FusedCorrectionStep`) instead of eagerly:
-            the same values; measured on CPU at B = 64, T = 4096-16384, that step runs 3-3.5x faster
-            and peaks at 2-3 ``[B, T]`` tensors instead of 12-17, after a compilation of a few seconds
-            per shape class. Needs a C++ compiler (inductor); not with
-            ``normalize_weights`` (a whole-batch mean).
+            the same values, faster and with fewer ``[B, T]`` temporaries, after a compilation per
+            shape class (docs/performance_correction.md). Needs a C++ compiler (inductor); not with
+            the correction's whole-batch settings (``normalize_weights``, ``m2po_mask``).
     """
 
     def __init__(
