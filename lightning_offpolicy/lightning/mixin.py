@@ -176,7 +176,7 @@ class OffPolicyMixin:
         tokenizer = getattr(self, "tokenizer", None)
         cached = self.__dict__.get("_tokenizer_fingerprint")
         if tokenizer is not None and (cached is None or cached[0] is not tokenizer):
-            # The vocabulary hash takes ~0.1 s at 150k tokens: once per tokenizer, not at every save.
+            # Hashing a large vocabulary is slow: once per tokenizer, not at every save.
             cached = self.__dict__["_tokenizer_fingerprint"] = (tokenizer, identity.tokenizer_fingerprint(tokenizer))
         fingerprint = cached[1] if tokenizer is not None else None
         return identity.policy_identity(

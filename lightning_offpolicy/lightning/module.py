@@ -105,7 +105,7 @@ class OffPolicyRLModule(LightningModule):
         lora_alpha: LoRA scaling numerator (the update is ``alpha / rank * B @ A``).
         lora_target_modules: Module names (or ``"all-linear"``) the adapters wrap.
         gradient_checkpointing: Recompute each decoder layer's activations in the backward pass
-            instead of storing them (less memory, ~30% more compute).
+            instead of storing them (less memory, more compute).
         fused_loss: Compute the correction, the policy loss, its gradient and the metric sums of
             each micro-batch in one ``torch.compile``'d graph
             (:class:`~lightning_offpolicy.correction.fused.FusedCorrectionStep`) instead of eagerly:
@@ -446,7 +446,7 @@ class OffPolicyRLModule(LightningModule):
 
     def policy_identity(self) -> dict[str, Any]:
         """What a checkpoint records about this policy (:func:`.checkpoint_identity.policy_identity`)."""
-        if self._tokenizer_fingerprint is None:  # the vocabulary hash takes ~0.1 s at 150k tokens: once
+        if self._tokenizer_fingerprint is None:  # hashing a large vocabulary is slow: once
             self._tokenizer_fingerprint = identity.tokenizer_fingerprint(self.tokenizer)
         return identity.policy_identity(
             self.policy,

@@ -204,7 +204,7 @@ def corrected_loss(
 
 
 def log_step(module: Any, values: Mapping[str, torch.Tensor | float], progress_bar: Mapping[str, str]) -> None:
-    """Log a step's values once (one ``log_dict``: each ``self.log`` costs ~1 ms) and the progress-bar short names.
+    """Log a step's values once (one ``log_dict``: each ``self.log`` has a fixed cost) and the progress-bar short names.
 
     Args:
         module: The LightningModule.
