@@ -245,8 +245,11 @@ class PPOUpdate:
         # Gradients are averaged over ranks: dividing by count / world gives the exact global mean.
         token_count, sequence_count = (hooks.global_sum(counts) / hooks.world_size).float()
         rows = self.micro_batch_rows(minibatch)
-        budget = self.max_tokens_per_microbatch or 1
-        micro_batches = minibatch.micro_batches(budget, num_micro_batches=hooks.global_max(len(rows)), rows=rows)
+        # Every rank runs as many micro-batches (padding ones where it has fewer); the rows are given,
+        # so the token budget is not read again.
+        micro_batches = minibatch.micro_batches(
+            self.max_tokens_per_microbatch or 1, num_micro_batches=hooks.global_max(len(rows)), rows=rows
+        )
         if first_forward is not None and len(micro_batches) != 1:
             raise RuntimeError("PPOUpdate: a precomputed forward needs a single micro-batch.")
         for index, micro in enumerate(micro_batches):
