@@ -130,7 +130,7 @@ def compute_correction(
         must call it for the same batch index.
     """
     cfg = cfg if cfg is not None else OffPolicyCorrectionConfig.disabled()
-    _check_inputs(prox_logprobs, rollout_logprobs, response_mask, cfg)
+    check_inputs(prox_logprobs, rollout_logprobs, response_mask, cfg)
     with torch.no_grad():
         valid = response_mask.bool()
         if prox_logprobs is None or (cfg.bypass_mode and not cfg.masks_read_current_policy):
@@ -249,12 +249,18 @@ def _normalize(weights: torch.Tensor, kept: torch.Tensor, valid: torch.Tensor, l
     return torch.where(valid, weights / mean, torch.ones_like(weights))
 
 
-def _check_inputs(
+def check_inputs(
     prox_logprobs: torch.Tensor | None,
     rollout_logprobs: torch.Tensor | None,
     response_mask: torch.Tensor,
     cfg: OffPolicyCorrectionConfig,
 ) -> None:
+    """Shape and presence checks of :func:`compute_correction`'s inputs (no host sync), shared with the fused step.
+
+    Raises:
+        ValueError: ``rollout_logprobs`` is missing, a shape does not match ``response_mask``, or
+            ``cfg`` needs ``prox_logprobs`` and it is missing.
+    """
     if rollout_logprobs is None:
         raise ValueError(
             "compute_correction needs rollout_logprobs (the engine's per-token logprobs); turn on "

@@ -35,20 +35,20 @@ import torch
 from lightning_offpolicy.correction.config import OffPolicyCorrectionConfig, PolicyLossConfig, check_compatible
 from lightning_offpolicy.correction.correction import (
     CorrectionStats,
-    _check_inputs,
+    check_inputs,
     compute_correction,
     correct_log_ratio,
 )
 from lightning_offpolicy.correction.distributed import is_distributed
 from lightning_offpolicy.correction.losses import (
+    LossObjective,
     PolicyLossInfo,
-    _checked_loss_inputs,
-    _loss_scalars,
-    _Objective,
-    _policy_loss_terms,
+    checked_loss_inputs,
     constants_of_the_step,
     entropy_bonus,
+    loss_scalars,
     policy_loss,
+    policy_loss_terms,
 )
 from lightning_offpolicy.correction.ratios import log_ratio
 
@@ -107,7 +107,7 @@ class FusedCorrectionStep:
         check_compatible(self.config, self.loss_config)
         self.statistics = statistics
         self.compiled = compiled
-        self._objective = _Objective(**self.config.policy_loss_kwargs())
+        self._objective = LossObjective(**self.config.policy_loss_kwargs())
         self._graph = torch.compile(_own_code(self._step), dynamic=dynamic, backend=backend) if compiled else None
 
     def __call__(
@@ -136,9 +136,9 @@ class FusedCorrectionStep:
         )
         # In bypass mode with a mask, the correction compares the current policy with pi_rollout.
         prox = cfg.ratio_numerator(prox_logprobs, logprobs)
-        _check_inputs(prox, rollout_logprobs, response_mask, cfg)
+        check_inputs(prox, rollout_logprobs, response_mask, cfg)
         # Advantages come back broadcast to [B, T].
-        advantages, _ = _checked_loss_inputs(
+        advantages, _ = checked_loss_inputs(
             logprobs, prox, rollout_logprobs, advantages, response_mask, self.loss_config, self._objective,
             ref_logprobs, entropy=entropy,
         )  # fmt: skip
@@ -192,7 +192,7 @@ class FusedCorrectionStep:
         statistics = self.statistics(correction.stats) if self.statistics is not None else {}
 
         def loss_of(theta: torch.Tensor) -> tuple[torch.Tensor, tuple[torch.Tensor, dict[str, torch.Tensor]]]:
-            loss, info = _policy_loss_terms(
+            loss, info = policy_loss_terms(
                 theta, prox_logprobs, rollout_logprobs, advantages, response_mask, self.loss_config,
                 correction.weights, correction.mask, self._objective, ref_logprobs, token_count, sequence_count,
             )  # fmt: skip
@@ -250,7 +250,7 @@ def _finite(loss: torch.Tensor, info: PolicyLossInfo, statistics: Statistics, lo
     ``log_rho``. Statistics that are maxima or minima may be +-inf legitimately (an empty batch), so
     only NaN is refused there.
     """
-    scalars = [*_loss_scalars(loss, info), log_rho_sum]
+    scalars = [*loss_scalars(loss, info), log_rho_sum]
     others = [value for values in statistics.values() for value in values]
     finite = torch.isfinite(torch.stack([s.to(torch.float64) for s in scalars])).all()
     if others:

@@ -141,7 +141,7 @@ def policy_loss(
     """
     loss_cfg = loss_cfg if loss_cfg is not None else PolicyLossConfig()
     weights = mask = None
-    how = _Objective()
+    how = LossObjective()
     if correction is not None:
         check_compatible(correction.config, loss_cfg)
         if correction.mask.shape != response_mask.shape or correction.weights.shape != response_mask.shape:
@@ -152,15 +152,15 @@ def policy_loss(
                 "compute_correction output of this batch."
             )
         weights, mask = correction.weights, correction.mask
-        how = _Objective(**correction.config.policy_loss_kwargs())
+        how = LossObjective(**correction.config.policy_loss_kwargs())
     prox_logprobs, rollout_logprobs, ref_logprobs = constants_of_the_step(prox_logprobs, rollout_logprobs, ref_logprobs)
-    advantages, read = _checked_loss_inputs(
+    advantages, read = checked_loss_inputs(
         logprobs, prox_logprobs, rollout_logprobs, advantages, response_mask, loss_cfg, how, ref_logprobs,
         weights, mask, entropy,
     )  # fmt: skip
 
     def terms() -> tuple[torch.Tensor, PolicyLossInfo]:
-        return _policy_loss_terms(
+        return policy_loss_terms(
             logprobs, prox_logprobs, rollout_logprobs, advantages, response_mask, loss_cfg, weights, mask, how,
             ref_logprobs, token_count, sequence_count, entropy,
         )  # fmt: skip
@@ -188,14 +188,14 @@ def constants_of_the_step(*logprobs: torch.Tensor | None) -> tuple[torch.Tensor 
     return tuple(None if t is None else t.detach() for t in logprobs)
 
 
-def _checked_loss_inputs(
+def checked_loss_inputs(
     logprobs: torch.Tensor,
     prox_logprobs: torch.Tensor | None,
     rollout_logprobs: torch.Tensor | None,
     advantages: torch.Tensor,
     response_mask: torch.Tensor,
     loss_cfg: PolicyLossConfig,
-    how: _Objective,
+    how: LossObjective,
     ref_logprobs: torch.Tensor | None,
     weights: torch.Tensor | None = None,
     mask: torch.Tensor | None = None,
@@ -245,7 +245,7 @@ def _checked_loss_inputs(
 
 
 @dataclass(frozen=True)
-class _Objective:
+class LossObjective:
     """The objective settings :func:`policy_loss` reads (``OffPolicyCorrectionConfig``'s names)."""
 
     objective: str = "ppo"
@@ -271,16 +271,16 @@ class _Objective:
         )
 
 
-def _loss_scalars(total: torch.Tensor, info: PolicyLossInfo) -> list[torch.Tensor]:
+def loss_scalars(total: torch.Tensor, info: PolicyLossInfo) -> list[torch.Tensor]:
     """The loss and the sums of ``info`` that NaN or +-inf at a response token of any input reaches."""
     return [total.detach(), info.policy_loss, info.rollout_kl, info.ref_kl, info.approx_kl_sum, info.rollout_kl_sum]
 
 
 def _all_finite(total: torch.Tensor, info: PolicyLossInfo) -> bool:
-    return bool(torch.isfinite(torch.stack([s.to(torch.float64) for s in _loss_scalars(total, info)])).all())
+    return bool(torch.isfinite(torch.stack([s.to(torch.float64) for s in loss_scalars(total, info)])).all())
 
 
-def _policy_loss_terms(
+def policy_loss_terms(
     logprobs: torch.Tensor,
     prox_logprobs: torch.Tensor | None,
     rollout_logprobs: torch.Tensor | None,
@@ -289,7 +289,7 @@ def _policy_loss_terms(
     loss_cfg: PolicyLossConfig,
     weights: torch.Tensor | None,
     mask: torch.Tensor | None,
-    how: _Objective,
+    how: LossObjective,
     ref_logprobs: torch.Tensor | None,
     token_count: float | torch.Tensor | None,
     sequence_count: float | torch.Tensor | None,

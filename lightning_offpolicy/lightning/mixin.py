@@ -49,6 +49,7 @@ mixin's loss is each rank's own token mean (the gradient is the mean of the rank
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from collections.abc import Callable
 from typing import Any
@@ -56,16 +57,13 @@ from typing import Any
 import torch
 
 from lightning_offpolicy.batch import PromptBatch, RolloutBatch
-from lightning_offpolicy.correction import (
-    CorrectionStats,
-    OffPolicyCorrectionConfig,
-    PolicyLossConfig,
-    PolicyLossInfo,
-    check_compatible,
-)
+from lightning_offpolicy.correction import OffPolicyCorrectionConfig, PolicyLossConfig, check_compatible
 from lightning_offpolicy.lightning import checkpoint_identity as identity
+from lightning_offpolicy.lightning.update_hooks import MetricsRecorder
 from lightning_offpolicy.metrics.correction import CorrectionMetrics, PolicyLossMetrics
 from lightning_offpolicy.train import step
+from lightning_offpolicy.train.micro_step import MicroBatchStep
+from lightning_offpolicy.train.update import Forward, PPOUpdate
 
 __all__ = ["OffPolicyMixin"]
 
@@ -133,12 +131,18 @@ class OffPolicyMixin:
         rollout.validate(require_rollout_logprobs=True)
         if self.__dict__.get("_modes_before_rl") is None:
             self.__dict__["_modes_before_rl"] = _dropout_off(self)
-        logprobs, entropy = step.response_logprobs(self.policy, rollout, self.temperature, return_entropy=True)
-        prox = logprobs.detach()  # the step's weights: pi_prox == pi_theta before the optimizer step
-        rollout, stats = step.apply_correction(rollout, prox, self.rl_correction)
-        loss, info = step.corrected_loss(logprobs, rollout, self.rl_loss, self.rl_correction.policy_loss_kwargs())
-        self._log_off_policy(rollout, stats, info, entropy.detach())
-        return loss
+        if getattr(self, "_off_policy_metrics", None) is None:
+            # Created on first use: the module's own __init__ is not ours to extend.
+            self._off_policy_metrics = torch.nn.ModuleList(
+                [CorrectionMetrics(self.rl_correction), PolicyLossMetrics(self.rl_correction)]
+            ).to(self.device)
+        # One optimizer step, one micro-batch: pi_prox is the detached pi_theta of its forward (exact).
+        update = PPOUpdate(MicroBatchStep(self.rl_correction, self.rl_loss), shuffle_minibatches=False)
+        hooks = _AutomaticOptimizationHooks(self.policy, self.temperature)
+        recorder = _StepRecorder(*self._off_policy_metrics)
+        update(rollout, hooks, recorder, logging=True, step_version=int(self.policy_version))
+        self._log_off_policy(rollout, recorder)
+        return hooks.loss
 
     def _count_optimizer_step(self, optimizer: Any, *args: Any, **kwargs: Any) -> tuple[bool, Any]:
         # Called once per optimizer step under automatic optimization, after optimizer.step().
@@ -172,34 +176,76 @@ class OffPolicyMixin:
         tokenizer = getattr(self, "tokenizer", None)
         cached = self.__dict__.get("_tokenizer_fingerprint")
         if tokenizer is not None and (cached is None or cached[0] is not tokenizer):
-            # The vocabulary hash takes ~0.1 s at 150k tokens: once per tokenizer, not at every save.
+            # Hashing a large vocabulary is slow: once per tokenizer, not at every save.
             cached = self.__dict__["_tokenizer_fingerprint"] = (tokenizer, identity.tokenizer_fingerprint(tokenizer))
         fingerprint = cached[1] if tokenizer is not None else None
         return identity.policy_identity(
             self.policy, tokenizer, type(self.policy).__name__, fingerprint, from_instance=True
         )
 
-    def _log_off_policy(
-        self, rollout: RolloutBatch, stats: CorrectionStats, info: PolicyLossInfo, entropy: torch.Tensor
-    ) -> None:
-        if getattr(self, "_off_policy_metrics", None) is None:
-            # Created on first use: the module's own __init__ is not ours to extend.
-            self._off_policy_metrics = torch.nn.ModuleList(
-                [CorrectionMetrics(self.rl_correction), PolicyLossMetrics(self.rl_correction)]
-            ).to(self.device)
+    def _log_off_policy(self, rollout: RolloutBatch, recorder: _StepRecorder) -> None:
         correction_metrics, loss_metrics = self._off_policy_metrics
-        correction_metrics.update(stats=stats)
-        loss_metrics.update(info=info)
         values = {**correction_metrics.compute(), **loss_metrics.compute()}
-        tokens = rollout.response_mask.bool()
         values["train/reward"] = rollout.rewards.mean()
         # Mean entropy (nats) of the policy over the response tokens: a fall towards 0 is collapse.
-        values["train/entropy"] = entropy[tokens].float().mean() if tokens.any() else torch.zeros(())
+        entropy = recorder.entropies
+        values["train/entropy"] = entropy.mean() if entropy.numel() else torch.zeros(())
         values["staleness/mean"] = step.token_staleness(rollout, self.policy_version).mean()
         values["train/policy_version"] = float(self.policy_version)
         step.log_step(self, values, progress_bar={"reward": "train/reward"})
         correction_metrics.reset()
         loss_metrics.reset()
+
+
+class _AutomaticOptimizationHooks:
+    """:class:`~lightning_offpolicy.train.update.UpdateHooks` of one step under automatic optimization.
+
+    Lightning runs the backward and the optimizer step on the loss ``training_step`` returns: the
+    update's one micro-batch loss is kept (:attr:`loss`), not back-propagated here. Under DDP the
+    loss is each rank's own token mean (no collectives).
+    """
+
+    world_size = 1
+
+    def __init__(self, policy: torch.nn.Module, temperature: float) -> None:
+        self.policy = policy
+        self.temperature = temperature
+        self.loss: torch.Tensor | None = None
+
+    def forward(self, batch: RolloutBatch, return_entropy: bool) -> Forward:
+        return step.response_logprobs(self.policy, batch, self.temperature, return_entropy=return_entropy)
+
+    def no_grad_forward(self, batch: RolloutBatch, reference: bool) -> torch.Tensor:
+        raise RuntimeError("OffPolicyMixin takes pi_prox from its one forward and has no reference model.")
+
+    def single_forward(self, batch: RolloutBatch) -> bool:
+        return True
+
+    def backward(self, loss: torch.Tensor) -> None:
+        self.loss = loss
+
+    def gradient_sync(self, enabled: bool) -> contextlib.AbstractContextManager[None]:
+        return contextlib.nullcontext()
+
+    def optimizer_step(self) -> torch.Tensor:
+        return torch.zeros(())
+
+    def global_sum(self, tensor: torch.Tensor) -> torch.Tensor:
+        return tensor
+
+    def global_max(self, value: int) -> int:
+        return value
+
+
+class _StepRecorder(MetricsRecorder):
+    """The module's metric states, and the step's entropies kept as they are (one mean per step)."""
+
+    def __init__(self, correction: CorrectionMetrics, losses: PolicyLossMetrics) -> None:
+        super().__init__(correction, losses, entropy=None)
+        self.entropies = torch.zeros(0)
+
+    def entropy(self, values: torch.Tensor) -> None:
+        self.entropies = values
 
 
 def _dropout_off(module: torch.nn.Module) -> list[tuple[torch.nn.Module, bool]]:

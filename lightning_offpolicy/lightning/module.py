@@ -14,6 +14,10 @@ the step's :class:`~lightning_offpolicy.batch.PromptBatch` by the ``RolloutCallb
    mini-batch (exact under accumulation and DDP), gradient clipping, optimizer and scheduler
    step, ``policy_version += 1``.
 
+Steps 1-4 are :class:`~lightning_offpolicy.train.update.PPOUpdate`, which imports no Lightning;
+this module gives it its forward, backward, optimizer and collectives
+(:mod:`lightning_offpolicy.lightning.update_hooks`).
+
 Held-out evaluation: ``validation_step`` aggregates the greedy and sampled completions that the
 ``RolloutCallback`` scores on each validation batch into ``val/*``
 (:class:`~lightning_offpolicy.metrics.evaluation.EvaluationMetrics`), logged at the end of the validation epoch.
@@ -39,7 +43,6 @@ from typing import Any, Literal
 import torch
 from lightning.pytorch import LightningModule
 from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
-from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.utilities import rank_zero_warn
 from torchmetrics import MaxMetric, MeanMetric
 
@@ -51,12 +54,15 @@ from lightning_offpolicy.correction.fused import FusedCorrectionStep
 from lightning_offpolicy.data.tokenizers import CharTokenizer, HFTokenizer
 from lightning_offpolicy.lightning import checkpoint_identity as identity
 from lightning_offpolicy.lightning.log_steps import is_logging_step
+from lightning_offpolicy.lightning.update_hooks import ManualOptimizationHooks, MetricsRecorder
 from lightning_offpolicy.metrics.correction import CorrectionMetrics, PolicyLossMetrics
 from lightning_offpolicy.metrics.evaluation import EvaluationMetrics
 from lightning_offpolicy.preflight import check_model_path, check_vocab
 from lightning_offpolicy.train import policy as policy_building
 from lightning_offpolicy.train import step
+from lightning_offpolicy.train.micro_step import MicroBatchStep
 from lightning_offpolicy.train.policy import REFERENCE_MODES, ReferenceMode
+from lightning_offpolicy.train.update import PPOUpdate
 
 #: Lightning's notice about modules in eval mode at the start of fit: the policy is in eval mode on
 #: purpose (see ``configure_model``).
@@ -99,14 +105,13 @@ class OffPolicyRLModule(LightningModule):
         lora_alpha: LoRA scaling numerator (the update is ``alpha / rank * B @ A``).
         lora_target_modules: Module names (or ``"all-linear"``) the adapters wrap.
         gradient_checkpointing: Recompute each decoder layer's activations in the backward pass
-            instead of storing them (less memory, ~30% more compute).
+            instead of storing them (less memory, more compute).
         fused_loss: Compute the correction, the policy loss, its gradient and the metric sums of
             each micro-batch in one ``torch.compile``'d graph
             (:class:`~lightning_offpolicy.correction.fused.FusedCorrectionStep`) instead of eagerly:
-            the same values; measured on CPU at B = 64, T = 4096-16384, that step runs 3-3.5x faster
-            and peaks at 2-3 ``[B, T]`` tensors instead of 12-17, after a compilation of a few seconds
-            per shape class. Needs a C++ compiler (inductor); not with
-            ``normalize_weights`` (a whole-batch mean).
+            the same values, faster and with fewer ``[B, T]`` temporaries, after a compilation per
+            shape class (docs/performance_correction.md). Needs a C++ compiler (inductor); not with
+            the correction's whole-batch settings (``normalize_weights``, ``m2po_mask``).
     """
 
     def __init__(
@@ -198,8 +203,6 @@ class OffPolicyRLModule(LightningModule):
         self.lora_target_modules = lora_target_modules
         self.gradient_checkpointing = gradient_checkpointing
         self.fused_loss = fused_loss
-        # Built on first use (compiled graphs do not pickle): with and without the metric sums.
-        self._fused_steps: dict[bool, FusedCorrectionStep] = {}
         self.reference_model: torch.nn.Module | None = None
         self._tokenizer_fingerprint: dict[str, Any] | None = None
         self.policy_version = 0
@@ -208,6 +211,20 @@ class OffPolicyRLModule(LightningModule):
         self.save_hyperparameters(ignore=ignored)
 
         self.correction_metrics = CorrectionMetrics(self.correction)
+        self.update = PPOUpdate(
+            MicroBatchStep(
+                self.correction,
+                self.loss_config,
+                compiled=fused_loss,
+                statistics=self.correction_metrics.sums,
+                steps_per_batch=self.optimizer_steps_per_batch,
+            ),
+            ppo_epochs=ppo_epochs,
+            num_minibatches=num_minibatches,
+            max_tokens_per_microbatch=max_tokens_per_microbatch,
+            shuffle_minibatches=shuffle_minibatches,
+            seed=seed,
+        )
         self.loss_metrics = PolicyLossMetrics(self.correction)
         self.reward_mean = MeanMetric()
         self.reward_square_mean = MeanMetric()
@@ -309,190 +326,23 @@ class OffPolicyRLModule(LightningModule):
         if logging:
             self.staleness_mean.update(staleness)
             self.staleness_max.update(staleness if staleness.numel() else torch.zeros(1, device=self.device))
-        first_forward = None
-        prox = None
-        if self.correction.needs_prox:
-            if self._one_forward_per_step(rollout):
-                first_forward, prox = self._prox_from_first_forward(rollout, logging or self._entropy_in_loss)
-            else:
-                prox = self._no_grad_logprobs(rollout)
-        ref = self._no_grad_logprobs(rollout, reference=True) if self.loss_config.ref_kl_coef > 0 else None
-        if self.fused_loss or self.correction.correction_reads_current_policy:
-            # The correction runs per micro-batch: inside the fused step, or after the forward pass
-            # where it reads pi_theta (bypass mode with a mask: pi_theta / pi_rollout; a log-linear
-            # pi_prox: interpolated towards pi_theta).
-            rollout = rollout.with_fields(prox_logprobs=prox, ref_logprobs=ref)
-        else:
-            rollout, stats = step.apply_correction(rollout, prox, self.correction, ref)
-            if logging and not self._metrics_from_current_policy:
-                self.correction_metrics.update(stats=stats)
-        # Read once per step; the configs were checked together (check_compatible) in __init__.
-        objective = self.correction.policy_loss_kwargs()
-        trained_tokens = 0
-        grad_norms = []
-        for epoch in range(self.ppo_epochs):
-            generator = None
-            if self.shuffle_minibatches and self.num_minibatches > 1:
-                generator = torch.Generator().manual_seed(self.seed * 1_000_003 + self.policy_version * 101 + epoch)
-            for minibatch in rollout.split(self.num_minibatches, generator):
-                grad_norms.append(
-                    self._optimizer_step(
-                        minibatch,
-                        objective,
-                        record=logging,
-                        record_entropy=logging and epoch == 0,
-                        record_correction=logging and epoch == 0,
-                        first_forward=first_forward if epoch == 0 else None,
-                        step_version=step_version,
-                    )
-                )
-                trained_tokens += minibatch.num_response_tokens
+        recorder = MetricsRecorder(self.correction_metrics, self.loss_metrics, self.entropy)
+        result = self.update(
+            rollout, ManualOptimizationHooks(self), recorder, logging=logging, step_version=step_version
+        )
         if logging:
-            self._log_step(rollout, grad_norms, trained_tokens, time.perf_counter() - started)
+            self._log_step(rollout, result.grad_norms, result.trained_tokens, time.perf_counter() - started)
         else:
             self._log_progress_bar(rollout, staleness)
 
     def _one_forward_per_step(self, rollout: RolloutBatch) -> bool:
-        """Whether the first optimizer step covers the whole batch in one micro-batch on every rank.
-
-        Then ``pi_prox`` (the weights at the start of the batch) is that forward's output, detached,
-        and the no-gradient forward is skipped: one forward less per batch, as TRL and verl do when
-        a batch makes a single optimizer step.
-        """
-        if self.num_minibatches != 1:
-            return False
-        return self._global_max(len(rollout.micro_batch_rows(self.max_tokens_per_microbatch))) == 1
-
-    def _prox_from_first_forward(
-        self, rollout: RolloutBatch, with_entropy: bool
-    ) -> tuple[torch.Tensor | tuple[torch.Tensor, torch.Tensor], torch.Tensor]:
-        """The first optimizer step's forward (with gradient) and ``pi_prox``, its detached ``[B, T]`` copy."""
-        first_forward = self.sequence_logprobs(rollout.trim(), return_entropy=with_entropy)
-        logprobs = first_forward[0] if with_entropy else first_forward
-        prox = torch.zeros(rollout.response_mask.shape, dtype=torch.float32, device=rollout.device)
-        prox[:, : logprobs.shape[1]] = logprobs.detach().float()
-        return first_forward, prox
-
-    def _optimizer_step(
-        self,
-        minibatch: RolloutBatch,
-        objective: dict[str, Any],
-        record: bool = True,
-        record_entropy: bool = True,
-        first_forward: torch.Tensor | tuple[torch.Tensor, torch.Tensor] | None = None,
-        record_correction: bool = False,
-        *,
-        step_version: int,
-    ) -> torch.Tensor:
-        world = self.trainer.world_size
-        counts = torch.tensor(
-            [minibatch.response_mask.sum(), (minibatch.response_mask.sum(-1) > 0).sum()],
-            dtype=torch.float64,
-            device=self.device,
-        )
-        counts = global_sum(counts)
-        # Gradients are averaged over ranks: dividing by count / world gives the exact global mean.
-        token_count, sequence_count = (counts / world).float()
-        rows_per_micro = minibatch.micro_batch_rows(self.max_tokens_per_microbatch)
-        micro_batches = minibatch.micro_batches(
-            self.max_tokens_per_microbatch,
-            num_micro_batches=self._global_max(len(rows_per_micro)),
-            rows=rows_per_micro,
-        )
-        if first_forward is not None and len(micro_batches) != 1:
-            raise RuntimeError("OffPolicyRLModule: a precomputed forward needs a single micro-batch.")
-        optimizer = self.optimizers()
-        for index, micro in enumerate(micro_batches):
-            with self._gradient_sync(index == len(micro_batches) - 1):
-                forward = (
-                    first_forward
-                    if first_forward is not None
-                    else self.sequence_logprobs(micro, return_entropy=record_entropy or self._entropy_in_loss)
-                )
-                logprobs, entropy = forward if isinstance(forward, tuple) else (forward, None)
-                if record_entropy:
-                    # Every rank updates, even with nothing: compute() is a collective.
-                    self.entropy.update(entropy.detach()[micro.response_mask.bool()].float())
-                if not self._entropy_in_loss:
-                    entropy = None
-                if self.correction.prox_method == "loglinear":
-                    prox = step.loglinear_prox(micro, logprobs, step_version, self.optimizer_steps_per_batch)
-                    micro = micro.with_fields(prox_logprobs=prox)
-                if record_correction and self._metrics_from_current_policy:
-                    # The micro-batches of the first pass cover the batch once: their metrics add up to its.
-                    self.correction_metrics.update(stats=step.current_policy_stats(micro, logprobs))
-                if self.fused_loss:
-                    fused = self._fused_step(with_metrics=record_correction and not self._metrics_from_current_policy)(
-                        logprobs, micro.prox_logprobs, micro.rollout_logprobs, micro.advantages, micro.response_mask,
-                        ref_logprobs=micro.ref_logprobs, token_count=token_count, sequence_count=sequence_count,
-                        entropy=entropy,
-                    )  # fmt: skip
-                    loss, info = fused.loss, fused.info
-                    if record_correction and not self._metrics_from_current_policy:
-                        self.correction_metrics.update_from_sums(fused.statistics)
-                else:
-                    if self.correction.correction_reads_current_policy:
-                        numerator = self.correction.ratio_numerator(micro.prox_logprobs, logprobs)
-                        micro, stats = step.apply_correction(micro, numerator, self.correction, micro.ref_logprobs)
-                        if record_correction:
-                            self.correction_metrics.update(stats=stats)
-                    loss, info = step.corrected_loss(
-                        logprobs, micro, self.loss_config, objective, token_count, sequence_count, entropy
-                    )
-                self.manual_backward(loss)
-            if record:
-                self.loss_metrics.update(info=info)
-        grad_norm = self._clip_gradients()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        scheduler = self.lr_schedulers()
-        if scheduler is not None:
-            scheduler.step()
-        self.policy_version += 1
-        return grad_norm
+        """Whether pi_prox comes from the first step's forward (:meth:`.PPOUpdate.fits_one_forward`)."""
+        return self.update.fits_one_forward(rollout, ManualOptimizationHooks(self))
 
     @property
-    def _metrics_from_current_policy(self) -> bool:
-        """Plain bypass mode: the ``rollout_corr/*`` metrics compare ``pi_theta`` with ``pi_rollout``
-        per micro-batch (``pi_prox := pi_rollout`` would make them 0; with a mask the correction
-        itself already reads ``pi_theta``)."""
-        return self.correction.bypass_mode and not self.correction.masks_read_current_policy
-
-    @property
-    def _entropy_in_loss(self) -> bool:
-        """Whether the loss has an entropy bonus: the forward then returns the entropy every step."""
-        return self.loss_config.entropy_coef > 0
-
-    def _fused_step(self, with_metrics: bool) -> FusedCorrectionStep:
-        if with_metrics not in self._fused_steps:
-            self._fused_steps[with_metrics] = FusedCorrectionStep(
-                self.correction, self.loss_config, statistics=self.correction_metrics.sums if with_metrics else None
-            )
-        return self._fused_steps[with_metrics]
-
-    @contextlib.contextmanager
-    def _gradient_sync(self, enabled: bool) -> Iterator[None]:
-        """Skip the gradient all-reduce on all but the last micro-batch of an optimizer step."""
-        if getattr(self, "_sharded", False):
-            self.policy.set_requires_gradient_sync(enabled)
-            yield
-        elif not enabled and isinstance(self.trainer.strategy, DDPStrategy):
-            with self.trainer.strategy.block_backward_sync():
-                yield
-        else:
-            yield
-
-    def _clip_gradients(self) -> torch.Tensor:
-        grads = [p.grad for p in self.policy.parameters() if p.grad is not None]
-        if not grads:
-            return torch.zeros((), device=self.device)
-        norm = torch.nn.utils.get_total_norm(grads)
-        if hasattr(norm, "full_tensor"):  # DTensor under FSDP2
-            norm = norm.full_tensor()
-        if self.gradient_clip_val is not None:
-            params = [p for p in self.policy.parameters() if p.grad is not None]
-            torch.nn.utils.clip_grads_with_norm_(params, self.gradient_clip_val, norm)
-        return norm.detach()
+    def _fused_steps(self) -> dict[bool, FusedCorrectionStep]:
+        """The compiled graphs built so far (with and without the metric sums)."""
+        return self.update.step.graphs
 
     # ------------------------------------------------------------------------------ logging
     def _log_step(
@@ -596,7 +446,7 @@ class OffPolicyRLModule(LightningModule):
 
     def policy_identity(self) -> dict[str, Any]:
         """What a checkpoint records about this policy (:func:`.checkpoint_identity.policy_identity`)."""
-        if self._tokenizer_fingerprint is None:  # the vocabulary hash takes ~0.1 s at 150k tokens: once
+        if self._tokenizer_fingerprint is None:  # hashing a large vocabulary is slow: once
             self._tokenizer_fingerprint = identity.tokenizer_fingerprint(self.tokenizer)
         return identity.policy_identity(
             self.policy,

@@ -1,7 +1,5 @@
-"""The decoupled PPO step's pieces, shared by :class:`~lightning_offpolicy.OffPolicyRLModule` and
-:class:`~lightning_offpolicy.OffPolicyMixin`.
-
-A step over one :class:`~lightning_offpolicy.batch.RolloutBatch`:
+"""The eager pieces of the decoupled PPO step, shared by :class:`~lightning_offpolicy.OffPolicyRLModule`
+and :class:`~lightning_offpolicy.OffPolicyMixin` through :class:`~.update.PPOUpdate`.
 
 1. :func:`rollout_of`: the rollouts a ``RolloutCallback`` attached to the step's ``PromptBatch``;
 2. :func:`token_staleness`: how many versions behind the trainer each response token is;
@@ -15,9 +13,8 @@ A step over one :class:`~lightning_offpolicy.batch.RolloutBatch`:
 6. :func:`log_step`: the step's ``rollout_corr/*``, ``ppo/*``, ``train/*`` values, logged once,
    on the batches :func:`~lightning_offpolicy.lightning.log_steps.is_logging_step` names.
 
-How ``pi_prox`` is obtained, the optimizer steps and the metric states differ between the two and
-stay with them: the module runs a no-grad forward and several optimizer steps with global token
-counts; the mixin takes one step, where ``pi_prox`` is the detached ``pi_theta``.
+The loop over epochs, mini-batches and micro-batches that calls them is :mod:`.update`; the
+compiled alternative to 4-5 is :mod:`.micro_step`.
 """
 
 from __future__ import annotations
@@ -206,7 +203,7 @@ def corrected_loss(
 
 
 def log_step(module: Any, values: Mapping[str, torch.Tensor | float], progress_bar: Mapping[str, str]) -> None:
-    """Log a step's values once (one ``log_dict``: each ``self.log`` costs ~1 ms) and the progress-bar short names.
+    """Log a step's values once (one ``log_dict``: each ``self.log`` has a fixed cost) and the progress-bar short names.
 
     Args:
         module: The LightningModule.
