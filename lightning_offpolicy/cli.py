@@ -179,6 +179,8 @@ class OffPolicyCLI(LightningCLI):
                 action.help = argparse.SUPPRESS
         # SIGTERM (preemption): checkpoint at the next batch boundary, then exit 143, not 0.
         parser.add_lightning_class_args(PreemptionCheckpoint, "preemption")
+        # argparse's usage line lists every option once more before the options themselves.
+        parser.usage = "%(prog)s [-h] [-c CONFIG] [--print_config[=flags]] [--GROUP.SETTING VALUE ...]"
 
     def instantiate_classes(self) -> None:
         try:

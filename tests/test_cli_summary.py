@@ -37,7 +37,7 @@ def test_a_fit_prints_where_its_files_are_and_its_reward_first_to_last(tmp_path,
             f"--trainer.logger.init_args.save_dir={tmp_path}",
             "--trainer.enable_progress_bar=false",
             "--data.init_args.prompts_per_step=4",
-            "--rollout.samples_per_prompt=4",
+            "--rollout.sampling.samples_per_prompt=4",
             "--data.init_args.num_val_prompts=0",
         ]
     )

@@ -11,8 +11,8 @@ def is_logging_step(trainer: Any, batch_idx: int, optimizer_steps_per_batch: int
     Lightning's own rule (``Trainer(log_every_n_steps=n)``: every n-th batch, or when the trainer is
     stopping), plus the fit's last batch (its ``max_steps``, or the end of its epoch), so that
     ``trainer.callback_metrics`` end with the final values. On the other batches Lightning drops
-    ``on_step`` values before they reach a logger, so computing them there is wasted (~20 ms per
-    step of a small model: metric updates, their ``compute`` and ~40 ``self.log`` calls).
+    ``on_step`` values before they reach a logger, so computing them there is wasted (metric updates,
+    their ``compute`` and dozens of ``self.log`` calls per step).
 
     Args:
         trainer: The ``Trainer`` (``None``: outside a fit, always True).

@@ -33,9 +33,9 @@ __all__ = [
 #: Default longest wait for a TCP connection, and for the first answers of a server at connect time
 #: (``RemoteVLLMEngine.connect_timeout_s``): a server that does not accept within it is down or
 #: unreachable, one that accepts but does not answer ``/v1/models`` / ``/server_info`` within it is
-#: hung. The first ``/server_info`` collects the server's environment (1.8-4.4 s measured on a
-#: loaded 2-core machine, docs/remote_vllm.md): 30 s leaves room for a busier one and is still 20x
-#: shorter than the default ``request_timeout_s``.
+#: hung. The first ``/server_info`` collects the server's environment, which takes seconds on a
+#: loaded machine (docs/remote_vllm.md has the figures); the default leaves room for a busier one
+#: and is still far shorter than the default ``request_timeout_s``.
 CONNECT_TIMEOUT_S = 30.0
 
 #: Most bytes one read of a streamed answer takes (vLLM sends one chunk of some hundred bytes per event).

@@ -152,8 +152,8 @@ def shutdown(llm: Any, procs: list[Any], graceful: bool = True) -> None:
     """Stop an engine: signal its processes (SIGTERM, or SIGKILL when not graceful), then reap them.
 
     The workers are signalled together with the engine core and get one second to exit before
-    they are killed: vLLM's own shutdown waits for its workers to notice the core's exit (~4 s on
-    a small machine) for processes that hold no state worth saving.
+    they are killed: vLLM's own shutdown waits for its workers to notice the core's exit (seconds)
+    for processes that hold no state worth saving.
     """
     for p in procs:
         with contextlib.suppress(Exception):

@@ -25,15 +25,9 @@ _PROBE_SEED = 20240611
 class SyncTolerance:
     """The probe check's per-token bound: ``|engine_t - trainer_t| <= atol + rtol * |trainer_t|``.
 
-    Why a relative part: an engine in reduced precision differs from a float32 trainer in
-    proportion to the size of the logits, not by a fixed amount. Once the policy is peaked, the
-    random probe tokens sit deep in the tail (logprobs of -100 and below) and a healthy bfloat16
-    engine differs there by more than any fixed tolerance small enough to mean something: the
-    flagship bfloat16 config died at batch ~235 of 300 on a difference of 1.2 nats. Measured on
-    the tiny Llama with a bfloat16 vLLM engine, ``lm_head`` scaled by 1 to 100 (probe logprobs
-    from -6 to -1000): ``|engine - trainer| / (1 + |trainer|)`` stayed at or below 0.011 (1.4
-    ``eps``), while weights that did not arrive, or arrived under the wrong names, differ by tens
-    of percent of ``|trainer|``.
+    The relative part is there because an engine in reduced precision differs from a float32
+    trainer in proportion to the size of the logits, not by a fixed amount: docs/metrics.md
+    (``rollout/sync_probe_diff``) gives the measured differences and why the bound sits where it does.
 
     Attributes:
         atol: Absolute part (nats): the whole bound when engine and trainer are both float32.
@@ -67,7 +61,8 @@ def weights_dtype(module: torch.nn.Module) -> torch.dtype:
     return max(counts, key=counts.__getitem__)
 
 
-#: Safety factor over the machine epsilon of a reduced-precision dtype (measured need: 1.4).
+#: Safety factor over the machine epsilon of a reduced-precision dtype: an order of magnitude above
+#: what a correct sync needs, far below what a wrong or partial sync moves.
 _RTOL_EPS_FACTOR = 16.0
 
 
