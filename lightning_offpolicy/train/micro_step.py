@@ -73,7 +73,6 @@ class MicroBatchStep:
         self.compiled = compiled
         self.statistics = statistics
         self.steps_per_batch = steps_per_batch
-        self.objective = correction.policy_loss_kwargs()
         # Built on first use (compiled graphs do not pickle): with and without the metric sums.
         self.graphs: dict[bool, FusedCorrectionStep] = {}
 
@@ -152,7 +151,7 @@ class MicroBatchStep:
             if record_correction:
                 stats = own
         loss, info = step.corrected_loss(
-            logprobs, micro, self.loss, self.objective, token_count, sequence_count, entropy
+            logprobs, micro, self.loss, self.correction, token_count, sequence_count, entropy
         )
         return MicroStepOutput(loss, info, stats)
 

@@ -170,7 +170,7 @@ def corrected_loss(
     logprobs: torch.Tensor,
     batch: RolloutBatch,
     loss: PolicyLossConfig,
-    objective: Mapping[str, Any],
+    correction: OffPolicyCorrectionConfig,
     token_count: float | torch.Tensor | None = None,
     sequence_count: float | torch.Tensor | None = None,
     entropy: torch.Tensor | None = None,
@@ -182,7 +182,8 @@ def corrected_loss(
         batch: The slice, carrying its ``is_weights`` and ``correction_mask``.
         loss: The surrogate, its aggregation and the KL penalties (checked against the correction
             once, with ``check_compatible``, by the caller).
-        objective: ``OffPolicyCorrectionConfig.policy_loss_kwargs()`` of the correction.
+        correction: The correction ``batch``'s weights and mask were computed with (its objective
+            settings are the loss's).
         token_count: Global token denominator (``None``: this slice's).
         sequence_count: Global sequence denominator (``None``: this slice's).
         entropy: ``[B, T]`` entropy of ``pi_theta`` with gradient, for ``loss.entropy_coef > 0``.
@@ -194,7 +195,7 @@ def corrected_loss(
         batch.advantages,
         batch.response_mask,
         loss,
-        CorrectionOutput(batch.is_weights, batch.correction_mask, None, OffPolicyCorrectionConfig(**objective)),
+        CorrectionOutput(batch.is_weights, batch.correction_mask, None, correction),
         ref_logprobs=batch.ref_logprobs,
         token_count=token_count,
         sequence_count=sequence_count,
