@@ -12,8 +12,9 @@ The names below load on first use (PEP 562), so that ``lightning_offpolicy.data.
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from lightning_offpolicy._lazy import lazy_exports
 
 #: Public name -> the module that defines it.
 _EXPORTS: dict[str, str] = {
@@ -43,15 +44,7 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str) -> Any:
-    if name not in _EXPORTS:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = globals()[name] = getattr(importlib.import_module(_EXPORTS[name]), name)
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_EXPORTS))
+__getattr__, __dir__ = lazy_exports(globals(), _EXPORTS)
 
 
 if TYPE_CHECKING:  # for type checkers and IDEs: the same names, imported eagerly

@@ -6,8 +6,7 @@ Names load on first use (PEP 562), as the package's own top-level names do.
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from lightning_offpolicy._lazy import lazy_exports
 
 _EXPORTS: dict[str, str] = {
     "OffPolicyRLModule": "lightning_offpolicy.lightning.module",
@@ -20,14 +19,4 @@ _EXPORTS: dict[str, str] = {
 __all__ = sorted(_EXPORTS)
 
 
-def __getattr__(name: str) -> Any:
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module 'lightning_offpolicy.lightning' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_EXPORTS))
+__getattr__, __dir__ = lazy_exports(globals(), _EXPORTS)
