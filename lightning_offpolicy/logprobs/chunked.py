@@ -15,7 +15,13 @@ from torch import Tensor
 from torch.autograd.function import once_differentiable
 
 from lightning_offpolicy.logprobs.checks import check_targets, check_temperature_and_chunk
-from lightning_offpolicy.logprobs.softmax import acc_dtype, ids_per_row, logp_to_grad, scaled_grads
+from lightning_offpolicy.logprobs.softmax import (
+    acc_dtype,
+    exp_sum_and_entropy,
+    ids_per_row,
+    logp_to_grad,
+    scaled_grads,
+)
 
 __all__ = ["token_logprobs"]
 
@@ -51,16 +57,9 @@ class _TokenLogprobs(torch.autograd.Function):
                 d.sub_(m[:, None])
             if inv_t != 1.0:
                 d.mul_(inv_t)
-            if want_entropy:
-                e = torch.exp(d)  # second temporary, only when the entropy is wanted
-                s = e.sum(dim=-1)
-                # sum_v e_v * d_v as a batched dot product (no third [c, V] temporary).
-                ed = torch.bmm(e.unsqueeze(1), d.unsqueeze(2)).reshape(-1)
-                del e
-                # H = lse - sum p z = log s - sum(e d) / s, with d = z - max z.
-                entropy[start:end] = s.log() - ed / s
-            else:
-                s = d.exp_().sum(dim=-1)
+            s, chunk_entropy = exp_sum_and_entropy(d, want_entropy)
+            if chunk_entropy is not None:
+                entropy[start:end] = chunk_entropy
             del d
             chunk_lse = m * inv_t + s.log()
             lse[start:end] = chunk_lse

@@ -19,7 +19,13 @@ from torch.autograd.function import once_differentiable
 
 from lightning_offpolicy.argcheck import is_real
 from lightning_offpolicy.logprobs.checks import check_targets, check_temperature_and_chunk
-from lightning_offpolicy.logprobs.softmax import acc_dtype, ids_per_row, logp_to_grad, scaled_grads
+from lightning_offpolicy.logprobs.softmax import (
+    acc_dtype,
+    exp_sum_and_entropy,
+    ids_per_row,
+    logp_to_grad,
+    scaled_grads,
+)
 
 __all__ = ["CHUNK_DIVISOR", "MIN_CHUNK", "chunk_rows", "fused_linear_token_logprobs"]
 
@@ -136,15 +142,9 @@ class _FusedLinearLogprobs(torch.autograd.Function):
                 tgt_z = z.gather(1, targets[start:end])
                 m = z.amax(dim=-1)
                 z.sub_(m[:, None])
-                if want_entropy:
-                    e = torch.exp(z)  # second temporary, only with the entropy
-                    s = e.sum(dim=-1)
-                    # sum_v e_v * d_v as a batched dot product (no third [c, V] temporary).
-                    ed = torch.bmm(e.unsqueeze(1), z.unsqueeze(2)).reshape(-1)
-                    del e
-                    entropy[start:end] = s.log() - ed / s
-                else:
-                    s = z.exp_().sum(dim=-1)
+                s, chunk_entropy = exp_sum_and_entropy(z, want_entropy)
+                if chunk_entropy is not None:
+                    entropy[start:end] = chunk_entropy
                 del z
                 chunk_lse = m + s.log()
                 lse[start:end] = chunk_lse

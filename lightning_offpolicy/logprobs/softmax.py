@@ -1,4 +1,5 @@
-"""The softmax gradient both chunked autograd Functions share, and the dtype they accumulate in.
+"""What both chunked autograd Functions share: a chunk's softmax sum and entropy, the softmax gradient,
+and the dtype they accumulate in.
 
 For ``z`` the logits of one row divided by the temperature, ``p = softmax(z)`` and ``H`` its entropy,
 ``d log p_t / dz = onehot(t) - p`` and ``dH / dz = -p * (log p + H)``. :func:`logp_to_grad` turns a
@@ -24,6 +25,29 @@ def acc_dtype(dtype: torch.dtype) -> torch.dtype:
 def ids_per_row(targets: Tensor, source: Tensor) -> int:
     """``K``: targets of ``source``'s shape without its last dimension hold one id per row, else their last size."""
     return targets.shape[-1] if targets.dim() == source.dim() else 1
+
+
+def exp_sum_and_entropy(shifted: Tensor, want_entropy: bool) -> tuple[Tensor, Tensor | None]:
+    """Per row of a chunk of max-shifted logits ``d = z - max z``: ``s = sum exp(d)`` and the entropy.
+
+    Without the entropy ``shifted`` is overwritten by ``exp(d)`` (no second ``[c, V]`` temporary);
+    with it, one temporary ``exp(d)`` is made and ``sum_v exp(d_v) d_v`` is a batched dot product
+    (no third).
+
+    Args:
+        shifted: ``[c, V]`` logits minus their row maximum, in the accumulation dtype.
+        want_entropy: Also return ``H = log s - sum(exp(d) d) / s`` (``= lse - sum p z``).
+
+    Returns:
+        ``(s, entropy)``, each ``[c]``; ``entropy`` is ``None`` unless wanted.
+    """
+    if not want_entropy:
+        return shifted.exp_().sum(dim=-1), None
+    e = torch.exp(shifted)
+    s = e.sum(dim=-1)
+    ed = torch.bmm(e.unsqueeze(1), shifted.unsqueeze(2)).reshape(-1)
+    del e
+    return s, s.log() - ed / s
 
 
 def scaled_grads(
