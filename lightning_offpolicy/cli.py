@@ -34,6 +34,7 @@ import sys
 import traceback
 from typing import Any
 
+from jsonargparse import DefaultHelpFormatter
 from lightning.pytorch import LightningDataModule, Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint, ModelSummary, ProgressBar
 from lightning.pytorch.cli import LightningCLI
@@ -56,7 +57,8 @@ log = logging.getLogger(__name__)
 DESCRIPTION = (
     "Off-policy-corrected RL of language models with Lightning. `lightning-offpolicy fit --config "
     "configs/quickstart.yaml` trains; `lightning-offpolicy selfcheck` checks every correction preset on a "
-    "real tiny model in under a minute, without training (`selfcheck --help` for its options)."
+    "real tiny model in under a minute, without training (`selfcheck --help` for its options). "
+    "`fit --OPTION.help CLASS` shows the settings of a class that a class-typed option accepts."
 )
 
 MODEL_HELP = (
@@ -64,6 +66,39 @@ MODEL_HELP = (
     "SFT-warmed locally, no download; e.g. tiny:reverse). From Python, OffPolicyRLModule(model=...) also "
     "takes a module instance."
 )
+
+
+class ConciseHelpFormatter(DefaultHelpFormatter):
+    """``fit --help`` that fits on a few screens: each option once, in one or two sentences.
+
+    On top of jsonargparse's formatter it leaves out the list of known subclasses after a
+    class-typed option and the ``--OPTION.help CLASS`` entry beside it (both still work: the
+    description says so), and keeps the first sentence of each ``trainer.*`` option, whose full text
+    is Lightning's ``Trainer`` documentation.
+    """
+
+    def add_argument(self, action: argparse.Action) -> None:
+        if any(flag.endswith(".help") for flag in action.option_strings):
+            return
+        super().add_argument(action)
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = super()._get_help_string(action)
+        text = _KNOWN_SUBCLASSES.sub("", text)
+        if action.dest.startswith("trainer.") and action.help:
+            first = _first_sentence(action.help)
+            text = first + text[len(action.help) :] if text.startswith(action.help) else text
+        return text
+
+
+_KNOWN_SUBCLASSES = re.compile(r", known subclasses: [^)]*")
+# A sentence ends at a period followed by white space, except after "e.g." / "i.e." / "etc.".
+_SENTENCE_END = re.compile(r"(?<!e\.g)(?<!i\.e)(?<!etc)\.\s")
+
+
+def _first_sentence(text: str) -> str:
+    match = _SENTENCE_END.search(text)
+    return text if match is None else text[: match.start() + 1]
 
 
 #: Held (``flock``) by the run writing a log directory, for as long as it runs.
@@ -168,6 +203,10 @@ class OffPolicyCLI(LightningCLI):
         parser.add_lightning_class_args(
             self._datamodule_class, "data", subclass_mode=self.subclass_mode_data, required=required
         )
+        # The group's title would be the first line of LightningDataModule's docstring.
+        for group in parser._action_groups:
+            if any(action.dest == "data" for action in group._group_actions):
+                group.title = "Prompts: any LightningDataModule that yields PromptBatch, by class_path"
 
     def add_arguments_to_parser(self, parser) -> None:
         _accept_correction_presets(parser)
@@ -342,7 +381,11 @@ def main(argv: list[str] | None = None) -> int:
         # A resumed run rewrites its directory's config; concurrent runs never share one (claim_log_directory).
         save_config_kwargs={"overwrite": True},
         auto_configure_optimizers=False,
-        parser_kwargs={"description": DESCRIPTION},
+        parser_kwargs={
+            "description": DESCRIPTION,
+            "formatter_class": ConciseHelpFormatter,
+            **{name: {"formatter_class": ConciseHelpFormatter} for name in LightningCLI.subcommands()},
+        },
     )
     return 0
 

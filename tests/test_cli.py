@@ -114,11 +114,28 @@ def test_fit_help_shows_the_model_as_a_path_not_every_torch_class(capsys, monkey
         main(["fit", "--help"])
     out = capsys.readouterr().out
     # The torch.nn classes listed as "known subclasses" of --model.model were ~470 lines at 80
-    # columns; the help is ~870 lines at 120 columns with the peers' names, DAPO, DPPO, OPSM, M2PO
-    # and the pi_prox method.
+    # columns.
     assert len(out.splitlines()) < 1000
     assert "torch.nn.Linear" not in out and "torch.nn.Module" not in out
     assert "tiny:<task>" in out and "(type: str, default: tiny:reverse)" in out
+
+
+def test_fit_help_fits_in_700_lines_at_80_columns_and_class_help_still_works(capsys, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "80")
+    with pytest.raises(SystemExit):
+        main(["fit", "--help"])
+    out = capsys.readouterr().out
+    assert len(out.splitlines()) <= 700
+    assert "known subclasses" not in out and "--trainer.logger.help" not in out
+    assert "Prompts: any LightningDataModule" in out
+    # A trainer option keeps its first sentence only; the kit's own options keep their whole text.
+    assert "The devices to use. (type:" in out
+    assert "Completions per prompt" in out
+    # The per-option class help left out of the listing still answers.
+    with pytest.raises(SystemExit) as exit_info:
+        main(["fit", "--trainer.logger.help", "TensorBoardLogger"])
+    assert exit_info.value.code == 0
+    assert "--trainer.logger.save_dir" in capsys.readouterr().out
 
 
 def test_model_path_from_the_command_line_reaches_the_module():
