@@ -327,13 +327,16 @@ class RolloutBatch:
         rollout_logprobs: list[list[float]] | None,
         pad_token_id: int,
         sampling_supports: list[list[list[int]]] | None = None,
+        response_masks: list[list[float]] | None = None,
     ) -> RolloutBatch:
         """Pad ragged prompts (left) and responses (right) into a batch.
 
         ``advantages`` is ``[B]`` (broadcast over each response) or ``[B, T]``;
         ``policy_versions`` is one version per sequence or one per token; ``sampling_supports``,
         under top-k / top-p, the kept ids of each response token (``[]``: the whole vocabulary),
-        become the ``[B, T, K]`` ``sampling_support``.
+        become the ``[B, T, K]`` ``sampling_support``. ``response_masks``: one 0 / 1 per response
+        token (0: context the model did not sample, e.g. a tool's result in an episode); ``None``:
+        every response token is trained.
         """
         batch = len(prompt_ids)
         if not (len(response_ids) == batch and len(group_ids) == batch and len(rewards) == batch):
@@ -353,7 +356,14 @@ class RolloutBatch:
             if n:
                 input_ids[i, prompt_length : prompt_length + n] = torch.tensor(response, dtype=torch.long)
                 attention_mask[i, prompt_length : prompt_length + n] = 1
-                response_mask[i, :n] = 1
+                if response_masks is None:
+                    response_mask[i, :n] = 1
+                else:
+                    if len(response_masks[i]) != n:
+                        raise ValueError(
+                            f"from_sequences: row {i} has {n} response tokens but {len(response_masks[i])} mask values."
+                        )
+                    response_mask[i, :n] = torch.tensor(response_masks[i], dtype=response_mask.dtype)
                 version = policy_versions[i]
                 versions[i, :n] = torch.as_tensor(version, dtype=torch.long)
                 if logprobs is not None:

@@ -97,14 +97,18 @@ def check_context(max_new_tokens: int, limit: tuple[int, str] | None) -> None:
         )
 
 
-def check_prompt_fits(longest_prompt: int, max_new_tokens: int, limit: tuple[int, str] | None) -> None:
-    """``ValueError`` when the longest prompt + ``max_new_tokens`` runs past the context."""
+def check_prompt_fits(
+    longest_prompt: int,
+    max_new_tokens: int,
+    limit: tuple[int, str] | None,
+    setting: str = "rollout.sampling.max_new_tokens",
+) -> None:
+    """``ValueError`` when the longest prompt + ``max_new_tokens`` (the value of ``setting``) runs past the context."""
     if limit is not None and longest_prompt + max_new_tokens > limit[0]:
         raise ValueError(
-            f"The longest prompt of this batch ({longest_prompt} tokens) + rollout.sampling.max_new_tokens="
+            f"The longest prompt of this batch ({longest_prompt} tokens) + {setting}="
             f"{max_new_tokens} = {longest_prompt + max_new_tokens} tokens exceeds {limit[1]}. Lower "
-            "rollout.sampling.max_new_tokens, use "
-            "shorter prompts, or a model / engine with a longer context."
+            f"{setting}, use shorter prompts, or a model / engine with a longer context."
         )
 
 

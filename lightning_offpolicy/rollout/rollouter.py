@@ -28,6 +28,7 @@ from lightning_offpolicy.rollout.advantages import compute_advantages
 from lightning_offpolicy.rollout.dapo import DAPOSettings, informative_rows, overlong_penalty
 from lightning_offpolicy.rollout.engine import Completion, RolloutEngine, SamplingConfig
 from lightning_offpolicy.rollout.episode import Episode, single_turn_episodes, to_rollout_batch
+from lightning_offpolicy.rollout.multi_turn import EpisodeRunner, EpisodeSettings, episode_metadata, episode_stats
 from lightning_offpolicy.rollout.partial import PartialStats, check_not_stopped, generate_resumable
 
 __all__ = ["Rollouter", "batch_seed"]
@@ -44,10 +45,6 @@ class _Samples:
     """The episodes of one or more generation calls, in order (a single-turn rollout: one turn each)."""
 
     episodes: list[Episode] = field(default_factory=list)
-
-    @property
-    def completions(self) -> list[Completion]:
-        return [e.completion for e in self.episodes]
 
     @property
     def groups(self) -> list[int]:
@@ -117,12 +114,14 @@ class Rollouter:
         stop: Returns ``True`` once the rollout must stop (a preemption): a ``generate`` call it cut
             short is not continued (nor scored), and :meth:`rollout` and :meth:`evaluate` raise
             :class:`~lightning_offpolicy.rollout.partial.RolloutStopped`. ``None``: never.
+        episodes: Multi-turn episodes (tools or an environment, and their limits;
+            :mod:`~lightning_offpolicy.rollout.multi_turn`). ``None`` or nothing enabled: one turn each.
 
     After each :meth:`rollout`, :attr:`last_stats` holds its counts (``groups_dropped``,
     ``refill_batches``, ``groups_short``, ``overlong_filtered``; with ``turn``: ``interrupted_frac``,
     ``continuation_calls`` and ``tokens_per_version``; under a sampling mask ``support_unknown_frac``,
-    the share of tokens whose kept support the engine could not tell; only those of the features
-    in use).
+    the share of tokens whose kept support the engine could not tell; with ``episodes``
+    :func:`~lightning_offpolicy.rollout.multi_turn.episode_stats`; only those of the features in use).
     """
 
     def __init__(
@@ -140,6 +139,7 @@ class Rollouter:
         turn: Callable[[], AbstractContextManager[object]] | None = None,
         reward_timeout_s: float | None = DEFAULT_REWARD_TIMEOUT_S,
         stop: Callable[[], bool] | None = None,
+        episodes: EpisodeSettings | None = None,
     ) -> None:
         self.engine = engine
         self.tokenizer = tokenizer
@@ -156,10 +156,25 @@ class Rollouter:
         self.stop = stop
         self._partial = PartialStats()
         self.last_stats: dict[str, float] = {}
+        self.runner: EpisodeRunner | None = None
+        if episodes is not None and episodes.enabled:
+            stop_ids = list(getattr(engine, "stop_ids", None) or [])
+            if not stop_ids and getattr(tokenizer, "eos_token_id", None) is not None:
+                stop_ids = [int(tokenizer.eos_token_id)]
+            self.runner = EpisodeRunner(episodes, tokenizer, stop_ids)
 
     def encode(self, prompts: PromptBatch) -> list[list[int]]:
-        """The prompts' token ids by the tokenizer's own rule (bos where it adds one; chat via its template)."""
+        """The prompts' token ids by the tokenizer's own rule (bos where it adds one; chat via its template);
+        for episodes, through the chat template with the tools."""
+        if self.runner is not None:
+            return self.runner.prompt_ids(prompts.prompts)
         return [encode_prompt(self.tokenizer, prompt) for prompt in prompts.prompts]
+
+    def _budget(self) -> tuple[int, str]:
+        """The most ids a rollout adds after a prompt, and the setting that says so."""
+        if self.runner is not None:
+            return self.runner.settings.max_episode_tokens, "rollout.episodes.max_episode_tokens"
+        return self.sampling.max_new_tokens, "rollout.sampling.max_new_tokens"
 
     def rollout(self, prompts: PromptBatch, index: int, rank: int = 0) -> tuple[RolloutBatch, float]:
         """Training batch ``index``: the scored rollout of ``prompts``, and the seconds generation took."""
@@ -167,7 +182,7 @@ class Rollouter:
         self._partial = PartialStats()
         generate_s += self._sample(samples, prompts, batch_seed(self.seed, index, rank), group_offset=0)
         rewards = samples.rewards()
-        keep = torch.ones(len(samples.completions), dtype=torch.bool)
+        keep = torch.ones(len(samples.episodes), dtype=torch.bool)
         stats: dict[str, float] = {}
         if self.dapo.dynamic_sampling:
             wanted = len(prompts)
@@ -191,14 +206,15 @@ class Rollouter:
                 "groups_short": float(max(wanted - len(informative), 0)),
             }
         rollout = self._build(samples, rewards, keep)
+        trained = [e for e, k in zip(samples.episodes, keep.tolist(), strict=True) if k]
         if self.sampling.support_needed:
-            trained = [c for c, k in zip(samples.completions, keep.tolist(), strict=True) if k]
-            unknown = sum(kept is None for c in trained for kept in c.sampling_support)
-            stats["support_unknown_frac"] = unknown / max(sum(len(c.token_ids) for c in trained), 1)
+            supports = [turn.completion.sampling_support for e in trained for turn in e.turns]
+            unknown = sum(kept is None for support in supports for kept in support)
+            stats["support_unknown_frac"] = unknown / max(sum(e.model_tokens for e in trained), 1)
+        if self.runner is not None:
+            stats.update(episode_stats(trained))
         if self.dapo.overlong_filter:
-            cut = torch.tensor(
-                [c.finish_reason == "length" for c, k in zip(samples.completions, keep.tolist(), strict=True) if k]
-            )
+            cut = torch.tensor([e.truncated for e in trained])
             stats["overlong_filtered"] = float(cut.sum())
             if bool(cut.any()):
                 out = (~cut).float().unsqueeze(-1)
@@ -206,31 +222,54 @@ class Rollouter:
                     response_mask=rollout.response_mask * out, advantages=rollout.advantages * out
                 )
         if self.turn is not None:
-            stats.update(_partial_stats(self._partial, len(samples.completions), rollout))
+            stats.update(_partial_stats(self._partial, len(samples.episodes), rollout))
         self.last_stats = stats
         return rollout, generate_s
+
+    def _generate(self, prompt_ids: list[list[int]], sampling: SamplingConfig, seed: int | None) -> list[Completion]:
+        """One generation call, completions a weight push interrupted continued (partial rollouts)."""
+        return generate_resumable(
+            self.engine, prompt_ids, sampling, seed=seed, turn=self.turn, stats=self._partial, stop=self.stop
+        )
+
+    def _play(
+        self,
+        prompts: PromptBatch,
+        prompt_ids: list[list[int]],
+        sampling: SamplingConfig,
+        seed: int | None,
+        group_offset: int,
+        generate: Callable[[list[list[int]], SamplingConfig, int | None], list[Completion]],
+    ) -> list[Episode]:
+        """The episodes of ``prompts``, unscored: one turn each, or played by the episode runner; the
+        group of prompt ``i`` is ``group_offset + i``."""
+        if self.runner is not None:
+            return self.runner.run(
+                prompts.prompts, prompts.metadata, prompt_ids, sampling, generate, seed, group_offset
+            )
+        completions = generate(prompt_ids, sampling, seed)
+        return single_turn_episodes(prompt_ids, completions, torch.zeros(len(completions)), {}, group_offset)
 
     def _sample(self, samples: _Samples, prompts: PromptBatch, seed: int, group_offset: int) -> float:
         """Generate and score ``prompts`` into ``samples``; the seconds generation took."""
         prompt_ids = self.encode(prompts)
         started = time.perf_counter()
-        check_prompt_fits(max(map(len, prompt_ids), default=0), self.sampling.max_new_tokens, self.context_limit)
-        completions = generate_resumable(
-            self.engine, prompt_ids, self.sampling, seed=seed, turn=self.turn, stats=self._partial, stop=self.stop
-        )
+        budget, setting = self._budget()
+        check_prompt_fits(max(map(len, prompt_ids), default=0), budget, self.context_limit, setting=setting)
+        episodes = self._play(prompts, prompt_ids, self.sampling, seed, group_offset, self._generate)
         generate_s = time.perf_counter() - started
-        scored = self._score(prompts, [c.prompt_index for c in completions], completions)
+        scored = self._score(prompts, [e.group - group_offset for e in episodes], episodes)
         components = dict(scored.components or {})
+        total = scored.total.to(torch.float64)
         if self.dapo.overlong_buffer > 0:
-            lengths = torch.tensor([len(c.token_ids) for c in completions])
-            penalty = overlong_penalty(
-                lengths, self.sampling.max_new_tokens, self.dapo.overlong_buffer, self.dapo.overlong_penalty_factor
-            )
+            lengths = torch.tensor([len(e.response_ids) for e in episodes])
+            penalty = overlong_penalty(lengths, budget, self.dapo.overlong_buffer, self.dapo.overlong_penalty_factor)
             components["overlong_penalty"] = penalty
-            scored_total = scored.total.to(torch.float64) + penalty
-        else:
-            scored_total = scored.total.to(torch.float64)
-        samples.episodes += single_turn_episodes(prompt_ids, completions, scored_total, components, group_offset)
+            total = total + penalty
+        for i, episode in enumerate(episodes):
+            episode.reward = float(total[i])
+            episode.components = {name: float(values[i]) for name, values in components.items()}
+        samples.episodes += episodes
         return generate_s
 
     def _build(self, samples: _Samples, rewards: torch.Tensor, keep: torch.Tensor) -> RolloutBatch:
@@ -239,16 +278,16 @@ class Rollouter:
         episodes = [samples.episodes[i] for i in rows]
         numbering = {g: n for n, g in enumerate(sorted({e.group for e in episodes}))}
         group_ids = torch.tensor([numbering[e.group] for e in episodes], dtype=torch.long)
-        supports, unknown = self._supports([e.completion for e in episodes])
+        supports, unknown = self._supports(episodes)
         advantages = compute_advantages(self.advantage_estimator, rewards[rows], group_ids)
         rollout = to_rollout_batch(episodes, advantages, group_ids, self.tokenizer.pad_token_id, supports)
         if unknown is not None:
             rollout = _without_unknown_support(rollout, unknown)
         return rollout
 
-    def _supports(self, completions: list[Completion]) -> tuple[list[list[list[int]]] | None, list[list[bool]] | None]:
-        """The completions' kept supports under top-k / top-p, and which tokens the engine could not
-        tell them for (``None, None`` without a sampling mask).
+    def _supports(self, episodes: list[Episode]) -> tuple[list[list[list[int]]] | None, list[list[bool]] | None]:
+        """The episodes' kept supports under top-k / top-p (``[]`` at ids the environment appended), and
+        which tokens the engine could not tell them for (``None, None`` without a sampling mask).
 
         Raises:
             ValueError: top-k / top-p is on and the engine did not report what its sampler kept:
@@ -256,7 +295,8 @@ class Rollouter:
         """
         if not self.sampling.support_needed:
             return None, None
-        if any(c.sampling_support is None for c in completions):
+        per_episode = [e.sampling_supports() for e in episodes]
+        if any(support is None for support in per_episode):
             raise ValueError(
                 f"SamplingConfig(top_k={self.sampling.top_k}, top_p={self.sampling.top_p}) cuts the sampling "
                 f"distribution, but {type(self.engine).__name__} did not report which tokens it kept "
@@ -265,42 +305,55 @@ class Rollouter:
                 "that reports it (HFEngine, HFProcessEngine, VLLMEngine, RemoteVLLMEngine), or set top_k=0 and "
                 "top_p=1.0 (or sampling_mask=False, for a comparison only)."
             )
-        unknown = [[kept is None for kept in c.sampling_support] for c in completions]
-        supports = [[kept or [] for kept in c.sampling_support] for c in completions]
+        unknown = [[kept is None for kept in support] for support in per_episode]
+        supports = [[kept or [] for kept in support] for support in per_episode]
         return supports, unknown
 
     def evaluate(self, prompts: PromptBatch) -> EvaluationBatch:
-        """One greedy and ``samples_per_prompt`` sampled completions per held-out prompt, scored.
+        """One greedy and ``samples_per_prompt`` sampled episodes per held-out prompt, scored.
 
         Each prompt is sampled in its own call, seeded by its text: the same samples at every
         evaluation, whatever the batch size or the number of ranks.
         """
         prompt_ids = self.encode(prompts)
         greedy_sampling = SamplingConfig(max_new_tokens=self.sampling.max_new_tokens, samples_per_prompt=1, greedy=True)
-        greedy = self.engine.generate(prompt_ids, greedy_sampling)
-        # Completions a preemption cut short would be scored as if whole: the evaluation stops instead.
+
+        def direct(ids: list[list[int]], sampling: SamplingConfig, seed: int | None) -> list[Completion]:
+            return self.engine.generate(ids, sampling, seed=seed)
+
+        greedy = self._play(prompts, prompt_ids, greedy_sampling, None, 0, direct)
+        # Episodes a preemption cut short would be scored as if whole: the evaluation stops instead.
         check_not_stopped(self.stop, "evaluation")
-        sampled: list[Completion] = []
-        for text, ids in zip(prompts.prompts, prompt_ids, strict=True):
-            sampled += self.engine.generate([ids], self.sampling, seed=prompt_seed(self.seed, text))
+        sampled: list[Episode] = []
+        for index, (text, ids) in enumerate(zip(prompts.prompts, prompt_ids, strict=True)):
+            one = PromptBatch(prompts=[text], metadata=[prompts.metadata[index]])
+            sampled += self._play(one, [ids], self.sampling, prompt_seed(self.seed, text), index, direct)
             check_not_stopped(self.stop, "evaluation")
         k, num = self.sampling.samples_per_prompt, len(prompts)
-        owners = list(range(num)) + [i for i in range(num) for _ in range(k)]
-        rewards = self._score(prompts, owners, [*greedy, *sampled]).total.tolist()
+        episodes = [*greedy, *sampled]
+        rewards = self._score(prompts, [e.group for e in episodes], episodes).total.tolist()
+        lengths = [e.model_tokens for e in episodes]
         return EvaluationBatch.from_scores(
             greedy_rewards=rewards[:num],
             sampled_rewards=[rewards[num + i * k : num + (i + 1) * k] for i in range(num)],
-            greedy_lengths=[len(c.token_ids) for c in greedy],
-            sampled_lengths=[[len(c.token_ids) for c in sampled[i * k : (i + 1) * k]] for i in range(num)],
+            greedy_lengths=lengths[:num],
+            sampled_lengths=[lengths[num + i * k : num + (i + 1) * k] for i in range(num)],
             success_threshold=self.success_threshold,
         )
 
-    def _score(self, prompts: PromptBatch, owners: Sequence[int], completions: Sequence[Completion]) -> Any:
-        texts = [self.tokenizer.decode(c.token_ids) for c in completions]
+    def _score(self, prompts: PromptBatch, owners: Sequence[int], episodes: Sequence[Episode]) -> Any:
+        """The reward of each episode: its last turn's text, with what the reward is told about the episode."""
+        texts = [self.tokenizer.decode(e.completion.token_ids) for e in episodes]
+        metadata = [prompts.metadata[i] for i in owners]
+        if self.runner is not None:
+            metadata = [
+                episode_metadata(e, m, transcript=self.tokenizer.decode(e.response_ids))
+                for e, m in zip(episodes, metadata, strict=True)
+            ]
         return score_completions(
             self.reward_fn,
             [prompts.prompts[i] for i in owners],
             texts,
-            [prompts.metadata[i] for i in owners],
+            metadata,
             timeout_s=self.reward_timeout_s,
         )

@@ -1,0 +1,257 @@
+"""Multi-turn episodes: the model's turns from the engine, the environment's answers appended as ids.
+
+:class:`EpisodeSettings` says what the episodes talk to (tools, or an environment) and their limits;
+:class:`EpisodeRunner` plays a batch of episodes turn by turn on any
+:class:`~lightning_offpolicy.rollout.engine.RolloutEngine`: every active episode's context goes to one
+``generate`` call per turn, token ids in and token ids out, so the batch trains on exactly the ids the
+engine sampled. How an episode runs and which tokens train: docs/multi_turn.md.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from lightning_offpolicy.argcheck import is_int, is_number
+from lightning_offpolicy.data.chat import ChatRenderer
+from lightning_offpolicy.data.environments.base import Environment, EnvironmentFactory, Message
+from lightning_offpolicy.rollout.engine import Completion, SamplingConfig
+from lightning_offpolicy.rollout.episode import Episode, Turn
+
+__all__ = ["EpisodeRunner", "EpisodeSettings", "Generate", "episode_metadata", "episode_stats"]
+
+#: ``(prompt_ids, sampling, seed) -> completions``: one engine call (with partial rollouts continued).
+Generate = Callable[[list[list[int]], SamplingConfig, "int | None"], list[Completion]]
+
+
+@dataclass
+class EpisodeSettings:
+    """Multi-turn episodes: what the model talks to, and the limits of an episode.
+
+    Give ``tools`` or ``environment`` (not both); with neither, a rollout is single-turn.
+
+    Args:
+        tools: Functions the model may call, as import paths (``my_pkg.tools.multiply``) or
+            callables; shown to the model by the chat template, called when a reply holds a tool call
+            (docs/tools.md). An episode ends at a reply without a tool call.
+        environment: Makes one environment per episode (``reset`` / ``step``; e.g.
+            ``lightning_offpolicy.data.environments.GuessNumber``); docs/environments.md.
+        max_turns: Most model turns per episode; an episode still going after them is truncated.
+        max_episode_tokens: Most ids after the prompt (model and environment tokens); an episode
+            that would pass it is truncated. Each turn samples at most
+            ``min(sampling.max_new_tokens, tokens left)``.
+        max_tool_result_tokens: A tool message's content is cut to this many tokens.
+        tool_timeout_s: Longest a tool call may run; past it the call's result is an error message.
+
+    Raises:
+        ValueError: A setting is out of range or both ``tools`` and ``environment`` are given.
+    """
+
+    tools: list[Any] = field(default_factory=list)
+    environment: EnvironmentFactory | None = None
+    max_turns: int = 4
+    max_episode_tokens: int = 512
+    max_tool_result_tokens: int = 64
+    tool_timeout_s: float | None = 10.0
+
+    def __post_init__(self) -> None:
+        if self.tools and self.environment is not None:
+            raise ValueError(
+                "EpisodeSettings: give `tools` (the kit's tool-calling environment) or `environment`, not both; "
+                "an environment of your own can expose tools through its `tools` attribute."
+            )
+        for name in ("max_turns", "max_episode_tokens", "max_tool_result_tokens"):
+            value = getattr(self, name)
+            if not is_int(value) or value < 1:
+                raise ValueError(f"EpisodeSettings.{name}={value!r} must be an int >= 1.")
+        if self.tool_timeout_s is not None and not (is_number(self.tool_timeout_s) and self.tool_timeout_s > 0):
+            raise ValueError(f"EpisodeSettings.tool_timeout_s={self.tool_timeout_s!r} must be > 0 seconds or None.")
+
+    @property
+    def enabled(self) -> bool:
+        """Whether rollouts are episodes of possibly several turns."""
+        return bool(self.tools) or self.environment is not None
+
+    def factory(self) -> EnvironmentFactory:
+        """The environment factory: ``environment``, or the kit's tool environment over ``tools``."""
+        if self.environment is not None:
+            return self.environment
+        from lightning_offpolicy.data.environments.tools import Tools
+
+        return Tools(self.tools, timeout_s=self.tool_timeout_s)
+
+
+def _turn_seed(seed: int | None, turn: int, budget: int) -> int | None:
+    """The sampler seed of an episode batch's ``turn``-th call for rows with ``budget`` tokens left."""
+    if seed is None:
+        return None
+    return (seed * 1_000_003 + turn * 15_485_863 + budget * 7_919) % (2**31 - 1)
+
+
+class EpisodeRunner:
+    """Play episodes turn by turn.
+
+    Args:
+        settings: The environment and the limits.
+        tokenizer: Renders the prompts and the environment's messages with its chat template
+            (:class:`~lightning_offpolicy.data.chat.ChatRenderer`) and decodes the model's replies.
+        stop_ids: The ids that end a model turn (the engine's stop ids).
+    """
+
+    def __init__(self, settings: EpisodeSettings, tokenizer: Any, stop_ids: Sequence[int]) -> None:
+        self.settings = settings
+        self.factory = settings.factory()
+        self.renderer = ChatRenderer(tokenizer, tools=list(getattr(self.factory, "tools", []) or []))
+        self.stop_ids = set(int(t) for t in stop_ids)
+
+    def prompt_ids(self, prompts: Sequence[Any]) -> list[list[int]]:
+        """Each prompt's ids, rendered with the template and the tools."""
+        return [self.renderer.prompt_ids(p) for p in prompts]
+
+    def run(
+        self,
+        prompts: Sequence[Any],
+        metadata: Sequence[Mapping[str, Any]],
+        prompt_ids: list[list[int]],
+        sampling: SamplingConfig,
+        generate: Generate,
+        seed: int | None,
+        group_offset: int,
+    ) -> list[Episode]:
+        """``sampling.samples_per_prompt`` episodes per prompt, played to their end.
+
+        Args:
+            prompts: The prompts (texts or chat messages), given to each environment's ``reset``.
+            metadata: Each prompt's dataset row.
+            prompt_ids: Each prompt's ids (:meth:`prompt_ids`).
+            sampling: How turns are sampled; ``max_new_tokens`` caps each turn.
+            generate: One engine call (partial rollouts continued by the caller).
+            seed: The first turn's seed; later turns derive theirs from it.
+            group_offset: The group of the first prompt.
+
+        Returns:
+            The episodes, grouped by prompt in order (rewards not yet set).
+
+        Raises:
+            RuntimeError: An environment's ``reset`` or ``step`` raised (its error is the cause).
+        """
+        first = generate(prompt_ids, dataclasses.replace(sampling, max_new_tokens=self._first_budget(sampling)), seed)
+        episodes = [Episode(group=group_offset + c.prompt_index, prompt_ids=prompt_ids[c.prompt_index]) for c in first]
+        environments = [self._environment(prompts[c.prompt_index], metadata[c.prompt_index]) for c in first]
+        pending = dict(enumerate(first))
+        turn = 1
+        while pending:
+            going = [
+                i
+                for i, completion in pending.items()
+                if self._after_turn(episodes[i], environments[i], completion, turn)
+            ]
+            turn += 1
+            pending = {}
+            for budget, rows in self._by_budget(episodes, going, sampling.max_new_tokens):
+                contexts = [episodes[i].context_ids for i in rows]
+                one_each = dataclasses.replace(sampling, samples_per_prompt=1, max_new_tokens=budget)
+                completions = generate(contexts, one_each, _turn_seed(seed, turn, budget))
+                if len(completions) != len(rows):
+                    raise RuntimeError(
+                        f"generate returned {len(completions)} completions for {len(rows)} episode contexts (one each)."
+                    )
+                pending.update(zip(rows, completions, strict=True))
+        return episodes
+
+    def _first_budget(self, sampling: SamplingConfig) -> int:
+        return min(sampling.max_new_tokens, self.settings.max_episode_tokens)
+
+    def _environment(self, prompt: Any, metadata: Mapping[str, Any]) -> Environment:
+        environment = self.factory()
+        try:
+            environment.reset(prompt, metadata)
+        except Exception as error:
+            raise RuntimeError(f"{type(environment).__name__}.reset raised {type(error).__name__}: {error}") from error
+        return environment
+
+    def _after_turn(self, episode: Episode, environment: Environment, completion: Completion, turn: int) -> bool:
+        """Record ``completion`` as the episode's next turn and answer it; whether the episode goes on."""
+        episode.turns.append(Turn(completion))
+        stopped = completion.finish_reason == "stop" and bool(completion.token_ids)
+        if not stopped:  # cut at its token budget: the reply is unfinished
+            episode.truncated = True
+            return False
+        reply_ids = completion.token_ids[:-1] if completion.token_ids[-1] in self.stop_ids else completion.token_ids
+        tokenizer = self.renderer.tokenizer
+        reply = tokenizer.decode(reply_ids, skip_special_tokens=False)
+        try:
+            result = environment.step(reply)
+        except Exception as error:
+            raise RuntimeError(f"{type(environment).__name__}.step raised {type(error).__name__}: {error}") from error
+        episode.environment_reward += float(result.reward)
+        episode.tool_calls += int(result.tool_calls)
+        episode.tool_errors += int(result.tool_errors)
+        episode.tool_seconds += float(result.tool_seconds)
+        if result.done:
+            return False
+        if turn >= self.settings.max_turns:
+            episode.truncated = True
+            return False
+        stop_text = tokenizer.decode(completion.token_ids[-1:], skip_special_tokens=False)
+        observation = self.renderer.observation_ids(self._capped(result.messages), stop_text)
+        # One more model token must fit after what the environment appends.
+        if len(episode.response_ids) + len(observation) + 1 > self.settings.max_episode_tokens:
+            episode.truncated = True
+            return False
+        episode.turns[-1].observation_ids = observation
+        return True
+
+    def _capped(self, messages: list[Message]) -> list[Message]:
+        """The messages, each tool result cut to ``max_tool_result_tokens`` tokens."""
+        cap = self.settings.max_tool_result_tokens
+        capped = []
+        for message in messages:
+            content = message.get("content")
+            if message.get("role") == "tool" and isinstance(content, str):
+                ids = self.renderer.encode(content)
+                if len(ids) > cap:
+                    kept = self.renderer.tokenizer.decode(ids[:cap], skip_special_tokens=False)
+                    message = {**message, "content": f"{kept} ... (cut to {cap} tokens)"}
+            capped.append(message)
+        return capped
+
+    def _by_budget(self, episodes: list[Episode], rows: list[int], max_new_tokens: int) -> list[tuple[int, list[int]]]:
+        """The going episodes grouped by the tokens their next turn may sample, largest first."""
+        groups: dict[int, list[int]] = {}
+        for i in rows:
+            left = self.settings.max_episode_tokens - len(episodes[i].response_ids)
+            groups.setdefault(min(max_new_tokens, left), []).append(i)
+        return sorted(groups.items(), reverse=True)
+
+
+def episode_stats(episodes: Sequence[Episode]) -> dict[str, float]:
+    """Per-episode means of a batch: turns, tool calls and errors, seconds in tools, model and
+    environment tokens, and the truncated fraction (``rollout/*`` in docs/metrics.md)."""
+    count = max(len(episodes), 1)
+
+    def mean(values: Sequence[float]) -> float:
+        return float(sum(values)) / count
+
+    return {
+        "turns_per_episode": mean([len(e.turns) for e in episodes]),
+        "tool_calls_per_episode": mean([e.tool_calls for e in episodes]),
+        "tool_errors_per_episode": mean([e.tool_errors for e in episodes]),
+        "tool_s_per_episode": mean([e.tool_seconds for e in episodes]),
+        "model_tokens_per_episode": mean([e.model_tokens for e in episodes]),
+        "environment_tokens_per_episode": mean([e.environment_tokens for e in episodes]),
+        "truncated_frac": mean([float(e.truncated) for e in episodes]),
+    }
+
+
+def episode_metadata(episode: Episode, metadata: Mapping[str, Any], transcript: str) -> dict[str, Any]:
+    """A dataset row's metadata with what the reward function is told about the episode."""
+    return {
+        **metadata,
+        "turns": len(episode.turns),
+        "truncated": episode.truncated,
+        "environment_reward": episode.environment_reward,
+        "transcript": transcript,
+    }
