@@ -88,12 +88,14 @@ def context_limit(model: Any, engine: Any) -> tuple[int, str] | None:
     return min(limits) if limits else None
 
 
-def check_context(max_new_tokens: int, limit: tuple[int, str] | None) -> None:
-    """``ValueError`` when ``max_new_tokens`` alone leaves no room for a prompt in the context."""
+def check_context(
+    max_new_tokens: int, limit: tuple[int, str] | None, setting: str = "rollout.sampling.max_new_tokens"
+) -> None:
+    """``ValueError`` when ``max_new_tokens`` (the value of ``setting``) alone leaves no room for a prompt."""
     if limit is not None and max_new_tokens >= limit[0]:
         raise ValueError(
-            f"rollout.sampling.max_new_tokens={max_new_tokens} leaves no room for a prompt within {limit[1]}: prompt + "
-            f"completion must fit in {limit[0]} tokens. Lower rollout.sampling.max_new_tokens."
+            f"{setting}={max_new_tokens} leaves no room for a prompt within {limit[1]}: prompt + "
+            f"completion must fit in {limit[0]} tokens. Lower {setting}."
         )
 
 

@@ -41,6 +41,7 @@ from lightning_offpolicy.rollout.asynchrony import AsyncSettings
 from lightning_offpolicy.rollout.dapo import DAPOSettings
 from lightning_offpolicy.rollout.engine import InterruptibleEngine, RolloutEngine, SamplingConfig, fill_special_tokens
 from lightning_offpolicy.rollout.hf.engine import HFEngine
+from lightning_offpolicy.rollout.multi_turn import EpisodeRunner, EpisodeSettings
 from lightning_offpolicy.rollout.partial import RolloutStopped
 from lightning_offpolicy.rollout.producer import RolloutProducer
 from lightning_offpolicy.rollout.prompt_source import prompt_batches
@@ -63,6 +64,8 @@ class RolloutCallback(Callback):
         seed: Base seed of the sampler (batch ``j`` on rank ``r`` derives its own).
         asynchrony: Background generation with bounded staleness; default: synchronous.
         dapo: DAPO's dynamic sampling and overlong handling.
+        episodes: Multi-turn episodes: the tools or the environment the model talks to, and the
+            limits of an episode (docs/multi_turn.md); default: one turn per rollout.
         success_threshold: The reward a held-out sample needs for its prompt to pass (``val/pass@k``).
 
     Raises:
@@ -80,6 +83,7 @@ class RolloutCallback(Callback):
         seed: int = 0,
         asynchrony: AsyncSettings = AsyncSettings(),  # noqa: B008 (frozen)
         dapo: DAPOSettings = DAPOSettings(),  # noqa: B008 (frozen)
+        episodes: EpisodeSettings = EpisodeSettings(),  # noqa: B008 (read-only)
         success_threshold: float = 1.0,
     ) -> None:
         if advantage_estimator not in ADVANTAGE_ESTIMATORS:
@@ -101,6 +105,7 @@ class RolloutCallback(Callback):
             ("sampling", sampling, SamplingConfig),
             ("asynchrony", asynchrony, AsyncSettings),
             ("dapo", dapo, DAPOSettings),
+            ("episodes", episodes, EpisodeSettings),
         ):
             if not isinstance(value, kind):
                 raise TypeError(f"RolloutCallback.{name} must be a {kind.__name__}; got {type(value).__name__}.")
@@ -118,6 +123,8 @@ class RolloutCallback(Callback):
         self.seed = seed
         self.asynchrony = asynchrony
         self.dapo = dapo
+        self.episodes = episodes
+        self._episode_runner: EpisodeRunner | None = None
         self.success_threshold = float(success_threshold)
         self.reward_timeout_s = None if reward_timeout_s is None else float(reward_timeout_s)
         # Policy version whose weights the current validation epoch pushed (None: not pushed yet).
@@ -183,6 +190,10 @@ class RolloutCallback(Callback):
         check_vocab(policy, pl_module.tokenizer)
         self._context_limit = context_limit(policy, self.engine)
         check_context(self.sampling.max_new_tokens, self._context_limit)
+        if self.episodes.enabled:
+            check_context(
+                self.episodes.max_episode_tokens, self._context_limit, setting="rollout.episodes.max_episode_tokens"
+            )
         # Every prompt of the data, before the first step (DatasetDataModule: each row named by file and line).
         check_lengths = getattr(trainer.datamodule, "check_prompt_lengths", None)
         if callable(check_lengths) and self._context_limit is not None:
@@ -337,7 +348,15 @@ class RolloutCallback(Callback):
             turn=self.producer.generation_turn if self.producer is not None and self.producer.interrupts else None,
             reward_timeout_s=self.reward_timeout_s,
             stop=lambda: self._preempted,
+            episodes=self._runner(),
         )
+
+    def _runner(self) -> EpisodeRunner | None:
+        """The episode runner, built once the engine's stop ids are known (``None``: single-turn)."""
+        if self._episode_runner is None and self.episodes.enabled:
+            stop_ids = list(getattr(self.engine, "stop_ids", None) or [])
+            self._episode_runner = EpisodeRunner(self.episodes, self._tokenizer, stop_ids)
+        return self._episode_runner
 
     def _produce(self, prompts: PromptBatch, index: int) -> tuple[RolloutBatch, float]:
         """Generate and score batch ``index`` with the engine's current weights (any thread)."""

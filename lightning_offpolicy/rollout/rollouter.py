@@ -115,7 +115,8 @@ class Rollouter:
             short is not continued (nor scored), and :meth:`rollout` and :meth:`evaluate` raise
             :class:`~lightning_offpolicy.rollout.partial.RolloutStopped`. ``None``: never.
         episodes: Multi-turn episodes (tools or an environment, and their limits;
-            :mod:`~lightning_offpolicy.rollout.multi_turn`). ``None`` or nothing enabled: one turn each.
+            :mod:`~lightning_offpolicy.rollout.multi_turn`), or a runner built from them once.
+            ``None`` or nothing enabled: one turn each.
 
     After each :meth:`rollout`, :attr:`last_stats` holds its counts (``groups_dropped``,
     ``refill_batches``, ``groups_short``, ``overlong_filtered``; with ``turn``: ``interrupted_frac``,
@@ -139,7 +140,7 @@ class Rollouter:
         turn: Callable[[], AbstractContextManager[object]] | None = None,
         reward_timeout_s: float | None = DEFAULT_REWARD_TIMEOUT_S,
         stop: Callable[[], bool] | None = None,
-        episodes: EpisodeSettings | None = None,
+        episodes: EpisodeSettings | EpisodeRunner | None = None,
     ) -> None:
         self.engine = engine
         self.tokenizer = tokenizer
@@ -156,8 +157,8 @@ class Rollouter:
         self.stop = stop
         self._partial = PartialStats()
         self.last_stats: dict[str, float] = {}
-        self.runner: EpisodeRunner | None = None
-        if episodes is not None and episodes.enabled:
+        self.runner = episodes if isinstance(episodes, EpisodeRunner) else None
+        if isinstance(episodes, EpisodeSettings) and episodes.enabled:
             stop_ids = list(getattr(engine, "stop_ids", None) or [])
             if not stop_ids and getattr(tokenizer, "eos_token_id", None) is not None:
                 stop_ids = [int(tokenizer.eos_token_id)]

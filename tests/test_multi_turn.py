@@ -1,0 +1,196 @@
+"""Multi-turn episodes on a real engine: token in, token out; environment ids appended, never trained."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from lightning_offpolicy.batch import PromptBatch
+from lightning_offpolicy.correction import PolicyLossConfig
+from lightning_offpolicy.correction.config import preset
+from lightning_offpolicy.data.chat import ChatRenderer
+from lightning_offpolicy.data.environments import StepResult
+from lightning_offpolicy.data.tokenizers import HFTokenizer
+from lightning_offpolicy.demo.tiny_bpe import CHATML_TEMPLATE, tiny_config, train_bpe_tokenizer
+from lightning_offpolicy.rollout import HFEngine, SamplingConfig
+from lightning_offpolicy.rollout.multi_turn import EpisodeSettings
+from lightning_offpolicy.rollout.rollouter import Rollouter
+from lightning_offpolicy.train.step import apply_correction, corrected_loss
+
+TEXTS = ["Count to three.", "Again.", "one two three", "Say more.", "Done now, 123 456 789."] * 4
+
+
+class Again:
+    """Answers "Again." until the model has spoken ``turns`` times; rewards 0.25 per reply."""
+
+    tools: list = []
+
+    def __init__(self, turns: int = 3) -> None:
+        self.turns = turns
+
+    def __call__(self) -> Again:
+        return Again(self.turns)
+
+    def reset(self, prompt, metadata) -> None:
+        self.replies: list[str] = []
+        self.secret = metadata["secret"]
+
+    def step(self, reply: str) -> StepResult:
+        self.replies.append(reply)
+        done = len(self.replies) >= self.turns
+        return StepResult(messages=[{"role": "user", "content": "Again."}], reward=0.25, done=done)
+
+
+@pytest.fixture(scope="module")
+def model_and_tokenizer(tmp_path_factory):
+    torch.manual_seed(0)
+    raw = train_bpe_tokenizer(TEXTS, vocab_size=300, chat_template=CHATML_TEMPLATE)
+    directory = tmp_path_factory.mktemp("tokenizer")
+    raw.save_pretrained(directory)
+    raw.saved_at = str(directory)
+    from transformers import AutoModelForCausalLM
+
+    config = tiny_config("qwen2", len(raw), raw.pad_token_id, raw.convert_tokens_to_ids("<|im_end|>"))
+    model = AutoModelForCausalLM.from_config(config).eval()
+    # A random model rarely ends a turn by itself: make <|im_end|> about one token in four. A large
+    # constant in one embedding dimension dominates the final norm's input, so that dimension of
+    # the normed state is about sqrt(hidden) at every position and the others are near 0: the
+    # logits are near 0 except <|im_end|>'s, set to log(100) (100 / (100 + 299) ~ 1/4).
+    im_end = raw.convert_tokens_to_ids("<|im_end|>")
+    with torch.no_grad():
+        model.model.embed_tokens.weight[:, 0] = 30.0
+        model.lm_head.weight[:, 0] = 0.0
+        model.lm_head.weight[im_end, 0] = math.log(100.0) / math.sqrt(config.hidden_size)
+    return model, raw
+
+
+def _rollouter(model, raw, reward_fn, settings: EpisodeSettings, max_new_tokens: int = 6, **kwargs) -> Rollouter:
+    engine = HFEngine(pad_token_id=raw.pad_token_id, eos_token_id=raw.convert_tokens_to_ids("<|im_end|>"))
+    engine.update_weights(model, 0)
+    sampling = SamplingConfig(max_new_tokens=max_new_tokens, temperature=1.0, samples_per_prompt=2)
+    return Rollouter(engine, HFTokenizer(raw.saved_at), reward_fn, sampling, seed=3, episodes=settings, **kwargs)
+
+
+def _prompts() -> PromptBatch:
+    return PromptBatch(prompts=["Count to three.", "Say more."], metadata=[{"secret": 1}, {"secret": 2}])
+
+
+def _teacher_forced_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    positions = (attention_mask.cumsum(-1) - 1).clamp(min=0)
+    with torch.no_grad():
+        logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=positions).logits.float()
+    logprobs = torch.log_softmax(logits[:, :-1], dim=-1)
+    return logprobs.gather(-1, input_ids[:, 1:].unsqueeze(-1)).squeeze(-1)
+
+
+def test_episodes_train_on_the_ids_the_engine_sampled_and_the_environment_ids_are_context(model_and_tokenizer):
+    model, raw = model_and_tokenizer
+    seen: list[dict] = []
+
+    def reward(prompts, completions, metadata):
+        seen.extend(metadata)
+        return [m["environment_reward"] for m in metadata]
+
+    rollouter = _rollouter(model, raw, reward, EpisodeSettings(environment=Again(3), max_turns=3))
+    rollout, _ = rollouter.rollout(_prompts(), index=0)
+    renderer = ChatRenderer(raw)
+    im_end = raw.convert_tokens_to_ids("<|im_end|>")
+    observation = renderer.observation_ids([{"role": "user", "content": "Again."}], "<|im_end|>")
+    mask = rollout.response_mask.bool()
+    start = rollout.prompt_length
+    retokenized_differs, finished = False, 0
+    for row in range(rollout.num_sequences):
+        response = rollout.input_ids[row, start:][rollout.attention_mask[row, start:].bool()].tolist()
+        row_mask = mask[row, : len(response)].tolist()
+        # Model turns end at <|im_end|>; each is followed by exactly the rendered observation, never trained.
+        appended = [t for t, m in zip(response, row_mask, strict=True) if not m]
+        turns = sum(1 for t, m in zip(response, row_mask, strict=True) if m and t == im_end)
+        if turns == 3:
+            assert appended == observation * 2
+            finished += 1
+        text = raw.decode(response, skip_special_tokens=False)
+        retokenized_differs |= raw(text, add_special_tokens=False)["input_ids"] != response
+    assert finished >= 1, "the seeded rollout should hold an episode the environment ended"
+    assert retokenized_differs, "the seeded rollout should contain a reply the tokenizer would encode otherwise"
+    # Every model token's rollout logprob is the trainer's teacher-forced logprob of the very id in the batch.
+    forced = _teacher_forced_logprobs(model, rollout.input_ids, rollout.attention_mask)[:, start - 1 :]
+    torch.testing.assert_close(forced[mask], rollout.rollout_logprobs[mask], atol=2e-5, rtol=0)
+    # What the reward is told, per episode.
+    assert len(seen) == 4 and all(
+        set(m) >= {"secret", "turns", "truncated", "environment_reward", "transcript"} for m in seen
+    )
+    for m in seen:
+        # The environment ends an episode at its third reply; a turn cut at its token budget ends it
+        # earlier (or at the third turn) as truncated, unanswered by the environment.
+        assert m["truncated"] or m["turns"] == 3
+        assert m["environment_reward"] == pytest.approx(0.25 * (m["turns"] - m["truncated"]))
+    stats = rollouter.last_stats
+    assert stats["turns_per_episode"] == pytest.approx(sum(m["turns"] for m in seen) / 4)
+    assert stats["truncated_frac"] == pytest.approx(sum(m["truncated"] for m in seen) / 4)
+    assert stats["model_tokens_per_episode"] == pytest.approx(float(mask.sum()) / 4)
+
+
+def test_environment_tokens_carry_no_weight_in_the_correction_or_the_gradient(model_and_tokenizer):
+    model, raw = model_and_tokenizer
+    rollouter = _rollouter(
+        model, raw, lambda p, c, m: [float(len(x["transcript"])) for x in m], EpisodeSettings(environment=Again(3))
+    )
+    rollout, _ = rollouter.rollout(_prompts(), index=1)
+    assert rollout.advantages.abs().sum() > 0
+    appended = (rollout.response_mask == 0) & (rollout.attention_mask[:, rollout.prompt_length :] == 1)
+    assert appended.any()
+    correction = preset("geo_mis_seq_tis")
+    loss_config = PolicyLossConfig()
+    results = []
+    for garbage in (0.0, 5.0):
+        noise = torch.full_like(rollout.rollout_logprobs, garbage) * appended
+        batch = rollout.with_fields(rollout_logprobs=rollout.rollout_logprobs + noise)
+        prox = rollout.rollout_logprobs - 0.01 + noise * 3
+        corrected, stats = apply_correction(batch, prox, correction)
+        logprobs = (rollout.rollout_logprobs + 0.05 - noise).clone().requires_grad_(True)
+        loss, _ = corrected_loss(logprobs, corrected, loss_config, correction)
+        loss.backward()
+        results.append((loss.detach(), logprobs.grad, stats))
+    (loss_a, grad_a, stats_a), (loss_b, grad_b, stats_b) = results
+    assert torch.equal(grad_a[appended], torch.zeros_like(grad_a[appended]))
+    assert grad_a[rollout.response_mask.bool()].abs().sum() > 0
+    torch.testing.assert_close(loss_a, loss_b, rtol=0, atol=0)
+    torch.testing.assert_close(grad_a, grad_b, rtol=0, atol=0)
+    for name, value in vars(stats_a).items():
+        if isinstance(value, torch.Tensor):
+            torch.testing.assert_close(value, getattr(stats_b, name), rtol=0, atol=0, equal_nan=True, msg=name)
+
+
+def test_limits_end_episodes_as_truncated(model_and_tokenizer):
+    model, raw = model_and_tokenizer
+    seen: list[dict] = []
+
+    def reward(prompts, completions, metadata):
+        seen.extend(metadata)
+        return [0.0] * len(metadata)
+
+    # One turn allowed, and the environment wants three: every episode that finishes its turn is truncated.
+    rollouter = _rollouter(model, raw, reward, EpisodeSettings(environment=Again(3), max_turns=1))
+    rollouter.rollout(_prompts(), index=0)
+    assert [m["turns"] for m in seen] == [1] * 4 and all(m["truncated"] for m in seen)
+    # An episode budget smaller than one turn plus what the environment appends.
+    seen.clear()
+    rollouter = _rollouter(
+        model, raw, reward, EpisodeSettings(environment=Again(3), max_episode_tokens=8), max_new_tokens=40
+    )
+    rollout, _ = rollouter.rollout(_prompts(), index=0)
+    assert all(m["turns"] == 1 and m["truncated"] for m in seen)
+    assert int(rollout.response_mask.sum(-1).max()) <= 8
+
+
+def test_episode_settings_are_checked():
+    with pytest.raises(ValueError, match="not both"):
+        EpisodeSettings(tools=["math.sqrt"], environment=Again())
+    with pytest.raises(ValueError, match=r"EpisodeSettings.max_turns=0 must be an int >= 1"):
+        EpisodeSettings(environment=Again(), max_turns=0)
+    with pytest.raises(ValueError, match="tool_timeout_s"):
+        EpisodeSettings(tool_timeout_s=-1.0)
+    assert not EpisodeSettings().enabled and EpisodeSettings(environment=Again()).enabled
+    assert math.isfinite(EpisodeSettings().max_episode_tokens)
