@@ -76,7 +76,8 @@ class OffPolicyCorrectionConfig(CorrectionPresets):
 
     ``log_rho_t = prox_logprobs_t - rollout_logprobs_t``; ``rho_t = exp(log_rho_t)`` computed from
     log space clamped to [-20, 20]. Start from a preset (``OffPolicyCorrectionConfig.token_tis()``,
-    ``geo_mis()``, ...) rather than from the fields.
+    ``geo_mis()``, ...) rather than from the fields: docs/off_policy_correction.md, "1. TL;DR: start
+    from these presets"; the fields, their defaults and why: "3. The knobs".
 
     Args:
         bypass_mode: Use ``pi_rollout`` as the proximal policy (``prox := rollout``): no proximal

@@ -58,24 +58,10 @@ class DatasetDataModule(ResumableTrainLoader, LightningDataModule):
     """Prompts for RL training from JSONL / Parquet / CSV files, a ``datasets`` object, or a reasoning-gym task.
 
     Each training step gets one :class:`~lightning_offpolicy.batch.PromptBatch`: the rows' prompts,
-    and every other column of each row as its metadata dict, which reaches the reward function.
-    The order depends only on ``seed`` and the epoch; a resumed run continues at the next batch it
-    has not trained.
-
-    Every row is checked when the data is loaded (text cells valid UTF-8; each prompt a non-empty text
-    or a chat ``messages`` list), and, before the first step, that every prompt + the rollout's
-    ``max_new_tokens`` fits the context (:meth:`check_prompt_lengths`, called by ``RolloutCallback``):
-    a bad row anywhere in the data fails the run at its start, named by its row, file and line.
-
-    Examples (YAML)::
-
-        data:
-          class_path: lightning_offpolicy.data.DatasetDataModule
-          init_args: {source: data/train.jsonl, prompt_field: question, val_size: 0.1}
-
-        data:   # generated locally, scored by the task's own scorer
-          class_path: lightning_offpolicy.data.DatasetDataModule
-          init_args: {source: "reasoning_gym:basic_arithmetic", reasoning_gym_size: 2000}
+    and every other column of each row as its metadata dict, which reaches the reward function. The
+    order depends only on ``seed`` and the epoch, and a resumed run continues at the next untrained
+    batch; every row is checked at load and before the first step (:meth:`check_prompt_lengths`).
+    Examples and the checks: docs/journeys.md, "Data".
 
     Args:
         source: A ``.jsonl`` / ``.json`` / ``.parquet`` / ``.csv`` file or a glob of them (read with

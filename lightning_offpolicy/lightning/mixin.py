@@ -1,50 +1,15 @@
 """``OffPolicyMixin``: off-policy-corrected RL steps for an existing causal-LM LightningModule.
 
-A user who already fine-tunes a causal LM with cross-entropy adds RL in two places, without
-rewriting the module:
-
-1. the mixin in the bases: ``class MyLM(OffPolicyMixin, L.LightningModule)``;
-2. a :class:`~lightning_offpolicy.lightning.callback.RolloutCallback` and a prompt DataModule in the
-   Trainer that continues training the same instance.
-
-What the module must expose:
-
-* the causal LM as an attribute named by ``policy_attribute`` (default ``"model"``): a
-  ``transformers``-style model called as ``model(input_ids=..., attention_mask=...)`` returning
-  ``.logits``;
-* ``tokenizer``: ``encode_prompt`` (or ``encode``; a ``transformers`` tokenizer works as is) /
-  ``decode`` / ``pad_token_id`` / ``eos_token_id`` (the callback tokenizes prompts and decodes
-  completions with it);
-* its own ``training_step`` for its usual batches, and ``configure_optimizers`` (unchanged).
-
-What the mixin and the callback do to it:
-
-* ``training_step`` receives :class:`~lightning_offpolicy.batch.PromptBatch` objects carrying the
-  callback's rollouts; the mixin handles those (:meth:`OffPolicyMixin.off_policy_step`) and passes
-  every other batch to the module's own ``training_step``. The module's class defines its own
-  ``training_step`` (and maybe ``on_before_zero_grad`` / ``on_train_batch_end`` /
-  ``on_save_checkpoint`` / ``on_load_checkpoint``), which would hide the mixin's: the mixin wraps
-  those methods when the class is created, so its part always runs first and the module's code
-  stays as written;
-* the RL step is one optimizer step per batch under Lightning's automatic optimization (gradient
-  clipping, accumulation, precision and strategies as configured on the Trainer): one forward with
-  gradient gives ``pi_theta``; at that single step ``pi_prox == pi_theta``, so its detached value
-  is the proximal policy without a second forward; then the correction, the surrogate and the
-  ``rollout_corr/*``, ``ppo/*`` and ``train/*`` metrics (``train/entropy`` included) as in
-  :class:`~lightning_offpolicy.OffPolicyRLModule`;
-* an RL batch runs with the whole module in eval mode (dropout off), as
-  :class:`~lightning_offpolicy.OffPolicyRLModule` does: the engines generate without dropout, so a
-  training forward with dropout would add a training-inference mismatch of its own that the
-  correction would then "correct". Each submodule's mode is given back in ``on_train_batch_end``
-  (after the backward, which recomputes checkpointed layers in the mode of the forward), so SFT
-  batches and later fits keep the module's own dropout. Decoder layers with transformers' gradient
-  checkpointing on keep their training flag (not their children's), so they are still recomputed;
-* ``policy_version`` counts optimizer steps, the SFT ones included (``on_before_zero_grad``), and
-  is saved in checkpoints; the callback stamps it on generated tokens.
-
-For several PPO epochs or mini-batches per rollout, exact global token normalisation under DDP,
-FSDP2, or a reference-KL loss, use :class:`~lightning_offpolicy.OffPolicyRLModule`. Under DDP the
-mixin's loss is each rank's own token mean (the gradient is the mean of the ranks' means).
+Put it first in the bases (``class MyLM(OffPolicyMixin, L.LightningModule)``) and add a
+:class:`~lightning_offpolicy.lightning.callback.RolloutCallback` and a prompt DataModule to the
+Trainer. The module exposes its causal LM (``policy_attribute``, default ``"model"``), a
+``tokenizer``, its own ``training_step`` and ``configure_optimizers``. The mixin wraps the class's
+``training_step`` and checkpoint / batch-end hooks when the class is created: a
+:class:`~lightning_offpolicy.batch.PromptBatch` gets one corrected policy-gradient step under
+automatic optimization (dropout off, ``pi_prox`` the detached ``pi_theta``), every other batch the
+module's own code; ``policy_version`` counts every optimizer step. What it requires and does, and
+when to use :class:`~lightning_offpolicy.OffPolicyRLModule` instead: docs/journeys.md, "2. RL added
+to an existing SFT module".
 """
 
 from __future__ import annotations

@@ -110,7 +110,7 @@ class OffPolicyRLModule(LightningModule):
             each micro-batch in one ``torch.compile``'d graph
             (:class:`~lightning_offpolicy.correction.fused.FusedCorrectionStep`) instead of eagerly:
             the same values, faster and with fewer ``[B, T]`` temporaries, after a compilation per
-            shape class (docs/performance_correction.md). Needs a C++ compiler (inductor); not with
+            shape class (docs/reports/performance_correction.md). Needs a C++ compiler (inductor); not with
             the correction's whole-batch settings (``normalize_weights``, ``m2po_mask``).
     """
 

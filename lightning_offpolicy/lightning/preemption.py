@@ -1,52 +1,13 @@
 """``PreemptionCheckpoint``: on SIGTERM, save a checkpoint at a batch boundary and exit non-zero.
 
-A scheduler (SLURM, Kubernetes, a cloud spot instance) stops a job with SIGTERM and, a grace period
-later, SIGKILL. Lightning 2.6 on its own notes the signal, raises
-:class:`~lightning.pytorch.utilities.exceptions.SIGTERMException` at the end of the current batch
-and the process exits with status **0**: the scheduler reads success, and nothing is saved unless an
-``OnExceptionCheckpoint`` is added. This callback:
-
-* takes SIGTERM over from Lightning's handler once training starts, and only records it (Lightning's
-  handler runs a ``broadcast`` inside the signal handler, which under DDP can interleave with the
-  step's own collectives);
-* at the end of every training batch, agrees across ranks whether any rank was signalled (one
-  ``all_reduce`` of one number) and, if so, sets Lightning's own SIGTERM flag on every rank: Lightning
-  then raises its ``SIGTERMException`` on all ranks once that batch is complete (logged, counted;
-  during the last batch: at the end of the epoch, so the checkpoint is the finished run);
-* on that exception saves ``<dirpath>/<filename>.ckpt`` (a full checkpoint: weights, optimizer,
-  ``policy_version``, the rollout callback's state) and gives the exception the code ``exit_code``: the
-  rollout producer and the engine are shut down by the usual exception path, and the process exits
-  with ``exit_code`` (143 = 128 + SIGTERM, what a shell reports for a process killed by SIGTERM).
-
-A SIGTERM that arrives while the engine generates (a long generation, a remote request that hangs)
-cuts that generation short: the callbacks with a ``preempt()`` method
-(:meth:`~lightning_offpolicy.lightning.callback.RolloutCallback.preempt`) are called from a new thread,
-which interrupts the engine; the batch whose rollout was cut is not trained, and the state saved is
-that of the last completed batch. Under several ranks the ranks stop at the batch boundary they agree on:
-a rank whose generation was cut stops every rank at that batch.
-
-A scheduler that signals the whole process group (``scancel``, a container stop) also stops the
-engine's processes (vLLM's ``EngineCore``): the batch being generated then fails with the engine's
-error before Lightning's flag is seen. When that error follows a SIGTERM and no optimizer step ran
-since the last completed batch (single process: under several ranks a save from the exception path
-could wait on a rank that never comes), the checkpoint is saved all the same, and
-``lightning-offpolicy fit`` exits with ``exit_code`` instead of 1 (:attr:`PreemptionCheckpoint.signalled`).
-
-A save that fails (a full disk) is reported with its cause, its path and the free space
-(:class:`~lightning_offpolicy.lightning.checkpointing.CheckpointSaveError`), and the process exits with
-``save_error_exit_code`` (74, ``EX_IOERR`` of ``sysexits.h``) instead of ``exit_code``: the scheduler must not
-read "preempted, resume" when there is nothing new to resume from.
-
-On any other exception (Ctrl-C, an engine that died, a reward that raised), when the trainer's state is
-that of the last completed batch (no optimizer step of the failing batch ran) and the run is a single
-process, it saves ``<dirpath>/<exception_filename>.ckpt`` (``save_on_exception``) and re-raises.
-
-Resume with ``lightning-offpolicy fit ... --ckpt_path last`` (the newest of ``last.ckpt``, ``preempted.ckpt``
-and ``on_exception.ckpt``; :func:`~lightning_offpolicy.lightning.checkpointing.find_last_checkpoint`), or name the file
-(``trainer.fit(..., ckpt_path=...)`` from Python). ``lightning-offpolicy fit`` always adds it (``--preemption.*``);
-add it yourself to a Python ``Trainer``. It handles SIGTERM from the sanity check on (a signal during the
-sanity check's evaluation stops it, and the run exits with ``exit_code`` having trained nothing); one that
-arrives earlier (model loading, engine start) ends the run through Lightning's or Python's own handling.
+Lightning alone exits 0 on SIGTERM and saves nothing. This callback records the signal, stops every
+rank at the same batch boundary (cutting a generation in flight short through the rollout callbacks'
+``preempt()``), saves ``<dirpath>/<filename>.ckpt`` and exits with ``exit_code`` (143), or with
+``save_error_exit_code`` (74) when the save fails. On any other exception, in a single process at a
+batch boundary, it saves ``<dirpath>/<exception_filename>.ckpt`` and re-raises. ``lightning-offpolicy
+fit`` always adds it; resume with ``--ckpt_path last``. The mechanics, the engine's processes and the
+sanity check: docs/training.md, "PreemptionCheckpoint"; exit statuses and resume:
+docs/getting_started.md, "Stopping, preemption and exit codes".
 """
 
 from __future__ import annotations

@@ -34,13 +34,10 @@ def causal_lm_token_logprobs(
     ``(attention_mask.cumsum(-1) - 1).clamp(min=0)``, so a row's first real token has position 0
     whatever its padding, as in an unpadded run.
 
-    Two paths give the same values and gradients (tests/test_fused_logprobs.py): the **fused
-    head** (the default where :func:`~lightning_offpolicy.logprobs.head.fused_head_parts` accepts
-    the model: the decoder's hidden states go through
-    :func:`~lightning_offpolicy.logprobs.fused.fused_linear_token_logprobs`, and no ``[B, T, V]``
-    logits tensor is ever made), and the **logits** (the model's forward with ``logits_to_keep``,
-    then :func:`~lightning_offpolicy.logprobs.chunked.token_logprobs`). docs/logprobs.md, "Two
-    paths for a causal LM", says which models qualify and how each path reads the sequence.
+    Two paths give the same values and gradients: the fused head (the default where the model
+    qualifies; no ``[B, T, V]`` logits tensor is made) and the model's logits
+    (docs/logprobs.md, "Two paths for a causal LM", says which models qualify and how each reads
+    the sequence).
 
     Args:
         model: a transformers causal LM (``model(input_ids=..., attention_mask=...,

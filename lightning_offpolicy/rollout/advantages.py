@@ -1,63 +1,11 @@
 """Sequence-level advantage estimators for outcome rewards (pure torch, vectorised over groups).
 
-Every estimator maps one scalar reward per sampled sequence to one scalar advantage per sequence
-(broadcast over the response tokens by the loss). A *group* is the set of samples drawn for the
-same prompt; they share a ``group_id``. Notation for a group ``g`` with baseline members
-``M_g`` (see "Invalid rows" below), ``n = |M_g|``, ``mean_g = sum_{j in M_g} r_j / n``:
-
-==================  ===========================================================================
-``grpo``            ``A_i = (r_i - mean_g) / (std_g + eps)``, ``std_g`` the *population* std
-                    ``sqrt(sum_{j in M_g} (r_j - mean_g)^2 / n)`` (``unbiased_std=True``:
-                    divide by ``n - 1``, as ``torch.std`` in TRL / verl do). GRPO, Shao et al.
-                    2024, "DeepSeekMath", arXiv:2402.03300, Sec. 4.1.2 (outcome supervision).
-``dr_grpo``         ``A_i = r_i - mean_g`` (no std scaling, which up-weights groups of low reward
-                    variance, i.e. too easy / too hard prompts). Liu et al. 2025, "Understanding
-                    R1-Zero-Like Training: A Critical Perspective" (Dr. GRPO), arXiv:2503.20783.
-                    Its second fix, dropping the ``1/|o_i|`` length normalisation, is a loss
-                    aggregation mode, not an advantage, and lives with the policy loss.
-``rloo``            ``A_i = r_i - sum_{j in M_g, j != i} r_j / (n - 1) = n / (n - 1) * (r_i -
-                    mean_g)``: REINFORCE with a leave-one-out baseline, unbiased because the
-                    baseline does not depend on ``r_i``. Ahmadian et al. 2024, "Back to Basics:
-                    Revisiting REINFORCE Style Optimization for Learning from Human Feedback in
-                    LLMs", arXiv:2402.14740 (after Kool et al. 2019).
-``reinforce``       ``A_i = r_i - mean(r)``, the mean over the baseline rows of the whole *local*
-                    batch (no groups; ``group_ids`` is ignored). Williams 1992 with a constant
-                    (batch-mean) baseline.
-==================  ===========================================================================
-
-Degenerate groups give exactly 0, never NaN: a group with fewer than two baseline members (a
-single sample, or all but one rejected), a group whose baseline rewards are all equal (the usual
-all-correct / all-wrong GRPO group: no learning signal), an empty or all-invalid batch. Within a
-group with full validity the advantages of ``grpo``, ``dr_grpo`` and ``rloo`` sum to 0 (the
-baseline is the group mean, resp. ``sum_i (r_i - mean_{-i}) = n/(n-1) * sum_i (r_i - mean_g) =
-0``); ``grpo`` / ``dr_grpo`` / ``rloo`` are invariant to adding a constant to one group's rewards,
-and ``grpo`` (with ``eps`` -> 0) also to scaling them by a positive factor.
-
-Invalid rows (``valid[i] = False``): sequences rejected by an off-policy rejection mask
-(a whole-sequence mask of :func:`~lightning_offpolicy.correction.compute_correction`), padding
-rows, or anything the caller wants out of the update. They always get advantage 0. Whether they
-take part in the baseline is explicit:
-
-* ``exclude_invalid_from_baseline=True`` (default): the baseline members are the valid rows of the
-  group; mean / std / leave-one-out ignore the invalid rows entirely (their rewards may even be
-  NaN). A rejected sample then neither contributes gradient nor shifts its siblings' advantages,
-  so the group behaves as if it had been sampled with fewer members. Other kits compute the
-  group statistics before the rejection mask, which silently keeps rejected samples in the
-  baseline.
-* ``exclude_invalid_from_baseline=False``: every row of the group is a baseline member (its
-  reward must then be finite), the invalid rows only get advantage 0. This matches computing the
-  advantages first and masking the loss afterwards.
-
-Distributed training: the rollout callback generates all samples of a prompt on the same rank,
-so group statistics are complete locally and no cross-rank reduction happens here. For
-``reinforce`` the baseline is the *local* batch mean (per rank), not the global one.
-
-Numerics: statistics are computed in float64 (float32 on devices without float64, e.g. MPS),
-with a two-pass centred variance; the result is a detached float32 ``[B]`` tensor on the
-rewards' device (a saturating cast: reward differences beyond the float32 range are clamped to
-it, not turned into inf). Group ids are arbitrary integers (negative, non-contiguous, unsorted are fine);
-they are compacted with ``torch.unique``. Validation of non-finite rewards reads one flag back
-from the device (a host sync).
+Each estimator (``grpo``, ``dr_grpo``, ``rloo``, ``reinforce``; :func:`compute_advantages` by name)
+maps one reward per sequence ``[B]`` to one detached float32 advantage per sequence ``[B]``; a group
+is the samples of one prompt (one ``group_id``). Invalid rows get 0 and, by default, stay out of the
+baseline; degenerate groups (fewer than two baseline members, equal rewards) give exactly 0, never
+NaN. Formulas, references, invalid rows, distributed use and numerics: docs/training.md, "Advantage
+estimators".
 
 >>> import torch
 >>> r = torch.tensor([1.0, 0.0, 1.0, 1.0, 0.5, 0.5]); g = torch.tensor([7, 7, 3, 3, 7, 5])

@@ -109,11 +109,12 @@ class RemoteVLLMEngine(ServerCheck, RemoteWeightSync, VLLMEngineBase):
             the group of ``weights_dir`` (``0750`` / ``0640``) for a server running as another user
             of that group. ``False``: owner only (``0700`` / ``0600``), whatever the umask.
         stream: Whether generation requests stream their tokens, which lets an :meth:`interrupt`
-            keep the tokens sampled so far (module docstring: streaming costs the server a little
-            per request). ``None``: from the first :meth:`interrupt` on (the call it cuts short,
-            if sent before, keeps no tokens of its unfinished completions); ``True``: always (set it
-            for partial rollouts to keep the first interrupted call's tokens too); ``False``: never
-            (an interrupted completion always comes back with no tokens).
+            keep the tokens sampled so far (streaming costs the server a little per request:
+            docs/remote_vllm.md, "What the engine guarantees"). ``None``: from the first
+            :meth:`interrupt` on (the call it cuts short, if sent before, keeps no tokens of its
+            unfinished completions); ``True``: always (set it for partial rollouts to keep the first
+            interrupted call's tokens too); ``False``: never (an interrupted completion always comes
+            back with no tokens).
         stream_interval: Tokens the server sends per streamed chunk of a completion (its first
             and last chunks go at once). 1: every token as it is sampled, so an :meth:`interrupt`
             keeps them all, at a measurable cost to the server (one JSON event per token and
