@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 
 import pytest
@@ -25,13 +26,8 @@ TEXTS = ["Count to three.", "Again.", "one two three", "Say more.", "Done now, 1
 class Again:
     """Answers "Again." until the model has spoken ``turns`` times; rewards 0.25 per reply."""
 
-    tools: list = []
-
     def __init__(self, turns: int = 3) -> None:
         self.turns = turns
-
-    def __call__(self) -> Again:
-        return Again(self.turns)
 
     def reset(self, prompt, metadata) -> None:
         self.replies: list[str] = []
@@ -93,7 +89,7 @@ def test_episodes_train_on_the_ids_the_engine_sampled_and_the_environment_ids_ar
         seen.extend(metadata)
         return [m["environment_reward"] for m in metadata]
 
-    rollouter = _rollouter(model, raw, reward, EpisodeSettings(environment=Again(3), max_turns=3))
+    rollouter = _rollouter(model, raw, reward, EpisodeSettings(environment=functools.partial(Again, 3), max_turns=3))
     rollout, _ = rollouter.rollout(_prompts(), index=0)
     renderer = ChatRenderer(raw)
     im_end = raw.convert_tokens_to_ids("<|im_end|>")
@@ -135,7 +131,10 @@ def test_episodes_train_on_the_ids_the_engine_sampled_and_the_environment_ids_ar
 def test_environment_tokens_carry_no_weight_in_the_correction_or_the_gradient(model_and_tokenizer):
     model, raw = model_and_tokenizer
     rollouter = _rollouter(
-        model, raw, lambda p, c, m: [float(len(x["transcript"])) for x in m], EpisodeSettings(environment=Again(3))
+        model,
+        raw,
+        lambda p, c, m: [float(len(x["transcript"])) for x in m],
+        EpisodeSettings(environment=functools.partial(Again, 3)),
     )
     rollout, _ = rollouter.rollout(_prompts(), index=1)
     assert rollout.advantages.abs().sum() > 0
@@ -172,13 +171,17 @@ def test_limits_end_episodes_as_truncated(model_and_tokenizer):
         return [0.0] * len(metadata)
 
     # One turn allowed, and the environment wants three: every episode that finishes its turn is truncated.
-    rollouter = _rollouter(model, raw, reward, EpisodeSettings(environment=Again(3), max_turns=1))
+    rollouter = _rollouter(model, raw, reward, EpisodeSettings(environment=functools.partial(Again, 3), max_turns=1))
     rollouter.rollout(_prompts(), index=0)
     assert [m["turns"] for m in seen] == [1] * 4 and all(m["truncated"] for m in seen)
     # An episode budget smaller than one turn plus what the environment appends.
     seen.clear()
     rollouter = _rollouter(
-        model, raw, reward, EpisodeSettings(environment=Again(3), max_episode_tokens=8), max_new_tokens=40
+        model,
+        raw,
+        reward,
+        EpisodeSettings(environment=functools.partial(Again, 3), max_episode_tokens=8),
+        max_new_tokens=40,
     )
     rollout, _ = rollouter.rollout(_prompts(), index=0)
     assert all(m["turns"] == 1 and m["truncated"] for m in seen)
@@ -187,10 +190,10 @@ def test_limits_end_episodes_as_truncated(model_and_tokenizer):
 
 def test_episode_settings_are_checked():
     with pytest.raises(ValueError, match="not both"):
-        EpisodeSettings(tools=["math.sqrt"], environment=Again())
+        EpisodeSettings(tools=["math.sqrt"], environment=Again)
     with pytest.raises(ValueError, match=r"EpisodeSettings.max_turns=0 must be an int >= 1"):
-        EpisodeSettings(environment=Again(), max_turns=0)
+        EpisodeSettings(environment=Again, max_turns=0)
     with pytest.raises(ValueError, match="tool_timeout_s"):
         EpisodeSettings(tool_timeout_s=-1.0)
-    assert not EpisodeSettings().enabled and EpisodeSettings(environment=Again()).enabled
+    assert not EpisodeSettings().enabled and EpisodeSettings(environment=Again).enabled
     assert math.isfinite(EpisodeSettings().max_episode_tokens)

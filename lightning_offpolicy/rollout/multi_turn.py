@@ -16,7 +16,7 @@ from typing import Any
 
 from lightning_offpolicy.argcheck import is_int, is_number
 from lightning_offpolicy.data.chat import ChatRenderer
-from lightning_offpolicy.data.environments.base import Environment, EnvironmentFactory, Message
+from lightning_offpolicy.data.environments.base import Environment, EnvironmentFactory, Message, environment_tools
 from lightning_offpolicy.rollout.engine import Completion, SamplingConfig
 from lightning_offpolicy.rollout.episode import Episode, Turn
 
@@ -36,8 +36,9 @@ class EpisodeSettings:
         tools: Functions the model may call, as import paths (``my_pkg.tools.multiply``) or
             callables; shown to the model by the chat template, called when a reply holds a tool call
             (docs/tools.md). An episode ends at a reply without a tool call.
-        environment: Makes one environment per episode (``reset`` / ``step``; e.g.
-            ``lightning_offpolicy.data.environments.GuessNumber``); docs/environments.md.
+        environment: Makes one environment per episode: an environment class (``reset`` / ``step``;
+            e.g. ``lightning_offpolicy.data.environments.GuessNumber``) or any callable without
+            arguments; in YAML its ``class_path`` and ``init_args`` (docs/environments.md).
         max_turns: Most model turns per episode; an episode still going after them is truncated.
         max_episode_tokens: Most ids after the prompt (model and environment tokens); an episode
             that would pass it is truncated. Each turn samples at most
@@ -50,7 +51,7 @@ class EpisodeSettings:
     """
 
     tools: list[Any] = field(default_factory=list)
-    environment: EnvironmentFactory | None = None
+    environment: Callable[[], Environment] | None = None
     max_turns: int = 4
     max_episode_tokens: int = 512
     max_tool_result_tokens: int = 64
@@ -103,7 +104,7 @@ class EpisodeRunner:
     def __init__(self, settings: EpisodeSettings, tokenizer: Any, stop_ids: Sequence[int]) -> None:
         self.settings = settings
         self.factory = settings.factory()
-        self.renderer = ChatRenderer(tokenizer, tools=list(getattr(self.factory, "tools", []) or []))
+        self.renderer = ChatRenderer(tokenizer, tools=environment_tools(self.factory))
         self.stop_ids = set(int(t) for t in stop_ids)
 
     def prompt_ids(self, prompts: Sequence[Any]) -> list[list[int]]:

@@ -11,11 +11,11 @@ The interface is the one the peers share (TRL's ``environment_factory``, SkyRL-G
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
-__all__ = ["Environment", "EnvironmentFactory", "Message", "StepResult"]
+__all__ = ["Environment", "EnvironmentFactory", "Message", "StepResult", "environment_tools"]
 
 #: A chat message as ``apply_chat_template`` takes it: ``{"role": "tool" | "user" | ..., "content": str, ...}``.
 Message = dict[str, Any]
@@ -45,7 +45,11 @@ class StepResult:
 
 @runtime_checkable
 class Environment(Protocol):
-    """One episode's environment: ``reset`` once, then ``step`` after each model reply."""
+    """One episode's environment: ``reset`` once, then ``step`` after each model reply.
+
+    An environment may also have a ``tools`` attribute: the functions the chat template shows the
+    model (``apply_chat_template(tools=...)``).
+    """
 
     def reset(self, prompt: Any, metadata: Mapping[str, Any]) -> None:
         """Start an episode for ``prompt`` (a text or chat messages) and its dataset row's ``metadata``."""
@@ -56,10 +60,15 @@ class Environment(Protocol):
         ...
 
 
-@runtime_checkable
-class EnvironmentFactory(Protocol):
-    """Makes one :class:`Environment` per episode; ``tools`` are shown to the model by the chat template."""
+#: Makes one :class:`Environment` per episode: an environment class, or any callable without
+#: arguments (in YAML: ``class_path`` of the environment and its ``init_args``).
+EnvironmentFactory = Callable[[], Environment]
 
-    tools: list[Any]
 
-    def __call__(self) -> Environment: ...
+def environment_tools(factory: EnvironmentFactory) -> list[Callable[..., Any]]:
+    """The tools the environments of ``factory`` show the model: its ``tools`` attribute, else that of
+    one environment it makes (``[]`` if none)."""
+    tools = getattr(factory, "tools", None)
+    if tools is None:
+        tools = getattr(factory(), "tools", None)
+    return list(tools or [])
