@@ -257,6 +257,28 @@ def test_a_raising_tool_answers_trls_error_text():
     assert (result.done, result.tool_calls, result.tool_errors) == (False, 2, 1)
 
 
+def test_a_tool_that_exits_or_raises_without_a_message_is_an_error():
+    def leave(code: int) -> int:
+        """Exit the process.
+
+        Args:
+            code: The exit status.
+        """
+        raise SystemExit(code)
+
+    def bare(x: int) -> int:
+        """Raise an exception without a message.
+
+        Args:
+            x: Ignored.
+        """
+        raise KeyError
+
+    result = Tools([leave, bare])().step(call("leave", {"code": 3}) + call("bare", {"x": 1}))
+    assert [m["content"] for m in result.messages] == ["{'error': '3'}", "{'error': 'KeyError'}"]
+    assert result.tool_errors == 2
+
+
 def test_a_tool_hanging_in_c_times_out():
     env = Tools([sleep_forever, multiply], timeout_s=0.2)()
     start = time.perf_counter()

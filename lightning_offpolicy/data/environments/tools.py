@@ -123,6 +123,7 @@ class Tools:
 
 def _resolve(tool: Callable[..., Any] | str, index: int, label: str) -> Callable[..., Any]:
     if isinstance(tool, str):
+        # Imported here: the rewards package may come to import environments (an environment's reward).
         from lightning_offpolicy.data.rewards.named import import_object
 
         try:
@@ -225,12 +226,11 @@ class ToolEnvironment:
             known = ", ".join(self.tools)
             return _failure(call.name, f"Tool {call.name} not found. Known tools: {known}.")
         arguments = _coerce_arguments(call.arguments, self.properties.get(call.name, {}))
-        finished, content, error = _run(fn, arguments, self.timeout_s, call.name)
-        if not finished:
+        outcome = _run(fn, arguments, self.timeout_s, call.name)
+        if outcome is None:
             return _failure(call.name, f"Tool {call.name} timed out after {self.timeout_s:g} s.")
-        if error is not None:
-            return _failure(call.name, str(error) or type(error).__name__)
-        return call.name, content, False
+        text, raised = outcome
+        return _failure(call.name, text) if raised else (call.name, text, False)
 
 
 def _failure(name: str, message: str) -> tuple[str, str, bool]:
@@ -241,16 +241,18 @@ def _failure(name: str, message: str) -> tuple[str, str, bool]:
 
 def _run(
     fn: Callable[..., Any], arguments: dict[str, Any], timeout_s: float | None, name: str
-) -> tuple[bool, str, BaseException | None]:
-    """Call ``fn(**arguments)`` in a daemon thread; ``(finished, result text, exception)``.
+) -> tuple[str, bool] | None:
+    """Call ``fn(**arguments)`` in a daemon thread: ``(result text or error message, raised)``, ``None`` on timeout.
 
     At the deadline the caller stops waiting and a :class:`_ToolTimeout` is raised into the thread,
     which ends a tool running Python code; a tool blocked in C (a sleep, a socket read) keeps its
     thread until the call returns, but nothing waits for it.
     """
+    from lightning_offpolicy.data.rewards.deadline import raise_in_thread  # imported here as import_object is
+
     lock = threading.Lock()
     done = threading.Event()
-    outcome: list[tuple[str, BaseException | None]] = []
+    outcome: list[tuple[str, bool]] = []
 
     def work() -> None:
         try:
@@ -258,11 +260,11 @@ def _run(
                 value = fn(**arguments)
                 if inspect.iscoroutine(value):
                     value = asyncio.run(value)
-                result: tuple[str, BaseException | None] = (_as_text(value), None)
+                result = (_as_text(value), False)
             except _ToolTimeout:
                 return
-            except BaseException as error:  # a tool's failure of any kind is its answer
-                result = ("", error)
+            except BaseException as error:  # a tool's failure of any kind (even SystemExit) is its answer
+                result = (_error_message(error), True)
             # Under the lock the caller cannot be raising the timeout into this thread: either it
             # gave up before (then the timeout arrives here, inside the outer try) or it sees `done`.
             with lock:
@@ -276,13 +278,17 @@ def _run(
     if not done.wait(timeout_s):
         with lock:
             if not done.is_set():
-                from lightning_offpolicy.data.rewards.deadline import raise_in_thread
-
                 if thread.ident is not None:
                     raise_in_thread(thread.ident, _ToolTimeout)
-                return False, "", None
-    text, error = outcome[0]
-    return True, text, error
+                return None
+    return outcome[0]
+
+
+def _error_message(error: BaseException) -> str:
+    try:
+        return str(error) or type(error).__name__
+    except Exception:  # an exception whose __str__ fails still has a type
+        return type(error).__name__
 
 
 def _as_text(value: Any) -> str:
