@@ -13,12 +13,12 @@ from transformers.utils import get_json_schema
 from lightning_offpolicy.data.environments import (
     CALL_FORMATS,
     Environment,
-    EnvironmentFactory,
     MalformedToolCall,
     StepResult,
     ToolCall,
     ToolEnvironment,
     Tools,
+    environment_tools,
     parse_tool_calls,
 )
 from tests import tool_fixtures
@@ -141,7 +141,7 @@ def test_tools_resolve_callables_and_import_paths():
     tools = Tools([multiply, "tests.tool_fixtures:add_later"])
     assert tools.tools == [multiply, tool_fixtures.add_later]
     assert tools.schemas == [get_json_schema(multiply), get_json_schema(tool_fixtures.add_later)]
-    assert isinstance(tools, EnvironmentFactory)
+    assert callable(tools) and environment_tools(tools) == tools.tools
     env = tools()
     assert isinstance(env, ToolEnvironment) and isinstance(env, Environment) and env is not tools()
     env.reset("Compute 6 * 7.", {})
