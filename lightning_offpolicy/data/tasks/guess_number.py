@@ -45,7 +45,7 @@ class GuessNumberTask(Task):
             raise ValueError(f"GuessNumberTask: need `low` <= `high`, got low={low}, high={high}.")
         self.low = low
         self.high = high
-        # One guess per turn: the longest number plus eos, and room for a sign and a space.
+        # One guess per turn: the longest number (its sign included), a leading space and eos.
         self.max_new_tokens = max(len(str(low)), len(str(high))) + 2
 
     def sample(self, rng: random.Random) -> tuple[str, dict[str, Any]]:
