@@ -1,7 +1,7 @@
 """Environments of multi-turn episodes: the contract (base.py), tools (tools.py) and games.
 
 docs/multi_turn.md says how an episode runs and which tokens train; docs/tools.md how tools are
-written, named and called.
+written, named and called; docs/environments.md the games.
 """
 
 from lightning_offpolicy.data.environments.base import (
@@ -11,6 +11,8 @@ from lightning_offpolicy.data.environments.base import (
     StepResult,
     environment_tools,
 )
+from lightning_offpolicy.data.environments.guess_number import GuessNumber, bisection_dialogue
+from lightning_offpolicy.data.environments.textarena import TextArenaGame  # imports TextArena when a game is made
 from lightning_offpolicy.data.environments.tool_calls import (
     CALL_FORMATS,
     MalformedToolCall,
@@ -23,12 +25,15 @@ __all__ = [
     "CALL_FORMATS",
     "Environment",
     "EnvironmentFactory",
+    "GuessNumber",
     "MalformedToolCall",
     "Message",
     "StepResult",
+    "TextArenaGame",
     "ToolCall",
     "ToolEnvironment",
     "Tools",
+    "bisection_dialogue",
     "environment_tools",
     "parse_tool_calls",
 ]

@@ -9,12 +9,14 @@
 from lightning_offpolicy.data.tasks.base import RewardFn, Task, TaskReward, positional_score
 from lightning_offpolicy.data.tasks.builtin import AdditionTask, CopyTask, ReverseTask
 from lightning_offpolicy.data.tasks.datamodule import PromptDataModule, PromptDataset, collate_prompts
+from lightning_offpolicy.data.tasks.guess_number import GuessNumberTask
 from lightning_offpolicy.data.tasks.registry import TASKS, get_task
 
 __all__ = [
     "TASKS",
     "AdditionTask",
     "CopyTask",
+    "GuessNumberTask",
     "PromptDataModule",
     "PromptDataset",
     "ReverseTask",

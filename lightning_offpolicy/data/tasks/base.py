@@ -19,6 +19,10 @@ class Task(abc.ABC):
 
     name: str = ""
     max_new_tokens: int = 0
+    #: Whether a held-out prompt must differ from every training prompt. ``False`` where the prompt
+    #: does not identify the problem (a game whose secret is only in the metadata): held-out rows are
+    #: then fresh draws of the same distribution, from a seed stream of their own.
+    distinct_held_out: bool = True
 
     @abc.abstractmethod
     def sample(self, rng: random.Random) -> tuple[str, dict[str, Any]]:

@@ -51,15 +51,16 @@ class PromptDataModule(ResumableTrainLoader, LightningDataModule):
     checkpoint; see :mod:`lightning_offpolicy.data.sampler`).
 
     Args:
-        task: name of a built-in task (``reverse``, ``addition``, ``copy``).
+        task: name of a built-in task (``reverse``, ``addition``, ``copy``, ``guess_number``).
         prompts_per_step: prompts per training step (the DataLoader batch size); each prompt is
             sampled ``rollout.sampling.samples_per_prompt`` times by the rollout side.
         num_train_prompts: size of the fixed training prompt set (one epoch = this many prompts).
         seed: seed of the prompt set and of the shuffling order.
         num_val_prompts: held-out prompts for evaluation in Lightning's validation loop (``val/*``
             metrics, see :mod:`lightning_offpolicy.metrics.evaluation`); 0: no validation. They come from
-            a seed stream of their own and never equal a training prompt; the training prompts and
-            their order are the same whatever this is.
+            a seed stream of their own and never equal a training prompt (except for a task whose
+            prompts are all alike, ``guess_number``); the training prompts and their order are the
+            same whatever this is.
         val_prompts_per_step: held-out prompts per validation batch.
     """
 
@@ -109,11 +110,14 @@ class PromptDataModule(ResumableTrainLoader, LightningDataModule):
         self.val_dataset = PromptDataset(self._held_out_prompts(num_val_prompts))
 
     def _held_out_prompts(self, count: int) -> list[tuple[str, dict[str, Any]]]:
-        """``count`` distinct prompts, none of them a training prompt, from a stream of their own."""
+        """``count`` prompts from a stream of their own, distinct and none a training prompt (unless
+        ``task.distinct_held_out`` is False: then plain draws)."""
         if count == 0:
             return []
-        taken = {prompt for prompt, _ in self.train_dataset.items}
         rng = random.Random(f"held-out:{self.seed}")  # str seeds are hashed with sha512: stable across runs
+        if not self.task.distinct_held_out:
+            return [self.task.sample(rng) for _ in range(count)]
+        taken = {prompt for prompt, _ in self.train_dataset.items}
         items: list[tuple[str, dict[str, Any]]] = []
         for _ in range(100 * count + 10_000):
             prompt, metadata = self.task.sample(rng)

@@ -6,6 +6,7 @@ from typing import Any
 
 from lightning_offpolicy.data.tasks.base import Task
 from lightning_offpolicy.data.tasks.builtin import AdditionTask, CopyTask, ReverseTask
+from lightning_offpolicy.data.tasks.guess_number import GuessNumberTask
 
 __all__ = ["TASKS", "get_task"]
 
@@ -14,6 +15,7 @@ TASKS: dict[str, type[Task]] = {
     ReverseTask.name: ReverseTask,
     AdditionTask.name: AdditionTask,
     CopyTask.name: CopyTask,
+    GuessNumberTask.name: GuessNumberTask,
 }
 
 
