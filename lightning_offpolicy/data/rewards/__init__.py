@@ -13,6 +13,7 @@ what it returns is checked: one finite number per completion, within ``MAX_ABS_R
 [1.1, 1.0]
 """
 
+from lightning_offpolicy.data.rewards.episode import environment_reward
 from lightning_offpolicy.data.rewards.gym import ReasoningGymReward, reasoning_gym_score
 from lightning_offpolicy.data.rewards.named import import_object, reward_name
 from lightning_offpolicy.data.rewards.resolve import RewardSpec, resolve_reward
@@ -37,6 +38,7 @@ __all__ = [
     "RewardSpec",
     "ScoredRewards",
     "WeightedReward",
+    "environment_reward",
     "import_object",
     "math_answer",
     "reasoning_gym_score",
