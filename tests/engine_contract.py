@@ -10,6 +10,7 @@ hand-written argmax loop. Tests that change the engine's weights restore them be
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import time
 
@@ -17,8 +18,11 @@ import pytest
 import torch
 
 from lightning_offpolicy.batch import RolloutBatch
+from lightning_offpolicy.data.environments import StepResult
+from lightning_offpolicy.data.tokenizers import CharTokenizer
 from lightning_offpolicy.logprobs import causal_lm_token_logprobs
 from lightning_offpolicy.rollout.engine import RolloutEngine, SamplingConfig
+from lightning_offpolicy.rollout.multi_turn import EpisodeRunner, EpisodeSettings
 from lightning_offpolicy.rollout.vllm.weight_sync import trainer_probe_logprobs
 from tests.module_helpers import argmax_completion
 from tests.vllm_fixtures import residuals, reverse_prompts, teacher_forced_logprobs
@@ -52,6 +56,20 @@ def batch_of(prompts: list[list[int]], completions: list, pad_token_id: int) -> 
     )
     batch.validate()
     return batch
+
+
+class Replies:
+    """An environment that answers "again" until the model has replied ``turns`` times."""
+
+    def __init__(self, turns: int) -> None:
+        self.turns = turns
+
+    def reset(self, prompt, metadata) -> None:
+        self.replies = 0
+
+    def step(self, reply: str) -> StepResult:
+        self.replies += 1
+        return StepResult(messages=[{"role": "user", "content": "again"}], done=self.replies >= self.turns)
 
 
 class EngineContract:
@@ -124,6 +142,37 @@ class EngineContract:
         for c in completions:
             assert c.token_ids == argmax_completion(trainer_model, prompts[c.prompt_index], 10, eos=2)
         assert [c.token_ids for c in engine.generate(prompts, greedy)] == [c.token_ids for c in completions]
+
+    def test_episode_turns_are_generated_from_the_ids_the_engine_sampled(self, engine, trainer_model):
+        """Token in, token out over turns: each turn continues the context of the engine's own ids and the
+        environment's appended ids, and its logprobs are the trainer's on exactly that context."""
+        tokenizer = CharTokenizer()
+        settings = EpisodeSettings(environment=functools.partial(Replies, 3), max_turns=3, max_episode_tokens=48)
+        runner = EpisodeRunner(settings, tokenizer, stop_ids=[2])
+        prompts = [tokenizer.decode(p) for p in reverse_prompts(4, seed=9)]
+        prompt_ids = runner.prompt_ids(prompts)
+        assert prompt_ids == reverse_prompts(4, seed=9)
+        sampling = SamplingConfig(max_new_tokens=12, temperature=1.0, samples_per_prompt=2)
+
+        def generate(ids, cfg, seed):
+            return engine.generate(ids, cfg, seed=seed)
+
+        episodes = runner.run(prompts, [{}] * 4, prompt_ids, sampling, generate, seed=21, group_offset=0)
+        assert [e.group for e in episodes] == [i for i in range(4) for _ in range(2)]
+        assert max(len(e.turns) for e in episodes) >= 2
+        contexts, completions = [], []
+        for episode in episodes:
+            context = list(episode.prompt_ids)
+            for turn in episode.turns:
+                contexts.append(list(context))
+                completions.append(dataclasses.replace(turn.completion, prompt_index=len(contexts) - 1))
+                context += turn.completion.token_ids + turn.observation_ids
+            assert context == episode.context_ids
+            for turn in episode.turns[:-1]:  # each answered turn is followed by exactly the rendered reply
+                assert turn.observation_ids == tokenizer.encode(" again ", add_bos=False)
+        reference = teacher_forced_logprobs(trainer_model, contexts, completions, 1.0)
+        res = residuals([c.logprobs for c in completions], reference)
+        assert res.max() <= self.logprob_max_tol and res.mean() <= self.logprob_mean_tol
 
     def test_seeded_generation_is_reproducible(self, engine):
         prompts = reverse_prompts(3, seed=4)

@@ -13,9 +13,9 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from lightning_offpolicy.data.prompts import ChatMessages, Prompt, checked_messages, ids_to_list
+from lightning_offpolicy.data.prompts import ChatMessages, Prompt, checked_messages, encode_prompt, ids_to_list
 
-__all__ = ["ChatRenderer"]
+__all__ = ["ChatRenderer", "PlainRenderer", "renderer_for"]
 
 #: Stand-ins for a user message and an assistant reply, to find where the template closes a reply.
 _USER, _REPLY = "\u2063user\u2063", "\u2063reply\u2063"
@@ -76,6 +76,10 @@ class ChatRenderer:
         """``text``'s ids without special tokens added (the template's own are in the text)."""
         return ids_to_list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
 
+    def decode(self, ids: Sequence[int]) -> str:
+        """The text of ``ids``, special tokens written out (a reply as the model wrote it)."""
+        return self.tokenizer.decode(list(ids), skip_special_tokens=False)
+
     def prompt_ids(self, prompt: Prompt) -> list[int]:
         """The ids the first turn is generated from: the prompt (a text is one user message) with the
         tools, and the generation prompt."""
@@ -110,3 +114,63 @@ class ChatRenderer:
         if stop_text and closing.startswith(stop_text):
             closing = closing[len(stop_text) :]
         return self.encode(closing + after[len(before) :])
+
+
+class PlainRenderer:
+    """Episodes without a chat template: a base model, or the kit's character tokenizer.
+
+    The prompt is encoded by the tokenizer's own rule
+    (:func:`~lightning_offpolicy.data.prompts.encode_prompt`); after a model turn, each message's
+    content follows on a line of its own (``"\n" + content + "\n"``), with no role markers; a
+    tokenizer that cannot encode a line break (the character tokenizer) separates by a space.
+
+    Args:
+        tokenizer: Anything :func:`~lightning_offpolicy.data.prompts.encode_prompt` takes, with
+            ``decode`` (the kit's tokenizers, a ``transformers`` tokenizer).
+    """
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+        self.tools: list[Callable[..., Any]] = []
+        try:
+            self.separator = "\n" if self.encode("\n") else " "
+        except ValueError:  # the character tokenizer has no line break
+            self.separator = " "
+
+    def encode(self, text: str) -> list[int]:
+        """``text``'s ids, no bos or other special token added."""
+        if hasattr(self.tokenizer, "apply_chat_template") or hasattr(self.tokenizer, "tokenizer"):
+            raw = getattr(self.tokenizer, "tokenizer", self.tokenizer)
+            return ids_to_list(raw(text, add_special_tokens=False)["input_ids"])
+        return list(self.tokenizer.encode(text, add_bos=False))
+
+    def decode(self, ids: Sequence[int]) -> str:
+        """The text of ``ids``, special tokens written out."""
+        return self.tokenizer.decode(list(ids), skip_special_tokens=False)
+
+    def prompt_ids(self, prompt: Prompt) -> list[int]:
+        """The prompt's ids by the tokenizer's own rule."""
+        return encode_prompt(self.tokenizer, prompt)
+
+    def observation_ids(self, messages: ChatMessages, stop_text: str) -> list[int]:
+        """Each message's content on a line of its own (``stop_text`` is not needed here)."""
+        return self.encode("".join(self.separator + message["content"] + self.separator for message in messages))
+
+
+def renderer_for(tokenizer: Any, tools: Sequence[Callable[..., Any]] = ()) -> ChatRenderer | PlainRenderer:
+    """The renderer of ``tokenizer``'s episodes: its chat template when it has one, else plain text.
+
+    Raises:
+        ValueError: ``tools`` are given and the tokenizer has no chat template (tools are shown to
+            the model by the template).
+    """
+    raw = getattr(tokenizer, "tokenizer", tokenizer)
+    if getattr(raw, "chat_template", None):
+        return ChatRenderer(tokenizer, tools)
+    if tools:
+        raise ValueError(
+            f"Tools are shown to the model by its tokenizer's chat template, and {type(raw).__name__} has none: "
+            "use a model whose tokenizer has one (e.g. a Qwen2.5 instruct checkpoint), or an environment without "
+            "tools (rollout.episodes.environment)."
+        )
+    return PlainRenderer(tokenizer)

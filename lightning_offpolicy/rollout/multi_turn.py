@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from lightning_offpolicy.argcheck import is_int, is_number
-from lightning_offpolicy.data.chat import ChatRenderer
+from lightning_offpolicy.data.chat import renderer_for
 from lightning_offpolicy.data.environments.base import Environment, EnvironmentFactory, Message, environment_tools
 from lightning_offpolicy.rollout.engine import Completion, SamplingConfig
 from lightning_offpolicy.rollout.episode import Episode, Turn
@@ -96,15 +96,16 @@ class EpisodeRunner:
 
     Args:
         settings: The environment and the limits.
-        tokenizer: Renders the prompts and the environment's messages with its chat template
-            (:class:`~lightning_offpolicy.data.chat.ChatRenderer`) and decodes the model's replies.
+        tokenizer: Renders the prompts and the environment's messages with its chat template, or as
+            plain text without one (:func:`~lightning_offpolicy.data.chat.renderer_for`), and decodes
+            the model's replies.
         stop_ids: The ids that end a model turn (the engine's stop ids).
     """
 
     def __init__(self, settings: EpisodeSettings, tokenizer: Any, stop_ids: Sequence[int]) -> None:
         self.settings = settings
         self.factory = settings.factory()
-        self.renderer = ChatRenderer(tokenizer, tools=environment_tools(self.factory))
+        self.renderer = renderer_for(tokenizer, environment_tools(self.factory))
         self.stop_ids = set(int(t) for t in stop_ids)
 
     def prompt_ids(self, prompts: Sequence[Any]) -> list[list[int]]:
@@ -181,8 +182,7 @@ class EpisodeRunner:
             episode.truncated = True
             return False
         reply_ids = completion.token_ids[:-1] if completion.token_ids[-1] in self.stop_ids else completion.token_ids
-        tokenizer = self.renderer.tokenizer
-        reply = tokenizer.decode(reply_ids, skip_special_tokens=False)
+        reply = self.renderer.decode(reply_ids)
         try:
             result = environment.step(reply)
         except Exception as error:
@@ -196,7 +196,7 @@ class EpisodeRunner:
         if turn >= self.settings.max_turns:
             episode.truncated = True
             return False
-        stop_text = tokenizer.decode(completion.token_ids[-1:], skip_special_tokens=False)
+        stop_text = self.renderer.decode(completion.token_ids[-1:])
         observation = self.renderer.observation_ids(self._capped(result.messages), stop_text)
         # One more model token must fit after what the environment appends.
         if len(episode.response_ids) + len(observation) + 1 > self.settings.max_episode_tokens:
@@ -214,7 +214,7 @@ class EpisodeRunner:
             if message.get("role") == "tool" and isinstance(content, str):
                 ids = self.renderer.encode(content)
                 if len(ids) > cap:
-                    kept = self.renderer.tokenizer.decode(ids[:cap], skip_special_tokens=False)
+                    kept = self.renderer.decode(ids[:cap])
                     message = {**message, "content": f"{kept} ... (cut to {cap} tokens)"}
             capped.append(message)
         return capped
