@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 
@@ -13,12 +14,16 @@ from lightning_offpolicy.correction import PolicyLossConfig
 from lightning_offpolicy.correction.config import preset
 from lightning_offpolicy.data.chat import ChatRenderer
 from lightning_offpolicy.data.environments import StepResult
-from lightning_offpolicy.data.tokenizers import HFTokenizer
+from lightning_offpolicy.data.tokenizers import CharTokenizer, HFTokenizer
 from lightning_offpolicy.demo.tiny_bpe import CHATML_TEMPLATE, tiny_config, train_bpe_tokenizer
 from lightning_offpolicy.rollout import HFEngine, SamplingConfig
-from lightning_offpolicy.rollout.multi_turn import EpisodeSettings
+from lightning_offpolicy.rollout.multi_turn import EpisodeRunner, EpisodeSettings
+from lightning_offpolicy.rollout.partial import PartialStats, generate_resumable
 from lightning_offpolicy.rollout.rollouter import Rollouter
 from lightning_offpolicy.train.step import apply_correction, corrected_loss
+from tests.engine_contract import Replies
+from tests.module_helpers import perturbed, tiny_model
+from tests.test_partial_rollouts import teacher_forced
 
 TEXTS = ["Count to three.", "Again.", "one two three", "Say more.", "Done now, 123 456 789."] * 4
 
@@ -197,3 +202,67 @@ def test_episode_settings_are_checked():
         EpisodeSettings(tool_timeout_s=-1.0)
     assert not EpisodeSettings().enabled and EpisodeSettings(environment=Again).enabled
     assert math.isfinite(EpisodeSettings().max_episode_tokens)
+
+
+class PushInsideTheSecondTurn:
+    """A ``turn`` guard: interrupts the 2nd generate call (the episodes' 2nd turn) at its 3rd forward pass,
+    and pushes ``new`` as version 1 before the 3rd call (the continuation of the cut turn)."""
+
+    def __init__(self, engine, new: torch.nn.Module) -> None:
+        self.engine, self.new, self.calls = engine, new, 0
+
+    @contextlib.contextmanager
+    def __call__(self):
+        self.calls += 1
+        if self.calls == 3:
+            self.engine.update_weights(self.new, 1)
+        forwards = {"n": 0}
+
+        def hook(*_):
+            forwards["n"] += 1
+            if forwards["n"] == 3:
+                self.engine.interrupt()
+
+        handle = self.engine.model.register_forward_hook(hook) if self.calls == 2 else None
+        try:
+            yield
+        finally:
+            if handle is not None:
+                handle.remove()
+
+
+def test_a_turn_cut_by_a_weight_push_continues_under_the_new_weights_with_each_tokens_version():
+    old = tiny_model()
+    new = perturbed(old, 0.3)
+    # Several stop ids: the random policy ends its turns after a few tokens.
+    engine = HFEngine(dtype="float32", pad_token_id=0, eos_token_id=2, stop_token_ids=[2, 5, 9, 14, 20, 27, 33, 40])
+    engine.update_weights(old, version=0)
+    settings = EpisodeSettings(environment=functools.partial(Replies, 2), max_turns=2, max_episode_tokens=40)
+    runner = EpisodeRunner(settings, CharTokenizer(), stop_ids=engine.stop_ids)
+    prompts = ["abc", "hello"]
+    turn, stats = PushInsideTheSecondTurn(engine, new), PartialStats()
+
+    def generate(ids, sampling, seed):
+        return generate_resumable(engine, ids, sampling, seed=seed, turn=turn, stats=stats)
+
+    sampling = SamplingConfig(max_new_tokens=12, samples_per_prompt=2)
+    episodes = runner.run(prompts, [{}, {}], runner.prompt_ids(prompts), sampling, generate, seed=0, group_offset=0)
+    assert stats.interrupted >= 1 and stats.continuation_calls >= 1
+    spanning = 0
+    for episode in episodes:
+        first, *rest = episode.turns
+        assert first.completion.token_versions() == [0] * len(first.completion.token_ids)
+        context = episode.prompt_ids + first.completion.token_ids + first.observation_ids
+        for later in rest:
+            versions, tokens = later.completion.token_versions(), later.completion.token_ids
+            cut = versions.count(0)
+            assert versions == [0] * cut + [1] * (len(tokens) - cut)
+            spanning += 0 < cut < len(tokens)
+            logprobs = torch.tensor(later.completion.logprobs, dtype=torch.float64)
+            torch.testing.assert_close(logprobs[:cut], teacher_forced(old, context, tokens)[:cut], atol=3e-4, rtol=0)
+            torch.testing.assert_close(logprobs[cut:], teacher_forced(new, context, tokens)[cut:], atol=3e-4, rtol=0)
+        # The staleness bound reads the oldest model token: the appended ids never make an episode older.
+        versions = episode.token_versions()
+        model_versions = [v for v, m in zip(versions, episode.model_mask(), strict=True) if m]
+        assert min(versions) == min(model_versions) == 0
+    assert spanning >= 1, "a turn should have been cut by the push and continued under the new weights"
