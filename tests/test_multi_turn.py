@@ -17,6 +17,7 @@ from lightning_offpolicy.data.environments import StepResult
 from lightning_offpolicy.data.tokenizers import CharTokenizer, HFTokenizer
 from lightning_offpolicy.demo.tiny_bpe import CHATML_TEMPLATE, tiny_config, train_bpe_tokenizer
 from lightning_offpolicy.rollout import HFEngine, SamplingConfig
+from lightning_offpolicy.rollout.dapo import DAPOSettings
 from lightning_offpolicy.rollout.multi_turn import EpisodeRunner, EpisodeSettings
 from lightning_offpolicy.rollout.partial import PartialStats, generate_resumable
 from lightning_offpolicy.rollout.rollouter import Rollouter
@@ -266,3 +267,52 @@ def test_a_turn_cut_by_a_weight_push_continues_under_the_new_weights_with_each_t
         model_versions = [v for v, m in zip(versions, episode.model_mask(), strict=True) if m]
         assert min(versions) == min(model_versions) == 0
     assert spanning >= 1, "a turn should have been cut by the push and continued under the new weights"
+
+
+def test_held_out_evaluation_plays_episodes_and_scores_each_one(model_and_tokenizer):
+    model, raw = model_and_tokenizer
+    seen: list[dict] = []
+
+    def reward(prompts, completions, metadata):
+        seen.extend(metadata)
+        return [m["environment_reward"] for m in metadata]
+
+    rollouter = _rollouter(model, raw, reward, EpisodeSettings(environment=functools.partial(Again, 2)))
+    evaluation = rollouter.evaluate(_prompts())
+    # One greedy and two sampled episodes per prompt, each scored with what its environment said.
+    assert len(seen) == 6 and all("transcript" in m for m in seen)
+    assert evaluation.greedy_rewards.tolist() == [m["environment_reward"] for m in seen[:2]]
+    assert evaluation.sampled_rewards.flatten().tolist() == [m["environment_reward"] for m in seen[2:]]
+    # Lengths count the model's tokens only; the same held-out episodes come back at the next evaluation.
+    again = rollouter.evaluate(_prompts())
+    torch.testing.assert_close(again.sampled_rewards, evaluation.sampled_rewards)
+    torch.testing.assert_close(again.greedy_lengths, evaluation.greedy_lengths)
+    assert float(evaluation.greedy_lengths.max()) <= 2 * 8
+
+
+def test_dynamic_sampling_keeps_the_groups_of_informative_episodes(model_and_tokenizer):
+    model, raw = model_and_tokenizer
+    extra = iter([_prompts()] * 4)
+
+    def reward(prompts, completions, metadata):
+        return [float(m["turns"]) for m in metadata]
+
+    rollouter = _rollouter(
+        model,
+        raw,
+        reward,
+        EpisodeSettings(environment=functools.partial(Again, 3)),
+        dapo=DAPOSettings(dynamic_sampling=True),
+        more_prompts=lambda: next(extra),
+    )
+    rollout, _ = rollouter.rollout(_prompts(), index=2)
+    stats = rollouter.last_stats
+    groups = rollout.group_ids.tolist()
+    rewards = rollout.rewards.tolist()
+    by_group: dict[int, set] = {}
+    for group, value in zip(groups, rewards, strict=True):
+        by_group.setdefault(group, set()).add(value)
+    # Two groups (as many as prompts), each of episodes with different rewards, found by refilling.
+    assert stats["groups_short"] == 0 and len(by_group) == 2, (stats, by_group)
+    assert all(len(values) > 1 for values in by_group.values()), by_group
+    assert stats["groups_dropped"] + stats["refill_batches"] > 0 and "turns_per_episode" in stats
