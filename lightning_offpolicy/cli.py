@@ -61,6 +61,11 @@ DESCRIPTION = (
     "`fit --OPTION.help CLASS` shows the settings of a class that a class-typed option accepts."
 )
 
+CKPT_PATH_HELP = (
+    "A checkpoint to resume from, or `last`: the newest checkpoint (last.ckpt, preempted.ckpt, on_exception.ckpt) "
+    "of an earlier run with the same logger name."
+)
+
 MODEL_HELP = (
     "The causal LM: a local directory, a Hugging Face hub name, or tiny:<task> (a tiny Llama built and "
     "SFT-warmed locally, no download; e.g. tiny:reverse). From Python, OffPolicyRLModule(model=...) also "
@@ -73,8 +78,9 @@ class ConciseHelpFormatter(DefaultHelpFormatter):
 
     On top of jsonargparse's formatter it leaves out the list of known subclasses after a
     class-typed option and the ``--OPTION.help CLASS`` entry beside it (both still work: the
-    description says so), and keeps the first sentence of each ``trainer.*`` option, whose full text
-    is Lightning's ``Trainer`` documentation.
+    description says so), keeps the first sentence of each ``trainer.*`` option and of
+    ``weights_only`` (their full text is Lightning's documentation), and says what ``--ckpt_path
+    last`` means here.
     """
 
     def add_argument(self, action: argparse.Action) -> None:
@@ -85,12 +91,14 @@ class ConciseHelpFormatter(DefaultHelpFormatter):
     def _get_help_string(self, action: argparse.Action) -> str:
         text = super()._get_help_string(action)
         text = _KNOWN_SUBCLASSES.sub("", text)
-        if action.dest.startswith("trainer.") and action.help:
-            first = _first_sentence(action.help)
-            text = first + text[len(action.help) :] if text.startswith(action.help) else text
+        if (action.dest.startswith("trainer.") or action.dest in _FIT_ARGUMENTS) and action.help:
+            shown = CKPT_PATH_HELP if action.dest == "ckpt_path" else _first_sentence(action.help)
+            text = shown + text[len(action.help) :] if text.startswith(action.help) else text
         return text
 
 
+#: ``Trainer.fit``'s own arguments, documented by Lightning like the trainer's.
+_FIT_ARGUMENTS = ("ckpt_path", "weights_only")
 _KNOWN_SUBCLASSES = re.compile(r", known subclasses: [^)]*")
 # A sentence ends at a period followed by white space, except after "e.g." / "i.e." / "etc.".
 _SENTENCE_END = re.compile(r"(?<!e\.g)(?<!i\.e)(?<!etc)\.\s")

@@ -130,6 +130,7 @@ def test_fit_help_fits_in_700_lines_at_80_columns_and_class_help_still_works(cap
     assert "Prompts: any LightningDataModule" in out
     # A trainer option keeps its first sentence only; the kit's own options keep their whole text.
     assert "The devices to use. (type:" in out
+    assert "A checkpoint to resume from, or `last`: the newest" in out  # the kit's meaning of `last`
     assert "Completions per prompt" in out
     # The per-option class help left out of the listing still answers.
     with pytest.raises(SystemExit) as exit_info:
