@@ -56,7 +56,9 @@ class EpisodeRecorder(L.Callback):
             (self.directory / f"rank{trainer.global_rank}.json").write_text(json.dumps(self.rows))
 
 
-def episode_fit(root, max_batches: int, max_staleness: int = 0, devices: int = 1, recorder=None, **async_kwargs):
+def episode_fit(
+    root, max_batches: int, max_staleness: int = 0, devices: int = 1, recorder=None, ckpt_path=None, **async_kwargs
+):
     L.seed_everything(0)
     module = OffPolicyRLModule(model="tiny:reverse", optimizer=partial(torch.optim.AdamW, lr=1e-3))
     callback = RolloutCallback(
@@ -79,7 +81,8 @@ def episode_fit(root, max_batches: int, max_staleness: int = 0, devices: int = 1
         enable_model_summary=False,
         enable_checkpointing=False,
     )
-    trainer.fit(module, PromptDataModule(task="reverse", prompts_per_step=4, num_train_prompts=64))
+    data = PromptDataModule(task="reverse", prompts_per_step=4, num_train_prompts=64)
+    trainer.fit(module, data, ckpt_path=ckpt_path)
     return module, callback, recorder, trainer
 
 
@@ -101,6 +104,17 @@ def test_an_asynchronous_fit_with_partial_rollouts_keeps_episodes_within_the_bou
     assert len(staleness) == 5 and all(0 <= s <= 2 for s in staleness), staleness
     assert sum(row["environment_tokens"] for row in recorder.rows) > 0
     assert callback.producer is None
+
+
+def test_a_resumed_episode_fit_trains_what_the_uninterrupted_one_does(tmp_path):
+    _, _, _, trainer = episode_fit(tmp_path / "first", 2)
+    checkpoint = tmp_path / "after2.ckpt"
+    trainer.save_checkpoint(checkpoint)
+    _, callback, resumed, _ = episode_fit(tmp_path / "resumed", 4, ckpt_path=checkpoint)
+    _, _, full, _ = episode_fit(tmp_path / "full", 4)
+    assert callback.generated_batches == 4
+    # The same prompts, and the same episodes (model and environment tokens), as the run never stopped.
+    assert resumed.rows == full.rows[2:]
 
 
 @pytest.mark.slow
