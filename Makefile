@@ -1,6 +1,6 @@
 # The one place that knows how to install the kit on this project's machines.
 #   make demo   create .venv, install, run the main job on the embedded default
-#   make test   create .venv with the dev and vLLM extras, run the whole suite
+#   make test   create .venv with the dev, bench, games and vLLM extras, run the whole suite
 #   make selfcheck  every correction preset on a real tiny model (no training)
 #   make bench  run the benchmarks under benchmarks/ (including the side-by-side against TRL); reports in docs/reports/
 #   make vs-trl-top-p  the TRL side-by-side at top_p 0.9, with and without the sampling mask (part of bench)
