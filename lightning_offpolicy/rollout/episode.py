@@ -122,34 +122,26 @@ def _spans(turn: Turn, model: float, appended: float) -> list[float]:
 
 
 def single_turn_episodes(
-    prompt_ids: list[list[int]],
-    completions: list[Completion],
-    rewards: torch.Tensor,
-    components: dict[str, torch.Tensor],
-    group_offset: int,
+    prompt_ids: list[list[int]], completions: list[Completion], group_offset: int
 ) -> list[Episode]:
-    """One episode of one turn per completion of a generation call.
+    """One episode of one turn per completion of a generation call (rewards not yet set).
 
     Args:
         prompt_ids: Token ids of the call's prompts (a completion's ``prompt_index`` points here).
         completions: The call's completions.
-        rewards: One reward per completion.
-        components: Each named part of the rewards, one value per completion.
         group_offset: The group of the call's first prompt.
 
     Returns:
-        The episodes, in the order of ``completions``.
+        The episodes, in the order of ``completions``; one that stopped at its length is truncated.
     """
     return [
         Episode(
             group=group_offset + c.prompt_index,
             prompt_ids=prompt_ids[c.prompt_index],
             turns=[Turn(c)],
-            reward=float(rewards[i]),
-            components={name: float(values[i]) for name, values in components.items()},
             truncated=c.finish_reason == "length",
         )
-        for i, c in enumerate(completions)
+        for c in completions
     ]
 
 

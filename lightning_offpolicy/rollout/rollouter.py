@@ -249,7 +249,7 @@ class Rollouter:
                 prompts.prompts, prompts.metadata, prompt_ids, sampling, generate, seed, group_offset
             )
         completions = generate(prompt_ids, sampling, seed)
-        return single_turn_episodes(prompt_ids, completions, torch.zeros(len(completions)), {}, group_offset)
+        return single_turn_episodes(prompt_ids, completions, group_offset)
 
     def _sample(self, samples: _Samples, prompts: PromptBatch, seed: int, group_offset: int) -> float:
         """Generate and score ``prompts`` into ``samples``; the seconds generation took."""
