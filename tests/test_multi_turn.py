@@ -14,6 +14,7 @@ from lightning_offpolicy.correction import PolicyLossConfig
 from lightning_offpolicy.correction.config import preset
 from lightning_offpolicy.data.chat import ChatRenderer
 from lightning_offpolicy.data.environments import StepResult
+from lightning_offpolicy.data.rewards import environment_reward
 from lightning_offpolicy.data.tokenizers import CharTokenizer, HFTokenizer
 from lightning_offpolicy.demo.tiny_bpe import CHATML_TEMPLATE, tiny_config, train_bpe_tokenizer
 from lightning_offpolicy.rollout import HFEngine, SamplingConfig
@@ -75,6 +76,17 @@ def _rollouter(model, raw, reward_fn, settings: EpisodeSettings, max_new_tokens:
     return Rollouter(engine, HFTokenizer(raw.saved_at), reward_fn, sampling, seed=3, episodes=settings, **kwargs)
 
 
+def environment_reward_seen() -> tuple:
+    """The environment's reward as the reward function, and the metadata rows it was called with."""
+    seen: list[dict] = []
+
+    def reward(prompts, completions, metadata):
+        seen.extend(metadata)
+        return environment_reward(prompts, completions, metadata)
+
+    return reward, seen
+
+
 def _prompts() -> PromptBatch:
     return PromptBatch(prompts=["Count to three.", "Say more."], metadata=[{"secret": 1}, {"secret": 2}])
 
@@ -89,11 +101,7 @@ def _teacher_forced_logprobs(model, input_ids: torch.Tensor, attention_mask: tor
 
 def test_episodes_train_on_the_ids_the_engine_sampled_and_the_environment_ids_are_context(model_and_tokenizer):
     model, raw = model_and_tokenizer
-    seen: list[dict] = []
-
-    def reward(prompts, completions, metadata):
-        seen.extend(metadata)
-        return [m["environment_reward"] for m in metadata]
+    reward, seen = environment_reward_seen()
 
     rollouter = _rollouter(model, raw, reward, EpisodeSettings(environment=functools.partial(Again, 3), max_turns=3))
     rollout, _ = rollouter.rollout(_prompts(), index=0)
@@ -271,11 +279,7 @@ def test_a_turn_cut_by_a_weight_push_continues_under_the_new_weights_with_each_t
 
 def test_held_out_evaluation_plays_episodes_and_scores_each_one(model_and_tokenizer):
     model, raw = model_and_tokenizer
-    seen: list[dict] = []
-
-    def reward(prompts, completions, metadata):
-        seen.extend(metadata)
-        return [m["environment_reward"] for m in metadata]
+    reward, seen = environment_reward_seen()
 
     rollouter = _rollouter(model, raw, reward, EpisodeSettings(environment=functools.partial(Again, 2)))
     evaluation = rollouter.evaluate(_prompts())
