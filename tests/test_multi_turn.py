@@ -12,7 +12,7 @@ import torch
 from lightning_offpolicy.batch import PromptBatch
 from lightning_offpolicy.correction import PolicyLossConfig
 from lightning_offpolicy.correction.config import preset
-from lightning_offpolicy.data.chat import ChatRenderer
+from lightning_offpolicy.data.chat import ChatRenderer, renderer_for
 from lightning_offpolicy.data.environments import StepResult
 from lightning_offpolicy.data.rewards import environment_reward
 from lightning_offpolicy.data.tokenizers import CharTokenizer, HFTokenizer
@@ -320,3 +320,21 @@ def test_dynamic_sampling_keeps_the_groups_of_informative_episodes(model_and_tok
     assert stats["groups_short"] == 0 and len(by_group) == 2, (stats, by_group)
     assert all(len(values) > 1 for values in by_group.values()), by_group
     assert stats["groups_dropped"] + stats["refill_batches"] > 0 and "turns_per_episode" in stats
+
+
+def test_rendering_errors_name_what_to_do(model_and_tokenizer):
+    _, raw = model_and_tokenizer
+    with pytest.raises(ValueError, match="Tools are shown to the model by its tokenizer's chat template"):
+        renderer_for(CharTokenizer(), [environment_reward])
+    # A template that renders the number of messages first is not prefix-preserving.
+    counting = "{{ messages | length }}" + CHATML_TEMPLATE
+    raw_counting = train_bpe_tokenizer(TEXTS, vocab_size=300, chat_template=counting)
+    with pytest.raises(ValueError, match="not prefix-preserving"):
+        ChatRenderer(raw_counting).observation_ids([{"role": "user", "content": "Again."}], "<|im_end|>")
+    with pytest.raises(KeyError, match="did not run in an environment"):
+        environment_reward(["p"], ["c"], [{}])
+    # Without a template, an environment's messages follow as plain text (a space for the character tokenizer).
+    plain = renderer_for(CharTokenizer())
+    assert plain.observation_ids([{"role": "user", "content": "again"}], "") == CharTokenizer().encode(
+        " again ", add_bos=False
+    )
