@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import os
 import random
+import re
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any, Literal
@@ -54,6 +55,7 @@ CHATML_TEMPLATE: str = (
 )
 
 Architecture = Literal["qwen2", "llama"]
+PreTokenizer = Literal["byte_level", "qwen2"]
 
 
 def train_bpe_tokenizer(
@@ -61,12 +63,16 @@ def train_bpe_tokenizer(
     vocab_size: int = 512,
     min_frequency: int = 2,
     chat_template: str | None = CHATML_TEMPLATE,
+    added_tokens: Sequence[str] = (),
+    pre_tokenizer: PreTokenizer = "byte_level",
 ):
     """Train a byte-level BPE tokenizer on ``texts`` and wrap it as a ``PreTrainedTokenizerFast``.
 
     Byte level: every byte has a token (the 256-symbol alphabet is always in the vocabulary), so any
     text encodes, including text the training corpus never showed. The tokenizer's own rule adds no
-    special token (``tokenizer(text)`` gives the text's ids only), as Qwen2's does.
+    special token (``tokenizer(text)`` gives the text's ids only), as Qwen2's does. The special and
+    added tokens are cut out of the corpus before training: they are never split when encoding, so
+    merges learnt inside them would be wasted.
 
     Args:
         texts: the corpus (e.g. your prompts and answers).
@@ -74,24 +80,55 @@ def train_bpe_tokenizer(
             as far as the corpus has pairs occurring ``min_frequency`` times).
         min_frequency: least count of a pair for it to become a merge.
         chat_template: Jinja chat template stored with the tokenizer (``None``: none).
+        added_tokens: extra tokens that always encode as one id and are not special (decoding with
+            ``skip_special_tokens=True`` keeps them), as Qwen2.5's ``<tool_call>``; they take ids after the
+            trained vocabulary and count towards ``vocab_size``.
+        pre_tokenizer: how text is cut into words before BPE: ``"byte_level"`` (GPT-2's rule: digits in
+            runs), or ``"qwen2"``: Qwen2's rule and NFC normalisation, one token per digit, exactly what
+            ``AutoTokenizer`` rebuilds when it loads a ``qwen2`` checkpoint (transformers' ``Qwen2Tokenizer``
+            replaces a saved pre-tokenizer with its own), so the loaded tokenizer encodes as the trained one.
     """
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
-    minimum = 256 + len(SPECIAL_TOKENS)
+    added = list(dict.fromkeys(added_tokens))
+    bad = [t for t in added if not isinstance(t, str) or not t or t in SPECIAL_TOKENS]
+    if bad:
+        raise ValueError(
+            f"train_bpe_tokenizer: added_tokens={list(added_tokens)!r}: {bad!r} are empty, not strings, or "
+            f"already special tokens ({', '.join(SPECIAL_TOKENS)}); give other non-empty strings."
+        )
+    minimum = 256 + len(SPECIAL_TOKENS) + len(added)
     if not is_int(vocab_size) or vocab_size < minimum:
         raise ValueError(
             f"train_bpe_tokenizer: vocab_size={vocab_size!r} must be an int >= {minimum} "
-            f"(256 bytes + {len(SPECIAL_TOKENS)} special tokens)."
+            f"(256 bytes + {len(SPECIAL_TOKENS)} special tokens + {len(added)} added tokens)."
         )
-    corpus = [t for t in texts if isinstance(t, str) and t]
-    if not corpus:
+    whole = re.compile("|".join(re.escape(t) for t in sorted((*SPECIAL_TOKENS, *added), key=len, reverse=True)))
+    corpus = [whole.sub("\n", t) for t in texts if isinstance(t, str) and t]
+    if not any(corpus):
         raise ValueError("train_bpe_tokenizer: `texts` holds no non-empty string to train on.")
     core = Tokenizer(models.BPE())
-    core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    if pre_tokenizer == "qwen2":
+        from tokenizers import Regex, normalizers
+        from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX
+
+        core.normalizer = normalizers.NFC()
+        core.pre_tokenizer = pre_tokenizers.Sequence(
+            [
+                pre_tokenizers.Split(Regex(PRETOKENIZE_REGEX), behavior="isolated", invert=False),
+                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+            ]
+        )
+    elif pre_tokenizer == "byte_level":
+        core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    else:
+        raise ValueError(
+            f"train_bpe_tokenizer: pre_tokenizer={pre_tokenizer!r} is not known; allowed: 'byte_level', 'qwen2'."
+        )
     core.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size,
+        vocab_size=vocab_size - len(added),
         min_frequency=min_frequency,
         special_tokens=list(SPECIAL_TOKENS),  # ids 0, 1, 2
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
@@ -100,6 +137,8 @@ def train_bpe_tokenizer(
     core.train_from_iterator(corpus, trainer=trainer)
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=core, eos_token=_IM_END, pad_token=_PAD)
     tokenizer.add_special_tokens({"additional_special_tokens": [_IM_START]})
+    if added:
+        tokenizer.add_tokens([AddedToken(t, special=False, normalized=False) for t in added])
     if chat_template is not None:
         tokenizer.chat_template = chat_template
     return tokenizer

@@ -1,0 +1,281 @@
+"""A tiny real-format checkpoint that calls a calculator tool, warmed up by SFT on the call format.
+
+A Qwen2 model built from a config, a byte-level BPE tokenizer trained on the task's conversations,
+and Qwen2.5-Instruct's chat template with its tool branch (shipped byte for byte as
+``templates/qwen2_5.jinja``, so TRL recognises it too). ``<tool_call>``, ``</tool_call>``,
+``<tool_response>`` and ``</tool_response>`` are single tokens, not special, as in Qwen2.5. The
+warm-up trains on solved episodes of :class:`~lightning_offpolicy.data.tasks.tool_use.MultiplyToolTask`
+(question, tool call, tool result, final answer), loss on the assistant's turns only
+(:func:`~lightning_offpolicy.demo.chat_sft.sft_on_conversations`); it stops short of perfect copying, which
+leaves RL something to raise. Settings and the success rates they reach: docs/multi_turn.md.
+
+    >>> from lightning_offpolicy.demo.tool_use import prepare_tool_use_checkpoint
+    >>> path = prepare_tool_use_checkpoint()          # doctest: +SKIP
+    >>> # then in YAML:  model: {init_args: {model: <path>}},  rollout.episodes.tools: [...tool_use.multiply]
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from lightning_offpolicy.argcheck import is_int
+from lightning_offpolicy.data.tasks.tool_use import MultiplyToolTask
+from lightning_offpolicy.demo.chat_sft import sft_on_conversations
+from lightning_offpolicy.demo.tiny import (
+    MARKER_FILE,
+    _file_lock,
+    _install,
+    _is_complete,
+    _save_model,
+    _torch_threads,
+    default_cache_dir,
+)
+from lightning_offpolicy.demo.tiny_bpe import SPECIAL_TOKENS, tiny_config, train_bpe_tokenizer
+from lightning_offpolicy.demo.tool_episodes import play_tool_episodes
+
+__all__ = [
+    "DEFAULT_TOOL_USE_SETTINGS",
+    "TOOL_TOKENS",
+    "build_tool_use_checkpoint",
+    "held_out_prompts",
+    "prepare_tool_use_checkpoint",
+    "qwen2_5_chat_template",
+    "tool_use_success",
+]
+
+#: The tool-calling tokens of Qwen2.5's template; each is one added (not special) token.
+TOOL_TOKENS: tuple[str, ...] = ("<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>")
+_TEMPLATE = Path(__file__).parent / "templates" / "qwen2_5.jinja"
+#: Bump when the recipe changes so stale caches are rebuilt.
+_RECIPE_VERSION = 1
+
+#: The warm-up of :func:`prepare_tool_use_checkpoint`; chosen so greedy success lands well above 0
+#: and well below 1 (the rates it reaches: docs/multi_turn.md).
+DEFAULT_TOOL_USE_SETTINGS: dict[str, Any] = {
+    "sft_steps": 250,
+    "sft_lr": 3e-3,
+    "sft_batch_size": 16,
+    "num_conversations": 1000,
+    "vocab_size": 512,
+    "a_digits": 4,
+    "b_digits": 3,
+}
+# Eight heads of dim 64 (vLLM's CPU attention needs 64) on the tiny decoder's hidden 128: copying a digit is
+# attending to one position at a fixed distance, and the two factors and the product each sit at another
+# distance; with two or four heads the model learns the first and copies the others only much later.
+_MODEL_OVERRIDES: dict[str, Any] = {"num_attention_heads": 8, "num_key_value_heads": 8}
+
+
+def qwen2_5_chat_template() -> str:
+    """Qwen2.5-Instruct's chat template, as shipped in ``templates/qwen2_5.jinja`` (Apache-2.0)."""
+    return _TEMPLATE.read_text(encoding="utf-8")
+
+
+def held_out_prompts(task: MultiplyToolTask, count: int, seed: int = 0) -> list[tuple[str, dict[str, Any]]]:
+    """``count`` prompts of ``task`` from a seed stream no warm-up draws from (``f"held-out:{seed}"``)."""
+    rng = random.Random(f"held-out:{seed}")  # str seeds are hashed with sha512: stable across runs
+    return [task.sample(rng) for _ in range(count)]
+
+
+def tool_use_success(
+    model: torch.nn.Module,
+    tokenizer: Any,
+    task: MultiplyToolTask,
+    num_prompts: int = 200,
+    greedy: bool = True,
+    seed: int = 0,
+) -> float:
+    """Mean reward of episodes played on ``num_prompts`` held-out prompts with the tool executed.
+
+    Args:
+        model: the checkpoint's model.
+        tokenizer: its tokenizer (Qwen2.5 template).
+        task: the task (its prompts, tools and reward).
+        num_prompts: held-out prompts (:func:`held_out_prompts` with ``seed``).
+        greedy: greedy decoding; False samples at temperature 1 (seeded with ``seed``).
+        seed: seed of the prompts and of the sampling.
+
+    Returns:
+        The fraction of episodes whose last turn states the exact product (not truncated).
+    """
+    samples = held_out_prompts(task, num_prompts, seed)
+    episodes = play_tool_episodes(
+        model,
+        tokenizer,
+        [p for p, _ in samples],
+        task.tools,
+        greedy=greedy,
+        max_new_tokens=task.max_new_tokens,
+        seed=seed,
+    )
+    rewards = [
+        task.reward(episode.turns[-1], {**metadata, "truncated": episode.truncated})
+        for episode, (_, metadata) in zip(episodes, samples, strict=True)
+    ]
+    return sum(rewards) / max(len(rewards), 1)
+
+
+def build_tool_use_checkpoint(
+    directory: str | os.PathLike,
+    seed: int = 0,
+    sft_steps: int = DEFAULT_TOOL_USE_SETTINGS["sft_steps"],
+    sft_lr: float = DEFAULT_TOOL_USE_SETTINGS["sft_lr"],
+    sft_batch_size: int = DEFAULT_TOOL_USE_SETTINGS["sft_batch_size"],
+    num_conversations: int = DEFAULT_TOOL_USE_SETTINGS["num_conversations"],
+    vocab_size: int = DEFAULT_TOOL_USE_SETTINGS["vocab_size"],
+    a_digits: int = DEFAULT_TOOL_USE_SETTINGS["a_digits"],
+    b_digits: int = DEFAULT_TOOL_USE_SETTINGS["b_digits"],
+    **config_overrides: Any,
+) -> dict[str, Any]:
+    """Build the tool-use checkpoint into ``directory`` (created if missing; same-named files overwritten).
+
+    Steps: draw ``num_conversations`` solved episodes of ``MultiplyToolTask(a_digits, b_digits)``; train
+    the tokenizer on them rendered with the tool; build a tiny Qwen2 (seeded); warm it up for
+    ``sft_steps``; save model, tokenizer (with the Qwen2.5 template) and a generation config stopping on
+    ``<|im_end|>`` and ``<|endoftext|>``. The global RNG state is left untouched.
+
+    Args:
+        directory: where to save.
+        seed: seed of the conversations, the initial weights and the warm-up batches.
+        sft_steps: warm-up steps (0: random initialisation).
+        sft_lr: warm-up learning rate (AdamW, constant).
+        sft_batch_size: conversations per warm-up step.
+        num_conversations: distinct solved episodes the warm-up draws from.
+        vocab_size: the tokenizer's target vocabulary size.
+        a_digits: digits of the first factor of the task's prompts.
+        b_digits: digits of the second factor.
+        **config_overrides: passed to the model config (e.g. ``num_hidden_layers=4``).
+
+    Returns:
+        ``{"final_loss": ..., "directory": ...}``: the last warm-up loss and the absolute directory.
+    """
+    from transformers import AutoModelForCausalLM
+
+    if not is_int(num_conversations) or num_conversations < 1:
+        raise ValueError(f"build_tool_use_checkpoint: num_conversations={num_conversations!r} must be an int >= 1.")
+    task = MultiplyToolTask(a_digits=a_digits, b_digits=b_digits)
+    rng = random.Random(seed)
+    conversations = [task.reference_conversation(*task.sample(rng)) for _ in range(num_conversations)]
+    template = qwen2_5_chat_template()
+    render = train_bpe_tokenizer(["-"], vocab_size=300, chat_template=template)  # renders only; any vocabulary
+    corpus = [render.apply_chat_template(c, tools=task.tools, tokenize=False) for c in conversations[:256]]
+    tokenizer = train_bpe_tokenizer(
+        corpus, vocab_size=vocab_size, chat_template=template, added_tokens=TOOL_TOKENS, pre_tokenizer="qwen2"
+    )
+    end_of_text, _, end_of_turn = (tokenizer.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS)
+    padded_vocab = -(-len(tokenizer) // 64) * 64
+    overrides = {**_MODEL_OVERRIDES, **config_overrides}
+    config = tiny_config("qwen2", padded_vocab, pad_token_id=end_of_text, eos_token_id=end_of_turn, **overrides)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(config).to(torch.float32)
+    losses = sft_on_conversations(
+        model,
+        tokenizer,
+        conversations,
+        steps=sft_steps,
+        tools=task.tools,
+        batch_size=sft_batch_size,
+        lr=sft_lr,
+        seed=seed,
+    )
+    model.generation_config.eos_token_id = [end_of_turn, end_of_text]
+    model.generation_config.pad_token_id = end_of_text
+    model.generation_config.bos_token_id = None
+    target = Path(directory).expanduser().absolute()
+    target.mkdir(parents=True, exist_ok=True)
+    _save_model(model, target)
+    tokenizer.save_pretrained(target)
+    return {"final_loss": losses[-1] if losses else None, "directory": str(target)}
+
+
+def prepare_tool_use_checkpoint(
+    seed: int = 0,
+    directory: str | os.PathLike | None = None,
+    eval_prompts: int = 200,
+    **settings: Any,
+) -> Path:
+    """:func:`build_tool_use_checkpoint`, cached: reused when its marker file records the same spec.
+
+    Built in a temporary sibling directory and renamed into place under a file lock, as
+    :func:`~lightning_offpolicy.demo.tiny.prepare_tiny_checkpoint` does: concurrent callers share one
+    build and never see a partial one. The marker also records the final warm-up loss, the greedy
+    success on ``eval_prompts`` held-out prompts and the build time.
+
+    Args:
+        seed: seed of the build.
+        directory: where to save; default ``<cache>/tiny-tool-use-seed{seed}`` (``-{hash}`` appended when
+            ``settings`` differ from :data:`DEFAULT_TOOL_USE_SETTINGS`), with ``<cache>`` =
+            ``$LIGHTNING_OFFPOLICY_CACHE`` or ``~/.cache/lightning_offpolicy``.
+        eval_prompts: held-out prompts of the greedy success recorded in the marker (0: not measured).
+        **settings: overrides of :data:`DEFAULT_TOOL_USE_SETTINGS` (the keys of :func:`build_tool_use_checkpoint`).
+
+    Returns:
+        The absolute checkpoint directory (``AutoModelForCausalLM`` / ``AutoTokenizer.from_pretrained`` load it).
+
+    Raises:
+        ValueError: A setting is not one of :data:`DEFAULT_TOOL_USE_SETTINGS`, or ``seed`` is not an int.
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    unknown = sorted(set(settings) - set(DEFAULT_TOOL_USE_SETTINGS))
+    if unknown:
+        raise ValueError(
+            f"prepare_tool_use_checkpoint: unknown settings {unknown}; allowed: {', '.join(DEFAULT_TOOL_USE_SETTINGS)}."
+        )
+    if not is_int(seed):
+        raise ValueError(f"prepare_tool_use_checkpoint: `seed` must be an int, got {seed!r}.")
+    chosen = {**DEFAULT_TOOL_USE_SETTINGS, **settings}
+    spec = {"recipe": _RECIPE_VERSION, "seed": seed, **chosen}
+    if directory is None:
+        name = f"tiny-tool-use-seed{seed}"
+        if chosen != DEFAULT_TOOL_USE_SETTINGS:
+            import hashlib
+
+            name += "-" + hashlib.sha256(json.dumps(chosen, sort_keys=True).encode()).hexdigest()[:10]
+        target = default_cache_dir() / name
+    else:
+        target = Path(directory).expanduser()
+    target = target.absolute()
+    if _is_complete(target, spec):
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with _file_lock(target.parent / f".{target.name}.lock") as locked:
+        if _is_complete(target, spec):  # built by another process while we waited
+            return target
+        if locked:  # nobody else is building: temp dirs left by killed builds can go
+            for stale in target.parent.glob(f".{target.name}.tmp-*"):
+                shutil.rmtree(stale, ignore_errors=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
+        tmp.chmod(0o755)  # mkdtemp makes it 0700; the cache may be shared
+        try:
+            start = time.perf_counter()
+            with _torch_threads(1):
+                built = build_tool_use_checkpoint(tmp, seed=seed, **chosen)
+                success = None
+                if eval_prompts:
+                    model = AutoModelForCausalLM.from_pretrained(tmp)
+                    tokenizer = AutoTokenizer.from_pretrained(tmp)
+                    task = MultiplyToolTask(a_digits=chosen["a_digits"], b_digits=chosen["b_digits"])
+                    success = tool_use_success(model, tokenizer, task, num_prompts=eval_prompts, greedy=True)
+            marker = {
+                "spec": spec,
+                "final_loss": built["final_loss"],
+                "greedy_success": success,
+                "build_seconds": round(time.perf_counter() - start, 2),
+            }
+            (tmp / MARKER_FILE).write_text(json.dumps(marker, indent=2) + "\n", encoding="utf-8")  # last
+            _install(tmp, target, spec)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+    return target
