@@ -16,7 +16,9 @@ from lightning_offpolicy.demo.tool_episodes import parse_tool_calls, play_tool_e
 from lightning_offpolicy.demo.tool_use import TOOL_TOKENS, qwen2_5_chat_template
 
 META = {"a": 48213, "b": 7261, "answer": 350074593}  # 48213 * 7261 by hand: 337,491,000 + 12,583,593
-GREEDY_FLOOR, GREEDY_CEILING = 0.05, 0.95  # measured: see the build test
+# Bounds on the default build's greedy success over 200 held-out prompts: what was measured when the recipe
+# was set lies well inside them, the margin is for other CPUs' rounding; above the ceiling RL has nothing to raise.
+GREEDY_FLOOR, GREEDY_CEILING = 0.5, 0.97
 CALL = '<tool_call>\n{"name": "multiply", "arguments": {"a": 48213, "b": 7261}}\n</tool_call>'
 
 
@@ -179,6 +181,10 @@ def test_sft_teaches_the_episode_and_the_loop_runs_the_tool(tokenizer):
 
 
 @pytest.mark.slow
+@pytest.mark.long(
+    "builds the default tool-use checkpoint, whose warm-up learns to copy digits only after hundreds of steps, "
+    "and plays its greedy episodes with the tool executed"
+)
 def test_built_checkpoint_loads_and_uses_the_tool(tmp_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
@@ -220,3 +226,20 @@ def test_the_template_ships_as_package_data():
     assert "templates/qwen2_5.jinja" in shipped
     for path in shipped:
         assert any(fnmatch.fnmatch(path, glob) for glob in declared["lightning_offpolicy.demo"]), path
+
+
+def test_bad_arguments_name_the_setting(tokenizer, tmp_path):
+    from lightning_offpolicy.demo.tool_use import prepare_tool_use_checkpoint
+
+    model = torch.nn.Linear(1, 1)
+    user_only = [[{"role": "user", "content": "What is 1 * 2?"}]]
+    with pytest.raises(ValueError, match="lr_schedule='linear'"):
+        sft_on_conversations(model, tokenizer, user_only, steps=1, lr_schedule="linear")
+    with pytest.raises(ValueError, match="conversation 0 has no assistant turn"):
+        sft_on_conversations(model, tokenizer, user_only, steps=1)
+    with pytest.raises(ValueError, match="unknown settings \\['sft_step'\\]"):
+        prepare_tool_use_checkpoint(directory=tmp_path, sft_step=3)
+    with pytest.raises(ValueError, match="pre_tokenizer='gpt2' is not known"):
+        train_bpe_tokenizer(["a b"], vocab_size=300, pre_tokenizer="gpt2")
+    with pytest.raises(ValueError, match="already special tokens"):
+        train_bpe_tokenizer(["a b"], vocab_size=300, added_tokens=["<|im_end|>"])

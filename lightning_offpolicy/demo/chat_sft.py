@@ -15,9 +15,10 @@ after ``<|im_end|>``) carries none, as in RL, where those tokens are the environ
 
 from __future__ import annotations
 
+import math
 import random
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, Literal
 
 import torch
 import torch.nn.functional as F
@@ -149,6 +150,7 @@ def sft_on_conversations(
     batch_size: int = 16,
     lr: float = 1e-3,
     seed: int = 0,
+    lr_schedule: Literal["constant", "cosine"] = "constant",
 ) -> list[float]:
     """Supervised warm-up on whole conversations, loss on the assistant's tokens only (:func:`conversation_ids`).
 
@@ -159,8 +161,9 @@ def sft_on_conversations(
         steps: optimizer steps (0: none).
         tools: tool functions rendered into each conversation's system turn.
         batch_size: conversations per step, drawn with replacement (seeded).
-        lr: AdamW learning rate, constant, no weight decay.
+        lr: AdamW learning rate (no weight decay).
         seed: seed of the batch draws.
+        lr_schedule: ``"constant"``, or ``"cosine"``: from ``lr`` down to 0 over ``steps`` (half a cosine).
 
     Returns:
         The loss of every step.
@@ -173,6 +176,8 @@ def sft_on_conversations(
         raise ValueError(f"sft_on_conversations: steps={steps!r} must be an int >= 0.")
     if not is_int(batch_size) or batch_size < 1:
         raise ValueError(f"sft_on_conversations: batch_size={batch_size!r} must be an int >= 1.")
+    if lr_schedule not in ("constant", "cosine"):
+        raise ValueError(f"sft_on_conversations: lr_schedule={lr_schedule!r}; allowed: 'constant', 'cosine'.")
     if steps and not conversations:
         raise ValueError("sft_on_conversations: `conversations` is empty; give solved episodes to train on.")
     encoded = [conversation_ids(tokenizer, messages, tools) for messages in conversations]
@@ -183,8 +188,11 @@ def sft_on_conversations(
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
     model.train()
-    losses = [
-        masked_sft_step(model, optimizer, [rng.choice(encoded) for _ in range(batch_size)], pad) for _ in range(steps)
-    ]
+    losses = []
+    for step in range(steps):
+        if lr_schedule == "cosine":
+            for group in optimizer.param_groups:
+                group["lr"] = lr * 0.5 * (1.0 + math.cos(math.pi * step / steps))
+        losses.append(masked_sft_step(model, optimizer, [rng.choice(encoded) for _ in range(batch_size)], pad))
     model.eval()
     return losses

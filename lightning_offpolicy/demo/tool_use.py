@@ -1,7 +1,8 @@
 """A tiny real-format checkpoint that calls a calculator tool, warmed up by SFT on the call format.
 
-A Qwen2 model built from a config, a byte-level BPE tokenizer trained on the task's conversations,
-and Qwen2.5-Instruct's chat template with its tool branch (shipped byte for byte as
+A Qwen2 model built from a config, a byte-level BPE tokenizer trained on the task's conversations
+(with Qwen2's pre-tokenizer, one token per digit, which ``AutoTokenizer`` rebuilds identically on
+load), and Qwen2.5-Instruct's chat template with its tool branch (shipped byte for byte as
 ``templates/qwen2_5.jinja``, so TRL recognises it too). ``<tool_call>``, ``</tool_call>``,
 ``<tool_response>`` and ``</tool_response>`` are single tokens, not special, as in Qwen2.5. The
 warm-up trains on solved episodes of :class:`~lightning_offpolicy.data.tasks.tool_use.MultiplyToolTask`
@@ -61,8 +62,9 @@ _RECIPE_VERSION = 1
 #: The warm-up of :func:`prepare_tool_use_checkpoint`; chosen so greedy success lands well above 0
 #: and well below 1 (the rates it reaches: docs/multi_turn.md).
 DEFAULT_TOOL_USE_SETTINGS: dict[str, Any] = {
-    "sft_steps": 250,
+    "sft_steps": 550,
     "sft_lr": 3e-3,
+    "sft_lr_schedule": "constant",
     "sft_batch_size": 16,
     "num_conversations": 1000,
     "vocab_size": 512,
@@ -129,6 +131,7 @@ def build_tool_use_checkpoint(
     seed: int = 0,
     sft_steps: int = DEFAULT_TOOL_USE_SETTINGS["sft_steps"],
     sft_lr: float = DEFAULT_TOOL_USE_SETTINGS["sft_lr"],
+    sft_lr_schedule: str = DEFAULT_TOOL_USE_SETTINGS["sft_lr_schedule"],
     sft_batch_size: int = DEFAULT_TOOL_USE_SETTINGS["sft_batch_size"],
     num_conversations: int = DEFAULT_TOOL_USE_SETTINGS["num_conversations"],
     vocab_size: int = DEFAULT_TOOL_USE_SETTINGS["vocab_size"],
@@ -147,7 +150,9 @@ def build_tool_use_checkpoint(
         directory: where to save.
         seed: seed of the conversations, the initial weights and the warm-up batches.
         sft_steps: warm-up steps (0: random initialisation).
-        sft_lr: warm-up learning rate (AdamW, constant).
+        sft_lr: warm-up learning rate (AdamW).
+        sft_lr_schedule: ``"constant"`` or ``"cosine"`` (as in
+            :func:`~lightning_offpolicy.demo.chat_sft.sft_on_conversations`).
         sft_batch_size: conversations per warm-up step.
         num_conversations: distinct solved episodes the warm-up draws from.
         vocab_size: the tokenizer's target vocabulary size.
@@ -187,6 +192,7 @@ def build_tool_use_checkpoint(
         batch_size=sft_batch_size,
         lr=sft_lr,
         seed=seed,
+        lr_schedule=sft_lr_schedule,
     )
     model.generation_config.eos_token_id = [end_of_turn, end_of_text]
     model.generation_config.pad_token_id = end_of_text

@@ -1,6 +1,6 @@
 """A tool-use task: multiply numbers too large for a tiny model to multiply, with a calculator tool.
 
-The prompt asks for a product (``"What is 48213 * 7261?"``). A model cannot compute it itself, but
+The prompt asks for a product (``"What is 4821 * 726?"``). A model cannot compute it itself, but
 it can call :func:`multiply` (the call's arguments are digits copied from the question), read the
 tool's result and state it in its final answer. The task is solved only through the tool, so the
 success rate measures whether the model uses the tool well. How an episode runs: docs/multi_turn.md.
@@ -74,7 +74,7 @@ class MultiplyToolTask(Task):
 
     name = "multiply"
 
-    def __init__(self, a_digits: int = 5, b_digits: int = 4, max_new_tokens: int = 48) -> None:
+    def __init__(self, a_digits: int = 4, b_digits: int = 3, max_new_tokens: int = 48) -> None:
         for setting, value in (("a_digits", a_digits), ("b_digits", b_digits), ("max_new_tokens", max_new_tokens)):
             if not is_int(value) or value < 1:
                 raise ValueError(f"MultiplyToolTask: `{setting}` must be an int >= 1, got {value!r}.")
