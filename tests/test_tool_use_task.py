@@ -18,7 +18,7 @@ from lightning_offpolicy.demo.tool_use import TOOL_TOKENS, qwen2_5_chat_template
 META = {"a": 48213, "b": 7261, "answer": 350074593}  # 48213 * 7261 by hand: 337,491,000 + 12,583,593
 # Bounds on the default build's greedy success over 200 held-out prompts: what was measured when the recipe
 # was set lies well inside them, the margin is for other CPUs' rounding; above the ceiling RL has nothing to raise.
-GREEDY_FLOOR, GREEDY_CEILING = 0.5, 0.97
+GREEDY_FLOOR, GREEDY_CEILING = 0.2, 0.9
 CALL = '<tool_call>\n{"name": "multiply", "arguments": {"a": 48213, "b": 7261}}\n</tool_call>'
 
 
@@ -243,3 +243,35 @@ def test_bad_arguments_name_the_setting(tokenizer, tmp_path):
         train_bpe_tokenizer(["a b"], vocab_size=300, pre_tokenizer="gpt2")
     with pytest.raises(ValueError, match="already special tokens"):
         train_bpe_tokenizer(["a b"], vocab_size=300, added_tokens=["<|im_end|>"])
+
+
+def test_build_is_deterministic(tmp_path):
+    """Two builds with one seed write the same tokenizer and the same weights, byte for byte."""
+    from lightning_offpolicy.demo.tool_use import build_tool_use_checkpoint
+
+    settings = dict(seed=3, sft_steps=3, num_conversations=40, vocab_size=400)
+    first = build_tool_use_checkpoint(tmp_path / "one", **settings)
+    second = build_tool_use_checkpoint(tmp_path / "two", **settings)
+    assert first["final_loss"] == second["final_loss"]
+    for name in ("tokenizer.json", "model.safetensors", "config.json", "generation_config.json"):
+        assert (tmp_path / "one" / name).read_bytes() == (tmp_path / "two" / name).read_bytes(), name
+    other = build_tool_use_checkpoint(tmp_path / "three", **{**settings, "seed": 4})
+    assert (tmp_path / "three" / "model.safetensors").read_bytes() != (
+        tmp_path / "one" / "model.safetensors"
+    ).read_bytes()
+    assert other["final_loss"] != first["final_loss"]
+
+
+def test_warm_up_data_has_as_many_short_products_as_long_ones():
+    """Plain samples hold far fewer 6-digit products than 7-digit ones; the warm-up data holds as many of each."""
+    from collections import Counter
+
+    from lightning_offpolicy.demo.tool_use import _balanced_samples
+
+    task = MultiplyToolTask()
+    rng = random.Random(0)
+    plain = Counter(len(str(task.sample(rng)[1]["answer"])) for _ in range(1000))
+    assert plain[6] < plain[7] / 2 and set(plain) == {6, 7}
+    samples = _balanced_samples(task, 200, seed=0)
+    assert Counter(len(str(m["answer"])) for _, m in samples) == {6: 100, 7: 100}
+    assert samples == _balanced_samples(task, 200, seed=0) and all(m["answer"] == m["a"] * m["b"] for _, m in samples)

@@ -60,7 +60,8 @@ _TEMPLATE = Path(__file__).parent / "templates" / "qwen2_5.jinja"
 _RECIPE_VERSION = 1
 
 #: The warm-up of :func:`prepare_tool_use_checkpoint`; chosen so greedy success lands well above 0
-#: and well below 1 (the rates it reaches: docs/multi_turn.md).
+#: and well below 1, with the errors left (a digit of the product skipped or repeated) ones that sampled
+#: episodes sometimes avoid, so RL has a signal to learn from (the rates it reaches: docs/multi_turn.md).
 DEFAULT_TOOL_USE_SETTINGS: dict[str, Any] = {
     "sft_steps": 550,
     "sft_lr": 3e-3,
@@ -126,6 +127,28 @@ def tool_use_success(
     return sum(rewards) / max(len(rewards), 1)
 
 
+def _balanced_samples(task: MultiplyToolTask, count: int, seed: int) -> list[tuple[str, dict[str, Any]]]:
+    """``count`` samples of ``task``, as many of each product length (in digits) as the lengths allow.
+
+    A product of an ``a``-digit and a ``b``-digit number has ``a + b - 1`` or ``a + b`` digits, the shorter
+    far less often; a warm-up on plain samples copies the longer products and never the shorter ones, a
+    failure no sampled episode escapes, so RL could not raise it.
+    """
+    rng = random.Random(seed)
+    by_length: dict[int, list[tuple[str, dict[str, Any]]]] = {}
+    lengths = (task.a_digits + task.b_digits - 1, task.a_digits + task.b_digits)
+    samples: list[tuple[str, dict[str, Any]]] = []
+    while len(samples) < count:
+        prompt, metadata = task.sample(rng)
+        length = len(str(metadata["answer"]))
+        bucket = by_length.setdefault(length, [])
+        # Keep a sample of a length only while that length is not ahead of the others.
+        if length not in lengths or len(bucket) <= min(len(by_length.get(n, [])) for n in lengths):
+            bucket.append((prompt, metadata))
+            samples.append((prompt, metadata))
+    return samples
+
+
 def build_tool_use_checkpoint(
     directory: str | os.PathLike,
     seed: int = 0,
@@ -141,7 +164,8 @@ def build_tool_use_checkpoint(
 ) -> dict[str, Any]:
     """Build the tool-use checkpoint into ``directory`` (created if missing; same-named files overwritten).
 
-    Steps: draw ``num_conversations`` solved episodes of ``MultiplyToolTask(a_digits, b_digits)``; train
+    Steps: draw ``num_conversations`` solved episodes of ``MultiplyToolTask(a_digits, b_digits)``, as many
+    with each product length (:func:`_balanced_samples`); train
     the tokenizer on them rendered with the tool; build a tiny Qwen2 (seeded); warm it up for
     ``sft_steps``; save model, tokenizer (with the Qwen2.5 template) and a generation config stopping on
     ``<|im_end|>`` and ``<|endoftext|>``. The global RNG state is left untouched.
@@ -168,8 +192,7 @@ def build_tool_use_checkpoint(
     if not is_int(num_conversations) or num_conversations < 1:
         raise ValueError(f"build_tool_use_checkpoint: num_conversations={num_conversations!r} must be an int >= 1.")
     task = MultiplyToolTask(a_digits=a_digits, b_digits=b_digits)
-    rng = random.Random(seed)
-    conversations = [task.reference_conversation(*task.sample(rng)) for _ in range(num_conversations)]
+    conversations = [task.reference_conversation(p, m) for p, m in _balanced_samples(task, num_conversations, seed)]
     template = qwen2_5_chat_template()
     render = train_bpe_tokenizer(["-"], vocab_size=300, chat_template=template)  # renders only; any vocabulary
     corpus = [render.apply_chat_template(c, tools=task.tools, tokenize=False) for c in conversations[:256]]
