@@ -22,10 +22,10 @@ from lightning_offpolicy.data.tokenizers import CharTokenizer
 
 
 def test_registry_and_errors():
-    assert {"reverse", "addition", "copy", "guess_number"} <= set(TASKS)
+    assert {"reverse", "addition", "copy", "guess_number", "multiply"} <= set(TASKS)
     assert isinstance(get_task("reverse"), ReverseTask)
     assert get_task("reverse", letters="ab", min_len=2, max_len=2).letters == "ab"
-    with pytest.raises(ValueError, match="addition, copy, guess_number, reverse"):
+    with pytest.raises(ValueError, match="addition, copy, guess_number, multiply, reverse"):
         get_task("nope")
     with pytest.raises(ValueError, match="min_len"):
         ReverseTask(min_len=4, max_len=3)

@@ -209,6 +209,30 @@ def test_built_checkpoint_loads_and_uses_the_tool(tmp_path):
     marker = json.loads((directory / MARKER_FILE).read_text())
     assert marker["greedy_success"] == pytest.approx(greedy)
     assert GREEDY_FLOOR <= greedy <= GREEDY_CEILING
+    # The kit's episode runner (HFEngine, the tool run by the Tools environment, product_reward) plays the
+    # same greedy episodes as the demo's loop.
+    from lightning_offpolicy.batch import PromptBatch
+    from lightning_offpolicy.data.tokenizers import HFTokenizer
+    from lightning_offpolicy.demo.tool_use import held_out_prompts
+    from lightning_offpolicy.rollout import HFEngine, SamplingConfig
+    from lightning_offpolicy.rollout.multi_turn import EpisodeSettings
+    from lightning_offpolicy.rollout.rollouter import Rollouter
+
+    samples = held_out_prompts(task, 40)
+    episodes = play_tool_episodes(model, tokenizer, [p for p, _ in samples], task.tools)
+    expected = [
+        task.reward(e.turns[-1], {**m, "truncated": e.truncated}) for e, (_, m) in zip(episodes, samples, strict=True)
+    ]
+    engine = HFEngine(
+        dtype="float32", pad_token_id=end_of_text, eos_token_id=im_end, stop_token_ids=[im_end, end_of_text]
+    )
+    engine.update_weights(model, 0)
+    sampling = SamplingConfig(max_new_tokens=task.max_new_tokens, samples_per_prompt=1)
+    settings = EpisodeSettings(tools=task.tools, max_turns=3, max_episode_tokens=3 * task.max_new_tokens + 64)
+    rollouter = Rollouter(engine, HFTokenizer(directory), product_reward, sampling, episodes=settings)
+    evaluation = rollouter.evaluate(PromptBatch(prompts=[p for p, _ in samples], metadata=[m for _, m in samples]))
+    assert [float(r) for r in evaluation.greedy_rewards] == expected
+    assert 0 < sum(expected) < len(expected)
 
 
 def test_the_template_ships_as_package_data():
@@ -275,3 +299,14 @@ def test_warm_up_data_has_as_many_short_products_as_long_ones():
     samples = _balanced_samples(task, 200, seed=0)
     assert Counter(len(str(m["answer"])) for _, m in samples) == {6: 100, 7: 100}
     assert samples == _balanced_samples(task, 200, seed=0) and all(m["answer"] == m["a"] * m["b"] for _, m in samples)
+
+
+def test_the_task_is_registered_for_the_prompt_datamodule():
+    from lightning_offpolicy.data.tasks import TASKS, PromptDataModule
+
+    assert TASKS["multiply"] is MultiplyToolTask
+    data = PromptDataModule(task="multiply", prompts_per_step=4, num_train_prompts=16, num_val_prompts=4)
+    prompt, meta = data.train_dataset[0]
+    assert prompt == f"What is {meta['a']} * {meta['b']}?" and 1000 <= meta["a"] <= 9999 and 100 <= meta["b"] <= 999
+    assert data.reward_fn([prompt], [f"The answer is {meta['a'] * meta['b']}."], [meta]) == [1.0]
+    assert data.reward_fn([prompt], [f"The answer is {meta['a'] * meta['b']}."], [{**meta, "truncated": True}]) == [0.0]

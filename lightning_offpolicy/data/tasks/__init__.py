@@ -11,12 +11,14 @@ from lightning_offpolicy.data.tasks.builtin import AdditionTask, CopyTask, Rever
 from lightning_offpolicy.data.tasks.datamodule import PromptDataModule, PromptDataset, collate_prompts
 from lightning_offpolicy.data.tasks.guess_number import GuessNumberTask
 from lightning_offpolicy.data.tasks.registry import TASKS, get_task
+from lightning_offpolicy.data.tasks.tool_use import MultiplyToolTask
 
 __all__ = [
     "TASKS",
     "AdditionTask",
     "CopyTask",
     "GuessNumberTask",
+    "MultiplyToolTask",
     "PromptDataModule",
     "PromptDataset",
     "ReverseTask",

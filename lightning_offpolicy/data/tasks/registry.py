@@ -7,6 +7,7 @@ from typing import Any
 from lightning_offpolicy.data.tasks.base import Task
 from lightning_offpolicy.data.tasks.builtin import AdditionTask, CopyTask, ReverseTask
 from lightning_offpolicy.data.tasks.guess_number import GuessNumberTask
+from lightning_offpolicy.data.tasks.tool_use import MultiplyToolTask
 
 __all__ = ["TASKS", "get_task"]
 
@@ -16,6 +17,7 @@ TASKS: dict[str, type[Task]] = {
     AdditionTask.name: AdditionTask,
     CopyTask.name: CopyTask,
     GuessNumberTask.name: GuessNumberTask,
+    MultiplyToolTask.name: MultiplyToolTask,
 }
 
 
