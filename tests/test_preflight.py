@@ -249,7 +249,7 @@ def test_cli_shows_the_unknown_task_message_itself():
     with pytest.raises(ValueError) as info:
         parse("--config", str(ROOT / "configs" / "quickstart.yaml"), "--data.init_args.task=foo")
     message = str(info.value)
-    available = "addition, copy, guess_number, reverse"
+    available = "addition, copy, guess_number, multiply, reverse"
     assert message.startswith(f"PromptDataModule: unknown `task` 'foo'; available: {available}")
     assert "Union subtypes" not in message
 
