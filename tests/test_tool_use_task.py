@@ -12,7 +12,6 @@ import torch.nn.functional as F
 from lightning_offpolicy.data.tasks.tool_use import MultiplyToolTask, multiply, product_reward, stated_integers
 from lightning_offpolicy.demo.chat_sft import conversation_ids, masked_sft_step, sft_on_conversations
 from lightning_offpolicy.demo.tiny_bpe import tiny_config, train_bpe_tokenizer
-from lightning_offpolicy.demo.tool_episodes import parse_tool_calls, play_tool_episodes, tool_message
 from lightning_offpolicy.demo.tool_use import TOOL_TOKENS, qwen2_5_chat_template
 
 META = {"a": 48213, "b": 7261, "answer": 350074593}  # 48213 * 7261 by hand: 337,491,000 + 12,583,593
@@ -147,20 +146,6 @@ def test_masked_sft_step_matches_whole_rows(tokenizer):
         torch.testing.assert_close(p.grad, expected[name], rtol=1e-6, atol=1e-8, msg=name)
 
 
-def test_tool_messages_and_parsing():
-    assert parse_tool_calls(CALL) == [{"name": "multiply", "arguments": {"a": 48213, "b": 7261}}]
-    assert parse_tool_calls("<tool_call>{not json</tool_call>") == [None]
-    assert tool_message(parse_tool_calls(CALL)[0], [multiply]) == (
-        {"role": "tool", "name": "multiply", "content": "350074593"},
-        False,
-    )
-    assert tool_message(None, [multiply])[1] is True
-    message, failed = tool_message({"name": "divide", "arguments": {}}, [multiply])
-    assert failed and "unknown tool 'divide'" in message["content"]
-    message, failed = tool_message({"name": "multiply", "arguments": {"a": 1}}, [multiply])
-    assert failed and message["content"].startswith("Error: TypeError")
-
-
 def test_sft_teaches_the_episode_and_the_loop_runs_the_tool(tokenizer):
     """A short warm-up on one conversation: the greedy episode calls the tool, reads its result, answers."""
     from transformers import AutoModelForCausalLM
@@ -171,13 +156,30 @@ def test_sft_teaches_the_episode_and_the_loop_runs_the_tool(tokenizer):
     model = AutoModelForCausalLM.from_config(tiny_config("qwen2", 448, pad_token_id=0, eos_token_id=2))
     losses = sft_on_conversations(model, tokenizer, [messages], steps=100, tools=[multiply], batch_size=1, lr=3e-3)
     assert losses[-1] < 0.05 * losses[0] and not model.training
-    (episode,) = play_tool_episodes(model, tokenizer, ["What is 48213 * 7261?"], [multiply], max_new_tokens=40)
-    assert episode.turns == [CALL, "The answer is 350074593."]
+    episode = _greedy_episode(model, tokenizer, max_turns=3)
+    replies = [tokenizer.decode(t.completion.token_ids, skip_special_tokens=True) for t in episode.turns]
+    assert replies == [CALL, "The answer is 350074593."]
     assert (episode.tool_calls, episode.tool_errors, episode.truncated) == (1, 0, False)
-    assert task.reward(episode.turns[-1], {**META, "truncated": episode.truncated}) == 1.0
+    assert task.reward(replies[-1], {**META, "truncated": episode.truncated}) == 1.0
+    # The tool's result is in the context as the template renders it, not trained.
+    result = tokenizer.decode(episode.turns[0].observation_ids)
+    assert "<tool_response>\n350074593\n</tool_response>" in result
     # The same model with one turn allowed ends truncated, still calling the tool.
-    (cut,) = play_tool_episodes(model, tokenizer, ["What is 48213 * 7261?"], [multiply], max_turns=1)
-    assert cut.truncated and cut.turns == [CALL]
+    cut = _greedy_episode(model, tokenizer, max_turns=1)
+    assert cut.truncated and len(cut.turns) == 1
+
+
+def _greedy_episode(model, tokenizer, max_turns: int):
+    from lightning_offpolicy.rollout import HFEngine, SamplingConfig
+    from lightning_offpolicy.rollout.multi_turn import EpisodeRunner, EpisodeSettings
+
+    engine = HFEngine(dtype="float32", pad_token_id=0, eos_token_id=tokenizer.convert_tokens_to_ids("<|im_end|>"))
+    engine.update_weights(model, 0)
+    runner = EpisodeRunner(EpisodeSettings(tools=[multiply], max_turns=max_turns), tokenizer, engine.stop_ids)
+    prompts = ["What is 48213 * 7261?"]
+    sampling = SamplingConfig(max_new_tokens=40, samples_per_prompt=1, greedy=True)
+    (episode,) = runner.run(prompts, [META], runner.prompt_ids(prompts), sampling, engine.generate, None, 0)
+    return episode
 
 
 @pytest.mark.slow
@@ -209,30 +211,9 @@ def test_built_checkpoint_loads_and_uses_the_tool(tmp_path):
     marker = json.loads((directory / MARKER_FILE).read_text())
     assert marker["greedy_success"] == pytest.approx(greedy)
     assert GREEDY_FLOOR <= greedy <= GREEDY_CEILING
-    # The kit's episode runner (HFEngine, the tool run by the Tools environment, product_reward) plays the
-    # same greedy episodes as the demo's loop.
-    from lightning_offpolicy.batch import PromptBatch
-    from lightning_offpolicy.data.tokenizers import HFTokenizer
-    from lightning_offpolicy.demo.tool_use import held_out_prompts
-    from lightning_offpolicy.rollout import HFEngine, SamplingConfig
-    from lightning_offpolicy.rollout.multi_turn import EpisodeSettings
-    from lightning_offpolicy.rollout.rollouter import Rollouter
-
-    samples = held_out_prompts(task, 40)
-    episodes = play_tool_episodes(model, tokenizer, [p for p, _ in samples], task.tools)
-    expected = [
-        task.reward(e.turns[-1], {**m, "truncated": e.truncated}) for e, (_, m) in zip(episodes, samples, strict=True)
-    ]
-    engine = HFEngine(
-        dtype="float32", pad_token_id=end_of_text, eos_token_id=im_end, stop_token_ids=[im_end, end_of_text]
-    )
-    engine.update_weights(model, 0)
-    sampling = SamplingConfig(max_new_tokens=task.max_new_tokens, samples_per_prompt=1)
-    settings = EpisodeSettings(tools=task.tools, max_turns=3, max_episode_tokens=3 * task.max_new_tokens + 64)
-    rollouter = Rollouter(engine, HFTokenizer(directory), product_reward, sampling, episodes=settings)
-    evaluation = rollouter.evaluate(PromptBatch(prompts=[p for p, _ in samples], metadata=[m for _, m in samples]))
-    assert [float(r) for r in evaluation.greedy_rewards] == expected
-    assert 0 < sum(expected) < len(expected)
+    # Sampled episodes succeed less often: room for RL.
+    sampled = tool_use_success(model, tokenizer, task, num_prompts=100, greedy=False)
+    assert 0.0 < sampled < greedy
 
 
 def test_the_template_ships_as_package_data():

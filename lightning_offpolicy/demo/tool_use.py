@@ -41,7 +41,9 @@ from lightning_offpolicy.demo.tiny import (
     default_cache_dir,
 )
 from lightning_offpolicy.demo.tiny_bpe import SPECIAL_TOKENS, tiny_config, train_bpe_tokenizer
-from lightning_offpolicy.demo.tool_episodes import play_tool_episodes
+from lightning_offpolicy.rollout.engine import SamplingConfig
+from lightning_offpolicy.rollout.hf.engine import HFEngine
+from lightning_offpolicy.rollout.multi_turn import EpisodeRunner, EpisodeSettings, episode_metadata
 
 __all__ = [
     "DEFAULT_TOOL_USE_SETTINGS",
@@ -89,6 +91,19 @@ def held_out_prompts(task: MultiplyToolTask, count: int, seed: int = 0) -> list[
     return [task.sample(rng) for _ in range(count)]
 
 
+#: The episodes of the task: a tool call, then the answer (a third turn for a retry).
+TOOL_USE_MAX_TURNS = 3
+
+
+def tool_use_episodes(task: MultiplyToolTask) -> EpisodeSettings:
+    """The task's episode settings: its tools, :data:`TOOL_USE_MAX_TURNS` turns of ``task.max_new_tokens``."""
+    return EpisodeSettings(
+        tools=list(task.tools),
+        max_turns=TOOL_USE_MAX_TURNS,
+        max_episode_tokens=TOOL_USE_MAX_TURNS * task.max_new_tokens + 64,
+    )
+
+
 def tool_use_success(
     model: torch.nn.Module,
     tokenizer: Any,
@@ -97,7 +112,7 @@ def tool_use_success(
     greedy: bool = True,
     seed: int = 0,
 ) -> float:
-    """Mean reward of episodes played on ``num_prompts`` held-out prompts with the tool executed.
+    """Mean reward of episodes played by the kit's runner on ``num_prompts`` held-out prompts, the tool run.
 
     Args:
         model: the checkpoint's model.
@@ -111,19 +126,28 @@ def tool_use_success(
         The fraction of episodes whose last turn states the exact product (not truncated).
     """
     samples = held_out_prompts(task, num_prompts, seed)
-    episodes = play_tool_episodes(
-        model,
-        tokenizer,
-        [p for p, _ in samples],
-        task.tools,
-        greedy=greedy,
-        max_new_tokens=task.max_new_tokens,
-        seed=seed,
+    end_of_turn, end_of_text = tokenizer.convert_tokens_to_ids(["<|im_end|>", "<|endoftext|>"])
+    engine = HFEngine(
+        dtype="float32", pad_token_id=end_of_text, eos_token_id=end_of_turn, stop_token_ids=[end_of_turn, end_of_text]
+    )
+    engine.update_weights(model, 0)
+    runner = EpisodeRunner(tool_use_episodes(task), tokenizer, engine.stop_ids)
+    prompts, metadata = [p for p, _ in samples], [m for _, m in samples]
+    sampling = SamplingConfig(max_new_tokens=task.max_new_tokens, samples_per_prompt=1, greedy=greedy)
+    episodes = runner.run(
+        prompts,
+        metadata,
+        runner.prompt_ids(prompts),
+        sampling,
+        lambda ids, cfg, s: engine.generate(ids, cfg, s),
+        seed,
+        0,
     )
     rewards = [
-        task.reward(episode.turns[-1], {**metadata, "truncated": episode.truncated})
-        for episode, (_, metadata) in zip(episodes, samples, strict=True)
+        task.reward(tokenizer.decode(e.completion.token_ids, skip_special_tokens=True), episode_metadata(e, m, ""))
+        for e, m in zip(episodes, metadata, strict=True)
     ]
+    engine.close()
     return sum(rewards) / max(len(rewards), 1)
 
 
