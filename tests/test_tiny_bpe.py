@@ -68,6 +68,13 @@ def test_checkpoint_is_an_ordinary_hf_directory(tmp_path, architecture):
     assert HFTokenizer(directory, chat_template=True).encode_prompt("Calculate 1 + 2.") == chat_prompt_ids(
         tokenizer, "Calculate 1 + 2."
     )
+    # Loaded, the tokenizer encodes as the saved tokenizer.json does (the warm-up's ids): transformers
+    # rebuilds a qwen2 tokenizer's pre-tokenizer, so a qwen2 checkpoint is trained with that one.
+    from transformers import PreTrainedTokenizerFast
+
+    saved = PreTrainedTokenizerFast(tokenizer_file=str(directory / "tokenizer.json"))
+    for text in ("Calculate 12 + 345.", "4607", "What is 48213 * 7261?"):
+        assert tokenizer(text)["input_ids"] == saved(text)["input_ids"], text
 
 
 def test_sft_on_pairs_learns_the_answers():

@@ -244,7 +244,12 @@ def build_bpe_checkpoint(
 
     if sft_steps and not sft_pairs:
         raise ValueError(f"build_bpe_checkpoint: sft_steps={sft_steps} needs `sft_pairs` to train on.")
-    tokenizer = train_bpe_tokenizer(texts, vocab_size=vocab_size, chat_template=chat_template)
+    # transformers loads a qwen2 checkpoint's tokenizer with Qwen2's own pre-tokenizer (digits one by one):
+    # train with it, or the model is warmed up on other ids than the ones it is served.
+    pre_tokenizer = "qwen2" if architecture == "qwen2" else "byte_level"
+    tokenizer = train_bpe_tokenizer(
+        texts, vocab_size=vocab_size, chat_template=chat_template, pre_tokenizer=pre_tokenizer
+    )
     eos, end_of_text = tokenizer.convert_tokens_to_ids(_IM_END), tokenizer.convert_tokens_to_ids(_PAD)
     padded_vocab = -(-len(tokenizer) // 64) * 64
     config = tiny_config(architecture, padded_vocab, pad_token_id=end_of_text, eos_token_id=eos, **config_overrides)
