@@ -412,6 +412,10 @@ def prepare_tiny_checkpoint(
 
 _QUERY_KEYS: dict[str, type] = {"sft_steps": int, "seed": int, "sft_lr": float}
 
+#: Tasks whose ``tiny:`` checkpoint is a real-format chat model (a tiny Qwen2, a BPE tokenizer and a chat
+#: template), warmed up on whole multi-turn episodes: the task -> the import path of its cached builder.
+CHAT_CHECKPOINTS: dict[str, str] = {"multiply": "lightning_offpolicy.demo.tool_use.prepare_tool_use_checkpoint"}
+
 
 def resolve_model_path(name_or_path: str | os.PathLike) -> str:
     """``"tiny:TASK[?sft_steps=N&seed=S&sft_lr=LR]"`` -> a prepared tiny checkpoint; else unchanged.
@@ -450,4 +454,9 @@ def resolve_model_path(name_or_path: str | os.PathLike) -> str:
             what = "an integer" if kind is int else "a number"
             raise ValueError(f"resolve_model_path: option {key}={value!r} in {name!r} is not {what}.") from None
     get_task(task)  # a clear error for unknown tasks before any work
+    if task in CHAT_CHECKPOINTS:  # a BPE tokenizer with a chat template, warmed up on whole episodes
+        from lightning_offpolicy.data.rewards.named import import_object
+
+        prepare = import_object(CHAT_CHECKPOINTS[task], f"tiny:{task}")
+        return str(prepare(**kwargs))
     return str(prepare_tiny_checkpoint(task, **kwargs))
