@@ -76,6 +76,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     parser.add_argument("--checkpoint", type=Path, default=Path("checkpoints/tiny-qwen2-arith"))
     parser.add_argument("--sft-steps", type=int, default=250, help="supervised warm-up steps of the new model")
     parser.add_argument("--rl-steps", type=int, default=200, help="RL optimizer steps (one per batch)")
+    parser.add_argument("--rl-lr", type=float, default=3e-4, help="RL learning rate (AdamW)")
     parser.add_argument("--logdir", default="runs", help="TensorBoard directory")
     args = parser.parse_args(argv)
 
@@ -90,7 +91,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     module = OffPolicyRLModule(
         model=str(checkpoint),  # any Hugging Face checkpoint directory
         tokenizer=HFTokenizer(chat_template=True),  # loaded from the model's directory, prompts as chat
-        optimizer=partial(torch.optim.AdamW, lr=1e-3),
+        optimizer=partial(torch.optim.AdamW, lr=args.rl_lr),
     )
     history = RewardHistory()
     trainer = L.Trainer(

@@ -20,7 +20,7 @@ import random
 import shutil
 import tempfile
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qsl
@@ -377,6 +377,26 @@ def prepare_tiny_checkpoint(
         "vocab_size": 64,
         "alphabet": tokenizer.alphabet,
     }
+
+    def build(directory: Path) -> dict[str, Any]:
+        model = build_tiny_llama(vocab_size=64, seed=seed)
+        losses = warmup_sft(model, tokenizer, task_obj, steps=steps, lr=lr, seed=seed)
+        reward = greedy_reward(model, tokenizer, task_obj)
+        _save_model(model, directory)
+        tokenizer.save_pretrained(directory)
+        return {"final_loss": losses[-1] if losses else None, "greedy_reward": reward}
+
+    return cached_build(target, spec, build)
+
+
+def cached_build(target: Path, spec: dict[str, Any], build: Callable[[Path], dict[str, Any]]) -> Path:
+    """``target`` built by ``build(directory)`` unless its marker file records ``spec``; returns ``target``.
+
+    The build happens in a temporary sibling directory under one torch thread, the marker (``spec``,
+    what ``build`` returned, the build's seconds) is written last and the directory is renamed into
+    place under a file lock: an interrupted build is redone, and concurrent callers share one build
+    and never see a partial one.
+    """
     if _is_complete(target, spec):
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -391,17 +411,8 @@ def prepare_tiny_checkpoint(
         try:
             start = time.perf_counter()
             with _torch_threads(1):
-                model = build_tiny_llama(vocab_size=64, seed=seed)
-                losses = warmup_sft(model, tokenizer, task_obj, steps=steps, lr=lr, seed=seed)
-                reward = greedy_reward(model, tokenizer, task_obj)
-            _save_model(model, tmp)
-            tokenizer.save_pretrained(tmp)
-            marker = {
-                "spec": spec,
-                "final_loss": losses[-1] if losses else None,
-                "greedy_reward": reward,
-                "build_seconds": round(time.perf_counter() - start, 2),
-            }
+                built = build(tmp)
+            marker = {"spec": spec, **built, "build_seconds": round(time.perf_counter() - start, 2)}
             (tmp / MARKER_FILE).write_text(json.dumps(marker, indent=2) + "\n", encoding="utf-8")  # last
             _install(tmp, target, spec)
         except BaseException:

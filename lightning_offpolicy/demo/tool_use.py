@@ -20,9 +20,6 @@ from __future__ import annotations
 import json
 import os
 import random
-import shutil
-import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
@@ -31,15 +28,7 @@ import torch
 from lightning_offpolicy.argcheck import is_int
 from lightning_offpolicy.data.tasks.tool_use import MultiplyToolTask
 from lightning_offpolicy.demo.chat_sft import sft_on_conversations
-from lightning_offpolicy.demo.tiny import (
-    MARKER_FILE,
-    _file_lock,
-    _install,
-    _is_complete,
-    _save_model,
-    _torch_threads,
-    default_cache_dir,
-)
+from lightning_offpolicy.demo.tiny import _save_model, cached_build, default_cache_dir
 from lightning_offpolicy.demo.tiny_bpe import SPECIAL_TOKENS, tiny_config, train_bpe_tokenizer
 from lightning_offpolicy.rollout.engine import SamplingConfig
 from lightning_offpolicy.rollout.hf.engine import HFEngine
@@ -299,36 +288,15 @@ def prepare_tool_use_checkpoint(
     else:
         target = Path(directory).expanduser()
     target = target.absolute()
-    if _is_complete(target, spec):
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    with _file_lock(target.parent / f".{target.name}.lock") as locked:
-        if _is_complete(target, spec):  # built by another process while we waited
-            return target
-        if locked:  # nobody else is building: temp dirs left by killed builds can go
-            for stale in target.parent.glob(f".{target.name}.tmp-*"):
-                shutil.rmtree(stale, ignore_errors=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
-        tmp.chmod(0o755)  # mkdtemp makes it 0700; the cache may be shared
-        try:
-            start = time.perf_counter()
-            with _torch_threads(1):
-                built = build_tool_use_checkpoint(tmp, seed=seed, **chosen)
-                success = None
-                if eval_prompts:
-                    model = AutoModelForCausalLM.from_pretrained(tmp)
-                    tokenizer = AutoTokenizer.from_pretrained(tmp)
-                    task = MultiplyToolTask(a_digits=chosen["a_digits"], b_digits=chosen["b_digits"])
-                    success = tool_use_success(model, tokenizer, task, num_prompts=eval_prompts, greedy=True)
-            marker = {
-                "spec": spec,
-                "final_loss": built["final_loss"],
-                "greedy_success": success,
-                "build_seconds": round(time.perf_counter() - start, 2),
-            }
-            (tmp / MARKER_FILE).write_text(json.dumps(marker, indent=2) + "\n", encoding="utf-8")  # last
-            _install(tmp, target, spec)
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
-    return target
+
+    def build(directory: Path) -> dict[str, Any]:
+        built = build_tool_use_checkpoint(directory, seed=seed, **chosen)
+        success = None
+        if eval_prompts:
+            model = AutoModelForCausalLM.from_pretrained(directory)
+            tokenizer = AutoTokenizer.from_pretrained(directory)
+            task = MultiplyToolTask(a_digits=chosen["a_digits"], b_digits=chosen["b_digits"])
+            success = tool_use_success(model, tokenizer, task, num_prompts=eval_prompts, greedy=True)
+        return {"final_loss": built["final_loss"], "greedy_success": success}
+
+    return cached_build(target, spec, build)
