@@ -74,9 +74,9 @@ def build_checkpoint(directory: Path, data: DatasetDataModule, sft_steps: int, s
 def main(argv: list[str] | None = None) -> dict[str, float]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--checkpoint", type=Path, default=Path("checkpoints/tiny-qwen2-arith"))
-    parser.add_argument("--sft-steps", type=int, default=250, help="supervised warm-up steps of the new model")
+    parser.add_argument("--sft-steps", type=int, default=80, help="supervised warm-up steps of the new model")
     parser.add_argument("--rl-steps", type=int, default=200, help="RL optimizer steps (one per batch)")
-    parser.add_argument("--rl-lr", type=float, default=3e-4, help="RL learning rate (AdamW)")
+    parser.add_argument("--rl-lr", type=float, default=1e-3, help="RL learning rate (AdamW)")
     parser.add_argument("--logdir", default="runs", help="TensorBoard directory")
     args = parser.parse_args(argv)
 

@@ -49,7 +49,7 @@ def test_own_model_and_data_example_learns_the_reasoning_gym_task(tmp_path):
     example = load("own_model_and_data")
     checkpoint = tmp_path / "checkpoint"
     metrics = example.main(
-        ["--checkpoint", str(checkpoint), "--sft-steps", "250", "--rl-steps", "40", "--logdir", str(tmp_path)]
+        ["--checkpoint", str(checkpoint), "--sft-steps", "80", "--rl-steps", "40", "--logdir", str(tmp_path)]
     )
     # An ordinary Hugging Face directory: Qwen2 weights, a BPE tokenizer with a chat template.
     config = __import__("json").loads((checkpoint / "config.json").read_text())
@@ -60,6 +60,6 @@ def test_own_model_and_data_example_learns_the_reasoning_gym_task(tmp_path):
     )
     assert metrics["steps"] == 40
     # reasoning-gym's scorer, mean over the first and the last 10 batches of 64 completions (measured:
-    # 0.22 -> 0.44 at these settings); the rise is far above the batch-to-batch noise (~0.1).
+    # 0.38 -> 0.61 at these settings); the rise is far above the batch-to-batch noise (~0.1).
     assert metrics["reward_last"] >= metrics["reward_first"] + 0.1, metrics
     assert (tmp_path / "own_model_and_data").is_dir()
