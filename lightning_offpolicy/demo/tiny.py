@@ -425,7 +425,10 @@ _QUERY_KEYS: dict[str, type] = {"sft_steps": int, "seed": int, "sft_lr": float}
 
 #: Tasks whose ``tiny:`` checkpoint is a real-format chat model (a tiny Qwen2, a BPE tokenizer and a chat
 #: template), warmed up on whole multi-turn episodes: the task -> the import path of its cached builder.
-CHAT_CHECKPOINTS: dict[str, str] = {"multiply": "lightning_offpolicy.demo.tool_use.prepare_tool_use_checkpoint"}
+CHAT_CHECKPOINTS: dict[str, str] = {
+    "multiply": "lightning_offpolicy.demo.tool_use.prepare_tool_use_checkpoint",
+    "guess_number": "lightning_offpolicy.demo.guess_number.prepare_guess_number_checkpoint",
+}
 
 
 def resolve_model_path(name_or_path: str | os.PathLike) -> str:
