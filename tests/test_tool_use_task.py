@@ -17,7 +17,6 @@ from lightning_offpolicy.demo.tool_use import TOOL_TOKENS, qwen2_5_chat_template
 META = {"a": 48213, "b": 7261, "answer": 350074593}  # 48213 * 7261 by hand: 337,491,000 + 12,583,593
 # Bounds on the default build's greedy success over 200 held-out prompts: what was measured when the recipe
 # was set lies well inside them, the margin is for other CPUs' rounding; above the ceiling RL has nothing to raise.
-GREEDY_FLOOR, GREEDY_CEILING = 0.2, 0.9
 CALL = '<tool_call>\n{"name": "multiply", "arguments": {"a": 48213, "b": 7261}}\n</tool_call>'
 
 
@@ -182,23 +181,17 @@ def _greedy_episode(model, tokenizer, max_turns: int):
     return episode
 
 
-@pytest.mark.slow
-@pytest.mark.long(
-    "builds the default tool-use checkpoint, whose warm-up learns to copy digits only after hundreds of steps, "
-    "and plays its greedy episodes with the tool executed"
-)
-def test_built_checkpoint_loads_and_uses_the_tool(tmp_path):
+def test_a_small_build_loads_as_an_ordinary_checkpoint_and_plays_episodes(tmp_path):
+    """The build's pipeline on a short warm-up (the default one's success is measured by `make soak`, which
+    builds it for configs/tool_use.yaml, and recorded in its marker)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
     from lightning_offpolicy.demo.tiny import MARKER_FILE
-    from lightning_offpolicy.demo.tool_use import (
-        DEFAULT_TOOL_USE_SETTINGS,
-        prepare_tool_use_checkpoint,
-        tool_use_success,
-    )
+    from lightning_offpolicy.demo.tool_use import prepare_tool_use_checkpoint, tool_use_success
 
-    directory = prepare_tool_use_checkpoint(directory=tmp_path / "tool-use")
-    assert prepare_tool_use_checkpoint(directory=tmp_path / "tool-use") == directory  # cached
+    settings = {"sft_steps": 20, "num_conversations": 64}
+    directory = prepare_tool_use_checkpoint(directory=tmp_path / "tool-use", eval_prompts=8, **settings)
+    assert prepare_tool_use_checkpoint(directory=tmp_path / "tool-use", eval_prompts=8, **settings) == directory
     tokenizer = AutoTokenizer.from_pretrained(directory)
     model = AutoModelForCausalLM.from_pretrained(directory)
     assert tokenizer.chat_template == qwen2_5_chat_template()
@@ -206,14 +199,9 @@ def test_built_checkpoint_loads_and_uses_the_tool(tmp_path):
     im_end, end_of_text = tokenizer.convert_tokens_to_ids(["<|im_end|>", "<|endoftext|>"])
     assert GenerationConfig.from_pretrained(directory).eos_token_id == [im_end, end_of_text]
     assert all(len(tokenizer(t, add_special_tokens=False).input_ids) == 1 for t in TOOL_TOKENS)
-    task = MultiplyToolTask(DEFAULT_TOOL_USE_SETTINGS["a_digits"], DEFAULT_TOOL_USE_SETTINGS["b_digits"])
-    greedy = tool_use_success(model, tokenizer, task, num_prompts=200, greedy=True)
+    task = MultiplyToolTask()
     marker = json.loads((directory / MARKER_FILE).read_text())
-    assert marker["greedy_success"] == pytest.approx(greedy)
-    assert GREEDY_FLOOR <= greedy <= GREEDY_CEILING
-    # Sampled episodes succeed less often: room for RL.
-    sampled = tool_use_success(model, tokenizer, task, num_prompts=100, greedy=False)
-    assert 0.0 < sampled < greedy
+    assert marker["greedy_success"] == pytest.approx(tool_use_success(model, tokenizer, task, num_prompts=8))
 
 
 def test_the_template_ships_as_package_data():
