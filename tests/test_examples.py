@@ -41,7 +41,7 @@ def test_sft_then_rl_example_continues_the_sft_module_with_rl(tmp_path):
 
 
 def test_every_example_has_a_test():
-    tested = {"custom_reward", "sft_then_rl", "own_model_and_data"}
+    tested = {"custom_reward", "sft_then_rl", "own_model_and_data", "tool_use_agent"}
     assert {p.stem for p in EXAMPLES.glob("*.py")} == tested
 
 
@@ -63,3 +63,13 @@ def test_own_model_and_data_example_learns_the_reasoning_gym_task(tmp_path):
     # 0.38 -> 0.61 at these settings); the rise is far above the batch-to-batch noise (~0.1).
     assert metrics["reward_last"] >= metrics["reward_first"] + 0.1, metrics
     assert (tmp_path / "own_model_and_data").is_dir()
+
+
+def test_tool_use_agent_example_trains_episodes_that_call_the_tool(tmp_path):
+    """The example's path on a short warm-up (its learning at full length is measured by `make soak`'s
+    configs/tool_use.yaml, the same run from YAML)."""
+    example = load("tool_use_agent")
+    metrics = example.main(["--sft-steps", "20", "--rl-steps", "2", "--logdir", str(tmp_path)])
+    assert metrics["steps"] == 2 and 0.0 <= metrics["reward_last"] <= 1.0
+    events = list((tmp_path / "tool_use_agent").rglob("events.out.tfevents.*"))
+    assert events, "the example logs to TensorBoard"
