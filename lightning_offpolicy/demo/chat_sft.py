@@ -25,7 +25,7 @@ import torch.nn.functional as F
 
 from lightning_offpolicy.argcheck import is_int
 
-__all__ = ["conversation_ids", "masked_sft_step", "sft_on_conversations"]
+__all__ = ["conversation_ids", "masked_sft_step", "play_held_out", "sft_on_conversations"]
 
 
 def _render(tokenizer: Any, messages: Sequence[dict[str, Any]], tools: Sequence[Callable] | None, prompt: bool) -> str:
@@ -196,3 +196,45 @@ def sft_on_conversations(
         losses.append(masked_sft_step(model, optimizer, [rng.choice(encoded) for _ in range(batch_size)], pad))
     model.eval()
     return losses
+
+
+def play_held_out(
+    model: torch.nn.Module,
+    tokenizer: Any,
+    episodes: Any,
+    samples: Sequence[tuple[Any, dict[str, Any]]],
+    max_new_tokens: int,
+    greedy: bool,
+    seed: int,
+) -> list[Any]:
+    """One episode per ``(prompt, metadata)`` sample, played by the kit's runner on an :class:`HFEngine`
+    holding ``model`` (a ChatML model: turns end at ``<|im_end|>`` or ``<|endoftext|>``).
+
+    Args:
+        model: the checkpoint's model.
+        tokenizer: its tokenizer, with a chat template.
+        episodes: the :class:`~lightning_offpolicy.rollout.multi_turn.EpisodeSettings` of the task.
+        samples: the held-out prompts and their metadata.
+        max_new_tokens: most tokens per turn.
+        greedy: greedy decoding; False samples at temperature 1, seeded with ``seed``.
+        seed: seed of the sampling.
+
+    Returns:
+        The episodes, in the order of ``samples``.
+    """
+    from lightning_offpolicy.rollout.engine import SamplingConfig
+    from lightning_offpolicy.rollout.hf.engine import HFEngine
+    from lightning_offpolicy.rollout.multi_turn import EpisodeRunner
+
+    end_of_turn, end_of_text = tokenizer.convert_tokens_to_ids(["<|im_end|>", "<|endoftext|>"])
+    engine = HFEngine(
+        dtype="float32", pad_token_id=end_of_text, eos_token_id=end_of_turn, stop_token_ids=[end_of_turn, end_of_text]
+    )
+    engine.update_weights(model, 0)
+    try:
+        runner = EpisodeRunner(episodes, tokenizer, engine.stop_ids)
+        prompts, metadata = [p for p, _ in samples], [m for _, m in samples]
+        sampling = SamplingConfig(max_new_tokens=max_new_tokens, samples_per_prompt=1, greedy=greedy)
+        return runner.run(prompts, metadata, runner.prompt_ids(prompts), sampling, engine.generate, seed, 0)
+    finally:
+        engine.close()

@@ -11,7 +11,6 @@ leaves RL the room to learn to bisect (docs/journeys.md, "A multi-turn game").
 
 from __future__ import annotations
 
-import json
 import os
 import random
 from pathlib import Path
@@ -19,16 +18,19 @@ from typing import Any
 
 import torch
 
-from lightning_offpolicy.argcheck import is_int
 from lightning_offpolicy.data.environments.base import Message
 from lightning_offpolicy.data.environments.guess_number import GuessNumber
 from lightning_offpolicy.data.tasks.guess_number import GuessNumberTask
-from lightning_offpolicy.demo.chat_sft import sft_on_conversations
-from lightning_offpolicy.demo.tiny import _save_model, cached_build, default_cache_dir
-from lightning_offpolicy.demo.tiny_bpe import CHATML_TEMPLATE, SPECIAL_TOKENS, tiny_config, train_bpe_tokenizer
-from lightning_offpolicy.rollout.engine import SamplingConfig
-from lightning_offpolicy.rollout.hf.engine import HFEngine
-from lightning_offpolicy.rollout.multi_turn import EpisodeRunner, EpisodeSettings
+from lightning_offpolicy.demo.chat_sft import play_held_out, sft_on_conversations
+from lightning_offpolicy.demo.tiny import cached_build, chat_checkpoint_target
+from lightning_offpolicy.demo.tiny_bpe import (
+    CHATML_TEMPLATE,
+    SPECIAL_TOKENS,
+    save_chat_checkpoint,
+    tiny_config,
+    train_bpe_tokenizer,
+)
+from lightning_offpolicy.rollout.multi_turn import EpisodeSettings
 
 __all__ = [
     "DEFAULT_GUESS_NUMBER_SETTINGS",
@@ -106,16 +108,8 @@ def guess_number_success(
     task = GuessNumberTask(low, high)
     rng = random.Random(f"held-out:{seed}")
     samples = [task.sample(rng) for _ in range(num_games)]
-    end_of_turn, end_of_text = tokenizer.convert_tokens_to_ids(["<|im_end|>", "<|endoftext|>"])
-    engine = HFEngine(
-        dtype="float32", pad_token_id=end_of_text, eos_token_id=end_of_turn, stop_token_ids=[end_of_turn, end_of_text]
-    )
-    engine.update_weights(model, 0)
-    runner = EpisodeRunner(guess_number_episodes(low, high), tokenizer, engine.stop_ids)
-    prompts, metadata = [p for p, _ in samples], [m for _, m in samples]
-    sampling = SamplingConfig(max_new_tokens=task.max_new_tokens, samples_per_prompt=1, greedy=greedy)
-    episodes = runner.run(prompts, metadata, runner.prompt_ids(prompts), sampling, engine.generate, seed, 0)
-    engine.close()
+    settings = guess_number_episodes(low, high)
+    episodes = play_held_out(model, tokenizer, settings, samples, task.max_new_tokens, greedy, seed)
     return sum(e.environment_reward for e in episodes) / max(len(episodes), 1)
 
 
@@ -160,41 +154,20 @@ def build_guess_number_checkpoint(directory: str | os.PathLike, seed: int = 0, *
         lr=chosen["sft_lr"],
         seed=seed,
     )
-    model.generation_config.eos_token_id = [end_of_turn, end_of_text]
-    model.generation_config.pad_token_id = end_of_text
-    model.generation_config.bos_token_id = None
-    target = Path(directory).expanduser().absolute()
-    target.mkdir(parents=True, exist_ok=True)
-    _save_model(model, target)
-    tokenizer.save_pretrained(target)
+    save_chat_checkpoint(model, tokenizer, directory, end_of_turn, end_of_text)
     return {"final_loss": losses[-1] if losses else None, "model": model, "tokenizer": tokenizer}
 
 
 def prepare_guess_number_checkpoint(seed: int = 0, directory: str | os.PathLike | None = None, **settings: Any) -> Path:
     """:func:`build_guess_number_checkpoint`, cached (as :func:`~lightning_offpolicy.demo.tiny.cached_build`)."""
-    unknown = sorted(set(settings) - set(DEFAULT_GUESS_NUMBER_SETTINGS))
-    if unknown:
-        raise ValueError(
-            f"prepare_guess_number_checkpoint: unknown settings {unknown}; allowed: "
-            f"{', '.join(DEFAULT_GUESS_NUMBER_SETTINGS)}."
-        )
-    if not is_int(seed):
-        raise ValueError(f"prepare_guess_number_checkpoint: `seed` must be an int, got {seed!r}.")
-    chosen = {**DEFAULT_GUESS_NUMBER_SETTINGS, **settings}
+    chosen, target = chat_checkpoint_target(
+        "prepare_guess_number_checkpoint", "tiny-guess-number", seed, directory, DEFAULT_GUESS_NUMBER_SETTINGS, settings
+    )
     spec = {"recipe": _RECIPE_VERSION, "seed": seed, **chosen}
-    if directory is None:
-        name = f"tiny-guess-number-seed{seed}"
-        if chosen != DEFAULT_GUESS_NUMBER_SETTINGS:
-            import hashlib
-
-            name += "-" + hashlib.sha256(json.dumps(chosen, sort_keys=True).encode()).hexdigest()[:10]
-        target = default_cache_dir() / name
-    else:
-        target = Path(directory).expanduser()
 
     def build(path: Path) -> dict[str, Any]:
         built = build_guess_number_checkpoint(path, seed=seed, **chosen)
         success = guess_number_success(built["model"], built["tokenizer"], low=chosen["low"], high=chosen["high"])
         return {"final_loss": built["final_loss"], "greedy_success": success}
 
-    return cached_build(target.absolute(), spec, build)
+    return cached_build(target, spec, build)

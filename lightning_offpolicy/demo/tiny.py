@@ -14,6 +14,7 @@ Warm-up settings and the measured rewards they reach: docs/training.md, "The tin
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import os
 import random
@@ -387,6 +388,36 @@ def prepare_tiny_checkpoint(
         return {"final_loss": losses[-1] if losses else None, "greedy_reward": reward}
 
     return cached_build(target, spec, build)
+
+
+def chat_checkpoint_target(
+    who: str,
+    name: str,
+    seed: int,
+    directory: str | os.PathLike | None,
+    defaults: dict[str, Any],
+    settings: dict[str, Any],
+) -> tuple[dict[str, Any], Path]:
+    """The settings (``defaults`` overridden by ``settings``) and the directory of a cached chat checkpoint.
+
+    The default directory is ``<cache>/{name}-seed{seed}``, with ``-{hash}`` of the settings appended when
+    they differ from ``defaults``.
+
+    Raises:
+        ValueError: A setting is not one of ``defaults`` (named with ``who``), or ``seed`` is not an int.
+    """
+    unknown = sorted(set(settings) - set(defaults))
+    if unknown:
+        raise ValueError(f"{who}: unknown settings {unknown}; allowed: {', '.join(defaults)}.")
+    if not is_int(seed):
+        raise ValueError(f"{who}: `seed` must be an int, got {seed!r}.")
+    chosen = {**defaults, **settings}
+    if directory is not None:
+        return chosen, Path(directory).expanduser().absolute()
+    folder = f"{name}-seed{seed}"
+    if chosen != defaults:
+        folder += "-" + hashlib.sha256(json.dumps(chosen, sort_keys=True).encode()).hexdigest()[:10]
+    return chosen, (default_cache_dir() / folder).absolute()
 
 
 def cached_build(target: Path, spec: dict[str, Any], build: Callable[[Path], dict[str, Any]]) -> Path:

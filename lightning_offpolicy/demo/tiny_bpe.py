@@ -35,6 +35,7 @@ __all__ = [
     "SPECIAL_TOKENS",
     "build_bpe_checkpoint",
     "chat_prompt_ids",
+    "save_chat_checkpoint",
     "sft_on_pairs",
     "tiny_config",
     "train_bpe_tokenizer",
@@ -260,11 +261,21 @@ def build_bpe_checkpoint(
         pairs = list(sft_pairs)
         sft_on_pairs(model, tokenizer, pairs, steps=sft_steps, batch_size=sft_batch_size, lr=sft_lr, seed=seed)
     model.eval()
-    model.generation_config.eos_token_id = [eos, end_of_text]
+    return save_chat_checkpoint(model, tokenizer, directory, eos, end_of_text)
+
+
+def save_chat_checkpoint(
+    model: Any, tokenizer: Any, directory: str | os.PathLike, end_of_turn: int, end_of_text: int
+) -> Path:
+    """Save ``model`` and ``tokenizer`` as a Qwen2.5-style chat checkpoint: generation stops on
+    ``end_of_turn`` and ``end_of_text``, pads with ``end_of_text``, no bos. Returns the absolute directory."""
+    from lightning_offpolicy.demo.tiny import _save_model
+
+    model.generation_config.eos_token_id = [end_of_turn, end_of_text]
     model.generation_config.pad_token_id = end_of_text
     model.generation_config.bos_token_id = None
     target = Path(directory).expanduser().absolute()
     target.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(target)
+    _save_model(model, target)
     tokenizer.save_pretrained(target)
     return target

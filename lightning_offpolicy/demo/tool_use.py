@@ -17,7 +17,6 @@ leaves RL something to raise. Settings and the success rates they reach: docs/mu
 
 from __future__ import annotations
 
-import json
 import os
 import random
 from pathlib import Path
@@ -27,12 +26,10 @@ import torch
 
 from lightning_offpolicy.argcheck import is_int
 from lightning_offpolicy.data.tasks.tool_use import MultiplyToolTask
-from lightning_offpolicy.demo.chat_sft import sft_on_conversations
-from lightning_offpolicy.demo.tiny import _save_model, cached_build, default_cache_dir
-from lightning_offpolicy.demo.tiny_bpe import SPECIAL_TOKENS, tiny_config, train_bpe_tokenizer
-from lightning_offpolicy.rollout.engine import SamplingConfig
-from lightning_offpolicy.rollout.hf.engine import HFEngine
-from lightning_offpolicy.rollout.multi_turn import EpisodeRunner, EpisodeSettings, episode_metadata
+from lightning_offpolicy.demo.chat_sft import play_held_out, sft_on_conversations
+from lightning_offpolicy.demo.tiny import cached_build, chat_checkpoint_target
+from lightning_offpolicy.demo.tiny_bpe import SPECIAL_TOKENS, save_chat_checkpoint, tiny_config, train_bpe_tokenizer
+from lightning_offpolicy.rollout.multi_turn import EpisodeSettings, episode_metadata
 
 __all__ = [
     "DEFAULT_TOOL_USE_SETTINGS",
@@ -115,28 +112,12 @@ def tool_use_success(
         The fraction of episodes whose last turn states the exact product (not truncated).
     """
     samples = held_out_prompts(task, num_prompts, seed)
-    end_of_turn, end_of_text = tokenizer.convert_tokens_to_ids(["<|im_end|>", "<|endoftext|>"])
-    engine = HFEngine(
-        dtype="float32", pad_token_id=end_of_text, eos_token_id=end_of_turn, stop_token_ids=[end_of_turn, end_of_text]
-    )
-    engine.update_weights(model, 0)
-    runner = EpisodeRunner(tool_use_episodes(task), tokenizer, engine.stop_ids)
-    prompts, metadata = [p for p, _ in samples], [m for _, m in samples]
-    sampling = SamplingConfig(max_new_tokens=task.max_new_tokens, samples_per_prompt=1, greedy=greedy)
-    episodes = runner.run(
-        prompts,
-        metadata,
-        runner.prompt_ids(prompts),
-        sampling,
-        lambda ids, cfg, s: engine.generate(ids, cfg, s),
-        seed,
-        0,
-    )
+    metadata = [m for _, m in samples]
+    episodes = play_held_out(model, tokenizer, tool_use_episodes(task), samples, task.max_new_tokens, greedy, seed)
     rewards = [
         task.reward(tokenizer.decode(e.completion.token_ids, skip_special_tokens=True), episode_metadata(e, m, ""))
         for e, m in zip(episodes, metadata, strict=True)
     ]
-    engine.close()
     return sum(rewards) / max(len(rewards), 1)
 
 
@@ -230,13 +211,7 @@ def build_tool_use_checkpoint(
         seed=seed,
         lr_schedule=sft_lr_schedule,
     )
-    model.generation_config.eos_token_id = [end_of_turn, end_of_text]
-    model.generation_config.pad_token_id = end_of_text
-    model.generation_config.bos_token_id = None
-    target = Path(directory).expanduser().absolute()
-    target.mkdir(parents=True, exist_ok=True)
-    _save_model(model, target)
-    tokenizer.save_pretrained(target)
+    target = save_chat_checkpoint(model, tokenizer, directory, end_of_turn, end_of_text)
     return {"final_loss": losses[-1] if losses else None, "directory": str(target)}
 
 
@@ -269,25 +244,10 @@ def prepare_tool_use_checkpoint(
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    unknown = sorted(set(settings) - set(DEFAULT_TOOL_USE_SETTINGS))
-    if unknown:
-        raise ValueError(
-            f"prepare_tool_use_checkpoint: unknown settings {unknown}; allowed: {', '.join(DEFAULT_TOOL_USE_SETTINGS)}."
-        )
-    if not is_int(seed):
-        raise ValueError(f"prepare_tool_use_checkpoint: `seed` must be an int, got {seed!r}.")
-    chosen = {**DEFAULT_TOOL_USE_SETTINGS, **settings}
+    chosen, target = chat_checkpoint_target(
+        "prepare_tool_use_checkpoint", "tiny-tool-use", seed, directory, DEFAULT_TOOL_USE_SETTINGS, settings
+    )
     spec = {"recipe": _RECIPE_VERSION, "seed": seed, **chosen}
-    if directory is None:
-        name = f"tiny-tool-use-seed{seed}"
-        if chosen != DEFAULT_TOOL_USE_SETTINGS:
-            import hashlib
-
-            name += "-" + hashlib.sha256(json.dumps(chosen, sort_keys=True).encode()).hexdigest()[:10]
-        target = default_cache_dir() / name
-    else:
-        target = Path(directory).expanduser()
-    target = target.absolute()
 
     def build(directory: Path) -> dict[str, Any]:
         built = build_tool_use_checkpoint(directory, seed=seed, **chosen)
