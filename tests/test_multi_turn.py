@@ -338,3 +338,25 @@ def test_rendering_errors_name_what_to_do(model_and_tokenizer):
     assert plain.observation_ids([{"role": "user", "content": "again"}], "") == CharTokenizer().encode(
         " again ", add_bos=False
     )
+
+
+def test_episodes_at_top_p_carry_each_model_tokens_kept_support_and_none_at_appended_ids(model_and_tokenizer):
+    model, raw = model_and_tokenizer
+    engine = HFEngine(pad_token_id=raw.pad_token_id, eos_token_id=raw.convert_tokens_to_ids("<|im_end|>"))
+    engine.update_weights(model, 0)
+    sampling = SamplingConfig(max_new_tokens=8, temperature=1.0, top_p=0.9, samples_per_prompt=2)
+    reward, _ = environment_reward_seen()
+    settings = EpisodeSettings(environment=functools.partial(Again, 3))
+    rollouter = Rollouter(engine, HFTokenizer(raw.saved_at), reward, sampling, seed=3, episodes=settings)
+    rollout, _ = rollouter.rollout(_prompts(), index=0)
+    rollout.validate()
+    support = rollout.sampling_support
+    start = rollout.prompt_length
+    trained = rollout.response_mask.bool()
+    appended = ~trained & rollout.attention_mask[:, start:].bool()
+    assert appended.any() and support is not None
+    tokens = rollout.input_ids[:, start:]
+    # Every model token is among the ids its sampler kept; an appended id has no kept set (it never trains).
+    assert ((support == tokens.unsqueeze(-1)).any(-1) | ~trained).all()
+    assert (support[appended] == -1).all()
+    assert rollouter.last_stats["support_unknown_frac"] == 0.0
