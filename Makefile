@@ -69,7 +69,8 @@ test: $(VENV)/.dev
 
 # Every benchmark writes docs/reports/performance_<name>.md and a .json next to it; summarize.py then
 # gathers the key ratios into docs/reports/performance.md with the wall time of the whole target
-# (~20-30 min on 2 busy cores, plus ~1.5 h for vs_trl's 5 seeds x 2 engines x 2 sides). One shell,
+# (~20-30 min on 2 busy cores, plus ~1.5 h for vs_trl's 5 seeds x 2 engines x 2 sides and ~35 min
+# for vs_trl_tools' 2 seeds x 2 sides). One shell,
 # so that the start time and load reach summarize.py.
 bench: $(VENV)/.dev
 	set -e; start=$$(date +%s); load=$$($(PY) -c "import os; print(os.getloadavg()[0])"); \
@@ -83,6 +84,7 @@ bench: $(VENV)/.dev
 	$(PY) benchmarks/trainer_memory.py --output docs/reports/performance_trainer_memory.md; \
 	$(PY) benchmarks/vs_trl.py --seeds 0,1,2,3,4 --engines hf,vllm --output docs/reports/performance_vs_trl.md; \
 	$(MAKE) --no-print-directory vs-trl-top-p; \
+	$(PY) benchmarks/vs_trl_tools.py --seeds 0,1 --jobs 2 --output docs/reports/performance_vs_trl_tools.md; \
 	$(PY) tools/summarize.py --docs docs/reports --output docs/reports/performance.md --started $$start --load-start $$load
 
 # top_p 0.9 on vs_trl's task: TRL and the kit with the sampling mask, the kit without it, and both at

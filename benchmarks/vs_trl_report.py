@@ -25,14 +25,15 @@ def steps_to(values: list[float], threshold: float = THRESHOLD, window: int = WI
     return None
 
 
-def summarize_run(record: dict[str, Any]) -> dict[str, Any]:
+def summarize_run(record: dict[str, Any], threshold: float = THRESHOLD) -> dict[str, Any]:
+    """First and final ``WINDOW``-step mean reward, steps to ``threshold``, median s/step, mean rollout KL."""
     rewards, step_s = record["rewards"], record["step_s"]
     tail = rewards[-WINDOW:]
     kl = record.get("rollout_kl")
     return {
         "first_reward": statistics.fmean(rewards[:WINDOW]),
         "final_reward": statistics.fmean(tail),
-        "steps_to_threshold": steps_to(rewards),
+        "steps_to_threshold": steps_to(rewards, threshold),
         "median_step_s": statistics.median(step_s),
         "rollout_kl": statistics.fmean(kl) if kl else None,
     }
@@ -103,25 +104,20 @@ def _fmt(value: float | None, spec: str) -> str:
     return "never" if value is None else format(value, spec)
 
 
-def render(
-    header: dict[str, Any], runs: list[dict[str, Any]], summary: list[dict[str, Any]], ratios: dict[str, Any]
-) -> str:
+def results_lines(
+    summary: list[dict[str, Any]],
+    ratios: dict[str, Any],
+    threshold: float = THRESHOLD,
+    speed_goal: float | None = SPEED_GOAL,
+) -> list[str]:
+    """The report's results: one table row per side and engine over the seeds, one line per kit / TRL comparison
+    (with the verdict on ``speed_goal``, the kit's steps/s over TRL's, unless None)."""
     lines = [
-        "# The kit vs TRL's GRPOTrainer on the same task",
+        f"Mean over the seeds (final reward: mean of the last {WINDOW} steps; steps to {threshold}: first step "
+        f"whose {WINDOW}-step mean reward is >= {threshold}):",
         "",
-        f"- **Machine**: {header['machine']}",
-        f"- **Date**: {header['date']}; {header['code']}; TRL {header['trl']}, transformers {header['transformers']}",
-        f"- **Command**: `{header['command']}`",
-        f"- **Steps**: {header['steps']} per side and seed; seeds {', '.join(map(str, header['seeds']))}"
-        + (" (quick smoke run)" if header["quick"] else ""),
-        f"- **Wall time of the whole run**: {header['elapsed_s'] / 60:.1f} min; load average "
-        f"{header['load_start']:.1f} -> {header['load_end']:.1f}",
-        "",
-        f"Mean over the seeds (final reward: mean of the last {WINDOW} steps; steps to {THRESHOLD}: first step "
-        f"whose {WINDOW}-step mean reward is >= {THRESHOLD}):",
-        "",
-        "| side | engine | reward, first 10 -> last 10 steps | per seed | steps to 0.5 | per seed | s/step (median) "
-        "| rollout_corr/kl |",
+        f"| side | engine | reward, first 10 -> last 10 steps | per seed | steps to {threshold} | per seed "
+        "| s/step (median) | rollout_corr/kl |",
         "|---|---|---|---|---:|---|---:|---:|",
     ]
     for r in summary:
@@ -136,13 +132,39 @@ def render(
     lines.append("")
     for key, ratio in ratios.items():
         speed = ratio["steps_per_s_kit_over_trl"]
-        verdict = "" if speed is None else (" (goal >= 2x: " + ("met" if speed >= SPEED_GOAL else "not met") + ")")
+        verdict = ""
+        if speed is not None and speed_goal is not None:
+            verdict = f" (goal >= {speed_goal:g}x: " + ("met" if speed >= speed_goal else "not met") + ")"
         lines.append(
             f"- {key}: final reward kit - TRL = **{ratio['final_reward_kit_minus_trl']:+.3f}**; steps to "
-            f"{THRESHOLD} kit / TRL = **{_fmt(ratio['steps_to_threshold_kit_over_trl'], '.2f')}**; median s/step "
+            f"{threshold} kit / TRL = **{_fmt(ratio['steps_to_threshold_kit_over_trl'], '.2f')}**; median s/step "
             f"kit / TRL = **{_fmt(ratio['median_step_s_kit_over_trl'], '.2f')}x**; steps/s kit / TRL = "
             f"**{_fmt(speed, '.2f')}x**{verdict}."
         )
+    return lines
+
+
+def header_lines(header: dict[str, Any], title: str) -> list[str]:
+    """The report's title and the run's facts: machine, date and versions, command, steps, wall time, load."""
+    return [
+        f"# {title}",
+        "",
+        f"- **Machine**: {header['machine']}",
+        f"- **Date**: {header['date']}; {header['code']}; TRL {header['trl']}, transformers {header['transformers']}",
+        f"- **Command**: `{header['command']}`",
+        f"- **Steps**: {header['steps']} per side and seed; seeds {', '.join(map(str, header['seeds']))}"
+        + (" (quick smoke run)" if header["quick"] else ""),
+        f"- **Wall time of the whole run**: {header['elapsed_s'] / 60:.1f} min; load average "
+        f"{header['load_start']:.1f} -> {header['load_end']:.1f}",
+        "",
+    ]
+
+
+def render(
+    header: dict[str, Any], runs: list[dict[str, Any]], summary: list[dict[str, Any]], ratios: dict[str, Any]
+) -> str:
+    lines = header_lines(header, "The kit vs TRL's GRPOTrainer on the same task")
+    lines += results_lines(summary, ratios)
     lines += [
         "",
         f"![reward per step]({header['plot']})",
@@ -183,7 +205,12 @@ def render(
     return "\n".join(lines) + "\n"
 
 
-def plot(runs: list[dict[str, Any]], path: Path) -> None:
+def plot(
+    runs: list[dict[str, Any]],
+    path: Path,
+    title: str = "First-letter task: kit vs TRL GRPOTrainer (same model, prompts, settings)",
+    threshold: float = THRESHOLD,
+) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -199,11 +226,11 @@ def plot(runs: list[dict[str, Any]], path: Path) -> None:
         label = None if key in labelled else f"{r['label']} ({r['engine']})"
         labelled.add(key)
         ax.plot(steps, running_mean(r["rewards"]), style, color=colours[r["side"]], linewidth=1.0, label=label)
-    ax.axhline(THRESHOLD, color="grey", linestyle=":", linewidth=0.8)
+    ax.axhline(threshold, color="grey", linestyle=":", linewidth=0.8)
     ax.set_xlabel("optimizer step")
     ax.set_ylabel(f"{WINDOW}-step mean reward (one line per seed)")
     ax.set_ylim(0, 1)
-    ax.set_title("First-letter task: kit vs TRL GRPOTrainer (same model, prompts, settings)")
+    ax.set_title(title)
     ax.legend(loc="upper left")
     fig.tight_layout()
     fig.savefig(path, dpi=110)

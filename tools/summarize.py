@@ -10,6 +10,7 @@ Reads, from ``--docs`` (each one optional; a missing one is reported as not run)
 * ``performance_logprobs.json``       (``benchmarks/logprob_memory.py``)
 * ``performance_correction.json``     (``benchmarks/correction_bench.py``)
 * ``performance_vs_trl.json``         (``benchmarks/vs_trl.py``)
+* ``performance_vs_trl_tools.json``   (``benchmarks/vs_trl_tools.py``)
 
 Nothing is measured here. ``make bench`` runs it last with ``--started`` (the epoch second the
 target started) and ``--load-start``, so the page states the wall time of the whole target.
@@ -46,6 +47,7 @@ SECTIONS = [
     ("performance_logprobs", "Token logprobs: lean vs naive vs fused head", "benchmarks/logprob_memory.py"),
     ("performance_correction", "Off-policy correction step", "benchmarks/correction_bench.py"),
     ("performance_vs_trl", "Side by side with TRL's GRPOTrainer on the same task", "benchmarks/vs_trl.py"),
+    ("performance_vs_trl_tools", "Tool use side by side with TRL (tools=...)", "benchmarks/vs_trl_tools.py"),
 ]
 
 
@@ -269,7 +271,10 @@ def vs_trl(data: dict[str, Any]) -> list[str]:
         # An engine's rows may cover fewer seeds than the whole report (invocations merged with --from-json).
         seeds = sorted({s for r in data["summary"] if r["engine"] == engine for s in r["seeds"]}) or head["seeds"]
         speed = ratio.get("steps_per_s_kit_over_trl")
-        goal = "" if speed is None else f" (goal >= 2x: {'met' if speed >= 2.0 else 'not met'})"
+        speed_goal = head.get("speed_goal", 2.0)  # the first-letter task's goal; the tool-use run sets none
+        goal = ""
+        if speed is not None and speed_goal is not None:
+            goal = f" (goal >= {speed_goal:g}x: {'met' if speed >= speed_goal else 'not met'})"
         lines.append(
             f"{key}: final reward kit - TRL {ratio['final_reward_kit_minus_trl']:+.3f}; steps to "
             f"{head['threshold']} kit / TRL {'n/a' if steps_ratio is None else f'{steps_ratio:.2f}'}; "
@@ -286,6 +291,7 @@ RENDER: dict[str, Callable[[Any], list[str]]] = {
     "performance_logprobs": logprobs,
     "performance_correction": correction,
     "performance_vs_trl": vs_trl,
+    "performance_vs_trl_tools": vs_trl,
 }
 
 READING = {
@@ -302,6 +308,9 @@ READING = {
     "probe of the same run.",
     "performance_vs_trl": "Issue 10's task (copy the prompt's first letter) from a random-init Llama with a "
     "char-level HF tokenizer: TRL and the kit's plain user path, each in its own process, back to back.",
+    "performance_vs_trl_tools": "Tool-use episodes (multiply with a calculator tool) from `tiny:multiply`, an "
+    "HF-format checkpoint with Qwen2.5's chat template: TRL's tool loop and the kit's episodes on the same "
+    "prompts and settings, each in its own process; the reward is the success rate.",
 }
 
 
