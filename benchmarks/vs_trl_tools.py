@@ -21,9 +21,11 @@
   tools=[multiply], ...))``.
 
 Per step it records the mean reward of the 64 episodes and the wall time from one step's start to the next. The
-report gives, per side, the final success rate (mean of the last 10 steps), the first step where the 10-step
-running mean reaches the threshold and the median s/step, per seed and over ``--seeds`` (each seed: its own
-prompts and sampler seeds; the checkpoint is the same).
+report gives, per side, the final training success rate (mean of the last 10 steps), the first step where the
+10-step running mean reaches the threshold and the median s/step, per seed and over ``--seeds`` (each seed: its
+own prompts and sampler seeds; the checkpoint is the same). Then each side's final model, and the checkpoint
+before training, are evaluated by one evaluator (the kit's episode runner) on 200 held-out questions, greedy and
+sampled: the success rate with less noise than the last training steps.
 
 Usage::
 
@@ -126,6 +128,28 @@ def check_same_prompt_ids(model_dir: Path, prompt: str) -> int:
     return len(kit_ids)
 
 
+#: Held-out prompts of the final evaluation (the task's held-out stream, which no training row draws from);
+#: ``--held-out-prompts`` sets it.
+HELD_OUT = {"prompts": 200}
+
+
+def held_out_success(model: Any, model_dir: str) -> dict[str, float]:
+    """The same evaluator for both sides' final models (and the checkpoint): the kit's episode runner on
+    ``HELD_OUT["prompts"]`` held-out questions, greedy and sampled (temperature 1, seed 0), with the task's own
+    episode settings (``demo.tool_use.tool_use_episodes``) and the checkpoint's tokenizer."""
+    from transformers import AutoTokenizer
+
+    from lightning_offpolicy.data.tasks.tool_use import MultiplyToolTask
+    from lightning_offpolicy.demo.tool_use import tool_use_success
+
+    task, tokenizer = MultiplyToolTask(), AutoTokenizer.from_pretrained(model_dir)
+    model.eval()
+    return {
+        mode: tool_use_success(model, tokenizer, task, HELD_OUT["prompts"], greedy=mode == "greedy", seed=0)
+        for mode in ("greedy", "sampled")
+    }
+
+
 # --------------------------------------------------------------------------- one side, in its own process
 
 
@@ -207,7 +231,9 @@ def run_trl(workdir: Path, steps: int, seed: int) -> dict[str, Any]:
         raise RuntimeError("vs_trl_tools: TRL replaced the checkpoint's chat template; the prompts would differ.")
     began = time.perf_counter()
     trainer.train()
-    return _step_record(starts, rewards, began)
+    record = _step_record(starts, rewards, began)
+    record["held_out"] = held_out_success(trainer.model, model_dir)
+    return record
 
 
 def run_kit(workdir: Path, steps: int, seed: int) -> dict[str, Any]:
@@ -276,7 +302,9 @@ def run_kit(workdir: Path, steps: int, seed: int) -> dict[str, Any]:
     trainer = bare_trainer(steps, [rollout, Record()])
     began = time.perf_counter()
     trainer.fit(module, train_dataloaders=loader)
-    return _step_record(starts, rewards, began)
+    record = _step_record(starts, rewards, began)
+    record["held_out"] = held_out_success(module.policy, model_dir)
+    return record
 
 
 def run_side(side: str, workdir: Path, steps: int, seed: int) -> dict[str, Any]:
@@ -292,12 +320,21 @@ def run_side(side: str, workdir: Path, steps: int, seed: int) -> dict[str, Any]:
     return record
 
 
+def _checkpoint_held_out(model_dir: str) -> dict[str, float]:
+    """The checkpoint's held-out success before any training (one thread, as the sides)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    torch.set_num_threads(SETTINGS["threads"])
+    return held_out_success(AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32), model_dir)
+
+
 def _run_subprocess(side: str, workdir: Path, steps: int, seed: int) -> dict[str, Any]:
     out = workdir / f"{side}.json"
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     cmd = [sys.executable, str(Path(__file__).resolve()), "--side", side, "--workdir", str(workdir)]
     cmd += ["--steps", str(steps), "--seed", str(seed), "--side-output", str(out)]
-    cmd += ["--learning-rate", repr(SETTINGS["learning_rate"])]
+    cmd += ["--learning-rate", repr(SETTINGS["learning_rate"]), "--held-out-prompts", str(HELD_OUT["prompts"])]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
     if proc.returncode != 0:
         raise RuntimeError(f"vs_trl_tools: the {side} side failed (exit {proc.returncode}):\n{proc.stderr[-6000:]}")
@@ -317,16 +354,61 @@ def _run_seed(seed: int, sides: list[str], steps: int, root: Path, model_dir: st
         run.update(summarize_run(record, THRESHOLD))
         print(
             f"seed {seed} {side}: success {run['first_reward']:.3f} -> {run['final_reward']:.3f}, steps to "
-            f"{THRESHOLD}: {run['steps_to_threshold']}, median s/step {run['median_step_s']:.2f}",
+            f"{THRESHOLD}: {run['steps_to_threshold']}, median s/step {run['median_step_s']:.2f}, held-out "
+            f"greedy {run['held_out']['greedy']:.3f} sampled {run['held_out']['sampled']:.3f}",
             flush=True,
         )
         runs.append(run)
     return runs
 
 
-def render(header: dict[str, Any], summary: list[dict[str, Any]], ratios: dict[str, Any]) -> str:
+def held_out_summary(runs: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Per side: the final models' held-out success rates, greedy and sampled, per seed and their mean."""
+    out: dict[str, dict[str, Any]] = {}
+    for side in dict.fromkeys(r["side"] for r in runs):
+        mine = [r["held_out"] for r in runs if r["side"] == side]
+        out[side] = {
+            mode: {"mean": sum(h[mode] for h in mine) / len(mine), "per_seed": [h[mode] for h in mine]}
+            for mode in ("greedy", "sampled")
+        }
+    return out
+
+
+def held_out_lines(header: dict[str, Any], held_out: dict[str, dict[str, Any]]) -> list[str]:
+    """The report's held-out table: the checkpoint, then each side's final models."""
+    start = header["held_out_start"]
+    lines = [
+        f"Held-out success of the final models ({header['held_out_prompts']} questions no training step saw, one "
+        "episode each, the same evaluator for both sides: the kit's episode runner with the task's own limits), mean "
+        "over the seeds:",
+        "",
+        "| model | greedy | per seed | sampled (temperature 1) | per seed |",
+        "|---|---:|---|---:|---|",
+        f"| `{CHECKPOINT}` before training | {start['greedy']:.3f} | | {start['sampled']:.3f} | |",
+    ]
+    for side, modes in held_out.items():
+        greedy, sampled = modes["greedy"], modes["sampled"]
+        lines.append(
+            f"| {LABELS[side]} | **{greedy['mean']:.3f}** | {', '.join(f'{x:.3f}' for x in greedy['per_seed'])} "
+            f"| **{sampled['mean']:.3f}** | {', '.join(f'{x:.3f}' for x in sampled['per_seed'])} |"
+        )
+    if {"trl", "kit"} <= set(held_out):
+        lines += [
+            "",
+            "- held-out success kit - TRL: greedy "
+            f"**{held_out['kit']['greedy']['mean'] - held_out['trl']['greedy']['mean']:+.3f}**, sampled "
+            f"**{held_out['kit']['sampled']['mean'] - held_out['trl']['sampled']['mean']:+.3f}**.",
+        ]
+    return lines
+
+
+def render(
+    header: dict[str, Any], summary: list[dict[str, Any]], ratios: dict[str, Any], held_out: dict[str, Any]
+) -> str:
     lines = header_lines(header, TITLE)
+    lines += ["Training success rate (the reward of the step's 64 episodes):", ""]
     lines += results_lines(summary, ratios, THRESHOLD, speed_goal=None)
+    lines += [""] + held_out_lines(header, held_out)
     lines += [
         "",
         f"![success rate per step]({header['plot']})",
@@ -374,6 +456,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--jobs", type=int, default=1, help="seeds run at once (one torch thread each; default 1)")
     parser.add_argument("--sides", default="trl,kit", help="comma-separated subset of trl,kit (default both)")
     parser.add_argument("--learning-rate", type=float, default=SETTINGS["learning_rate"], help="AdamW lr of both sides")
+    parser.add_argument(
+        "--held-out-prompts", type=int, default=HELD_OUT["prompts"], help="questions of the final evaluation"
+    )
     parser.add_argument("--output", type=Path, default=None, help="markdown report (.json and .png next to it)")
     parser.add_argument("--note", action="append", default=[], help="a line added to the report's notes")
     parser.add_argument("--workdir", type=Path, default=None, help="where the prompts and records go (default: temp)")
@@ -389,6 +474,9 @@ def main(argv: list[str] | None = None) -> int:
     if not args.learning_rate > 0:
         parser.error(f"--learning-rate={args.learning_rate} must be > 0")
     SETTINGS["learning_rate"] = args.learning_rate
+    if args.held_out_prompts < 1:
+        parser.error(f"--held-out-prompts={args.held_out_prompts} must be >= 1")
+    HELD_OUT["prompts"] = args.held_out_prompts
     if args.jobs < 1:
         parser.error(f"--jobs={args.jobs} must be >= 1")
     sides = [s.strip() for s in args.sides.split(",") if s.strip()]
@@ -409,6 +497,7 @@ def main(argv: list[str] | None = None) -> int:
 
     model_dir = resolve_model_path(CHECKPOINT)
     prompt_ids = check_same_prompt_ids(Path(model_dir), make_rows(1, seeds[0])[0]["prompt"])
+    held_out_start = _checkpoint_held_out(model_dir)
     load_start = os.getloadavg()[0]
     began = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="vs_trl_tools-") as tmp:
@@ -438,6 +527,8 @@ def main(argv: list[str] | None = None) -> int:
         "settings": SETTINGS,
         "threshold": THRESHOLD,
         "window": WINDOW,
+        "held_out_prompts": HELD_OUT["prompts"],
+        "held_out_start": held_out_start,
         "speed_goal": None,
         "elapsed_s": time.perf_counter() - began,
         "load_start": load_start,
@@ -447,12 +538,13 @@ def main(argv: list[str] | None = None) -> int:
     }
     summary = aggregate(runs)
     ratios = compare(summary)
-    report = render(header, summary, ratios)
+    held_out = held_out_summary(runs)
+    report = render(header, summary, ratios, held_out)
     print(report)
     if args.output is not None:
         args.output.parent.mkdir(parents=True, exist_ok=True)
         args.output.write_text(report)
-        data = {"header": header, "summary": summary, "ratios": ratios, "runs": runs}
+        data = {"header": header, "summary": summary, "ratios": ratios, "held_out": held_out, "runs": runs}
         args.output.with_suffix(".json").write_text(json.dumps(data, indent=2) + "\n")
         plot(runs, args.output.with_suffix(".png"), title=TITLE, threshold=THRESHOLD)
     return 0
