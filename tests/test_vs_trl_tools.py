@@ -61,7 +61,8 @@ def test_vs_trl_tools_one_step(tmp_path):
     pytest.importorskip("trl")
     out = tmp_path / "performance_vs_trl_tools.md"
     proc = subprocess.run(
-        [sys.executable, str(BENCH_DIR / "vs_trl_tools.py"), "--steps", "1", "--seeds", "2", "--output", str(out)],
+        [sys.executable, str(BENCH_DIR / "vs_trl_tools.py"), "--steps", "1", "--seeds", "2", "--held-out-prompts", "4"]
+        + ["--output", str(out)],
         capture_output=True,
         text=True,
         timeout=600,
@@ -77,11 +78,21 @@ def test_vs_trl_tools_one_step(tmp_path):
         # 64 episodes, each 0 or 1: the step's success rate is a multiple of 1/64.
         assert 0.0 <= run["rewards"][0] <= 1.0 and (run["rewards"][0] * 64).is_integer()
         assert run["final_reward"] == run["rewards"][0]
+        # The final model on 4 held-out questions, greedy and sampled: a multiple of 1/4 each.
+        assert set(run["held_out"]) == {"greedy", "sampled"}
+        assert all((4 * rate).is_integer() and 0 <= rate <= 1 for rate in run["held_out"].values())
+    assert set(header["held_out_start"]) == {"greedy", "sampled"} and header["held_out_prompts"] == 4
+    for side, run in zip(("trl", "kit"), runs, strict=True):
+        assert data["held_out"][side]["greedy"] == {
+            "mean": run["held_out"]["greedy"],
+            "per_seed": [run["held_out"]["greedy"]],
+        }
     assert [s["side"] for s in summary] == ["trl", "kit"]
     ratio = data["ratios"]["hf"]
     assert ratio["final_reward_kit_minus_trl"] == pytest.approx(runs[1]["rewards"][0] - runs[0]["rewards"][0])
     text = out.read_text()
     assert "| TRL GRPOTrainer | hf |" in text and "goal >=" not in text and out.with_suffix(".png").stat().st_size
+    assert "| `tiny:multiply` before training |" in text and "held-out success kit - TRL" in text
     page = subprocess.run(
         [sys.executable, str(BENCH_DIR.parent / "tools" / "summarize.py"), "--docs", str(tmp_path)],
         capture_output=True,
