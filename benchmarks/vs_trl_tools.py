@@ -341,6 +341,12 @@ def _run_subprocess(side: str, workdir: Path, steps: int, seed: int) -> dict[str
     return json.loads(out.read_text())
 
 
+def _run_from_record(side: str, seed: int, record: dict[str, Any]) -> dict[str, Any]:
+    run = {"side": side, "engine": "hf", "label": LABELS[side], "seed": seed, **record}
+    run.update(summarize_run(record, THRESHOLD))
+    return run
+
+
 def _run_seed(seed: int, sides: list[str], steps: int, root: Path, model_dir: str) -> list[dict[str, Any]]:
     """Both sides on ``seed``'s prompts, one after the other (TRL first)."""
     workdir = root / f"seed{seed}"
@@ -349,9 +355,7 @@ def _run_seed(seed: int, sides: list[str], steps: int, root: Path, model_dir: st
     (workdir / "rows.json").write_text(json.dumps(make_rows(steps * SETTINGS["prompts_per_step"], seed)))
     runs = []
     for side in sides:
-        record = _run_subprocess(side, workdir, steps, seed)
-        run = {"side": side, "engine": "hf", "label": LABELS[side], "seed": seed, **record}
-        run.update(summarize_run(record, THRESHOLD))
+        run = _run_from_record(side, seed, _run_subprocess(side, workdir, steps, seed))
         print(
             f"seed {seed} {side}: success {run['first_reward']:.3f} -> {run['final_reward']:.3f}, steps to "
             f"{THRESHOLD}: {run['steps_to_threshold']}, median s/step {run['median_step_s']:.2f}, held-out "
@@ -360,6 +364,26 @@ def _run_seed(seed: int, sides: list[str], steps: int, root: Path, model_dir: st
         )
         runs.append(run)
     return runs
+
+
+def runs_in_workdir(root: Path) -> tuple[list[dict[str, Any]], float]:
+    """The runs whose side finished in an earlier invocation's ``--workdir`` (``seed<N>/<side>.json``), in seed
+    and side order, and the seconds from its first prompts file to its last record.
+
+    Raises:
+        FileNotFoundError: ``root`` holds no finished side.
+    """
+    runs, times = [], []
+    for seed_dir in sorted(root.glob("seed*"), key=lambda path: int(path.name[4:])):
+        times.append((seed_dir / "rows.json").stat().st_mtime)
+        for side in SIDES:
+            path = seed_dir / f"{side}.json"
+            if path.exists():
+                runs.append(_run_from_record(side, int(seed_dir.name[4:]), json.loads(path.read_text())))
+                times.append(path.stat().st_mtime)
+    if not runs:
+        raise FileNotFoundError(f"vs_trl_tools: no finished side (seed<N>/trl.json or kit.json) in {root}.")
+    return runs, max(times) - min(times)
 
 
 def held_out_summary(runs: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
@@ -462,6 +486,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--output", type=Path, default=None, help="markdown report (.json and .png next to it)")
     parser.add_argument("--note", action="append", default=[], help="a line added to the report's notes")
     parser.add_argument("--workdir", type=Path, default=None, help="where the prompts and records go (default: temp)")
+    parser.add_argument(
+        "--from-workdir",
+        type=Path,
+        default=None,
+        help="no run: the report of the sides an earlier (e.g. interrupted) invocation finished in this --workdir",
+    )
     # Internal: run one side in this process (the driver starts one subprocess per side).
     parser.add_argument("--seed", type=int, default=0, help=argparse.SUPPRESS)
     parser.add_argument("--side", choices=SIDES, default=None, help=argparse.SUPPRESS)
@@ -500,11 +530,20 @@ def main(argv: list[str] | None = None) -> int:
     held_out_start = _checkpoint_held_out(model_dir)
     load_start = os.getloadavg()[0]
     began = time.perf_counter()
-    with tempfile.TemporaryDirectory(prefix="vs_trl_tools-") as tmp:
-        root = args.workdir or Path(tmp)
-        with ThreadPoolExecutor(max_workers=args.jobs) as pool:
-            per_seed = list(pool.map(lambda s: _run_seed(s, sides, args.steps, root, model_dir), seeds))
-    runs = [run for seed_runs in per_seed for run in seed_runs]
+    if args.from_workdir is not None:
+        try:
+            runs, elapsed_s = runs_in_workdir(args.from_workdir)
+        except FileNotFoundError as error:
+            parser.error(str(error))
+        seeds = sorted({run["seed"] for run in runs})
+        args.steps = len(runs[0]["rewards"])
+    else:
+        with tempfile.TemporaryDirectory(prefix="vs_trl_tools-") as tmp:
+            root = args.workdir or Path(tmp)
+            with ThreadPoolExecutor(max_workers=args.jobs) as pool:
+                per_seed = list(pool.map(lambda s: _run_seed(s, sides, args.steps, root, model_dir), seeds))
+        runs = [run for seed_runs in per_seed for run in seed_runs]
+        elapsed_s = time.perf_counter() - began
     import transformers
 
     try:
@@ -530,7 +569,7 @@ def main(argv: list[str] | None = None) -> int:
         "held_out_prompts": HELD_OUT["prompts"],
         "held_out_start": held_out_start,
         "speed_goal": None,
-        "elapsed_s": time.perf_counter() - began,
+        "elapsed_s": elapsed_s,
         "load_start": load_start,
         "load_end": os.getloadavg()[0],
         "notes": list(args.note),

@@ -103,3 +103,25 @@ def test_vs_trl_tools_one_step(tmp_path):
     assert "[performance_vs_trl_tools.md](performance_vs_trl_tools.md)" in page.stdout
     assert f"| TRL GRPOTrainer | hf | **{runs[0]['final_reward']:.3f}** | never |" in page.stdout
     assert "Could not summarize" not in page.stdout
+
+
+def test_an_interrupted_invocation_reports_the_sides_it_finished(tmp_path):
+    """--from-workdir: the records a stopped run left (seed 0 both sides, seed 1 TRL only) are its report's runs."""
+
+    def record(rewards, greedy):
+        return {"rewards": rewards, "step_s": [1.0] * len(rewards), "wall_s": 9.0,
+                "held_out": {"greedy": greedy, "sampled": 0.5}}  # fmt: skip
+
+    for seed, sides in ((0, ("trl", "kit")), (1, ("trl",))):
+        (tmp_path / f"seed{seed}").mkdir()
+        (tmp_path / f"seed{seed}" / "rows.json").write_text("[]")
+        for side in sides:
+            (tmp_path / f"seed{seed}" / f"{side}.json").write_text(json.dumps(record([0.25, 0.75], 0.5 + seed / 4)))
+    runs, elapsed = vs_trl_tools.runs_in_workdir(tmp_path)
+    assert [(r["seed"], r["side"]) for r in runs] == [(0, "trl"), (0, "kit"), (1, "trl")] and elapsed >= 0
+    assert runs[0]["final_reward"] == 0.5 and runs[0]["first_reward"] == 0.5
+    held_out = vs_trl_tools.held_out_summary(runs)
+    assert held_out["trl"]["greedy"] == {"mean": 0.625, "per_seed": [0.5, 0.75]}
+    assert held_out["kit"]["greedy"] == {"mean": 0.5, "per_seed": [0.5]}
+    with pytest.raises(FileNotFoundError, match="no finished side"):
+        vs_trl_tools.runs_in_workdir(tmp_path / "seed1" / "missing")
