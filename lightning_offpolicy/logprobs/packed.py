@@ -1,0 +1,218 @@
+"""Packed, padding-free forwards: the rows of a padded batch concatenated into one sequence.
+
+A padded ``[B, L]`` batch costs ``B x L`` token positions in every layer; packed, it costs the real
+tokens alone. :func:`pack_rows` lays the real tokens of every row end to end in one row (batch
+dimension 1) with ``position_ids`` restarting at 0 for each sequence. transformers reads that layout
+from the position ids (``masking_utils.find_packed_sequence_indices`` for ``eager`` / ``sdpa`` /
+``flex_attention``, ``_is_packed_sequence`` and varlen kernels for ``flash_attention_*``) when no
+2-D attention mask is given, and keeps attention within each sequence, as
+``DataCollatorWithFlattening`` relies on. :func:`packed_response_logprobs` runs that forward and
+puts the response logprobs back in the padded ``[B, T]`` layout the correction and the loss read.
+:func:`packing_refusal` says whether a model can be trusted with it (docs/training.md, "Packed
+micro-batches").
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from torch import Tensor, nn
+
+from lightning_offpolicy.logprobs.chunked import token_logprobs
+from lightning_offpolicy.logprobs.head import fused_head_token_logprobs
+
+__all__ = [
+    "PACKED_ARCHITECTURES",
+    "PACKED_ATTENTION",
+    "PackedRows",
+    "pack_rows",
+    "packed_response_logprobs",
+    "packing_refusal",
+]
+
+#: transformers causal-LM classes whose decoder builds its attention mask with ``create_causal_mask``
+#: (or the sliding-window variant) from the ``position_ids`` it is given and passes them on to the
+#: attention function (checked in transformers 5.x). Other classes are never packed: their decoder
+#: could attend across the packed sequences.
+PACKED_ARCHITECTURES: frozenset[str] = frozenset(
+    {
+        "LlamaForCausalLM",
+        "MistralForCausalLM",
+        "MixtralForCausalLM",
+        "Qwen2ForCausalLM",
+        "Qwen2MoeForCausalLM",
+        "Qwen3ForCausalLM",
+        "Qwen3MoeForCausalLM",
+        "Phi3ForCausalLM",
+        "GemmaForCausalLM",
+        "Gemma2ForCausalLM",
+        "Gemma3ForCausalLM",
+        "Olmo2ForCausalLM",
+    }
+)
+
+#: ``config._attn_implementation`` values that keep attention within each packed sequence: the
+#: mask-building ones read the sequence boundaries from the position ids, the flash kernels run
+#: varlen on them. Hub kernels and paged attention are not among them.
+PACKED_ATTENTION: frozenset[str] = frozenset(
+    {"eager", "sdpa", "flex_attention", "flash_attention_2", "flash_attention_3", "flash_attention_4"}
+)
+
+
+def packing_refusal(model: nn.Module) -> str | None:
+    """Why ``model`` cannot run packed forwards, or ``None`` when it can.
+
+    Args:
+        model: A transformers causal LM, or a peft model with adapters injected into one (LoRA).
+
+    Returns:
+        ``None``: the class is in :data:`PACKED_ARCHITECTURES` and its attention implementation in
+        :data:`PACKED_ATTENTION`. Otherwise a sentence saying why not.
+    """
+    base = model
+    peft_config = getattr(model, "active_peft_config", None)
+    if peft_config is not None and hasattr(model, "get_base_model"):
+        if getattr(peft_config, "is_prompt_learning", False):
+            return "it is a peft prompt-learning model (its forward adds virtual tokens)"
+        base = model.get_base_model()
+    name = type(base).__name__
+    if name not in PACKED_ARCHITECTURES:
+        return (
+            f"{name} is not in lightning_offpolicy.logprobs.packed.PACKED_ARCHITECTURES (transformers causal LMs whose "
+            "attention is known to stay within each sequence of a packed row)"
+        )
+    implementation = getattr(getattr(base, "config", None), "_attn_implementation", None)
+    if implementation not in PACKED_ATTENTION:
+        return (
+            f"its attention implementation {implementation!r} is not one that keeps packed sequences apart "
+            f"({', '.join(sorted(PACKED_ATTENTION))})"
+        )
+    return None
+
+
+@dataclass(frozen=True)
+class PackedRows:
+    """The real tokens of a padded batch in one row, and where its response tokens come from and go back.
+
+    Attributes:
+        input_ids: ``[1, N]`` the real tokens (``attention_mask == 1``), row after row.
+        position_ids: ``[1, N]`` each token's position within its own sequence (0 at its first real token).
+        source: ``[M]`` for each real response token, the packed index of the token that predicts it
+            (the real token before it in its row).
+        rows: ``[M]`` the padded row of each real response token.
+        columns: ``[M]`` its response column (``0 .. T - 1``).
+    """
+
+    input_ids: Tensor
+    position_ids: Tensor
+    source: Tensor
+    rows: Tensor
+    columns: Tensor
+
+    def scatter(self, values: Tensor, shape: tuple[int, int]) -> Tensor:
+        """``[M]`` per-response-token ``values`` in the padded ``[B, T]`` layout (0 at padding), gradient kept."""
+        return values.new_zeros(shape).index_put((self.rows, self.columns), values)
+
+    def gather(self, padded: Tensor) -> Tensor:
+        """The ``[M, ...]`` real response positions of a ``[B, T, ...]`` per-token tensor."""
+        return padded[self.rows, self.columns]
+
+
+def pack_rows(input_ids: Tensor, attention_mask: Tensor, response_start: int) -> PackedRows:
+    """Concatenate the real tokens of ``[B, L]`` rows into one row with per-sequence position ids.
+
+    The position of a real token is its index among its row's real tokens, as the padded forward
+    gives it (``attention_mask.cumsum(-1) - 1``), so each row's hidden states are those of the padded
+    forward. A response token is predicted by the real token before it in its row.
+
+    Args:
+        input_ids: ``[B, L]`` token ids, ``[left-padded prompt | right-padded response]``.
+        attention_mask: ``[B, L]``, 1 on real tokens.
+        response_start: The column where the responses start.
+
+    Returns:
+        The packed row and its index maps.
+
+    Raises:
+        ValueError: A row's first real token is a response token (nothing before it to predict it).
+    """
+    real = attention_mask.bool()
+    positions = attention_mask.long().cumsum(-1) - 1
+    # Packed index of every real cell, row-major as boolean indexing lays them out.
+    index = (real.reshape(-1).long().cumsum(0) - 1).view(real.shape)
+    rows, columns = real[:, response_start:].nonzero(as_tuple=True)
+    target = index[rows, columns + response_start]
+    if bool((positions[rows, columns + response_start] == 0).any()):
+        raise ValueError(
+            "a row's first real token is a response token, with no prompt token before it to predict it; packed "
+            "forwards need at least one prompt token per row (or train with packing='off')."
+        )
+    return PackedRows(
+        input_ids=input_ids[real].unsqueeze(0),
+        position_ids=positions[real].unsqueeze(0),
+        source=target - 1,
+        rows=rows,
+        columns=columns,
+    )
+
+
+def packed_response_logprobs(
+    model: nn.Module,
+    parts: tuple[nn.Module, nn.Module] | None,
+    packed: PackedRows,
+    targets: Tensor,
+    temperature: float,
+    chunk_size: int,
+    return_entropy: bool,
+) -> Tensor | tuple[Tensor, Tensor]:
+    """The logprobs of ``targets`` at the real response tokens of ``packed``, by one packed forward.
+
+    Args:
+        model: The causal LM (its own forward runs when ``parts`` is ``None``).
+        parts: ``(decoder, head)`` of :func:`~lightning_offpolicy.logprobs.head.fused_head_parts`: the
+            fused head runs on the predicting tokens' hidden states (no logits); ``None``: the model's
+            logits of those tokens only (``logits_to_keep`` given as their indices).
+        packed: :func:`pack_rows`'s layout.
+        targets: ``[M]`` or ``[M, K]`` ids whose logprobs to return per real response token.
+        temperature: Divides the logits.
+        chunk_size: Rows per chunk of the logprob computation.
+        return_entropy: Also return the ``[M]`` entropy.
+
+    Returns:
+        ``[M]`` or ``[M, K]`` logprobs (and the ``[M]`` entropy), with gradient.
+
+    Raises:
+        RuntimeError: The model returned hidden states or logits of an unexpected shape.
+    """
+    # No 2-D attention mask: transformers then reads the sequence boundaries from the position ids.
+    inputs: dict[str, Any] = dict(
+        input_ids=packed.input_ids, attention_mask=None, position_ids=packed.position_ids, use_cache=False
+    )
+    count = packed.input_ids.shape[1]
+    targets = targets.unsqueeze(0)
+    if parts is not None:
+        decoder, head = parts
+        out = decoder(**inputs)
+        hidden = out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
+        if hidden.dim() != 3 or tuple(hidden.shape[:2]) != (1, count):
+            raise RuntimeError(
+                f"the decoder returned hidden states of shape {tuple(hidden.shape)}; expected [1, {count}, H]."
+            )
+        result = fused_head_token_logprobs(
+            head, hidden[:, packed.source], targets, temperature, chunk_size, return_entropy
+        )
+    else:
+        out = model(**inputs, logits_to_keep=packed.source)
+        logits = out.logits if hasattr(out, "logits") else out[0]
+        if logits.dim() == 3 and logits.shape[:2] == (1, count) and count != packed.source.numel():
+            logits = logits[:, packed.source]  # a model that ignores logits_to_keep: correct, not lean
+        if logits.dim() != 3 or tuple(logits.shape[:2]) != (1, packed.source.numel()):
+            raise RuntimeError(
+                f"model returned logits of shape {tuple(logits.shape)}; expected [1, {packed.source.numel()}, V] "
+                "(logits_to_keep given as the predicting positions)."
+            )
+        result = token_logprobs(logits, targets, temperature, chunk_size, return_entropy)
+    if return_entropy:
+        return result[0].squeeze(0), result[1].squeeze(0)
+    return result.squeeze(0)
