@@ -76,7 +76,7 @@ def packing_refusal(model: nn.Module) -> str | None:
         if getattr(peft_config, "is_prompt_learning", False):
             return "it is a peft prompt-learning model (its forward adds virtual tokens)"
         base = model.get_base_model()
-    name = type(base).__name__
+    name = _model_class(base).__name__
     if name not in PACKED_ARCHITECTURES:
         return (
             f"{name} is not in lightning_offpolicy.logprobs.packed.PACKED_ARCHITECTURES (transformers causal LMs whose "
@@ -89,6 +89,17 @@ def packing_refusal(model: nn.Module) -> str | None:
             f"({', '.join(sorted(PACKED_ATTENTION))})"
         )
     return None
+
+
+def _model_class(model: nn.Module) -> type:
+    """The model's class; under FSDP2 the class ``fully_shard`` derived it from (``FSDPLlamaForCausalLM`` -> Llama's)."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # torch built without distributed
+        return type(model)
+    if not isinstance(model, FSDPModule):
+        return type(model)
+    return next(cls for cls in type(model).__mro__ if not issubclass(cls, FSDPModule))
 
 
 @dataclass(frozen=True)
