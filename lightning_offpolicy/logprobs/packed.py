@@ -92,7 +92,7 @@ def packing_refusal(model: nn.Module) -> str | None:
 
 
 def _model_class(model: nn.Module) -> type:
-    """The model's class; under FSDP2 the class ``fully_shard`` derived it from (``FSDPLlamaForCausalLM`` -> Llama's)."""
+    """The model's class; under FSDP2 the class ``fully_shard`` derived its own from (``FSDPLlamaForCausalLM``)."""
     try:
         from torch.distributed.fsdp import FSDPModule
     except ImportError:  # torch built without distributed
