@@ -132,9 +132,11 @@ def test_packed_logprobs_equal_each_row_run_alone():
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 @pytest.mark.parametrize("attention", ["sdpa", "eager"])
-def test_no_packed_sequence_sees_another(arch, attention):
-    """New tokens in row 0 (same lengths) leave every other row's packed logprobs bit-identical; the same
-    packed row with one continuous run of position ids (one sequence) does leak, so the check can fail."""
+@pytest.mark.parametrize("fused_head", [None, False], ids=["rows", "one-row"])
+def test_no_packed_sequence_sees_another(arch, attention, fused_head):
+    """New tokens in row 0 (same lengths) leave every other row's packed logprobs bit-identical, packed in
+    several rows (the fused head; row 0 shares one with row 3) or in one (the logits path); the same packed
+    row with one continuous run of position ids (one sequence) does leak, so the check can fail."""
     model = tiny_model(arch, attention=attention)
     batch = long_tail_batch(model)
     other_ids = batch.input_ids.clone()
@@ -142,7 +144,8 @@ def test_no_packed_sequence_sees_another(arch, attention):
     other_ids[0, real] = (other_ids[0, real] + 7) % (VOCAB - 3) + 3
     changed = batch.with_fields(input_ids=other_ids)
     with torch.no_grad():
-        before, after = logprobs(model, batch, packed=True), logprobs(model, changed, packed=True)
+        before = logprobs(model, batch, packed=True, fused_head=fused_head)
+        after = logprobs(model, changed, packed=True, fused_head=fused_head)
     assert not torch.equal(before[0], after[0])
     assert torch.equal(before[1:], after[1:])
 
@@ -157,16 +160,23 @@ def test_no_packed_sequence_sees_another(arch, attention):
     assert not torch.allclose(continuous[0][0, row1], continuous[1][0, row1])
 
 
-def test_a_row_without_a_prompt_token_cannot_be_packed():
-    ids = torch.tensor([[0, 5, 6, 7], [8, 9, 10, 0]])
-    mask = torch.tensor([[0, 1, 1, 1], [1, 1, 1, 0]])
-    packed = pack_rows(ids, mask, response_start=2)
-    assert packed.input_ids.tolist() == [[5, 6, 7, 8, 9, 10]]
-    assert packed.position_ids.tolist() == [[0, 1, 2, 0, 1, 2]]
-    assert packed.rows.tolist() == [0, 0, 1] and packed.columns.tolist() == [0, 1, 0]
-    assert packed.source.tolist() == [0, 1, 4]  # the token before each response token, in its own row
+def test_pack_rows_lays_each_sequence_whole_and_finds_each_tokens_predictor():
+    # Three sequences of 3, 2 and 4 real tokens (prompt columns 0-2, response columns 3-4).
+    ids = torch.tensor([[0, 11, 12, 13, 0], [0, 0, 21, 22, 0], [31, 32, 33, 34, 0]])
+    mask = torch.tensor([[0, 1, 1, 1, 0], [0, 0, 1, 1, 0], [1, 1, 1, 1, 0]])
+    one = pack_rows(ids, mask, response_start=3)
+    assert one.input_ids.tolist() == [[11, 12, 13, 21, 22, 31, 32, 33, 34]]
+    assert one.position_ids.tolist() == [[0, 1, 2, 0, 1, 0, 1, 2, 3]]
+    assert one.rows.tolist() == [0, 1, 2] and one.columns.tolist() == [0, 0, 0]
+    assert one.source.tolist() == [1, 3, 7]  # the token before each response token, in its own sequence
+    # Rows at most 5 wide, first-fit by decreasing length: [seq 2 | tail], [seq 0, seq 1].
+    rows = pack_rows(ids, mask, response_start=3, width=5)
+    assert rows.input_ids.tolist() == [[31, 32, 33, 34, 0], [11, 12, 13, 21, 22]]
+    assert rows.position_ids.tolist() == [[0, 1, 2, 3, 4], [0, 1, 2, 0, 1]]
+    assert rows.source.tolist() == [6, 8, 2]  # flat indices into the 2 x 5 cells
+    # A row whose first real token is a response token has nothing to predict it.
     with pytest.raises(ValueError, match="at least one prompt token per row"):
-        pack_rows(ids, torch.tensor([[0, 1, 1, 1], [0, 0, 1, 0]]), response_start=2)
+        pack_rows(ids, torch.tensor([[0, 1, 1, 1, 0], [0, 0, 0, 1, 0], [1, 1, 1, 1, 0]]), response_start=3)
 
 
 def test_a_packed_micro_batch_budgets_real_tokens():
@@ -273,10 +283,11 @@ def test_packing_is_the_default_and_the_forward_sees_only_real_tokens():
     model.base_model.register_forward_hook(lambda mod, args, kwargs, out: shapes.append(kwargs), with_kwargs=True)
     fit_on(trained, [batch], max_steps=1)
     (inputs,) = shapes  # pi_prox came from the step's own forward: one forward
-    assert tuple(inputs["input_ids"].shape) == (1, int(batch.attention_mask.sum()))
     assert inputs["attention_mask"] is None
-    # The padded forward would cost 6 rows x (6 + 40) = 276 positions for these 141 tokens.
+    # sdpa: the 141 real tokens (7, 45, 8, 39, 9, 33) in rows as wide as the padded batch (46), first-fit
+    # by decreasing length: [45], [39, 7], [33, 9], [8]; the padded forward costs 6 x 46 positions.
     assert tuple(batch.input_ids.shape) == (6, 46) and int(batch.attention_mask.sum()) == 141
+    assert tuple(inputs["input_ids"].shape) == (4, 46) and int((inputs["input_ids"] != 0).sum()) == 141
 
 
 # ------------------------------------------------------------------------------ fallback and errors

@@ -11,7 +11,7 @@ from lightning_offpolicy.argcheck import is_int
 from lightning_offpolicy.logprobs.checks import check_temperature_and_chunk
 from lightning_offpolicy.logprobs.chunked import token_logprobs
 from lightning_offpolicy.logprobs.head import fused_head_parts, fused_head_token_logprobs
-from lightning_offpolicy.logprobs.packed import pack_rows, packed_response_logprobs, packing_refusal
+from lightning_offpolicy.logprobs.packed import pack_rows, packed_response_logprobs, packing_refusal, packs_rows
 from lightning_offpolicy.logprobs.support import check_support, over_support
 
 __all__ = ["causal_lm_token_logprobs"]
@@ -118,7 +118,10 @@ def causal_lm_token_logprobs(
         refusal = packing_refusal(model)
         if refusal is not None:
             raise ValueError(f"packed=True, but this model cannot run packed sequences: {refusal}.")
-        layout = pack_rows(input_ids, attention_mask, response_start)
+        # Rows no wider than the padded batch where the attention allows several (the fused head reads
+        # any layout): attention then costs the square of a row, not of the whole micro-batch.
+        several = not isinstance(parts, str) and packs_rows(model)
+        layout = pack_rows(input_ids, attention_mask, response_start, width=seq_len if several else None)
         # Without a single response token the packed forward would reach no parameter; the padded
         # one (cheap then) keeps every parameter in the graph, as a backward expects.
         if layout.source.numel():

@@ -17,6 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 from torch import Tensor, nn
 
 from lightning_offpolicy.logprobs.chunked import token_logprobs
@@ -25,10 +26,12 @@ from lightning_offpolicy.logprobs.head import fused_head_token_logprobs
 __all__ = [
     "PACKED_ARCHITECTURES",
     "PACKED_ATTENTION",
+    "ROW_WISE_ATTENTION",
     "PackedRows",
     "pack_rows",
     "packed_response_logprobs",
     "packing_refusal",
+    "packs_rows",
 ]
 
 #: transformers causal-LM classes whose decoder builds its attention mask with ``create_causal_mask``
@@ -58,6 +61,11 @@ PACKED_ARCHITECTURES: frozenset[str] = frozenset(
 PACKED_ATTENTION: frozenset[str] = frozenset(
     {"eager", "sdpa", "flex_attention", "flash_attention_2", "flash_attention_3", "flash_attention_4"}
 )
+
+#: Of those, the implementations that build the mask of every row of a batch from its own position ids
+#: (``find_packed_sequence_indices``), so sequences may be packed into several rows. The flash ones find
+#: packed sequences only in a batch of one row (``_is_packed_sequence``): one row for them.
+ROW_WISE_ATTENTION: frozenset[str] = frozenset({"eager", "sdpa", "flex_attention"})
 
 
 def packing_refusal(model: nn.Module) -> str | None:
@@ -91,6 +99,12 @@ def packing_refusal(model: nn.Module) -> str | None:
     return None
 
 
+def packs_rows(model: nn.Module) -> bool:
+    """Whether ``model`` (one :func:`packing_refusal` accepts) keeps packed sequences apart in several rows too."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    return getattr(getattr(base, "config", None), "_attn_implementation", None) in ROW_WISE_ATTENTION
+
+
 def _model_class(model: nn.Module) -> type:
     """The model's class; under FSDP2 the class ``fully_shard`` derived its own from (``FSDPLlamaForCausalLM``)."""
     try:
@@ -104,13 +118,16 @@ def _model_class(model: nn.Module) -> type:
 
 @dataclass(frozen=True)
 class PackedRows:
-    """The real tokens of a padded batch in one row, and where its response tokens come from and go back.
+    """The real tokens of a padded batch packed into rows, and where its response tokens come from and go back.
 
     Attributes:
-        input_ids: ``[1, N]`` the real tokens (``attention_mask == 1``), row after row.
-        position_ids: ``[1, N]`` each token's position within its own sequence (0 at its first real token).
-        source: ``[M]`` for each real response token, the packed index of the token that predicts it
-            (the real token before it in its row).
+        input_ids: ``[R, W]`` the real tokens (``attention_mask == 1``), each sequence whole and contiguous
+            in one row, sequences end to end; a row's cells after its last sequence hold 0.
+        position_ids: ``[R, W]`` each token's position within its own sequence (0 at its first real
+            token); cells after a row's last sequence hold their column index (they see no real token's
+            output: a real token attends only to earlier cells).
+        source: ``[M]`` for each real response token, the flat index (into ``R * W``) of the token that
+            predicts it (the real token before it in its sequence).
         rows: ``[M]`` the padded row of each real response token.
         columns: ``[M]`` its response column (``0 .. T - 1``).
     """
@@ -130,42 +147,76 @@ class PackedRows:
         return padded[self.rows, self.columns]
 
 
-def pack_rows(input_ids: Tensor, attention_mask: Tensor, response_start: int) -> PackedRows:
-    """Concatenate the real tokens of ``[B, L]`` rows into one row with per-sequence position ids.
+def pack_rows(input_ids: Tensor, attention_mask: Tensor, response_start: int, width: int | None = None) -> PackedRows:
+    """Pack the real tokens of ``[B, L]`` rows end to end, with per-sequence position ids.
 
     The position of a real token is its index among its row's real tokens, as the padded forward
-    gives it (``attention_mask.cumsum(-1) - 1``), so each row's hidden states are those of the padded
-    forward. A response token is predicted by the real token before it in its row.
+    gives it (``attention_mask.cumsum(-1) - 1``), so each sequence's hidden states are those of the
+    padded forward. A response token is predicted by the real token before it in its sequence.
 
     Args:
         input_ids: ``[B, L]`` token ids, ``[left-padded prompt | right-padded response]``.
         attention_mask: ``[B, L]``, 1 on real tokens.
         response_start: The column where the responses start.
+        width: ``None``: every sequence in one row (``R = 1``, ``W`` = the real tokens). Else rows at
+            most ``max(width, longest sequence)`` wide, filled first-fit by decreasing length: attention
+            over a row then costs ``W^2`` instead of the square of the whole micro-batch, for a little
+            padding at the rows' ends.
 
     Returns:
-        The packed row and its index maps.
+        The packed rows and their index maps.
 
     Raises:
         ValueError: A row's first real token is a response token (nothing before it to predict it).
     """
     real = attention_mask.bool()
     positions = attention_mask.long().cumsum(-1) - 1
-    # Packed index of every real cell, row-major as boolean indexing lays them out.
-    index = (real.reshape(-1).long().cumsum(0) - 1).view(real.shape)
+    lengths = real.sum(-1).tolist()
+    row_of, offset, used = _first_fit(lengths, width)
+    cells = max(used)
+    start = torch.tensor([r * cells + o for r, o in zip(row_of, offset, strict=True)], device=real.device)
+    # Flat packed index of every real cell: its sequence's start plus its position in the sequence.
+    index = start[:, None] + positions
     rows, columns = real[:, response_start:].nonzero(as_tuple=True)
-    target = index[rows, columns + response_start]
     if bool((positions[rows, columns + response_start] == 0).any()):
         raise ValueError(
             "a row's first real token is a response token, with no prompt token before it to predict it; packed "
             "forwards need at least one prompt token per row (or train with packing='off')."
         )
+    flat = index[real]
+    packed_ids = input_ids.new_zeros(len(used) * cells).index_put((flat,), input_ids[real])
+    packed_positions = torch.arange(cells, device=real.device).repeat(len(used)).index_put((flat,), positions[real])
     return PackedRows(
-        input_ids=input_ids[real].unsqueeze(0),
-        position_ids=positions[real].unsqueeze(0),
-        source=target - 1,
+        input_ids=packed_ids.view(len(used), cells),
+        position_ids=packed_positions.view(len(used), cells),
+        source=index[rows, columns + response_start] - 1,
         rows=rows,
         columns=columns,
     )
+
+
+def _first_fit(lengths: list[int], width: int | None) -> tuple[list[int], list[int], list[int]]:
+    """``(row, offset)`` of each sequence and each row's used cells: one row, or first-fit decreasing."""
+    if width is None:
+        return [0] * len(lengths), _prefix(lengths), [max(1, sum(lengths))]
+    capacity = max([width, *lengths])
+    row_of, offset, used = [0] * len(lengths), [0] * len(lengths), []
+    for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
+        row = next((r for r, filled in enumerate(used) if filled + lengths[i] <= capacity), len(used))
+        if row == len(used):
+            used.append(0)
+        row_of[i], offset[i] = row, used[row]
+        used[row] += lengths[i]
+    return row_of, offset, used or [1]
+
+
+def _prefix(lengths: list[int]) -> list[int]:
+    """Exclusive prefix sums."""
+    out, total = [], 0
+    for n in lengths:
+        out.append(total)
+        total += n
+    return out
 
 
 def packed_response_logprobs(
@@ -183,7 +234,7 @@ def packed_response_logprobs(
         model: The causal LM (its own forward runs when ``parts`` is ``None``).
         parts: ``(decoder, head)`` of :func:`~lightning_offpolicy.logprobs.head.fused_head_parts`: the
             fused head runs on the predicting tokens' hidden states (no logits); ``None``: the model's
-            logits of those tokens only (``logits_to_keep`` given as their indices).
+            logits of those tokens only (``logits_to_keep`` given as their indices; one packed row).
         packed: :func:`pack_rows`'s layout.
         targets: ``[M]`` or ``[M, K]`` ids whose logprobs to return per real response token.
         temperature: Divides the logits.
@@ -194,33 +245,36 @@ def packed_response_logprobs(
         ``[M]`` or ``[M, K]`` logprobs (and the ``[M]`` entropy), with gradient.
 
     Raises:
+        ValueError: The logits path with several packed rows (``logits_to_keep`` indexes the columns of every row).
         RuntimeError: The model returned hidden states or logits of an unexpected shape.
     """
     # No 2-D attention mask: transformers then reads the sequence boundaries from the position ids.
     inputs: dict[str, Any] = dict(
         input_ids=packed.input_ids, attention_mask=None, position_ids=packed.position_ids, use_cache=False
     )
-    count = packed.input_ids.shape[1]
+    shape = tuple(packed.input_ids.shape)
+    count = packed.source.numel()
     targets = targets.unsqueeze(0)
     if parts is not None:
         decoder, head = parts
         out = decoder(**inputs)
         hidden = out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
-        if hidden.dim() != 3 or tuple(hidden.shape[:2]) != (1, count):
+        if hidden.dim() != 3 or tuple(hidden.shape[:2]) != shape:
             raise RuntimeError(
-                f"the decoder returned hidden states of shape {tuple(hidden.shape)}; expected [1, {count}, H]."
+                f"the decoder returned hidden states of shape {tuple(hidden.shape)}; expected {list(shape)} + [H]."
             )
-        result = fused_head_token_logprobs(
-            head, hidden[:, packed.source], targets, temperature, chunk_size, return_entropy
-        )
+        predicting = hidden.reshape(1, -1, hidden.shape[-1])[:, packed.source]
+        result = fused_head_token_logprobs(head, predicting, targets, temperature, chunk_size, return_entropy)
     else:
+        if shape[0] != 1:
+            raise ValueError(f"the logits path packs into one row; got {shape[0]} rows.")
         out = model(**inputs, logits_to_keep=packed.source)
         logits = out.logits if hasattr(out, "logits") else out[0]
-        if logits.dim() == 3 and logits.shape[:2] == (1, count) and count != packed.source.numel():
+        if logits.dim() == 3 and tuple(logits.shape[:2]) == shape and shape[1] != count:
             logits = logits[:, packed.source]  # a model that ignores logits_to_keep: correct, not lean
-        if logits.dim() != 3 or tuple(logits.shape[:2]) != (1, packed.source.numel()):
+        if logits.dim() != 3 or tuple(logits.shape[:2]) != (1, count):
             raise RuntimeError(
-                f"model returned logits of shape {tuple(logits.shape)}; expected [1, {packed.source.numel()}, V] "
+                f"model returned logits of shape {tuple(logits.shape)}; expected [1, {count}, V] "
                 "(logits_to_keep given as the predicting positions)."
             )
         result = token_logprobs(logits, targets, temperature, chunk_size, return_entropy)
