@@ -89,8 +89,7 @@ class OffPolicyRLModule(LightningModule):
         loss: The surrogate, its aggregation and the KL penalties.
         ppo_epochs: Passes over each rollout batch.
         num_minibatches: Optimizer steps per pass (the rollout rows are split this many ways).
-        max_tokens_per_microbatch: Token budget of one forward/backward: the real tokens of its rows
-            when they are packed (``packing``), else ``rows x (longest prompt + longest response)``.
+        max_tokens_per_microbatch: Tokens per forward/backward (real ones when packed).
         gradient_clip_val: Max global gradient norm (``None``: no clipping; the norm is logged anyway).
         temperature: Temperature the trainer scores tokens with; must equal the engine's.
         reference: Reference policy for the reference KL loss: ``"auto"`` (``disable_adapter`` for
@@ -113,13 +112,7 @@ class OffPolicyRLModule(LightningModule):
             the same values, faster and with fewer ``[B, T]`` temporaries, after a compilation per
             shape class (docs/reports/performance_correction.md). Needs a C++ compiler (inductor); not with
             the correction's whole-batch settings (``normalize_weights``, ``m2po_mask``).
-        packing: Run each micro-batch as one packed, padding-free sequence (its rows concatenated,
-            position ids restarting per row, attention kept within each row): the same values and
-            gradients as padded micro-batches, at the cost of the real tokens only.
-            ``"auto"``: wherever the model allows it (a transformers class of
-            ``PACKED_ARCHITECTURES`` with an attention implementation of ``PACKED_ATTENTION``, see
-            :mod:`lightning_offpolicy.logprobs.packed`), else padded; ``"on"``: required (a model
-            that cannot pack is refused when it is built); ``"off"``: always padded.
+        packing: Packed, padding-free micro-batches: auto (where the model allows it), on or off.
     """
 
     def __init__(
