@@ -18,7 +18,7 @@ from lightning_offpolicy.correction import OffPolicyCorrectionConfig, PolicyLoss
 from lightning_offpolicy.demo.tiny import tiny_llama_config
 from lightning_offpolicy.lightning.module import OffPolicyRLModule
 from lightning_offpolicy.logprobs import causal_lm_token_logprobs
-from lightning_offpolicy.logprobs.packed import pack_rows, packing_refusal
+from lightning_offpolicy.logprobs.packed import pack_rows, packing_refusal, packs_rows
 from tests.module_helpers import TOKENIZER, fit_on
 
 VOCAB = 64
@@ -322,6 +322,21 @@ def test_packing_on_is_refused_for_a_model_that_cannot_pack():
     llama = tiny_model("llama")
     llama.config._attn_implementation = "paged|sdpa"
     assert "attention implementation 'paged|sdpa'" in packing_refusal(llama)
+
+
+def test_the_flash_kernels_get_one_packed_row_and_the_mask_builders_several():
+    """flash_attention_* find packed sequences only in a batch of one row; eager / sdpa / flex in every row."""
+    llama = tiny_model("llama")
+    assert packs_rows(llama) and packs_rows(get_peft_model_of(llama))
+    for implementation in ("flash_attention_2", "flash_attention_3"):
+        llama.config._attn_implementation = implementation
+        assert packing_refusal(llama) is None and not packs_rows(llama)
+
+
+def get_peft_model_of(model):
+    from peft import LoraConfig, get_peft_model
+
+    return get_peft_model(copy.deepcopy(model), LoraConfig(r=2, target_modules=["q_proj"]))
 
 
 @pytest.mark.parametrize("value", ["yes", True, None])
