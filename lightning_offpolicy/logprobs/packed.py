@@ -1,15 +1,17 @@
-"""Packed, padding-free forwards: the rows of a padded batch concatenated into one sequence.
+"""Packed, padding-free forwards: the sequences of a padded batch laid end to end.
 
 A padded ``[B, L]`` batch costs ``B x L`` token positions in every layer; packed, it costs the real
-tokens alone. :func:`pack_rows` lays the real tokens of every row end to end in one row (batch
-dimension 1) with ``position_ids`` restarting at 0 for each sequence. transformers reads that layout
-from the position ids (``masking_utils.find_packed_sequence_indices`` for ``eager`` / ``sdpa`` /
-``flex_attention``, ``_is_packed_sequence`` and varlen kernels for ``flash_attention_*``) when no
-2-D attention mask is given, and keeps attention within each sequence, as
-``DataCollatorWithFlattening`` relies on. :func:`packed_response_logprobs` runs that forward and
-puts the response logprobs back in the padded ``[B, T]`` layout the correction and the loss read.
-:func:`packing_refusal` says whether a model can be trusted with it (docs/training.md, "Packed
-micro-batches").
+tokens alone. :func:`pack_rows` lays the real tokens of every sequence end to end, in one row (batch
+dimension 1) or in rows no wider than the padded batch, with ``position_ids`` restarting at 0 for
+each sequence. transformers reads that layout from the position ids
+(``masking_utils.find_packed_sequence_indices`` for ``eager`` / ``sdpa`` / ``flex_attention``, in
+every row; ``_is_packed_sequence`` and varlen kernels for ``flash_attention_*``, in a batch of one
+row) when no 2-D attention mask is given, and keeps attention within each sequence, as
+``DataCollatorWithFlattening`` relies on. :func:`packed_response_logprobs` runs that forward for
+:func:`~lightning_offpolicy.logprobs.causal_lm.causal_lm_token_logprobs`, which puts the response
+logprobs back in the padded ``[B, T]`` layout the correction and the loss read. :func:`packing_refusal`
+says whether a model can be trusted with it, :func:`packs_rows` whether in several rows
+(docs/training.md, "Packed micro-batches").
 """
 
 from __future__ import annotations
