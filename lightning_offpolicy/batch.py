@@ -220,14 +220,18 @@ class RolloutBatch:
         )
         return [self.select(part) for part in torch.tensor_split(order, num_parts)]
 
-    def micro_batch_rows(self, max_tokens: int) -> list[list[int]]:
-        """Row indices of each micro-batch of at most ``max_tokens`` padded tokens.
+    def micro_batch_rows(self, max_tokens: int, packed: bool = False) -> list[list[int]]:
+        """Row indices of each micro-batch of at most ``max_tokens`` tokens.
 
-        Rows are packed greedily in order; a micro-batch costs ``rows x (longest prompt + longest
-        response)`` of its rows. A single row longer than the budget forms its own micro-batch.
+        Rows are grouped greedily in order. A padded micro-batch costs ``rows x (longest prompt +
+        longest response)`` of its rows; a ``packed`` one (its rows concatenated, no padding: see
+        :mod:`lightning_offpolicy.logprobs.packed`) costs the sum of its rows' real tokens. A single
+        row longer than the budget forms its own micro-batch.
         """
         if max_tokens < 1:
             raise ValueError(f"max_tokens={max_tokens} must be at least 1.")
+        if packed:
+            return _greedy_groups(self.attention_mask.sum(dim=-1).tolist(), max_tokens)
         prompt_lengths = self.attention_mask[:, : self.prompt_length].sum(dim=-1).tolist()
         response_lengths = _last_true_plus_one(self.response_mask).tolist()
         groups: list[list[int]] = []
@@ -243,16 +247,21 @@ class RolloutBatch:
         return groups
 
     def micro_batches(
-        self, max_tokens: int, num_micro_batches: int | None = None, rows: list[list[int]] | None = None
+        self,
+        max_tokens: int,
+        num_micro_batches: int | None = None,
+        rows: list[list[int]] | None = None,
+        packed: bool = False,
     ) -> list[RolloutBatch]:
-        """Split rows into micro-batches of at most ``max_tokens`` padded tokens each (see :meth:`micro_batch_rows`).
+        """Split rows into micro-batches of at most ``max_tokens`` tokens each (see :meth:`micro_batch_rows`).
 
         With ``num_micro_batches`` (e.g. the maximum over DDP ranks, so every rank runs the same
         number of forward/backward passes) the list is completed with padding micro-batches
         (:meth:`as_padding`), which carry every per-token field and change nothing. ``rows`` passes
-        a grouping already computed by :meth:`micro_batch_rows`.
+        a grouping already computed by :meth:`micro_batch_rows`; ``packed`` budgets real tokens
+        (the micro-batches keep the padded layout: the forward packs them).
         """
-        groups = rows if rows is not None else self.micro_batch_rows(max_tokens)
+        groups = rows if rows is not None else self.micro_batch_rows(max_tokens, packed=packed)
         micro = [self.select(group).trim() for group in groups]
         if num_micro_batches is not None:
             if num_micro_batches < len(micro):
@@ -419,3 +428,17 @@ def _last_true_plus_one(mask: torch.Tensor) -> torch.Tensor:
     """Per row, one past the last non-zero column (0 for an empty row)."""
     columns = torch.arange(1, mask.shape[-1] + 1, device=mask.device)
     return (mask.bool() * columns).amax(dim=-1)
+
+
+def _greedy_groups(costs: list[int], budget: int) -> list[list[int]]:
+    """Consecutive indices grouped while their costs sum to at most ``budget`` (one index at least per group)."""
+    groups: list[list[int]] = []
+    total = 0
+    for index, cost in enumerate(costs):
+        if groups and total + cost <= budget:
+            groups[-1].append(index)
+            total += cost
+        else:
+            groups.append([index])
+            total = cost
+    return groups

@@ -10,9 +10,9 @@ the step's :class:`~lightning_offpolicy.batch.PromptBatch` by the ``RolloutCallb
    the base weights via ``disable_adapter()``, no second copy);
 3. :func:`~lightning_offpolicy.correction.compute_correction`: IS weights, rejection masks, metrics;
 4. ``ppo_epochs`` x ``num_minibatches`` optimizer steps, each over token-budget micro-batches
-   with gradient accumulation, the loss normalised by the global token / sequence counts of the
-   mini-batch (exact under accumulation and DDP), gradient clipping, optimizer and scheduler
-   step, ``policy_version += 1``.
+   (packed, padding-free, where the model allows it: ``packing``) with gradient accumulation, the
+   loss normalised by the global token / sequence counts of the mini-batch (exact under
+   accumulation and DDP), gradient clipping, optimizer and scheduler step, ``policy_version += 1``.
 
 Steps 1-4 are :class:`~lightning_offpolicy.train.update.PPOUpdate`, which imports no Lightning;
 this module gives it its forward, backward, optimizer and collectives
@@ -61,7 +61,7 @@ from lightning_offpolicy.preflight import check_model_path, check_vocab
 from lightning_offpolicy.train import policy as policy_building
 from lightning_offpolicy.train import step
 from lightning_offpolicy.train.micro_step import MicroBatchStep
-from lightning_offpolicy.train.policy import REFERENCE_MODES, ReferenceMode
+from lightning_offpolicy.train.policy import PACKING_MODES, REFERENCE_MODES, PackingMode, ReferenceMode
 from lightning_offpolicy.train.update import PPOUpdate
 
 #: Lightning's notice about modules in eval mode at the start of fit: the policy is in eval mode on
@@ -89,7 +89,7 @@ class OffPolicyRLModule(LightningModule):
         loss: The surrogate, its aggregation and the KL penalties.
         ppo_epochs: Passes over each rollout batch.
         num_minibatches: Optimizer steps per pass (the rollout rows are split this many ways).
-        max_tokens_per_microbatch: Padded-token budget of one forward/backward.
+        max_tokens_per_microbatch: Tokens per forward/backward (real ones when packed).
         gradient_clip_val: Max global gradient norm (``None``: no clipping; the norm is logged anyway).
         temperature: Temperature the trainer scores tokens with; must equal the engine's.
         reference: Reference policy for the reference KL loss: ``"auto"`` (``disable_adapter`` for
@@ -112,6 +112,7 @@ class OffPolicyRLModule(LightningModule):
             the same values, faster and with fewer ``[B, T]`` temporaries, after a compilation per
             shape class (docs/reports/performance_correction.md). Needs a C++ compiler (inductor); not with
             the correction's whole-batch settings (``normalize_weights``, ``m2po_mask``).
+        packing: Packed, padding-free micro-batches: auto (where the model allows it), on or off.
     """
 
     def __init__(
@@ -137,6 +138,7 @@ class OffPolicyRLModule(LightningModule):
         lora_target_modules: list[str] | str = "all-linear",
         gradient_checkpointing: bool = False,
         fused_loss: bool = False,
+        packing: PackingMode = "auto",
     ) -> None:
         super().__init__()
         for name, value in (
@@ -159,6 +161,11 @@ class OffPolicyRLModule(LightningModule):
             raise ValueError(
                 f"OffPolicyRLModule.reference={reference!r} is not known; allowed: 'auto', 'none', "
                 "'frozen_copy', 'disable_adapter'."
+            )
+        if packing not in PACKING_MODES:
+            raise ValueError(
+                f"OffPolicyRLModule.packing={packing!r} is not known; allowed: 'auto' (packed micro-batches where the "
+                "model allows them), 'on' (required) or 'off' (padded micro-batches)."
             )
         # Copies: the defaults above are shared objects, and a caller's config must not change under us.
         self.correction = dataclasses.replace(correction if correction is not None else OffPolicyCorrectionConfig())
@@ -203,6 +210,7 @@ class OffPolicyRLModule(LightningModule):
         self.lora_target_modules = lora_target_modules
         self.gradient_checkpointing = gradient_checkpointing
         self.fused_loss = fused_loss
+        self.packing = packing
         self.reference_model: torch.nn.Module | None = None
         self._tokenizer_fingerprint: dict[str, Any] | None = None
         self.policy_version = 0
@@ -267,6 +275,14 @@ class OffPolicyRLModule(LightningModule):
         self.reference_model = policy_building.build_reference(
             self.policy, self.reference_mode, self.loss_config.ref_kl_coef, self.reference_model
         )
+        self.update.packed = policy_building.resolve_packing(
+            self.packing, [self.policy, self.reference_model], "OffPolicyRLModule.packing"
+        )
+
+    @property
+    def packed(self) -> bool:
+        """Whether micro-batches run packed (``packing`` resolved against the model; ``False`` until it is built)."""
+        return self.update.packed
 
     def configure_optimizers(self) -> Any:
         params = [p for p in self.policy.parameters() if p.requires_grad]
@@ -286,13 +302,15 @@ class OffPolicyRLModule(LightningModule):
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Teacher-forced ``[B, T]`` logprobs of ``batch``'s response tokens (one forward)."""
         model = model if model is not None else self.policy
-        return step.response_logprobs(model, batch, self.temperature, self.logprob_chunk_size, return_entropy)
+        return step.response_logprobs(
+            model, batch, self.temperature, self.logprob_chunk_size, return_entropy, packed=self.packed
+        )
 
     @torch.no_grad()
     def _no_grad_logprobs(self, batch: RolloutBatch, reference: bool = False) -> torch.Tensor:
         """Logprobs of the whole batch, micro-batch by micro-batch, without gradient."""
         out = torch.zeros(batch.response_mask.shape, dtype=torch.float32, device=batch.device)
-        rows_per_micro = batch.micro_batch_rows(self.max_tokens_per_microbatch)
+        rows_per_micro = batch.micro_batch_rows(self.max_tokens_per_microbatch, packed=self.packed)
         padding = self._global_max(len(rows_per_micro)) - len(rows_per_micro)
         for rows in rows_per_micro:
             micro = batch.select(rows).trim()

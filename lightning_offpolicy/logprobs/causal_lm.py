@@ -11,6 +11,7 @@ from lightning_offpolicy.argcheck import is_int
 from lightning_offpolicy.logprobs.checks import check_temperature_and_chunk
 from lightning_offpolicy.logprobs.chunked import token_logprobs
 from lightning_offpolicy.logprobs.head import fused_head_parts, fused_head_token_logprobs
+from lightning_offpolicy.logprobs.packed import pack_rows, packed_response_logprobs, packing_refusal, packs_rows
 from lightning_offpolicy.logprobs.support import check_support, over_support
 
 __all__ = ["causal_lm_token_logprobs"]
@@ -26,6 +27,7 @@ def causal_lm_token_logprobs(
     return_entropy: bool = False,
     fused_head: bool | None = None,
     sampling_support: Tensor | None = None,
+    packed: bool = False,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """Log-probabilities of the response tokens under a Hugging Face causal LM.
 
@@ -57,15 +59,23 @@ def causal_lm_token_logprobs(
             distribution: what the engine sampled from. A position whose ids are all -1 keeps the
             whole vocabulary. Costs ``K + 1`` gathered columns per position, never a ``[.., V]``
             mask (docs/off_policy_correction.md, "Sampling masks").
+        packed: Run the model on the real tokens alone, the rows concatenated into one sequence with
+            position ids restarting per row and attention kept within each row
+            (:mod:`~lightning_offpolicy.logprobs.packed`): the same values and gradients as the
+            padded forward, at the cost of the real tokens. Needs a model that
+            :func:`~lightning_offpolicy.logprobs.packed.packing_refusal` accepts, and at least one
+            prompt token in every row.
 
     Returns:
         ``[B, L - response_start]`` float32 log-probabilities of the response tokens (and the
         entropy, with its gradient, with ``return_entropy``). Columns of right padding hold the
-        log-probability of the pad token; mask them with ``attention_mask[:, response_start:]``.
+        log-probability of the pad token (0 with ``packed``); mask them with
+        ``attention_mask[:, response_start:]``.
 
     Raises:
         TypeError / ValueError: for a bad argument (the message names it); ``ValueError`` also when
-            ``fused_head=True`` and the head cannot be fused (the message says why).
+            ``fused_head=True`` and the head cannot be fused, or ``packed=True`` and the model cannot
+            be packed (the message says why).
         RuntimeError: the model returned hidden states or logits of an unexpected shape.
     """
     temperature = check_temperature_and_chunk(temperature, chunk_size)
@@ -97,11 +107,39 @@ def causal_lm_token_logprobs(
         uncut = ~(sampling_support >= 0).any(-1) & attention_mask[:, response_start:].bool()
         full_entropy = return_entropy and bool(uncut.any())
 
+    if not isinstance(packed, bool):
+        raise TypeError(f"packed must be True or False, got {packed!r}.")
     parts: Any = "fused_head=False"
     if fused_head is not False:
         parts = fused_head_parts(model, force=fused_head is True)
         if fused_head is True and isinstance(parts, str):
             raise ValueError(f"fused_head=True, but the head of this model cannot be fused: {parts}.")
+    if packed:
+        refusal = packing_refusal(model)
+        if refusal is not None:
+            raise ValueError(f"packed=True, but this model cannot run packed sequences: {refusal}.")
+        # Rows no wider than the padded batch where the attention allows several (the fused head reads
+        # any layout): attention then costs the square of a row, not of the whole micro-batch.
+        several = not isinstance(parts, str) and packs_rows(model)
+        layout = pack_rows(input_ids, attention_mask, response_start, width=seq_len if several else None)
+        # Without a single response token the packed forward would reach no parameter; the padded
+        # one (cheap then) keeps every parameter in the graph, as a backward expects.
+        if layout.source.numel():
+            flat_support = None if sampling_support is None else layout.gather(sampling_support)
+            flat = packed_response_logprobs(
+                model,
+                None if isinstance(parts, str) else parts,
+                layout,
+                layout.gather(targets),
+                temperature,
+                chunk_size,
+                full_entropy,
+            )
+            flat = over_support(flat, flat_support, return_entropy, full_entropy)
+            shape = tuple(response_ids.shape)
+            if return_entropy:
+                return layout.scatter(flat[0], shape), layout.scatter(flat[1], shape)
+            return layout.scatter(flat, shape)
     if not isinstance(parts, str):
         decoder, head = parts
         out = decoder(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False)

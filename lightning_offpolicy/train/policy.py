@@ -10,6 +10,8 @@ From a model spec to the modules of a training step, in the order ``configure_mo
 4. :func:`enable_gradient_checkpointing` and :func:`shard_fsdp2` (FSDP2 ``fully_shard`` per decoder
    layer, then the root, for ``ModelParallelStrategy``).
 
+:func:`resolve_packing` decides, once the policy is built, whether its micro-batches run packed.
+
 This is the only library module that imports the demo models (``tiny``), and only for ``tiny:`` specs.
 """
 
@@ -26,6 +28,8 @@ from lightning_offpolicy.data.tokenizers import HFTokenizer
 
 ReferenceMode = Literal["auto", "none", "frozen_copy", "disable_adapter"]
 REFERENCE_MODES: tuple[str, ...] = ("auto", "none", "frozen_copy", "disable_adapter")
+PackingMode = Literal["auto", "on", "off"]
+PACKING_MODES: tuple[str, ...] = ("auto", "on", "off")
 
 
 def load_policy(model: str, torch_dtype: str, tokenizer: Any = None) -> tuple[torch.nn.Module, Any]:
@@ -186,3 +190,28 @@ def shard_fsdp2(models: Sequence[torch.nn.Module | None], device_mesh: Any) -> N
             if type(module).__name__ in layer_types:
                 fully_shard(module, mesh=mesh)
         fully_shard(model, mesh=mesh)
+
+
+def resolve_packing(mode: PackingMode, models: Sequence[torch.nn.Module | None], setting: str) -> bool:
+    """Whether micro-batches run packed: ``mode`` against what the models allow.
+
+    Args:
+        mode: ``"auto"`` (packed where every model allows it), ``"on"`` (required) or ``"off"``.
+        models: The models whose forwards run on the micro-batches (the policy, the reference); ``None``
+            entries are skipped.
+        setting: The setting's name, for the error (``"OffPolicyRLModule.packing"``).
+
+    Raises:
+        ValueError: ``mode="on"`` and a model cannot run packed sequences (the reason is given).
+    """
+    from lightning_offpolicy.logprobs.packed import packing_refusal
+
+    if mode == "off":
+        return False
+    refusals = [reason for model in models if model is not None and (reason := packing_refusal(model)) is not None]
+    if refusals and mode == "on":
+        raise ValueError(
+            f"{setting}='on', but this model cannot train on packed micro-batches: {refusals[0]}. Set {setting}='auto' "
+            "(packed where the model allows it, padded otherwise) or 'off'."
+        )
+    return not refusals

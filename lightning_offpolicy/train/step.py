@@ -74,6 +74,7 @@ def response_logprobs(
     temperature: float,
     chunk_size: int = 1024,
     return_entropy: bool = False,
+    packed: bool = False,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Teacher-forced ``[B, T]`` logprobs (and entropies) of ``batch``'s response tokens, one forward.
 
@@ -86,6 +87,8 @@ def response_logprobs(
         temperature: The engine's sampling temperature (the logits are divided by it).
         chunk_size: Rows per chunk of the lean logprob computation.
         return_entropy: Also return the ``[B, T]`` entropy of the tempered distribution.
+        packed: Run the rows as one packed, padding-free sequence (the model must allow it:
+            :func:`~lightning_offpolicy.logprobs.packed.packing_refusal`); the same values.
     """
     return causal_lm_token_logprobs(
         model,
@@ -96,6 +99,7 @@ def response_logprobs(
         chunk_size=chunk_size,
         return_entropy=return_entropy,
         sampling_support=batch.sampling_support,
+        packed=packed,
     )
 
 

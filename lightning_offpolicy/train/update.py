@@ -122,10 +122,13 @@ class PPOUpdate:
         step: The per-micro-batch correction and loss.
         ppo_epochs: Passes over the batch.
         num_minibatches: Optimizer steps per pass (the rows are split this many ways).
-        max_tokens_per_microbatch: Padded-token budget of one forward/backward (``None``: each
-            mini-batch in one micro-batch).
+        max_tokens_per_microbatch: Token budget of one forward/backward: real tokens when ``packed``,
+            padded ones (``rows x longest``) otherwise (``None``: each mini-batch in one micro-batch).
         shuffle_minibatches: Shuffle the rows before each pass's mini-batch split.
         seed: Seed of the shuffles (with the policy version and the epoch).
+        packed: Budget micro-batches by their real tokens, for a forward that packs them
+            (``hooks.forward`` runs the rows as one padding-free sequence); the owner sets it once
+            it knows the model.
     """
 
     def __init__(
@@ -136,6 +139,7 @@ class PPOUpdate:
         max_tokens_per_microbatch: int | None = None,
         shuffle_minibatches: bool = True,
         seed: int = 0,
+        packed: bool = False,
     ) -> None:
         self.step = step
         self.ppo_epochs = ppo_epochs
@@ -143,6 +147,7 @@ class PPOUpdate:
         self.max_tokens_per_microbatch = max_tokens_per_microbatch
         self.shuffle_minibatches = shuffle_minibatches
         self.seed = seed
+        self.packed = packed
 
     @property
     def entropy_in_loss(self) -> bool:
@@ -153,7 +158,7 @@ class PPOUpdate:
         """Row indices of each of ``batch``'s micro-batches."""
         if self.max_tokens_per_microbatch is None:
             return [list(range(batch.num_sequences))]
-        return batch.micro_batch_rows(self.max_tokens_per_microbatch)
+        return batch.micro_batch_rows(self.max_tokens_per_microbatch, packed=self.packed)
 
     def fits_one_forward(self, batch: RolloutBatch, hooks: UpdateHooks) -> bool:
         """Whether the first optimizer step covers ``batch`` in one micro-batch on every rank.
