@@ -284,6 +284,22 @@ def vs_trl(data: dict[str, Any]) -> list[str]:
     return lines
 
 
+def vs_trl_tools(data: dict[str, Any]) -> list[str]:
+    """The side-by-side's lines, the final models' held-out success, and the run's notes."""
+    head, held_out = data["header"], data["held_out"]
+    start = head["held_out_start"]
+    rates = "; ".join(
+        f"{side} {modes['greedy']['mean']:.3f} / {modes['sampled']['mean']:.3f}" for side, modes in held_out.items()
+    )
+    return [
+        *vs_trl(data),
+        "",
+        f"Held-out success of the final models ({head['held_out_prompts']} questions, one evaluator), greedy / "
+        f"sampled: the checkpoint {start['greedy']:.3f} / {start['sampled']:.3f}; {rates}.",
+        *(f"Note: {note}" for note in head.get("notes", [])),
+    ]
+
+
 RENDER: dict[str, Callable[[Any], list[str]]] = {
     "performance_end_to_end": end_to_end,
     "performance_async": async_overlap,
@@ -291,7 +307,7 @@ RENDER: dict[str, Callable[[Any], list[str]]] = {
     "performance_logprobs": logprobs,
     "performance_correction": correction,
     "performance_vs_trl": vs_trl,
-    "performance_vs_trl_tools": vs_trl,
+    "performance_vs_trl_tools": vs_trl_tools,
 }
 
 READING = {
