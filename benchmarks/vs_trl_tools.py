@@ -408,7 +408,7 @@ def held_out_lines(header: dict[str, Any], held_out: dict[str, dict[str, Any]]) 
         "",
         "| model | greedy | per seed | sampled (temperature 1) | per seed |",
         "|---|---:|---|---:|---|",
-        f"| `{CHECKPOINT}` before training | {start['greedy']:.3f} | | {start['sampled']:.3f} | |",
+        f"| `{header['checkpoint']}` before training | {start['greedy']:.3f} | | {start['sampled']:.3f} | |",
     ]
     for side, modes in held_out.items():
         greedy, sampled = modes["greedy"], modes["sampled"]
@@ -439,8 +439,8 @@ def render(
         "",
         "## Method",
         "",
-        f"One invocation resolves `{CHECKPOINT}` (built locally the first time), checks that the kit renders a "
-        "prompt to exactly the ids TRL generates from, and per seed writes "
+        f"One invocation resolves `{header['checkpoint']}` (built locally the first time), checks that the kit "
+        "renders a prompt to exactly the ids TRL generates from, and per seed writes "
         f"{header['num_prompts']} questions (that seed) and runs each side on them in its own Python process, "
         f"one after the other (TRL first), with one torch thread; {header['jobs']} seed(s) at a time. The prompt "
         f"is {header['prompt_ids']} ids (Qwen2.5's default system message, the tool's JSON schema, the question). "
@@ -482,6 +482,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--learning-rate", type=float, default=SETTINGS["learning_rate"], help="AdamW lr of both sides")
     parser.add_argument(
         "--held-out-prompts", type=int, default=HELD_OUT["prompts"], help="questions of the final evaluation"
+    )
+    parser.add_argument(
+        "--checkpoint",
+        default=CHECKPOINT,
+        help="the checkpoint both sides train: a tiny: name or an HF-format directory with the Qwen2.5 template "
+        f"and the multiply tool's tokens (default {CHECKPOINT})",
     )
     parser.add_argument("--output", type=Path, default=None, help="markdown report (.json and .png next to it)")
     parser.add_argument("--note", action="append", default=[], help="a line added to the report's notes")
@@ -525,7 +531,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from lightning_offpolicy.demo.tiny import resolve_model_path
 
-    model_dir = resolve_model_path(CHECKPOINT)
+    model_dir = resolve_model_path(args.checkpoint)
     prompt_ids = check_same_prompt_ids(Path(model_dir), make_rows(1, seeds[0])[0]["prompt"])
     held_out_start = _checkpoint_held_out(model_dir)
     load_start = os.getloadavg()[0]
@@ -556,7 +562,7 @@ def main(argv: list[str] | None = None) -> int:
         **run_header("vs_trl_tools.py", argv),
         "trl": trl_version,
         "transformers": transformers.__version__,
-        "checkpoint": CHECKPOINT,
+        "checkpoint": args.checkpoint,
         "prompt_ids": prompt_ids,
         "steps": args.steps,
         "quick": args.quick,

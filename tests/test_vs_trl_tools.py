@@ -59,10 +59,15 @@ def test_rows_are_the_tasks_questions_in_a_seeded_order():
 @pytest.mark.long("TRL's GRPOTrainer(tools=...) and the kit's episodes, each a real fit in its own process")
 def test_vs_trl_tools_one_step(tmp_path):
     pytest.importorskip("trl")
+    from lightning_offpolicy.demo.tool_use import prepare_tool_use_checkpoint
+
+    # A short warm-up of the same recipe (tiny:multiply's own build is minutes; the soak builds that one).
+    small = {"sft_steps": 20, "num_conversations": 64, "eval_prompts": 0}
+    checkpoint = prepare_tool_use_checkpoint(directory=tmp_path / "model", **small)
     out = tmp_path / "performance_vs_trl_tools.md"
     proc = subprocess.run(
         [sys.executable, str(BENCH_DIR / "vs_trl_tools.py"), "--steps", "1", "--seeds", "2", "--held-out-prompts", "4"]
-        + ["--output", str(out)],
+        + ["--checkpoint", str(checkpoint), "--output", str(out)],
         capture_output=True,
         text=True,
         timeout=600,
@@ -70,7 +75,7 @@ def test_vs_trl_tools_one_step(tmp_path):
     assert proc.returncode == 0, proc.stderr[-4000:]
     data = json.loads(out.with_suffix(".json").read_text())
     header, runs, summary = data["header"], data["runs"], data["summary"]
-    assert header["checkpoint"] == "tiny:multiply" and header["num_prompts"] == 8 and header["seeds"] == [2]
+    assert header["checkpoint"] == str(checkpoint) and header["num_prompts"] == 8 and header["seeds"] == [2]
     assert header["prompt_ids"] > 100  # the default system message and the tool's schema are in both prompts
     assert [(r["seed"], r["side"]) for r in runs] == [(2, "trl"), (2, "kit")]
     for run in runs:
@@ -92,7 +97,7 @@ def test_vs_trl_tools_one_step(tmp_path):
     assert ratio["final_reward_kit_minus_trl"] == pytest.approx(runs[1]["rewards"][0] - runs[0]["rewards"][0])
     text = out.read_text()
     assert "| TRL GRPOTrainer | hf |" in text and "goal >=" not in text and out.with_suffix(".png").stat().st_size
-    assert "| `tiny:multiply` before training |" in text and "held-out success kit - TRL" in text
+    assert f"| `{checkpoint}` before training |" in text and "held-out success kit - TRL" in text
     page = subprocess.run(
         [sys.executable, str(BENCH_DIR.parent / "tools" / "summarize.py"), "--docs", str(tmp_path)],
         capture_output=True,
