@@ -57,7 +57,17 @@ from pathlib import Path
 from typing import Any
 
 from harness.report import run_header
-from vs_trl_report import LABELS, aggregate, compare, plot, render, running_mean, steps_to, summarize_run
+from vs_trl_report import (
+    LABELS,
+    aggregate,
+    compare,
+    render,
+    running_mean,
+    steps_to,
+    summarize_run,
+    trl_version,
+    write_outputs,
+)
 from vs_trl_sides import run_side
 from vs_trl_task import (
     ENGINES,
@@ -149,11 +159,7 @@ def merge_reports(paths: list[Path], output: Path | None, notes: list[str]) -> i
     report = render(header, runs, summary, ratios)
     print(report)
     if output is not None:
-        output.parent.mkdir(parents=True, exist_ok=True)
-        output.write_text(report)
-        data = {"header": header, "summary": summary, "ratios": ratios, "runs": runs}
-        output.with_suffix(".json").write_text(json.dumps(data, indent=2) + "\n")
-        plot(runs, output.with_suffix(".png"))
+        write_outputs(output, report, {"header": header, "summary": summary, "ratios": ratios, "runs": runs})
     return 0
 
 
@@ -282,15 +288,9 @@ def main(argv: list[str] | None = None) -> int:
                 )
     import transformers
 
-    try:
-        import trl
-
-        trl_version = trl.__version__
-    except ImportError:
-        trl_version = "not installed"
     header = {
         **run_header("vs_trl.py", argv),
-        "trl": trl_version,
+        "trl": trl_version(),
         "transformers": transformers.__version__,
         "steps": args.steps,
         "quick": args.quick,
@@ -311,11 +311,8 @@ def main(argv: list[str] | None = None) -> int:
     report = render(header, runs, summary, ratios)
     print(report)
     if args.output is not None:
-        args.output.parent.mkdir(parents=True, exist_ok=True)
-        args.output.write_text(report)
         data = {"header": header, "summary": summary, "ratios": ratios, "runs": runs}
-        args.output.with_suffix(".json").write_text(json.dumps(data, indent=2) + "\n")
-        plot(runs, args.output.with_suffix(".png"))
+        write_outputs(args.output, report, data)
     return 0
 
 

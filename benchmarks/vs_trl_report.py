@@ -144,6 +144,25 @@ def results_lines(
     return lines
 
 
+def trl_version() -> str:
+    """The installed TRL's version, for the report's header."""
+    try:
+        import trl
+    except ImportError:
+        return "not installed"
+    return trl.__version__
+
+
+def write_outputs(output: Path, report: str, data: dict[str, Any], **plot_kwargs: Any) -> None:
+    """``output`` (the markdown report), the same run as JSON next to it, and the reward curves as PNG."""
+    import json
+
+    output.parent.mkdir(parents=True, exist_ok=True)
+    output.write_text(report)
+    output.with_suffix(".json").write_text(json.dumps(data, indent=2) + "\n")
+    plot(data["runs"], output.with_suffix(".png"), **plot_kwargs)
+
+
 def header_lines(header: dict[str, Any], title: str) -> list[str]:
     """The report's title and the run's facts: machine, date and versions, command, steps, wall time, load."""
     return [

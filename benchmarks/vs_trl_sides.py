@@ -22,6 +22,33 @@ def _step_record(
     return record
 
 
+class TRLStepRecorder:
+    """What a TRL side records: each optimizer step's start (and the end of training) and the ``reward`` TRL logs."""
+
+    def __init__(self) -> None:
+        self.starts: list[float] = []
+        self.rewards: list[float] = []
+
+    def callback(self) -> Any:
+        """A ``transformers.TrainerCallback`` that fills :attr:`starts` and :attr:`rewards`."""
+        from transformers import TrainerCallback
+
+        recorder = self
+
+        class Record(TrainerCallback):
+            def on_step_begin(self, args, state, control, **kwargs):
+                recorder.starts.append(time.perf_counter())
+
+            def on_train_end(self, args, state, control, **kwargs):
+                recorder.starts.append(time.perf_counter())
+
+            def on_log(self, args, state, control, logs=None, **kwargs):
+                if logs and "reward" in logs:
+                    recorder.rewards.append(float(logs["reward"]))
+
+        return Record()
+
+
 def _patch_trl_vllm_for_cpu() -> None:
     """TRL's colocate weight sync on vLLM's CPU build: reload the weights in place.
 
@@ -53,23 +80,11 @@ def run_trl(workdir: Path, steps: int, seed: int, engine: str = "hf") -> dict[st
     """TRL 1.x ``GRPOTrainer`` with the shared settings; per-step reward and wall time."""
     import torch
     from datasets import Dataset
-    from transformers import AutoTokenizer, TrainerCallback
+    from transformers import AutoTokenizer
     from trl import GRPOConfig, GRPOTrainer
 
     prompts = json.loads((workdir / "prompts.json").read_text())
-    starts: list[float] = []
-    rewards: list[float] = []
-
-    class Record(TrainerCallback):
-        def on_step_begin(self, args, state, control, **kwargs):
-            starts.append(time.perf_counter())
-
-        def on_train_end(self, args, state, control, **kwargs):
-            starts.append(time.perf_counter())
-
-        def on_log(self, args, state, control, logs=None, **kwargs):
-            if logs and "reward" in logs:
-                rewards.append(float(logs["reward"]))
+    record = TRLStepRecorder()
 
     per_step = SETTINGS["prompts_per_step"] * SETTINGS["samples_per_prompt"]
     vllm: dict[str, Any] = {}
@@ -121,12 +136,12 @@ def run_trl(workdir: Path, steps: int, seed: int, engine: str = "hf") -> dict[st
         args=config,
         train_dataset=Dataset.from_dict({"prompt": prompts}),
         processing_class=tokenizer,
-        callbacks=[Record()],
+        callbacks=[record.callback()],
     )
     assert next(trainer.model.parameters()).dtype == torch.float32
     began = time.perf_counter()
     trainer.train()
-    return _step_record(starts, rewards, began)
+    return _step_record(record.starts, record.rewards, began)
 
 
 def run_kit(

@@ -50,8 +50,17 @@ from pathlib import Path
 from typing import Any
 
 from harness.report import run_header
-from vs_trl_report import LABELS, aggregate, compare, header_lines, plot, results_lines, summarize_run
-from vs_trl_sides import _step_record
+from vs_trl_report import (
+    LABELS,
+    aggregate,
+    compare,
+    header_lines,
+    results_lines,
+    summarize_run,
+    trl_version,
+    write_outputs,
+)
+from vs_trl_sides import TRLStepRecorder, _step_record
 from vs_trl_task import WINDOW
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -157,26 +166,14 @@ def run_trl(workdir: Path, steps: int, seed: int) -> dict[str, Any]:
     """TRL 1.x ``GRPOTrainer(tools=[multiply])`` with the shared settings; per-step reward and wall time."""
     os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
     from datasets import Dataset
-    from transformers import AutoTokenizer, TrainerCallback
+    from transformers import AutoTokenizer
     from trl import GRPOConfig, GRPOTrainer
 
     from lightning_offpolicy.data.tasks.tool_use import multiply
 
     rows = json.loads((workdir / "rows.json").read_text())
     model_dir = (workdir / "model").read_text().strip()
-    starts: list[float] = []
-    rewards: list[float] = []
-
-    class Record(TrainerCallback):
-        def on_step_begin(self, args, state, control, **kwargs):
-            starts.append(time.perf_counter())
-
-        def on_train_end(self, args, state, control, **kwargs):
-            starts.append(time.perf_counter())
-
-        def on_log(self, args, state, control, logs=None, **kwargs):
-            if logs and "reward" in logs:
-                rewards.append(float(logs["reward"]))
+    recorder = TRLStepRecorder()
 
     config = GRPOConfig(
         output_dir=str(workdir / "trl_out"),
@@ -225,13 +222,13 @@ def run_trl(workdir: Path, steps: int, seed: int) -> dict[str, Any]:
         train_dataset=dataset,
         processing_class=AutoTokenizer.from_pretrained(model_dir),
         tools=[multiply],
-        callbacks=[Record()],
+        callbacks=[recorder.callback()],
     )
     if trainer.chat_template is not None:
         raise RuntimeError("vs_trl_tools: TRL replaced the checkpoint's chat template; the prompts would differ.")
     began = time.perf_counter()
     trainer.train()
-    record = _step_record(starts, rewards, began)
+    record = _step_record(recorder.starts, recorder.rewards, began)
     record["held_out"] = held_out_success(trainer.model, model_dir)
     return record
 
@@ -552,15 +549,9 @@ def main(argv: list[str] | None = None) -> int:
         elapsed_s = time.perf_counter() - began
     import transformers
 
-    try:
-        import trl
-
-        trl_version = trl.__version__
-    except ImportError:
-        trl_version = "not installed"
     header = {
         **run_header("vs_trl_tools.py", argv),
-        "trl": trl_version,
+        "trl": trl_version(),
         "transformers": transformers.__version__,
         "checkpoint": args.checkpoint,
         "prompt_ids": prompt_ids,
@@ -587,11 +578,8 @@ def main(argv: list[str] | None = None) -> int:
     report = render(header, summary, ratios, held_out)
     print(report)
     if args.output is not None:
-        args.output.parent.mkdir(parents=True, exist_ok=True)
-        args.output.write_text(report)
         data = {"header": header, "summary": summary, "ratios": ratios, "held_out": held_out, "runs": runs}
-        args.output.with_suffix(".json").write_text(json.dumps(data, indent=2) + "\n")
-        plot(runs, args.output.with_suffix(".png"), title=TITLE, threshold=THRESHOLD)
+        write_outputs(args.output, report, data, title=TITLE, threshold=THRESHOLD)
     return 0
 
 
