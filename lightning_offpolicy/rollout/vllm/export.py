@@ -36,11 +36,15 @@ def is_peft_model(source: Any) -> bool:
     return type(source).__module__.startswith("peft.")
 
 
-def export_state_dict(source: torch.nn.Module | Mapping[str, torch.Tensor], who: str) -> dict[str, torch.Tensor]:
+def export_state_dict(
+    source: torch.nn.Module | Mapping[str, torch.Tensor], who: str, for_files: bool = True
+) -> dict[str, torch.Tensor]:
     """The tensors of ``source`` (a module or a state dict) on CPU, contiguous, with no shared storage.
 
     ``who`` names the caller in error messages (e.g. ``"VLLMEngine.update_weights"``). Sharded
     (FSDP2 DTensor) parameters are gathered whole: a collective, so every rank must call it.
+    ``for_files=False``: the tensors as they are (any device, tied ones still shared, no copy),
+    for a sync that copies them into its own buffer.
     """
     state = unwrap(source).state_dict() if isinstance(source, torch.nn.Module) else source
     tensors: dict[str, torch.Tensor] = {}
@@ -51,6 +55,9 @@ def export_state_dict(source: torch.nn.Module | Mapping[str, torch.Tensor], who:
         tensor = value.detach()
         if hasattr(tensor, "full_tensor"):  # DTensor (FSDP2): the engine needs the whole parameter
             tensor = tensor.full_tensor()
+        if not for_files:
+            tensors[name] = tensor
+            continue
         tensor = tensor.to("cpu")
         ptr = tensor.untyped_storage().data_ptr() if tensor.numel() else -1
         if ptr in seen:  # tied weights: safetensors refuses shared storage

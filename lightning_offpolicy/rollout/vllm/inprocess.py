@@ -13,10 +13,11 @@ What the engine guarantees (each one checked by ``tests/test_vllm_engine.py`` an
   logprob of each token under ``softmax(top_k_top_p(logits / temperature))``, ``pi_rollout``).
 * **Token ids in, token ids out** (``skip_tokenizer_init=True``); generation stops on the engine's
   stop ids and only on them, and the stop token is part of ``Completion.token_ids``, as in ``HFEngine``.
-* **In-place weight sync with a self-check**: safetensors reloaded in every worker
-  (``collective_rpc("reload_weights")``), the prefix cache reset, then a fixed probe scored by the
-  engine and by the trainer (:mod:`~lightning_offpolicy.rollout.vllm.weight_sync`): a sync that
-  did not arrive raises at once.
+* **In-place weight sync in memory, with a self-check**: the weights cross in buckets through
+  shared memory into every worker's ``load_weights`` (:mod:`~lightning_offpolicy.rollout.vllm.shared_weights`;
+  ``weight_transport="file"``: safetensors reloaded with ``collective_rpc("reload_weights")``),
+  the prefix cache reset, then a fixed probe scored by the engine and by the trainer
+  (:mod:`~lightning_offpolicy.rollout.vllm.weight_sync`): a sync that did not arrive raises at once.
 * **LoRA (peft) models, two ways** (``lora_sync``): ``"merged"`` pushes the base weights with the
   adapters folded in (computed out of place); ``"adapter"`` pushes the base once, then only the
   adapter (:class:`~lightning_offpolicy.rollout.vllm.lora.AdapterSync`).
@@ -68,8 +69,10 @@ from lightning_offpolicy.rollout.vllm.peft_export import (
     full_state_dict,
     merged_state_dict,
 )
+from lightning_offpolicy.rollout.vllm.shared_weights import SharedWeightsBuffer
 from lightning_offpolicy.rollout.vllm.stepping import run_requests
 from lightning_offpolicy.rollout.vllm.weight_sync import probe_ids, weights_dtype
+from lightning_offpolicy.rollout.vllm.worker_extension import RECEIVER_CLS
 
 __all__ = ["VLLMEngine", "supported_cpu_head_dims", "vllm_available"]
 
@@ -80,6 +83,7 @@ _T = TypeVar("_T")
 #: The vLLM ``dtype`` of a trainer weight dtype (``dtype="auto"``); others (float64) keep vLLM's rule.
 _VLLM_DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 _LORA_SYNC_MODES = ("merged", "adapter")
+_WEIGHT_TRANSPORTS = ("memory", "file")
 _SHORTEN = "raise max_model_len (at most the model's context length), or shorten the prompts / lower max_new_tokens"
 
 
@@ -117,6 +121,13 @@ class VLLMEngine(AdapterSync, VLLMEngineBase):
             ``1.0``, plus a relative part under reduced precision (``weight_sync.SyncTolerance``).
         request_timeout_s: Longest an engine call (generate, weight reload) may take before the
             engine is declared hung, shut down and a ``RuntimeError`` raised.
+        weight_transport: How the trainer's weights reach the engine at a sync. ``"memory"``: in
+            buckets through shared memory, each handed to the workers' ``load_weights`` (vLLM's
+            in-place load; no disk; extra memory one bucket); it adds the kit's
+            ``worker_extension_cls`` to the engine and needs an unquantized engine. ``"file"``:
+            written as safetensors and reloaded with vLLM's ``reload_weights`` (the reference path).
+        weight_bucket_mb: Size of one in-memory bucket (MiB, in the engine's dtype); the buffer
+            grows to the largest single tensor when that is larger.
         lora_sync: How a peft LoRA model's weights reach the engine. ``"merged"``: at every sync the
             base weights with the active adapters folded in (out of place), reloaded like a full
             model (plain LoRA on any target module). ``"adapter"``: vLLM applies the adapter itself
@@ -140,6 +151,7 @@ class VLLMEngine(AdapterSync, VLLMEngineBase):
     Attributes:
         version: Policy version of the weights in the engine (stamped on every completion).
         start_time_s: Seconds the engine start took (``None`` before the start).
+        last_sync_bytes: Bytes the last full-weight sync moved (``None`` before one).
         last_sync_time_s: Seconds of the last weight sync (write + reload + cache reset; with
             ``lora_sync="adapter"``: adapter save + load, plus the one-time base push).
         last_sync_check_max_abs_diff: Largest |engine - trainer| probe logprob difference measured
@@ -162,6 +174,8 @@ class VLLMEngine(AdapterSync, VLLMEngineBase):
         check_weight_sync: bool = True,
         weight_sync_tolerance: float | None = None,
         request_timeout_s: float = 600.0,
+        weight_transport: Literal["memory", "file"] = "memory",
+        weight_bucket_mb: int = 512,
         lora_sync: Literal["merged", "adapter"] = "merged",
         pad_token_id: int | None = None,
         eos_token_id: int | None = None,
@@ -199,9 +213,26 @@ class VLLMEngine(AdapterSync, VLLMEngineBase):
             raise ValueError(
                 f"VLLMEngine.lora_sync={lora_sync!r} is not known; allowed: {', '.join(map(repr, _LORA_SYNC_MODES))}."
             )
+        if weight_transport not in _WEIGHT_TRANSPORTS:
+            raise ValueError(
+                f"VLLMEngine.weight_transport={weight_transport!r} is not known; allowed: "
+                f"{', '.join(map(repr, _WEIGHT_TRANSPORTS))}."
+            )
+        if not is_int(weight_bucket_mb) or weight_bucket_mb < 1:
+            raise ValueError(f"VLLMEngine.weight_bucket_mb={weight_bucket_mb!r} must be an int >= 1 (MiB).")
         engine_kwargs = dict(engine_kwargs or {})
         if "model" in engine_kwargs:
             raise ValueError("VLLMEngine.engine_kwargs must not set 'model': use the `model` argument.")
+        if weight_transport == "memory":
+            for key, why in (
+                ("worker_extension_cls", f"the in-memory sync needs the kit's own ({RECEIVER_CLS})"),
+                ("quantization", "the in-memory sync loads with the model's load_weights, without re-quantizing"),
+            ):
+                if engine_kwargs.get(key) not in (None, RECEIVER_CLS):
+                    raise ValueError(
+                        f"VLLMEngine.engine_kwargs sets {key}={engine_kwargs[key]!r}, but weight_transport='memory': "
+                        f"{why}. Use weight_transport='file'."
+                    )
         mode = engine_kwargs.get("logprobs_mode", "processed_logprobs")
         if mode != "processed_logprobs":
             raise ValueError(
@@ -225,8 +256,11 @@ class VLLMEngine(AdapterSync, VLLMEngineBase):
             stop_token_ids,
             support_logprobs,
         )
+        self.weight_transport = weight_transport
+        self.weight_bucket_mb = int(weight_bucket_mb)
         self.lora_sync = lora_sync
         self.engine_kwargs = engine_kwargs
+        self.last_sync_bytes: int | None = None
         self.start_time_s: float | None = None
 
         self._llm: Any = None
@@ -234,6 +268,7 @@ class VLLMEngine(AdapterSync, VLLMEngineBase):
         self._lock = threading.RLock()
         self._tmp_dirs: list[Path] = []
         self._sync_dir: Path | None = None
+        self._shared_weights: SharedWeightsBuffer | None = None
         self._probe_ids: list[int] | None = None
         # lora_sync="adapter": the engine's max_lora_rank, the adapter every request uses, and a
         # counter for LoRA ids (vLLM caches adapters by id: a reused id would serve the old weights).
@@ -346,6 +381,9 @@ class VLLMEngine(AdapterSync, VLLMEngineBase):
                 shutil.rmtree(path, ignore_errors=True)
             self._tmp_dirs.clear()
             self._sync_dir = self._lora_dir = None
+            if self._shared_weights is not None:
+                self._shared_weights.close()
+                self._shared_weights = None
         finally:
             if acquired:
                 self._lock.release()
@@ -443,16 +481,20 @@ class VLLMEngine(AdapterSync, VLLMEngineBase):
             return
         self._ensure_started()
         begin = time.perf_counter()
-        self._push_weights(full_state_dict(source, SYNC_CALLER))
+        self._push_weights(full_state_dict(source, SYNC_CALLER, for_files=self.weight_transport == "file"))
         self.last_sync_time_s = time.perf_counter() - begin
 
     def _push_weights(self, tensors: dict[str, torch.Tensor]) -> None:
-        """Write ``tensors`` into the sync directory, reload them in the engine, drop the stale prefix cache."""
-        if self._sync_dir is None:
-            self._sync_dir = self._new_tmp_dir("sync")
-        write_safetensors(tensors, self._sync_dir)
-        del tensors
-        self._reload_weights(str(self._sync_dir))
+        """Move ``tensors`` into the engine's weights in place, then drop the stale prefix cache."""
+        if self.weight_transport == "memory":
+            self.last_sync_bytes = self._send_in_memory(tensors)
+        else:
+            if self._sync_dir is None:
+                self._sync_dir = self._new_tmp_dir("sync")
+            path = write_safetensors(tensors, self._sync_dir)
+            self.last_sync_bytes = path.stat().st_size
+            del tensors
+            self._reload_weights(str(self._sync_dir))
         # Watched too: vLLM waits for the answer without a timeout, and a core that dies just after
         # the request was sent never gives one.
         if not self._watched(self._llm.reset_prefix_cache, "reset_prefix_cache"):
@@ -460,6 +502,18 @@ class VLLMEngine(AdapterSync, VLLMEngineBase):
                 "VLLMEngine: vLLM refused to reset its prefix cache after the weight sync (requests still running?): "
                 "cached KV of the old weights could serve new requests."
             )
+
+    def _send_in_memory(self, tensors: dict[str, torch.Tensor]) -> int:
+        """Copy ``tensors`` bucket by bucket into shared memory, each loaded by every worker; the bytes moved."""
+        if self._shared_weights is None:
+            self._shared_weights = SharedWeightsBuffer(self.weight_bucket_mb << 20)
+        llm = self._llm
+
+        def load(path: str, nbytes: int, slots: list[list], first: bool, last: bool) -> None:
+            call = lambda: llm.collective_rpc("lo_load_shared_bucket", args=(path, nbytes, slots, first, last))  # noqa: E731
+            self._watched(call, "load_weights")
+
+        return self._shared_weights.send(tensors, self.compute_dtype, load)
 
     def _engine_vocab_size(self) -> int | None:
         return None if self._llm is None else int(self._llm.llm_engine.model_config.get_vocab_size())

@@ -16,6 +16,7 @@ from typing import Any
 from lightning_offpolicy.rollout.vllm import process as vllm_process
 from lightning_offpolicy.rollout.vllm.base import SUPPORT_LOGPROBS
 from lightning_offpolicy.rollout.vllm.errors import INSTALL_HINT, start_failure_message
+from lightning_offpolicy.rollout.vllm.worker_extension import RECEIVER_CLS
 
 __all__ = ["quiet_chat_template_warmup", "start_llm", "vllm_available"]
 
@@ -80,6 +81,8 @@ def start_llm(engine: Any, model: str) -> tuple[Any, list[Any], float]:
             )
         # One adapter at a time: the policy's current one (an old one is never requested again).
         kwargs.update(enable_lora=True, max_loras=1, max_lora_rank=engine._max_lora_rank)
+    if engine.weight_transport == "memory":
+        kwargs["worker_extension_cls"] = RECEIVER_CLS
     kwargs.update(engine.engine_kwargs)
     env = {"VLLM_CPU_KVCACHE_SPACE": str(engine.kv_cache_space_gib)} if on_cpu and engine.kv_cache_space_gib else {}
     before = vllm_process.descendants()

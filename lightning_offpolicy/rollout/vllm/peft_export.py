@@ -19,9 +19,17 @@ from lightning_offpolicy.rollout.vllm.export import export_state_dict, is_peft_m
 __all__ = ["adapter_rank", "base_state_dict", "full_state_dict", "merged_state_dict", "save_adapter"]
 
 
-def full_state_dict(source: torch.nn.Module | Mapping[str, torch.Tensor], who: str) -> dict[str, torch.Tensor]:
-    """The weights an engine without adapters computes with: merged for a peft model, else exported as they are."""
-    return merged_state_dict(source, who) if is_peft_model(source) else export_state_dict(source, who)
+def full_state_dict(
+    source: torch.nn.Module | Mapping[str, torch.Tensor], who: str, for_files: bool = True
+) -> dict[str, torch.Tensor]:
+    """The weights an engine without adapters computes with: merged for a peft model, else exported as they are.
+
+    ``for_files``: as :func:`~lightning_offpolicy.rollout.vllm.export.export_state_dict`'s (a
+    merged peft model's tensors are always CPU copies).
+    """
+    if is_peft_model(source):
+        return merged_state_dict(source, who)
+    return export_state_dict(source, who, for_files=for_files)
 
 
 def merged_state_dict(model: torch.nn.Module, who: str = "merged_state_dict") -> dict[str, torch.Tensor]:

@@ -1,0 +1,189 @@
+"""Move the trainer's weights into a local vLLM engine through one reused shared-memory bucket.
+
+The trainer copies a bucket of tensors (cast to the engine's dtype) into a file mapped in shared
+memory (``/dev/shm`` where it exists); one ``collective_rpc`` per bucket has every worker view
+the same pages and load them in place with vLLM's layerwise reload (the machinery of its
+``reload_weights``)
+(:class:`~lightning_offpolicy.rollout.vllm.worker_extension.SharedWeightsReceiver`). Nothing is
+written to disk and no second copy of the model is made: the extra memory is the bucket, at
+least the largest single tensor. Why, and the measured cost against the file path:
+docs/scaling.md, "Weight sync".
+
+Importing this module does not import vLLM.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+__all__ = ["BucketSlot", "SharedWeightsBuffer", "plan_buckets", "unique_tensors"]
+
+#: Offsets of tensors in the bucket are multiples of this (every dtype can view its slot).
+_ALIGN = 64
+
+
+def _aligned(nbytes: int) -> int:
+    return -(-nbytes // _ALIGN) * _ALIGN
+
+
+@dataclass(frozen=True)
+class BucketSlot:
+    """Where one tensor lies in the bucket: plain values, so it crosses vLLM's RPC as they are."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    offset: int
+
+    def as_rpc(self) -> list:
+        """The slot as the list :meth:`SharedWeightsReceiver.lo_load_shared_bucket` reads."""
+        return [self.name, self.dtype, list(self.shape), self.offset]
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def transfer_dtype(tensor: torch.Tensor, engine_dtype: torch.dtype | None) -> torch.dtype:
+    """The dtype a tensor crosses in: the engine's for floating tensors (the engine casts to it anyway)."""
+    if engine_dtype is not None and tensor.is_floating_point():
+        return engine_dtype
+    return tensor.dtype
+
+
+def unique_tensors(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``tensors`` less every one that shares storage with an earlier one (a tied ``lm_head``).
+
+    vLLM's models skip a tied output layer's weight when loading (they tie it to the embedding
+    themselves), so it need not cross.
+    """
+    seen: set[tuple[int, int]] = set()
+    unique = {}
+    for name, tensor in tensors.items():
+        key = (tensor.untyped_storage().data_ptr(), tensor.storage_offset()) if tensor.numel() else (id(tensor), 0)
+        if key in seen:
+            continue
+        seen.add(key)
+        unique[name] = tensor
+    return unique
+
+
+def plan_buckets(
+    tensors: Mapping[str, torch.Tensor], bucket_bytes: int, engine_dtype: torch.dtype | None
+) -> list[list[str]]:
+    """Split the names of ``tensors`` into buckets of at most ``bucket_bytes`` (in the transfer dtype).
+
+    A decoder layer's tensors never straddle two buckets (vLLM processes a layer once all its
+    weights arrived, and the bucket's pages are reused right after), and the un-indexed tensors
+    (embedding, final norm, output layer) go last, in the bucket whose call also finalizes the
+    reload: vLLM may hold those until then. A group larger than ``bucket_bytes`` gets a bucket of
+    its own (the buffer grows to hold it).
+    """
+    from vllm.distributed.weight_transfer.base import layerwise_groups
+
+    def nbytes(name: str) -> int:
+        tensor = tensors[name]
+        return _aligned(tensor.numel() * transfer_dtype(tensor, engine_dtype).itemsize)
+
+    groups = layerwise_groups(list(tensors))
+    indexed = [group for group in groups if _is_indexed(group)]
+    loose = [name for group in groups if not _is_indexed(group) for name in group]
+    buckets: list[list[str]] = []
+    current: list[str] = []
+    used = 0
+    for group in [*indexed, loose] if loose else indexed:
+        size = sum(nbytes(name) for name in group)
+        if current and (used + size > bucket_bytes or group is loose):
+            buckets.append(current)
+            current, used = [], 0
+        current.extend(group)
+        used += size
+    if current:
+        buckets.append(current)
+    return buckets
+
+
+def _is_indexed(group: list[str]) -> bool:
+    return any(part.isdigit() for part in group[0].split("."))
+
+
+def _shared_dir() -> str | None:
+    """``/dev/shm`` where the machine has one (memory, not disk); else the temporary directory."""
+    return "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
+
+
+class SharedWeightsBuffer:
+    """One shared-memory bucket, reused for every bucket of every sync, and the copy into it.
+
+    Args:
+        bucket_bytes: Size of a bucket (bytes); grown to the largest tensor when one is larger.
+    """
+
+    def __init__(self, bucket_bytes: int) -> None:
+        self.bucket_bytes = int(bucket_bytes)
+        self.path: Path | None = None
+        self.nbytes = 0
+        self._buffer: torch.Tensor | None = None
+
+    def ensure(self, nbytes: int) -> None:
+        """Map a buffer of at least ``nbytes`` (a new file when the old one is too small)."""
+        if self._buffer is not None and self.nbytes >= nbytes:
+            return
+        self.close()
+        fd, name = tempfile.mkstemp(prefix="lightning_offpolicy_weights_", dir=_shared_dir())  # mode 0600
+        try:
+            os.ftruncate(fd, nbytes)
+        finally:
+            os.close(fd)
+        self.path, self.nbytes = Path(name), nbytes
+        self._buffer = torch.from_file(name, shared=True, size=nbytes, dtype=torch.uint8)
+
+    def fill(self, tensors: Iterable[tuple[str, torch.Tensor]], engine_dtype: torch.dtype | None) -> list[BucketSlot]:
+        """Copy ``tensors`` (cast to the transfer dtype) into the buffer; the slots they took."""
+        assert self._buffer is not None, "ensure() first"
+        slots = []
+        offset = 0
+        for name, tensor in tensors:
+            dtype = transfer_dtype(tensor, engine_dtype)
+            nbytes = tensor.numel() * dtype.itemsize
+            view = self._buffer[offset : offset + nbytes].view(dtype).view(tensor.shape)
+            view.copy_(tensor.detach())
+            slots.append(BucketSlot(name, _dtype_name(dtype), tuple(tensor.shape), offset))
+            offset += _aligned(nbytes)
+        return slots
+
+    def send(
+        self,
+        tensors: Mapping[str, torch.Tensor],
+        engine_dtype: torch.dtype | None,
+        load: Callable[[str, int, list[list], bool, bool], None],
+    ) -> int:
+        """Move ``tensors`` bucket by bucket: fill the buffer, then ``load(path, nbytes, slots, first, last)``.
+
+        Returns:
+            The bytes moved (after the cast to the transfer dtype).
+        """
+        tensors = unique_tensors(tensors)
+        buckets = plan_buckets(tensors, self.bucket_bytes, engine_dtype)
+        sizes = [
+            sum(_aligned(tensors[n].numel() * transfer_dtype(tensors[n], engine_dtype).itemsize) for n in bucket)
+            for bucket in buckets
+        ]
+        self.ensure(max(sizes + [_ALIGN]))
+        for index, bucket in enumerate(buckets):
+            slots = self.fill(((name, tensors[name]) for name in bucket), engine_dtype)
+            load(str(self.path), self.nbytes, [slot.as_rpc() for slot in slots], index == 0, index == len(buckets) - 1)
+        return sum(t.numel() * transfer_dtype(t, engine_dtype).itemsize for t in tensors.values())
+
+    def close(self) -> None:
+        """Unmap and delete the buffer's file (a worker's own mapping lasts until it lets go)."""
+        self._buffer = None
+        if self.path is not None:
+            self.path.unlink(missing_ok=True)
+        self.path, self.nbytes = None, 0
