@@ -25,7 +25,7 @@ from lightning_offpolicy.rollout.engine import RolloutEngine, SamplingConfig
 from lightning_offpolicy.rollout.multi_turn import EpisodeRunner, EpisodeSettings
 from lightning_offpolicy.rollout.vllm.weight_sync import trainer_probe_logprobs
 from tests.module_helpers import argmax_completion
-from tests.vllm_fixtures import residuals, reverse_prompts, teacher_forced_logprobs
+from tests.vllm_fixtures import lose_syncs, residuals, reverse_prompts, teacher_forced_logprobs
 
 
 @torch.no_grad()
@@ -290,7 +290,7 @@ class VLLMEngineContract(EngineContract):
 
     def test_self_check_catches_a_sync_that_did_not_arrive(self, engine, trainer_model, tiny_ckpt, monkeypatch):
         engine.update_weights(trainer_model, 20)  # a good sync: the check's reference point
-        monkeypatch.setattr(engine, "_reload_weights", lambda path: None)  # the peer bug: nothing arrives
+        lose_syncs(monkeypatch, engine)  # the peer bug: nothing arrives
         with torch.no_grad():
             trainer_model.lm_head.weight.zero_()
         with pytest.raises(RuntimeError, match="did not arrive"):

@@ -22,6 +22,7 @@ from lightning_offpolicy.rollout.vllm.inprocess import VLLMEngine
 from lightning_offpolicy.rollout.vllm.peft_export import adapter_rank, base_state_dict, merged_state_dict, save_adapter
 from tests.vllm_fixtures import (
     ENGINE_KWARGS,
+    lose_syncs,
     requires_vllm,
 )
 
@@ -280,7 +281,7 @@ def test_merged_sync_matches_the_peft_model(engines, lora_model):
 def test_merged_sync_that_did_not_arrive_is_caught(engines, lora_model, monkeypatch):
     engine = engines.get("merged", model=None, lora_sync="merged")
     engine.update_weights(lora_model, 10)  # a good sync: the check's reference point
-    monkeypatch.setattr(engine, "_reload_weights", lambda weights_path: None)  # the peer bug: nothing arrives
+    lose_syncs(monkeypatch, engine)  # the peer bug: nothing arrives
     _optimizer_step(lora_model, seed=4)
     with pytest.raises(RuntimeError, match="did not arrive"):
         engine.update_weights(lora_model, 11)

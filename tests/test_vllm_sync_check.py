@@ -15,7 +15,7 @@ import torch
 from lightning_offpolicy.rollout.engine import SamplingConfig
 from lightning_offpolicy.rollout.vllm.inprocess import VLLMEngine
 from lightning_offpolicy.rollout.vllm.weight_sync import SyncCheck, trainer_probe_logprobs
-from tests.vllm_fixtures import requires_vllm, reverse_prompts
+from tests.vllm_fixtures import lose_syncs, requires_vllm, reverse_prompts
 
 pytestmark = pytest.mark.slow
 
@@ -71,7 +71,7 @@ def test_bfloat16_engine_on_a_peaked_policy(tiny_ckpt, vllm_engine_holder, monke
 
         # A sync that did not arrive (the peer bug: the reload silently does nothing), after one small step.
         with monkeypatch.context() as patch:
-            patch.setattr(engine, "_reload_weights", lambda weights_path: None)
+            lose_syncs(patch, engine)
             _step(trainer, 1e-6, seed=99)
             with pytest.raises(RuntimeError, match="did not change at all"):
                 engine.update_weights(trainer, 7)

@@ -192,3 +192,14 @@ def residuals(engine_lp: list[list[float]], trainer_lp: list[list[float]]) -> to
     return torch.tensor(
         [abs(a - b) for e, t in zip(engine_lp, trainer_lp, strict=True) for a, b in zip(e, t, strict=True)]
     )
+
+
+def lose_syncs(patch: pytest.MonkeyPatch, engine) -> None:
+    """Make ``engine``'s weight syncs silently not arrive (the peer bug the sync check catches).
+
+    Whatever the transport: the file reload (``_reload_weights``) and the in-memory bucket load
+    (``_load_bucket``, in-process engines) do nothing.
+    """
+    patch.setattr(engine, "_reload_weights", lambda *args, **kwargs: None)
+    if hasattr(engine, "_load_bucket"):
+        patch.setattr(engine, "_load_bucket", lambda *args, **kwargs: None)

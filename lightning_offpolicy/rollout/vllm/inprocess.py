@@ -505,15 +505,20 @@ class VLLMEngine(AdapterSync, VLLMEngineBase):
 
     def _send_in_memory(self, tensors: dict[str, torch.Tensor]) -> int:
         """Copy ``tensors`` bucket by bucket into shared memory, each loaded by every worker; the bytes moved."""
-        if self._shared_weights is None:
-            self._shared_weights = SharedWeightsBuffer(self.weight_bucket_mb << 20)
+        bucket_bytes = self.weight_bucket_mb << 20
+        if self._shared_weights is None or self._shared_weights.bucket_bytes != bucket_bytes:
+            if self._shared_weights is not None:
+                self._shared_weights.close()
+            self._shared_weights = SharedWeightsBuffer(bucket_bytes)
+        return self._shared_weights.send(tensors, self.compute_dtype, self._load_bucket)
+
+    def _load_bucket(self, path: str, nbytes: int, slots: list[list], first: bool, last: bool) -> None:
+        """Have every worker load one bucket from the shared-memory file ``path`` (in-place reload)."""
         llm = self._llm
-
-        def load(path: str, nbytes: int, slots: list[list], first: bool, last: bool) -> None:
-            call = lambda: llm.collective_rpc("lo_load_shared_bucket", args=(path, nbytes, slots, first, last))  # noqa: E731
-            self._watched(call, "load_weights")
-
-        return self._shared_weights.send(tensors, self.compute_dtype, load)
+        self._watched(
+            lambda: llm.collective_rpc("lo_load_shared_bucket", args=(path, nbytes, slots, first, last)),
+            "load_weights",
+        )
 
     def _engine_vocab_size(self) -> int | None:
         return None if self._llm is None else int(self._llm.llm_engine.model_config.get_vocab_size())

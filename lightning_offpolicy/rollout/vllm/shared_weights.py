@@ -14,6 +14,7 @@ Importing this module does not import vLLM.
 
 from __future__ import annotations
 
+import logging
 import os
 import tempfile
 from collections.abc import Callable, Iterable, Mapping
@@ -23,6 +24,8 @@ from pathlib import Path
 import torch
 
 __all__ = ["BucketSlot", "SharedWeightsBuffer", "plan_buckets", "unique_tensors"]
+
+log = logging.getLogger(__name__)
 
 #: Offsets of tensors in the bucket are multiples of this (every dtype can view its slot).
 _ALIGN = 64
@@ -85,19 +88,23 @@ def plan_buckets(
     reload: vLLM may hold those until then. A group larger than ``bucket_bytes`` gets a bucket of
     its own (the buffer grows to hold it).
     """
-    from vllm.distributed.weight_transfer.base import layerwise_groups
 
     def nbytes(name: str) -> int:
         tensor = tensors[name]
         return _aligned(tensor.numel() * transfer_dtype(tensor, engine_dtype).itemsize)
 
-    groups = layerwise_groups(list(tensors))
-    indexed = [group for group in groups if _is_indexed(group)]
-    loose = [name for group in groups if not _is_indexed(group) for name in group]
+    layers: dict[str, list[str]] = {}  # first-appearance order
+    loose: list[str] = []
+    for name in tensors:
+        key = _layer_key(name)
+        if key is None:
+            loose.append(name)
+        else:
+            layers.setdefault(key, []).append(name)
     buckets: list[list[str]] = []
     current: list[str] = []
     used = 0
-    for group in [*indexed, loose] if loose else indexed:
+    for group in [*layers.values(), loose] if loose else list(layers.values()):
         size = sum(nbytes(name) for name in group)
         if current and (used + size > bucket_bytes or group is loose):
             buckets.append(current)
@@ -109,13 +116,34 @@ def plan_buckets(
     return buckets
 
 
-def _is_indexed(group: list[str]) -> bool:
-    return any(part.isdigit() for part in group[0].split("."))
+def _layer_key(name: str) -> str | None:
+    """The name up to its first all-digit part (``model.layers.3``), the layer it belongs to; ``None``: none."""
+    parts = name.split(".")
+    for index, part in enumerate(parts):
+        if part.isdigit():
+            return ".".join(parts[: index + 1])
+    return None
 
 
-def _shared_dir() -> str | None:
-    """``/dev/shm`` where the machine has one (memory, not disk); else the temporary directory."""
-    return "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
+def _shared_dir(nbytes: int) -> str | None:
+    """``/dev/shm`` where it exists with room for ``nbytes`` (memory, not disk); else the temporary directory.
+
+    A container's ``/dev/shm`` is often small (Docker's default is 64 MB): writing past its size
+    would kill the process (SIGBUS), so a buffer that does not fit goes to an ordinary file, which
+    the page cache serves at nearly the same speed.
+    """
+    try:
+        stat = os.statvfs("/dev/shm")
+    except OSError:
+        return None
+    if not os.access("/dev/shm", os.W_OK) or stat.f_bavail * stat.f_frsize < nbytes:
+        log.warning(
+            "/dev/shm has less than %.0f MB free: the in-memory weight sync maps its buffer from the temporary "
+            "directory instead (give the container more shared memory, e.g. docker run --shm-size=2g).",
+            nbytes / 1e6,
+        )
+        return None
+    return "/dev/shm"
 
 
 class SharedWeightsBuffer:
@@ -136,7 +164,7 @@ class SharedWeightsBuffer:
         if self._buffer is not None and self.nbytes >= nbytes:
             return
         self.close()
-        fd, name = tempfile.mkstemp(prefix="lightning_offpolicy_weights_", dir=_shared_dir())  # mode 0600
+        fd, name = tempfile.mkstemp(prefix="lightning_offpolicy_weights_", dir=_shared_dir(nbytes))  # mode 0600
         try:
             os.ftruncate(fd, nbytes)
         finally:
