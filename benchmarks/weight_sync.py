@@ -189,6 +189,8 @@ def worker(model_name: str, transport: str, syncs: int) -> dict[str, Any]:
                 "check_diff": engine.last_sync_check_max_abs_diff,
                 "pss_before": before,
                 "peak_extra": sampler.peak - before,
+                # The shared-memory bucket lives from the first sync to close: in `before`, not in the peak.
+                "held_buffer": engine._shared_weights.nbytes if engine._shared_weights is not None else 0,
                 "processes": len(pids),
                 "start_s": engine.start_time_s,
             }
@@ -215,6 +217,7 @@ def summarize(results: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
             s[f"{transport}_transfer_s"] = statistics.median(r["transfer_s"])
             s[f"{transport}_bandwidth"] = r["bytes"] / s[f"{transport}_transfer_s"]
             s[f"{transport}_peak_extra"] = r["peak_extra"]
+            s[f"{transport}_held_buffer"] = r["held_buffer"]
         if "file" in by and "memory" in by:
             s["speedup_wall"] = s["file_wall_s"] / s["memory_wall_s"]
             s["speedup_transfer"] = s["file_transfer_s"] / s["memory_transfer_s"]
@@ -242,8 +245,8 @@ def render(results: list[dict[str, Any]], ratios: dict[str, dict[str, float]], h
         "",
         *method_sections(PROSE["method"].format(syncs=header["syncs"], interval_ms=SAMPLE_INTERVAL_S * 1000)),
         "| model | parameters | transport | bytes / sync MB | sync s (check incl.) | transfer s "
-        "| transfer GB/s | peak extra MB | check max diff |",
-        "|---|---:|---|---:|---:|---:|---:|---:|---:|",
+        "| transfer GB/s | peak extra MB | bucket held MB | check max diff |",
+        "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in results:
         s = ratios[r["model"]]
@@ -251,7 +254,7 @@ def render(results: list[dict[str, Any]], ratios: dict[str, dict[str, float]], h
         lines.append(
             f"| {r['model']} | {r['params']:,} | {t} | {r['bytes'] / MB:,.0f} | {s[f'{t}_wall_s']:.3f} "
             f"| {s[f'{t}_transfer_s']:.3f} | {s[f'{t}_bandwidth'] / 1e9:.2f} | {r['peak_extra'] / MB:,.0f} "
-            f"| {r['check_diff']:.3g} |"
+            f"| {r['held_buffer'] / MB:,.0f} | {r['check_diff']:.3g} |"
         )
     lines += ["", "Ratios (same run), file / memory:", ""]
     for model, s in ratios.items():
@@ -260,7 +263,8 @@ def render(results: list[dict[str, Any]], ratios: dict[str, dict[str, float]], h
                 f"- {model}: whole sync **{s['speedup_wall']:.1f}x** faster in memory "
                 f"({s['file_wall_s']:.2f} s -> {s['memory_wall_s']:.2f} s), the transfer alone "
                 f"{s['speedup_transfer']:.1f}x; peak extra {s['file_peak_extra'] / MB:,.0f} MB -> "
-                f"{s['memory_peak_extra'] / MB:,.0f} MB."
+                f"{s['memory_peak_extra'] / MB:,.0f} MB during the sync, plus the "
+                f"{s['memory_held_buffer'] / MB:,.0f} MB bucket held between syncs."
             )
     largest = max(ratios, key=lambda m: next(r["params"] for r in results if r["model"] == m))
     lines += [

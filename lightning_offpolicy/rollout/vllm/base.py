@@ -12,6 +12,7 @@ import logging
 import threading
 import time
 from collections.abc import Mapping
+from concurrent.futures import Future, wait
 from dataclasses import dataclass
 from typing import Any
 
@@ -220,9 +221,17 @@ class VLLMEngineBase(SpecialTokens):
         self._prepare_sync(source, is_module)
         with self._lock:
             self._check_usable()
-            self._push(source, is_module, version)
-            if self.check_weight_sync and is_module:
-                self._verify_sync(source)
+            check = self.check_weight_sync and is_module
+            trainer_probe = self._start_trainer_probe(source) if check else None
+            try:
+                self._push(source, is_module, version)
+            except BaseException:
+                if trainer_probe is not None:
+                    wait([trainer_probe])  # the module is the trainer's again before the error leaves
+                raise
+            trainer = trainer_probe.result() if trainer_probe is not None else None
+            if check:
+                self._verify_sync(source, trainer)
             else:  # no module to compare with: the check cannot run
                 self._sync_check.reset()
             self.version = int(version)
@@ -356,8 +365,34 @@ class VLLMEngineBase(SpecialTokens):
         """The engine's vocabulary size, when known (a support of every token is then the whole vocabulary)."""
         return None
 
-    def _verify_sync(self, module: torch.nn.Module) -> None:
+    def _probe_known(self) -> bool:
+        """Whether :meth:`_probe` can answer before the push (the engine is up)."""
+        return False
+
+    def _start_trainer_probe(self, module: torch.nn.Module) -> Future[torch.Tensor] | None:
+        """Score the probe with the trainer's module in a thread, while the push runs; ``None``: after it.
+
+        The trainer's forward and the engine's load use different cores (or devices). Not for a
+        sharded module: its forward gathers parameters with collectives, which must not interleave
+        with the export's.
+        """
+        if not self._probe_known() or any(hasattr(p, "full_tensor") for p in module.parameters()):
+            return None
+        probe = self._probe(module)
+        future: Future[torch.Tensor] = Future()
+
+        def run() -> None:
+            try:
+                future.set_result(trainer_probe_logprobs(module, probe))
+            except BaseException as err:  # noqa: BLE001 - handed to the caller
+                future.set_exception(err)
+
+        threading.Thread(target=run, name=f"{self._who}-trainer-probe", daemon=True).start()
+        return future
+
+    def _verify_sync(self, module: torch.nn.Module, trainer: torch.Tensor | None = None) -> None:
         probe = self._probe(module)
         engine = self._engine_probe_logprobs(probe)
-        trainer = trainer_probe_logprobs(module, probe)
+        if trainer is None:
+            trainer = trainer_probe_logprobs(module, probe)
         self._sync_check(engine, trainer, sync_tolerance(self.compute_dtype, module, self.weight_sync_tolerance))

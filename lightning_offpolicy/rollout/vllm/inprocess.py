@@ -523,6 +523,9 @@ class VLLMEngine(AdapterSync, VLLMEngineBase):
     def _engine_vocab_size(self) -> int | None:
         return None if self._llm is None else int(self._llm.llm_engine.model_config.get_vocab_size())
 
+    def _probe_known(self) -> bool:
+        return self._llm is not None
+
     def _probe(self, module: torch.nn.Module | None = None) -> list[int]:
         if self._probe_ids is None:
             vocab = int(self._llm.llm_engine.model_config.get_vocab_size())
