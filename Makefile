@@ -85,6 +85,7 @@ bench: $(VENV)/.dev
 	$(PY) benchmarks/vs_trl.py --seeds 0,1,2,3,4 --engines hf,vllm --output docs/reports/performance_vs_trl.md; \
 	$(MAKE) --no-print-directory vs-trl-top-p; \
 	$(PY) benchmarks/vs_trl_tools.py --seeds 0,1 --jobs 2 --output docs/reports/performance_vs_trl_tools.md; \
+	$(PY) benchmarks/weight_sync.py --output docs/reports/performance_weight_sync.md; \
 	$(PY) tools/summarize.py --docs docs/reports --output docs/reports/performance.md --started $$start --load-start $$load
 
 # top_p 0.9 on vs_trl's task: TRL and the kit with the sampling mask, the kit without it, and both at

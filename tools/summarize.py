@@ -11,6 +11,7 @@ Reads, from ``--docs`` (each one optional; a missing one is reported as not run)
 * ``performance_correction.json``     (``benchmarks/correction_bench.py``)
 * ``performance_vs_trl.json``         (``benchmarks/vs_trl.py``)
 * ``performance_vs_trl_tools.json``   (``benchmarks/vs_trl_tools.py``)
+* ``performance_weight_sync.json``    (``benchmarks/weight_sync.py``)
 
 Nothing is measured here. ``make bench`` runs it last with ``--started`` (the epoch second the
 target started) and ``--load-start``, so the page states the wall time of the whole target.
@@ -48,6 +49,7 @@ SECTIONS = [
     ("performance_correction", "Off-policy correction step", "benchmarks/correction_bench.py"),
     ("performance_vs_trl", "Side by side with TRL's GRPOTrainer on the same task", "benchmarks/vs_trl.py"),
     ("performance_vs_trl_tools", "Tool use side by side with TRL (tools=...)", "benchmarks/vs_trl_tools.py"),
+    ("performance_weight_sync", "Weight sync: in memory vs files", "benchmarks/weight_sync.py"),
 ]
 
 
@@ -300,6 +302,26 @@ def vs_trl_tools(data: dict[str, Any]) -> list[str]:
     ]
 
 
+#: The in-memory sync's goal at the ~0.5B size: a whole sync (check included) this many times faster than files.
+WEIGHT_SYNC_GOAL = 5.0
+
+
+def weight_sync(data: dict[str, Any]) -> list[str]:
+    """Per model: whole-sync seconds of both transports, the speed-up against the goal, peak extra memory."""
+    lines = []
+    for model, r in data["ratios"].items():
+        if "speedup_wall" not in r:
+            continue
+        met = _met(r["speedup_wall"] >= WEIGHT_SYNC_GOAL)
+        goal = f" (goal >= {WEIGHT_SYNC_GOAL:g}x: {met})" if "0.5b" in model else ""
+        lines.append(
+            f"- {model}: sync {r['file_wall_s']:.2f} s (files) -> {r['memory_wall_s']:.2f} s (memory), "
+            f"**{r['speedup_wall']:.1f}x**{goal}; peak extra {r['file_peak_extra'] / 1e6:,.0f} -> "
+            f"{r['memory_peak_extra'] / 1e6:,.0f} MB (+ a {r['memory_held_buffer'] / 1e6:,.0f} MB bucket held)."
+        )
+    return lines
+
+
 RENDER: dict[str, Callable[[Any], list[str]]] = {
     "performance_end_to_end": end_to_end,
     "performance_async": async_overlap,
@@ -308,6 +330,7 @@ RENDER: dict[str, Callable[[Any], list[str]]] = {
     "performance_correction": correction,
     "performance_vs_trl": vs_trl,
     "performance_vs_trl_tools": vs_trl_tools,
+    "performance_weight_sync": weight_sync,
 }
 
 READING = {
@@ -327,6 +350,8 @@ READING = {
     "performance_vs_trl_tools": "Tool-use episodes (multiply with a calculator tool) from `tiny:multiply`, an "
     "HF-format checkpoint with Qwen2.5's chat template: TRL's tool loop and the kit's episodes on the same "
     "prompts and settings, each in its own process; the reward is the success rate.",
+    "performance_weight_sync": "One weight sync of a float32 trainer into an in-process bfloat16 vLLM engine, the "
+    "sync check included: shared-memory buckets (the default) against safetensors files (the earlier default).",
 }
 
 
