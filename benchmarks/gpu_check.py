@@ -153,6 +153,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--workdir", type=Path, default=None, help="checkpoint and runs (default: a temporary directory)")
     p.add_argument("--keep-workdir", action="store_true", help="do not delete the working directory at the end")
     p.add_argument("--worker-log", type=Path, default=None, help="also write every part's full output here")
+    p.add_argument(
+        "--fit-arg",
+        action="append",
+        default=[],
+        metavar="ARG",
+        help="one more CLI argument for both fits, e.g. --fit-arg=--model.packing=off (repeatable)",
+    )
     p.add_argument("--worker", nargs=3, metavar=("PART", "SPEC", "RESULT"), help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.worker:
@@ -176,13 +183,17 @@ def main(argv: list[str] | None = None) -> int:
     print(f"gpu_check: {'CPU smoke' if smoke else 'CUDA'}, parts {', '.join(parts)}, budget {args.budget_s:.0f} s, "
           f"work {work}", flush=True)  # fmt: skip
     print("versions: " + ", ".join(f"{k} {v}" for k, v in _versions().items()), flush=True)
-    fit_common = [
-        f"--model.model={ckpt_dir}",
-        f"--trainer.max_steps={max_steps}",
-        f"--trainer.logger.init_args.save_dir={work / 'runs'}",
-        f"--trainer.default_root_dir={work}",
-        "--trainer.enable_progress_bar=false",
-    ] + (SMOKE_FIT if smoke else [])
+    fit_common = (
+        [
+            f"--model.model={ckpt_dir}",
+            f"--trainer.max_steps={max_steps}",
+            f"--trainer.logger.init_args.save_dir={work / 'runs'}",
+            f"--trainer.default_root_dir={work}",
+            "--trainer.enable_progress_bar=false",
+        ]
+        + (SMOKE_FIT if smoke else [])
+        + args.fit_arg
+    )
     specs: dict[str, dict] = {
         "checkpoint": {"shape": SMOKE_SHAPE if smoke else QWEN25_15B, "dir": str(ckpt_dir)},
         "fsdp": {
