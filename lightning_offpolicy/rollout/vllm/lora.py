@@ -13,9 +13,14 @@ from typing import Any
 import torch
 
 from lightning_offpolicy.rollout.vllm.export import write_safetensors
-from lightning_offpolicy.rollout.vllm.peft_export import adapter_rank, base_state_dict, save_adapter
+from lightning_offpolicy.rollout.vllm.peft_export import (
+    adapter_rank,
+    base_state_dict,
+    check_vllm_adapter,
+    save_adapter,
+)
 
-__all__ = ["SYNC_CALLER", "AdapterSync", "vllm_lora_rank", "write_base_checkpoint"]
+__all__ = ["SYNC_CALLER", "AdapterSync", "allowed_lora_ranks", "vllm_lora_rank", "write_base_checkpoint"]
 
 #: The caller named in export errors.
 SYNC_CALLER = "VLLMEngine.update_weights"
@@ -24,20 +29,25 @@ SYNC_CALLER = "VLLMEngine.update_weights"
 VLLM_LORA_RANKS_0_32 = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 
 
-def vllm_lora_rank(rank: int) -> int:
-    """The smallest ``max_lora_rank`` vLLM accepts that fits an adapter of rank ``rank``."""
+def allowed_lora_ranks() -> list[int]:
+    """The values vLLM accepts as ``max_lora_rank`` (``--max-lora-rank``), ascending."""
     try:
         from vllm.config.lora import MaxLoRARanks
 
-        allowed = sorted(int(r) for r in typing.get_args(MaxLoRARanks))
-    except Exception:  # noqa: BLE001 - another vLLM layout: the 0.32 list
-        allowed = list(VLLM_LORA_RANKS_0_32)
+        return sorted(int(r) for r in typing.get_args(MaxLoRARanks))
+    except Exception:  # noqa: BLE001 - vLLM missing, or another layout: the 0.32 list
+        return list(VLLM_LORA_RANKS_0_32)
+
+
+def vllm_lora_rank(rank: int, who: str = "VLLMEngine(lora_sync='adapter')") -> int:
+    """The smallest ``max_lora_rank`` vLLM accepts that fits an adapter of rank ``rank`` (``who``: for the error)."""
+    allowed = allowed_lora_ranks()
     for candidate in allowed:
         if candidate >= rank:
             return candidate
     raise ValueError(
-        f"VLLMEngine(lora_sync='adapter'): the adapter's rank {rank} exceeds the largest max_lora_rank vLLM "
-        f"accepts ({allowed[-1]}); use lora_sync='merged'."
+        f"{who}: the adapter's rank {rank} exceeds the largest max_lora_rank vLLM accepts ({allowed[-1]}); use "
+        "lora_sync='merged'."
     )
 
 
@@ -62,6 +72,7 @@ class AdapterSync:
 
     def _update_adapter(self, model: torch.nn.Module, version: int) -> None:
         """Adapter sync (``lora_sync="adapter"``): the base weights once, then only the adapter."""
+        check_vllm_adapter(model, SYNC_CALLER)
         rank = adapter_rank(model)
         if self._llm is None:
             self._max_lora_rank = vllm_lora_rank(rank)
