@@ -120,6 +120,7 @@ def _info(lora: dict | None, env: dict) -> tuple[int, object]:
 # ---------------------------------------------------------------------- no vLLM server needed
 
 
+@pytest.mark.filterwarnings("ignore:`lora_bias=True` was passed")
 def test_adapter_mode_checks_its_source_before_any_request(tmp_path):
     from transformers import LlamaForCausalLM
 
@@ -306,15 +307,15 @@ def test_adapter_bytes_against_merged_and_a_served_base(make_engine, tiny_ckpt):
     lora_params = sum(p.numel() for n, p in model.named_parameters() if "lora_" in n)
     base_params = sum(p.numel() for n, p in model.named_parameters() if "lora_" not in n)
     # Each file: its float32 tensors plus a header (and the adapter's config) of a few KiB at most.
-    assert 4 * lora_params < adapter_bytes < 4 * lora_params + 8192
-    assert 4 * base_params < merged_bytes < 4 * base_params + 8192
+    assert 4 * lora_params < adapter_bytes < 4 * lora_params + 4096
+    assert 4 * base_params < merged_bytes < 4 * base_params + 4096
     ratio = merged_bytes / adapter_bytes
     MEASURED.update(
         adapter_bytes=adapter_bytes, merged_bytes=merged_bytes, adapter_s=adapter_s, merged_s=merged_s, ratio=ratio
     )
     print(f"\nbytes per sync: adapter {adapter_bytes} ({adapter_s:.3f} s), merged {merged_bytes} ({merged_s:.3f} s): "
           f"x{ratio:.1f}")  # fmt: skip
-    assert ratio > 0.9 * base_params / lora_params > 20
+    assert ratio > 0.9 * base_params / lora_params > 30  # the parameter ratio, less the adapter's config file
 
     # push_lora_base=False trusts the server's base: the self-check catches one that is not the trainer's.
     trusting = make_engine(lora_sync="adapter", push_lora_base=False)

@@ -95,8 +95,8 @@ def save_adapter(model: torch.nn.Module, directory: Path) -> Path:
     """Save the active adapter of a peft model (adapter weights and config only) into ``directory``.
 
     Returns:
-        The directory holding ``adapter_config.json`` and ``adapter_model.safetensors`` (peft puts
-        an adapter not named ``"default"`` into a subdirectory of that name).
+        The directory holding ``adapter_config.json`` and ``adapter_model.safetensors``, and
+        nothing else (peft puts an adapter not named ``"default"`` into a subdirectory of that name).
     """
     model = unwrap(model)
     _active_lora_config(model, "save_adapter")
@@ -104,7 +104,10 @@ def save_adapter(model: torch.nn.Module, directory: Path) -> Path:
     # save_embedding_layers=False: "auto" may look the base model up on the hub (no network on
     # training nodes); full embedding layers are only needed for a resized vocabulary.
     model.save_pretrained(str(directory), selected_adapters=[name], save_embedding_layers=False)
-    return directory if name == "default" else directory / name
+    path = directory if name == "default" else directory / name
+    # peft's model card: no engine reads it, and it would be moved at every sync.
+    (path / "README.md").unlink(missing_ok=True)
+    return path
 
 
 def check_vllm_adapter(model: torch.nn.Module, who: str) -> None:

@@ -140,6 +140,7 @@ class RemoteAdapterSync:
                 {"lora_name": name, "lora_path": server_path},
                 timeout=self.request_timeout_s,
                 what="load_lora_adapter",
+                text=True,  # vLLM answers "Success: LoRA adapter ... added successfully."
             )
         except HTTPStatusError as err:
             if err.status == 404 and "Not Found." in str(err):  # the route itself is missing
@@ -163,6 +164,7 @@ class RemoteAdapterSync:
                 {"lora_name": name},
                 timeout=self.request_timeout_s if timeout is None else timeout,
                 what="unload_lora_adapter",
+                text=True,
             )
         except HTTPStatusError as err:
             if err.status != 404:
