@@ -304,6 +304,8 @@ def test_adapter_bytes_against_merged_and_a_served_base(make_engine, tiny_ckpt):
     merged = make_engine(lora_sync="merged")
     merged.update_weights(model, 2)  # the server's base weights are now W + scaling B A
     merged_bytes, merged_s = merged.last_sync_bytes, merged.last_sync_time_s
+    merged_residual, vs_base, _ = _residual(merged, model, seed=6)
+    assert merged_residual <= LOGPROB_TOL and vs_base > 0.05
     lora_params = sum(p.numel() for n, p in model.named_parameters() if "lora_" in n)
     base_params = sum(p.numel() for n, p in model.named_parameters() if "lora_" not in n)
     # Each file: its float32 tensors plus a header (and the adapter's config) of a few KiB at most.
@@ -311,7 +313,12 @@ def test_adapter_bytes_against_merged_and_a_served_base(make_engine, tiny_ckpt):
     assert 4 * base_params < merged_bytes < 4 * base_params + 4096
     ratio = merged_bytes / adapter_bytes
     MEASURED.update(
-        adapter_bytes=adapter_bytes, merged_bytes=merged_bytes, adapter_s=adapter_s, merged_s=merged_s, ratio=ratio
+        adapter_bytes=adapter_bytes,
+        merged_bytes=merged_bytes,
+        adapter_s=adapter_s,
+        merged_s=merged_s,
+        ratio=ratio,
+        merged_residual_max=merged_residual,
     )
     print(f"\nbytes per sync: adapter {adapter_bytes} ({adapter_s:.3f} s), merged {merged_bytes} ({merged_s:.3f} s): "
           f"x{ratio:.1f}")  # fmt: skip
