@@ -90,14 +90,16 @@ class AdapterSync:
                 f"{limit} (set from the first adapter). Keep the rank, or use lora_sync='merged'."
             )
         begin = time.perf_counter()
+        moved = 0
         if not self._base_synced:  # the checkpoint in `model` may differ from the trainer's base
             self._push_weights(base_state_dict(model, SYNC_CALLER))
+            moved = self.last_sync_bytes or 0
             self._base_synced = True
-        self._push_adapter(model, version)
+        self.last_sync_bytes = moved + self._push_adapter(model, version)
         self.last_sync_time_s = time.perf_counter() - begin
 
-    def _push_adapter(self, model: torch.nn.Module, version: int) -> None:
-        """Save the adapter into a fresh directory and make it the one every request uses."""
+    def _push_adapter(self, model: torch.nn.Module, version: int) -> int:
+        """Save the adapter into a fresh directory and make it the one every request uses; the bytes saved."""
         from vllm.lora.request import LoRARequest
 
         self._lora_serial += 1
@@ -106,6 +108,7 @@ class AdapterSync:
             self._lora_dir = self._new_tmp_dir("lora")
         top = self._lora_dir / f"{serial:06d}-v{version}"
         path = save_adapter(model, top)
+        saved = sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
         # A new id and name per sync, never `version + 1`: a version can repeat (a sync without an
         # optimizer step in between), and vLLM serves a cached adapter for a known id without
         # reading the new files. Name and path also key vLLM's prefix cache: no stale KV either.
@@ -115,6 +118,7 @@ class AdapterSync:
         for child in self._lora_dir.iterdir():
             if child != top:
                 shutil.rmtree(child, ignore_errors=True)
+        return saved
 
     def _load_adapter(self, request: Any) -> None:
         """Load the adapter of ``request`` into every worker, switch requests to it, unload the previous one."""

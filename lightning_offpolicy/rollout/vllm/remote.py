@@ -382,6 +382,8 @@ class RemoteVLLMEngine(ServerCheck, RemoteAdapterSync, RemoteWeightSync, VLLMEng
         with self._lock:  # no weight sync while sampling: every token comes from the weights of `version`
             self._check_usable()
             version = self.version
+            for body in bodies:  # named under the lock: a sync swaps the adapter (and unloads the old one)
+                body["model"] = self.request_model
             samples = self._map(lambda body: self._stream_completion(body, n, interrupt), bodies)
         return samples, version
 
