@@ -224,6 +224,9 @@ def test_adapter_syncs_follow_the_peft_model(make_engine, lora_server, tiny_ckpt
     assert engine.last_sync_check_max_abs_diff <= 1e-3
     first_name, first_dir = engine.adapter_name, engine._adapter_dir
     assert first_name.startswith("policy-v0-") and _served(lora_server.base_url) == [str(tiny_ckpt), first_name]
+    other = make_engine()  # model=None takes the only model served: adapters listed beside it do not count
+    other.connect()
+    assert other.model_name == str(tiny_ckpt)
     MEASURED["first_sync_s"], MEASURED["first_sync_bytes"] = engine.last_sync_time_s, engine.last_sync_bytes
     residual, vs_base, _ = _residual(engine, model, seed=1)
     print(f"\nadapter v0 (first sync {engine.last_sync_time_s:.3f} s): |server - peft| max {residual:.3g}, "
