@@ -326,6 +326,8 @@ def test_adapter_sync_matches_the_peft_model(engines, lora_model, tiny_ckpt, mon
     assert request.lora_int_id != first_request.lora_int_id and request.lora_path != first_request.lora_path
     assert set(engine.llm.llm_engine.list_loras()) == {request.lora_int_id}  # the old adapter was unloaded
     assert [p.name for p in engine._lora_dir.iterdir()] == [Path(request.lora_path).name]  # old files deleted
+    adapter_files = [f for f in Path(request.lora_path).rglob("*") if f.is_file()]
+    assert engine.last_sync_bytes == sum(f.stat().st_size for f in adapter_files)  # the adapter only
 
     # The same version again (a sync without an optimizer step) still gets a fresh adapter id.
     _optimizer_step(lora_model, seed=6)

@@ -131,11 +131,13 @@ class HTTPClient:
         timeout: float,
         what: str,
         timeout_setting: str = "request_timeout_s",
+        text: bool = False,
     ) -> Any:
         """Send ``body`` as JSON, return the parsed JSON answer (``None`` for an empty one).
 
         ``timeout`` bounds the connection (at most ``connect_timeout_s``) and then the answer;
-        ``timeout_setting`` is the setting that gave it, named when it passes.
+        ``timeout_setting`` is the setting that gave it, named when it passes. ``text``: the
+        answer is plain text (vLLM's adapter routes), returned as a ``str``.
         """
         conn, sock = self._open(timeout, what)
         try:
@@ -149,6 +151,8 @@ class HTTPClient:
         finally:
             self._release(conn, sock)
         self._check_status(response.status, raw, path, what)
+        if text:
+            return raw.decode("utf-8", errors="replace")
         if not raw.strip():
             return None
         return self._json(raw, path, what)

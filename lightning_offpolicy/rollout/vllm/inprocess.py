@@ -151,7 +151,8 @@ class VLLMEngine(AdapterSync, VLLMEngineBase):
     Attributes:
         version: Policy version of the weights in the engine (stamped on every completion).
         start_time_s: Seconds the engine start took (``None`` before the start).
-        last_sync_bytes: Bytes the last full-weight sync moved (``None`` before one).
+        last_sync_bytes: Bytes the last weight sync moved (``None`` before one; with
+            ``lora_sync="adapter"``: the adapter's files, plus the base weights when pushed).
         last_sync_time_s: Seconds of the last weight sync (write + reload + cache reset; with
             ``lora_sync="adapter"``: adapter save + load, plus the one-time base push).
         last_sync_check_max_abs_diff: Largest |engine - trainer| probe logprob difference measured

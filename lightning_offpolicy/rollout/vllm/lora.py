@@ -13,9 +13,14 @@ from typing import Any
 import torch
 
 from lightning_offpolicy.rollout.vllm.export import write_safetensors
-from lightning_offpolicy.rollout.vllm.peft_export import adapter_rank, base_state_dict, save_adapter
+from lightning_offpolicy.rollout.vllm.peft_export import (
+    adapter_rank,
+    base_state_dict,
+    check_vllm_adapter,
+    save_adapter,
+)
 
-__all__ = ["SYNC_CALLER", "AdapterSync", "vllm_lora_rank", "write_base_checkpoint"]
+__all__ = ["SYNC_CALLER", "AdapterSync", "allowed_lora_ranks", "vllm_lora_rank", "write_base_checkpoint"]
 
 #: The caller named in export errors.
 SYNC_CALLER = "VLLMEngine.update_weights"
@@ -24,20 +29,25 @@ SYNC_CALLER = "VLLMEngine.update_weights"
 VLLM_LORA_RANKS_0_32 = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 
 
-def vllm_lora_rank(rank: int) -> int:
-    """The smallest ``max_lora_rank`` vLLM accepts that fits an adapter of rank ``rank``."""
+def allowed_lora_ranks() -> list[int]:
+    """The values vLLM accepts as ``max_lora_rank`` (``--max-lora-rank``), ascending."""
     try:
         from vllm.config.lora import MaxLoRARanks
 
-        allowed = sorted(int(r) for r in typing.get_args(MaxLoRARanks))
-    except Exception:  # noqa: BLE001 - another vLLM layout: the 0.32 list
-        allowed = list(VLLM_LORA_RANKS_0_32)
+        return sorted(int(r) for r in typing.get_args(MaxLoRARanks))
+    except Exception:  # noqa: BLE001 - vLLM missing, or another layout: the 0.32 list
+        return list(VLLM_LORA_RANKS_0_32)
+
+
+def vllm_lora_rank(rank: int, who: str = "VLLMEngine(lora_sync='adapter')") -> int:
+    """The smallest ``max_lora_rank`` vLLM accepts that fits an adapter of rank ``rank`` (``who``: for the error)."""
+    allowed = allowed_lora_ranks()
     for candidate in allowed:
         if candidate >= rank:
             return candidate
     raise ValueError(
-        f"VLLMEngine(lora_sync='adapter'): the adapter's rank {rank} exceeds the largest max_lora_rank vLLM "
-        f"accepts ({allowed[-1]}); use lora_sync='merged'."
+        f"{who}: the adapter's rank {rank} exceeds the largest max_lora_rank vLLM accepts ({allowed[-1]}); use "
+        "lora_sync='merged'."
     )
 
 
@@ -62,6 +72,7 @@ class AdapterSync:
 
     def _update_adapter(self, model: torch.nn.Module, version: int) -> None:
         """Adapter sync (``lora_sync="adapter"``): the base weights once, then only the adapter."""
+        check_vllm_adapter(model, SYNC_CALLER)
         rank = adapter_rank(model)
         if self._llm is None:
             self._max_lora_rank = vllm_lora_rank(rank)
@@ -79,14 +90,16 @@ class AdapterSync:
                 f"{limit} (set from the first adapter). Keep the rank, or use lora_sync='merged'."
             )
         begin = time.perf_counter()
+        moved = 0
         if not self._base_synced:  # the checkpoint in `model` may differ from the trainer's base
             self._push_weights(base_state_dict(model, SYNC_CALLER))
+            moved = self.last_sync_bytes or 0
             self._base_synced = True
-        self._push_adapter(model, version)
+        self.last_sync_bytes = moved + self._push_adapter(model, version)
         self.last_sync_time_s = time.perf_counter() - begin
 
-    def _push_adapter(self, model: torch.nn.Module, version: int) -> None:
-        """Save the adapter into a fresh directory and make it the one every request uses."""
+    def _push_adapter(self, model: torch.nn.Module, version: int) -> int:
+        """Save the adapter into a fresh directory and make it the one every request uses; the bytes saved."""
         from vllm.lora.request import LoRARequest
 
         self._lora_serial += 1
@@ -95,6 +108,7 @@ class AdapterSync:
             self._lora_dir = self._new_tmp_dir("lora")
         top = self._lora_dir / f"{serial:06d}-v{version}"
         path = save_adapter(model, top)
+        saved = sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
         # A new id and name per sync, never `version + 1`: a version can repeat (a sync without an
         # optimizer step in between), and vLLM serves a cached adapter for a known id without
         # reading the new files. Name and path also key vLLM's prefix cache: no stale KV either.
@@ -104,6 +118,7 @@ class AdapterSync:
         for child in self._lora_dir.iterdir():
             if child != top:
                 shutil.rmtree(child, ignore_errors=True)
+        return saved
 
     def _load_adapter(self, request: Any) -> None:
         """Load the adapter of ``request`` into every worker, switch requests to it, unload the previous one."""

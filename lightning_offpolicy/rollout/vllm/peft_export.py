@@ -16,7 +16,17 @@ import torch
 
 from lightning_offpolicy.rollout.vllm.export import export_state_dict, is_peft_model, unwrap
 
-__all__ = ["adapter_rank", "base_state_dict", "full_state_dict", "merged_state_dict", "save_adapter"]
+__all__ = [
+    "adapter_rank",
+    "base_state_dict",
+    "check_vllm_adapter",
+    "full_state_dict",
+    "merged_state_dict",
+    "save_adapter",
+]
+
+#: peft initialisations vLLM 0.32 loads as plain LoRA (the others change the base weights when peft loads them).
+_VLLM_PLAIN_INITS = ("gaussian", "eva", "orthogonal", "mica", "lora_ga")
 
 
 def full_state_dict(
@@ -85,8 +95,8 @@ def save_adapter(model: torch.nn.Module, directory: Path) -> Path:
     """Save the active adapter of a peft model (adapter weights and config only) into ``directory``.
 
     Returns:
-        The directory holding ``adapter_config.json`` and ``adapter_model.safetensors`` (peft puts
-        an adapter not named ``"default"`` into a subdirectory of that name).
+        The directory holding ``adapter_config.json`` and ``adapter_model.safetensors``, and
+        nothing else (peft puts an adapter not named ``"default"`` into a subdirectory of that name).
     """
     model = unwrap(model)
     _active_lora_config(model, "save_adapter")
@@ -94,7 +104,46 @@ def save_adapter(model: torch.nn.Module, directory: Path) -> Path:
     # save_embedding_layers=False: "auto" may look the base model up on the hub (no network on
     # training nodes); full embedding layers are only needed for a resized vocabulary.
     model.save_pretrained(str(directory), selected_adapters=[name], save_embedding_layers=False)
-    return directory if name == "default" else directory / name
+    path = directory if name == "default" else directory / name
+    # peft's model card: no engine reads it, and it would be moved at every sync.
+    (path / "README.md").unlink(missing_ok=True)
+    return path
+
+
+def check_vllm_adapter(model: torch.nn.Module, who: str) -> None:
+    """Refuse an active adapter that vLLM's LoRA support cannot apply, before anything is written or sent.
+
+    vLLM 0.32 refuses these when it loads the adapter (its ``PEFTHelper``), with an error that
+    reaches the trainer as a server error at best; here the trainer names the setting at once.
+
+    Raises:
+        TypeError: ``model`` is not a peft model.
+        NotImplementedError: The adapter is not LoRA, or uses a feature vLLM does not apply (DoRA,
+            ``lora_bias``, ``bias``, ``modules_to_save``, an init that changes the base weights,
+            aLoRA, ``layer_replication``, QALoRA).
+    """
+    config = _active_lora_config(unwrap(model), who)
+    problems = []
+    if getattr(config, "use_dora", False):
+        problems.append("use_dora=True (DoRA)")
+    if getattr(config, "lora_bias", False):
+        problems.append("lora_bias=True")
+    if getattr(config, "bias", "none") != "none":
+        problems.append(f"bias={config.bias!r}")
+    if getattr(config, "modules_to_save", None):
+        problems.append(f"modules_to_save={list(config.modules_to_save)}")
+    init = getattr(config, "init_lora_weights", True)
+    if isinstance(init, str) and init.lower() not in _VLLM_PLAIN_INITS:
+        problems.append(f"init_lora_weights={init!r}")
+    for field in ("alora_invocation_tokens", "layer_replication", "use_qalora"):
+        if getattr(config, field, None):
+            problems.append(f"{field}={getattr(config, field)!r}")
+    if problems:
+        raise NotImplementedError(
+            f"{who}: vLLM's LoRA support cannot apply this adapter ({'; '.join(problems)}): use plain LoRA, or "
+            "lora_sync='merged', which folds the adapter into the weights (lora_bias and modules_to_save included; "
+            "DoRA in neither mode)."
+        )
 
 
 def _active_adapter(model: Any, who: str) -> str:

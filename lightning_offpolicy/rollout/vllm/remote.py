@@ -11,7 +11,8 @@ distribution sampled from, token ids in and out, in-place weight sync with a sel
 and interruptible (partial rollouts, streamed requests): how each is kept over HTTP, and when
 requests stream, is in docs/remote_vllm.md, "What the engine guarantees".
 Connecting is :class:`~lightning_offpolicy.rollout.vllm.remote_connect.ServerCheck`, the weight
-sync :class:`~lightning_offpolicy.rollout.vllm.remote_sync.RemoteWeightSync`.
+sync :class:`~lightning_offpolicy.rollout.vllm.remote_sync.RemoteWeightSync` (full weights) and
+:class:`~lightning_offpolicy.rollout.vllm.remote_lora.RemoteAdapterSync` (a peft model's adapter).
 
 Start-up, connect and sync times measured on a CPU machine: ``docs/remote_vllm.md``.
 """
@@ -27,7 +28,7 @@ import threading
 import warnings
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, Literal, TypeVar
 
 import torch
 
@@ -47,6 +48,7 @@ from lightning_offpolicy.rollout.vllm.http import (
     parse_base_url,
 )
 from lightning_offpolicy.rollout.vllm.remote_connect import ServerCheck
+from lightning_offpolicy.rollout.vllm.remote_lora import RemoteAdapterSync
 from lightning_offpolicy.rollout.vllm.remote_sync import RemoteWeightSync
 from lightning_offpolicy.rollout.vllm.streamed import StreamedChoices
 
@@ -56,9 +58,10 @@ log = logging.getLogger(__name__)
 
 _T = TypeVar("_T")
 _WHO = "RemoteVLLMEngine"
+_LORA_SYNC_MODES = ("merged", "adapter")
 
 
-class RemoteVLLMEngine(ServerCheck, RemoteWeightSync, VLLMEngineBase):
+class RemoteVLLMEngine(ServerCheck, RemoteAdapterSync, RemoteWeightSync, VLLMEngineBase):
     """Sample from a vLLM server (``vllm serve``) over its OpenAI-compatible HTTP API.
 
     The server must run with ``--logprobs-mode processed_logprobs`` and, for weight syncs, with
@@ -125,6 +128,22 @@ class RemoteVLLMEngine(ServerCheck, RemoteWeightSync, VLLMEngineBase):
             which the tokens the sampler kept are read (``top_k`` of them when ``top_k`` is at most
             this); a nucleus wider than this fails the call with a message saying so. The server
             must allow it (``--max-logprobs``, default 20; :class:`VLLMServer` sets it).
+        lora_sync: How a peft LoRA model's weights reach the server. ``"merged"``: at every sync the
+            base weights with the active adapter folded in (computed out of place), reloaded like a
+            full model; any server. ``"adapter"``: the server applies the adapter itself: the base
+            weights are pushed once (see ``push_lora_base``), then each sync writes only the adapter
+            (into its own private directory in the sync directory) and loads it under a new name
+            (``policy-v{version}-...``), which requests then use as their ``model``; the previous
+            adapter is unloaded and its files removed. Needs a server started with ``--enable-lora
+            --max-lora-rank R`` (R >= the adapter's rank) and ``VLLM_ALLOW_RUNTIME_LORA_UPDATING=1``
+            (``launch_local_server(enable_lora=True)``), a frozen base, and an adapter vLLM applies
+            (plain LoRA: no DoRA, ``lora_bias`` or ``modules_to_save``); checked at the first sync.
+            The self-check runs against the adapter in both modes.
+        push_lora_base: With ``lora_sync="adapter"``: whether the first sync pushes the peft model's
+            base weights (a full-weight reload). ``False``: the server was started from the
+            trainer's base checkpoint, so that push is skipped; the self-check of each sync still
+            compares the server's adapter with the trainer's peft model, so a server with another
+            base fails it (beyond the tolerance).
 
     Attributes:
         version: Policy version of the weights in the server (stamped on every completion).
@@ -133,7 +152,14 @@ class RemoteVLLMEngine(ServerCheck, RemoteWeightSync, VLLMEngineBase):
         connect_time_s: Seconds the connect-time checks took.
         last_sync_time_s: Seconds of the last weight sync (write + reload + cache reset).
         last_write_time_s: Seconds the last sync spent writing the safetensors file.
-        last_reload_time_s: Seconds the server took to reload the weights in the last sync.
+        last_reload_time_s: Seconds the server took to reload the weights in the last sync
+            (``lora_sync="adapter"``: to load the adapter, plus the base reload at the first sync).
+        last_sync_bytes: Bytes the last sync wrote into ``weights_dir`` (the safetensors file;
+            ``lora_sync="adapter"``: the adapter's files, plus the base weights at the first sync).
+        adapter_name: With ``lora_sync="adapter"``: the name the server serves the current adapter
+            under, which every request uses (``None`` before the first sync).
+        server_lora_config: The server's LoRA settings from ``/server_info`` (``max_lora_rank``,
+            ``max_loras``, ...; ``None``: LoRA not enabled; known after :meth:`connect`).
         last_generate_tokens_per_s: Generated tokens per second of the last ``generate``.
     """
 
@@ -159,6 +185,8 @@ class RemoteVLLMEngine(ServerCheck, RemoteWeightSync, VLLMEngineBase):
         stream_interval: int = 8,
         support_logprobs: int = SUPPORT_LOGPROBS,
         connect_timeout_s: float = CONNECT_TIMEOUT_S,
+        lora_sync: Literal["merged", "adapter"] = "merged",
+        push_lora_base: bool = True,
     ) -> None:
         scheme, host, port, prefix = parse_base_url(base_url)
         if model is not None and (not isinstance(model, str) or not model):
@@ -200,6 +228,13 @@ class RemoteVLLMEngine(ServerCheck, RemoteWeightSync, VLLMEngineBase):
             raise ValueError(
                 f"RemoteVLLMEngine.stream_interval={stream_interval!r} must be an int >= 1 (tokens per streamed chunk)."
             )
+        if lora_sync not in _LORA_SYNC_MODES:
+            raise ValueError(
+                f"RemoteVLLMEngine.lora_sync={lora_sync!r} is not known; allowed: "
+                f"{', '.join(map(repr, _LORA_SYNC_MODES))}."
+            )
+        if not isinstance(push_lora_base, bool):
+            raise ValueError(f"RemoteVLLMEngine.push_lora_base={push_lora_base!r} must be True or False.")
         api_key = api_key or os.environ.get("VLLM_API_KEY") or None
         if api_key and scheme == "http" and not is_loopback(host):
             warnings.warn(
@@ -233,6 +268,14 @@ class RemoteVLLMEngine(ServerCheck, RemoteWeightSync, VLLMEngineBase):
         self.connect_time_s: float | None = None
         self.last_write_time_s: float | None = None
         self.last_reload_time_s: float | None = None
+        self.last_sync_bytes: int | None = None
+        self.lora_sync = lora_sync
+        self.push_lora_base = push_lora_base
+        # Read from /server_info at connect time: the LoRA settings (None: LoRA off) and whether the
+        # runtime adapter routes are on (None: not said, e.g. another vLLM version).
+        self.server_lora_config: dict[str, Any] | None = None
+        self.server_runtime_lora: bool | None = None
+        self._init_adapter_state()
 
         self.share_weights_with_group = share_weights_with_group
         self.connect_timeout_s = float(connect_timeout_s)
@@ -296,6 +339,11 @@ class RemoteVLLMEngine(ServerCheck, RemoteWeightSync, VLLMEngineBase):
         return self.model_name is not None
 
     @property
+    def request_model(self) -> str | None:
+        """What requests name as their ``model``: the current adapter (``lora_sync="adapter"``), else the model."""
+        return self.adapter_name or self.model_name
+
+    @property
     def compute_dtype(self) -> torch.dtype | None:
         """The dtype the server computes in, from its ``/server_info`` (``None``: not known)."""
         # /server_info spells it "torch.bfloat16"; anything unknown counts as reduced precision.
@@ -307,6 +355,7 @@ class RemoteVLLMEngine(ServerCheck, RemoteWeightSync, VLLMEngineBase):
             "vllm/connect_s": self.connect_time_s,
             "vllm/sync_write_s": self.last_write_time_s,
             "vllm/sync_reload_s": self.last_reload_time_s,
+            "vllm/sync_bytes": self.last_sync_bytes,
         }
 
     def _prepare_generate(self, prompts: list[list[int]], sampling: SamplingConfig) -> None:
@@ -333,6 +382,8 @@ class RemoteVLLMEngine(ServerCheck, RemoteWeightSync, VLLMEngineBase):
         with self._lock:  # no weight sync while sampling: every token comes from the weights of `version`
             self._check_usable()
             version = self.version
+            for body in bodies:  # named under the lock: a sync swaps the adapter (and unloads the old one)
+                body["model"] = self.request_model
             samples = self._map(lambda body: self._stream_completion(body, n, interrupt), bodies)
         return samples, version
 
@@ -357,6 +408,8 @@ class RemoteVLLMEngine(ServerCheck, RemoteWeightSync, VLLMEngineBase):
         return choices.samples(interrupted=True)
 
     def _prepare_sync(self, source: torch.nn.Module | Mapping[str, torch.Tensor], is_module: bool) -> None:
+        if self.lora_sync == "adapter":
+            self._check_adapter_source(source, is_module)
         if self.weights_dir is None:
             raise RuntimeError(
                 "RemoteVLLMEngine.update_weights needs weights_dir: a directory both this trainer and the server can "
@@ -368,17 +421,28 @@ class RemoteVLLMEngine(ServerCheck, RemoteWeightSync, VLLMEngineBase):
                 f"RemoteVLLMEngine.update_weights: the server at {self.base_url} is not in dev mode, so it cannot "
                 f"reload weights: {DEV_MODE_HINT}."
             )
+        if self.lora_sync == "adapter":
+            self._check_adapter_server(source)
 
     def _push(self, source: torch.nn.Module | Mapping[str, torch.Tensor], is_module: bool, version: int) -> None:
         self._vocab_size = _vocab_size(source) or self._vocab_size
-        self._sync(source)
+        if self.lora_sync == "adapter":
+            self._sync_adapter(source, version)
+        else:
+            self._sync(source)
 
     def close(self) -> None:
         """Stop using the server: wake a request in flight, remove the sync files. The server keeps running.
 
         A ``generate`` running in another thread (a background rollout) raises ``RuntimeError``.
-        Idempotent.
+        With ``lora_sync="adapter"`` the adapter in use is unloaded first (best effort, when no
+        call is in flight). Idempotent.
         """
+        if not self._closed and self.adapter_name is not None and self._lock.acquire(blocking=False):
+            try:
+                self._close_adapter()
+            finally:
+                self._lock.release()
         self._closed = True
         self._http.close()
         with self._pool_lock:
@@ -396,7 +460,10 @@ class RemoteVLLMEngine(ServerCheck, RemoteWeightSync, VLLMEngineBase):
 
     def __repr__(self) -> str:
         state = "closed" if self._closed else ("connected" if self.connected else "not connected")
-        return f"RemoteVLLMEngine(base_url={self.base_url!r}, model={self.model_name or self.model!r}, {state})"
+        return (
+            f"RemoteVLLMEngine(base_url={self.base_url!r}, model={self.model_name or self.model!r}, "
+            f"lora_sync={self.lora_sync!r}, {state})"
+        )
 
     # ------------------------------------------------------------------ requests
 
@@ -404,7 +471,7 @@ class RemoteVLLMEngine(ServerCheck, RemoteWeightSync, VLLMEngineBase):
         self, prompt: list[int], sampling: SamplingConfig, seed: int | None, streaming: bool
     ) -> dict[str, Any]:
         body: dict[str, Any] = {
-            "model": self.model_name,
+            "model": self.request_model,
             "prompt": prompt,
             "n": sampling.samples_per_prompt,
             "max_tokens": sampling.max_new_tokens,

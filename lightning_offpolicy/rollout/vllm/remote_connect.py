@@ -20,7 +20,8 @@ class ServerCheck:
     """The connect-time checks of :class:`~lightning_offpolicy.rollout.vllm.remote.RemoteVLLMEngine`.
 
     A mixin: it reads the engine's ``base_url``, ``model``, ``_http`` and time limits, and sets
-    ``model_name``, ``max_model_len``, ``dev_mode``, ``server_dtype`` and ``connect_time_s``.
+    ``model_name``, ``max_model_len``, ``dev_mode``, ``server_dtype``, the server's LoRA settings
+    (``server_lora_config``, ``server_runtime_lora``) and ``connect_time_s``.
     """
 
     def connect(self) -> None:
@@ -34,7 +35,10 @@ class ServerCheck:
             return
         begin = time.perf_counter()
         listing = self._http.request("GET", "/v1/models", what="connect (/v1/models)", **self._connect_limit())
-        served = [m for m in (listing or {}).get("data", []) if isinstance(m, dict) and "id" in m]
+        # LoRA adapters loaded into the server are listed too, with their base model as "parent".
+        served = [
+            m for m in (listing or {}).get("data", []) if isinstance(m, dict) and "id" in m and not m.get("parent")
+        ]
         names = [str(m["id"]) for m in served]
         if self.model is None:
             if len(served) != 1:
@@ -110,7 +114,15 @@ class ServerCheck:
             if err.status == 404:
                 return None
             raise
-        config = ((info or {}).get("vllm_config") or {}).get("model_config")
+        vllm_config = (info or {}).get("vllm_config") or {}
+        config = vllm_config.get("model_config")
+        if isinstance(vllm_config, dict) and "lora_config" in vllm_config:
+            lora = vllm_config["lora_config"]
+            self.server_lora_config = lora if isinstance(lora, dict) else None
+        else:  # not said: let the adapter load answer
+            self.server_lora_config = {}
+        runtime = ((info or {}).get("vllm_env") or {}).get("VLLM_ALLOW_RUNTIME_LORA_UPDATING")
+        self.server_runtime_lora = runtime if isinstance(runtime, bool) else None
         if not isinstance(config, dict):
             raise RuntimeError(
                 f"RemoteVLLMEngine: /server_info of {self.base_url} has no vllm_config.model_config (not a vLLM "

@@ -29,15 +29,22 @@ class RemoteWeightSync:
     """The weight-sync steps of :class:`~lightning_offpolicy.rollout.vllm.remote.RemoteVLLMEngine`.
 
     A mixin: it reads the engine's ``weights_dir``, ``server_weights_dir``,
-    ``share_weights_with_group``, ``_http`` and time limits, and sets the ``last_*_time_s`` figures.
+    ``share_weights_with_group``, ``_http`` and time limits, and sets the ``last_*_time_s`` figures
+    and ``last_sync_bytes``.
     """
 
     def _sync(self, source: torch.nn.Module | Mapping[str, torch.Tensor]) -> None:
+        """Full-weight sync (a peft LoRA policy as merged weights, ``W + scaling B A`` computed out of place)."""
         begin = time.perf_counter()
-        # A peft LoRA policy goes over as merged weights (W + scaling B A, computed out of place).
-        tensors = full_state_dict(source, "RemoteVLLMEngine.update_weights")
+        self.last_sync_bytes = self._push_tensors(full_state_dict(source, "RemoteVLLMEngine.update_weights"))
+        self.last_sync_time_s = time.perf_counter() - begin
+
+    def _push_tensors(self, tensors: dict[str, torch.Tensor]) -> int:
+        """Write ``tensors`` into the sync directory, have the server reload them in place, drop its prefix
+        cache; sets ``last_write_time_s`` / ``last_reload_time_s``, returns the bytes written."""
+        begin = time.perf_counter()
         sync_dir = self._ensure_sync_dir()
-        write_safetensors(tensors, sync_dir, mode=0o640 if self.share_weights_with_group else 0o600)
+        path = write_safetensors(tensors, sync_dir, mode=self._file_mode())
         del tensors
         written = time.perf_counter()
         self._reload_weights(self._server_path(sync_dir))
@@ -45,13 +52,21 @@ class RemoteWeightSync:
         self._reset_prefix_cache()
         self.last_write_time_s = written - begin
         self.last_reload_time_s = reloaded - written
-        self.last_sync_time_s = time.perf_counter() - begin
+        return path.stat().st_size
+
+    def _file_mode(self) -> int:
+        """The mode of the files the sync writes (readable by the group with ``share_weights_with_group``)."""
+        return 0o640 if self.share_weights_with_group else 0o600
+
+    def _dir_mode(self) -> int:
+        """The mode of the directories the sync creates."""
+        return 0o750 if self.share_weights_with_group else 0o700
 
     def _ensure_sync_dir(self) -> Path:
         if self._sync_dir is None:
             assert self.weights_dir is not None
             root = Path(self.weights_dir)
-            dir_mode = 0o750 if self.share_weights_with_group else 0o700
+            dir_mode = self._dir_mode()
             try:
                 make_private_dirs(root, dir_mode)  # the parents too: 0777 under umask 000 otherwise
                 # Private to this engine (mkdtemp: 0700, whatever the umask): the server loads every
@@ -128,7 +143,7 @@ class RemoteWeightSync:
             "POST",
             "/v1/completions",
             {
-                "model": self.model_name,
+                "model": self.request_model,  # the adapter, with lora_sync="adapter"
                 "prompt": probe,
                 "max_tokens": 1,
                 "temperature": 1.0,

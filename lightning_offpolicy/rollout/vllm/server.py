@@ -25,6 +25,7 @@ from lightning_offpolicy.argcheck import is_int, is_number
 from lightning_offpolicy.rollout.vllm.base import ALLOWED_DTYPES
 from lightning_offpolicy.rollout.vllm.errors import SERVER_MODULE
 from lightning_offpolicy.rollout.vllm.http import host_for_url, is_loopback
+from lightning_offpolicy.rollout.vllm.lora import allowed_lora_ranks
 
 __all__ = ["LocalVLLMServer", "launch_local_server"]
 
@@ -175,6 +176,8 @@ def launch_local_server(
     log_file: str | os.PathLike | None = None,
     extra_args: Sequence[str] = (),
     allow_non_loopback: bool = False,
+    enable_lora: bool = False,
+    max_lora_rank: int = 16,
 ) -> LocalVLLMServer:
     """Start a vLLM OpenAI-compatible server on 127.0.0.1 from this Python environment, set up for RL.
 
@@ -207,6 +210,14 @@ def launch_local_server(
             server then answers anyone who can reach the port, and with ``VLLM_SERVER_DEV_MODE``
             its unauthenticated ``/collective_rpc`` reloads weights from any path it is given
             (docs/remote_vllm.md, "Trust model"): only on a private network.
+        enable_lora: Start a server that ``RemoteVLLMEngine(lora_sync="adapter")`` can sync adapters
+            into: ``--enable-lora --max-lora-rank max_lora_rank`` (one adapter at a time, vLLM's
+            default ``--max-loras 1``) and ``VLLM_ALLOW_RUNTIME_LORA_UPDATING=1`` (the routes
+            ``/v1/load_lora_adapter`` and ``/v1/unload_lora_adapter``, unauthenticated like the
+            dev-mode ones). On CPU, vLLM then turns compilation off.
+        max_lora_rank: With ``enable_lora``: the largest adapter rank the server accepts, one of
+            the values vLLM allows (1, 8, 16, 32, 64, 128, 256, 320, 512 in vLLM 0.32); the smallest
+            that fits the adapter wastes the least memory.
 
     Raises:
         RuntimeError: The server exited or did not become healthy in time (the message has its log's tail).
@@ -228,6 +239,15 @@ def launch_local_server(
         raise ValueError(f"launch_local_server: startup_timeout_s={startup_timeout_s!r} must be > 0 (seconds).")
     if not isinstance(allow_non_loopback, bool):
         raise ValueError(f"launch_local_server: allow_non_loopback={allow_non_loopback!r} must be True or False.")
+    if not isinstance(enable_lora, bool):
+        raise ValueError(f"launch_local_server: enable_lora={enable_lora!r} must be True or False.")
+    if enable_lora:
+        allowed = allowed_lora_ranks()
+        if not is_int(max_lora_rank) or max_lora_rank not in allowed:
+            raise ValueError(
+                f"launch_local_server: max_lora_rank={max_lora_rank!r} is not one vLLM accepts; allowed: "
+                f"{', '.join(map(str, allowed))} (the smallest >= the adapter's rank)."
+            )
     extra = [str(a) for a in extra_args]
     for flag in _LAUNCHER_OWN:
         for spelling, _ in _option_values(extra, flag):
@@ -272,10 +292,13 @@ def launch_local_server(
         "--generation-config", "vllm",
         "--disable-uvicorn-access-log",
         *(["--skip-tokenizer-init"] if skip_tokenizer_init else []),
+        *(["--enable-lora", "--max-lora-rank", str(max_lora_rank)] if enable_lora else []),
         *extra,
     ]  # fmt: skip
     env = dict(os.environ)
     env["VLLM_SERVER_DEV_MODE"] = "1"
+    if enable_lora:
+        env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "1"  # the adapter load / unload routes
     if kv_cache_space_gib is not None:
         env["VLLM_CPU_KVCACHE_SPACE"] = str(kv_cache_space_gib)  # read by the CPU backend only
     if Path(model).is_dir():
