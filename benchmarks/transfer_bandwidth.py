@@ -40,6 +40,7 @@ from lightning_offpolicy.rollout.vllm.shared_weights import SharedWeightsBuffer
 
 #: Decoder shapes: (vocab, hidden, intermediate, layers, heads, kv heads, tied).
 SHAPES = {
+    "tiny": (256, 64, 128, 2, 2, 1, True),  # for the tests
     "qwen2-0.5b": (151936, 896, 4864, 24, 14, 2, True),
     "qwen2-7b": (152064, 3584, 18944, 28, 28, 4, False),
 }
@@ -75,6 +76,11 @@ def model_tensors(shape: str, device: str) -> dict[str, torch.Tensor]:
     return out
 
 
+def checksum(tensors: dict[str, torch.Tensor]) -> float:
+    """A float64 sum over every element: what arrived is what was sent."""
+    return float(sum(t.double().sum() for t in tensors.values()))
+
+
 def receiver(conn: Any, shape: str, device: str) -> None:
     """The engine's side: its own weights; loads each bucket it is told of, answers when done."""
     weights = {name: torch.empty_like(t) for name, t in model_tensors(shape, device).items()}
@@ -85,6 +91,9 @@ def receiver(conn: Any, shape: str, device: str) -> None:
         if msg is None:
             return
         way, payload = msg
+        if way == "checksum":
+            conn.send(checksum(weights))
+            continue
         if way == "shared_memory":
             path, nbytes, slots = payload
             if mapped is None or mapped[0] != path:
@@ -165,6 +174,7 @@ def one_sync(way: str, tensors: dict[str, torch.Tensor], conn: Any, device: str,
 def measure(shape: str, device: str, repeats: int) -> list[dict[str, Any]]:
     tensors = model_tensors(shape, device)
     nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
+    expected = checksum(tensors)
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
     proc = ctx.Process(target=receiver, args=(child, shape, device), daemon=True)
@@ -178,6 +188,9 @@ def measure(shape: str, device: str, repeats: int) -> list[dict[str, Any]]:
             state: dict[str, Any] = {}
             one_sync(way, tensors, parent, device, state)  # warm-up: maps, allocations
             times = sorted(one_sync(way, tensors, parent, device, state) for _ in range(repeats))
+            parent.send(("checksum", None))
+            if (received := parent.recv()) != expected:
+                raise RuntimeError(f"{way}: the receiver's weights differ from the sender's ({received} vs {expected})")
             median = times[len(times) // 2]
             rows.append({"model": shape, "way": way, "bytes": nbytes, "seconds": median, "all_s": times})
             print(

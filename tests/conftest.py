@@ -31,7 +31,7 @@ from tests.vllm_fixtures import (  # noqa: F401
 #: Fixtures that start (or hold) a vLLM engine or server.
 _VLLM_FIXTURES = {"vllm_engine", "vllm_engine_holder", "vllm_server", "vllm_server_holder"}
 _VLLM_NAME = re.compile(r"vllm|remote", re.IGNORECASE)
-_VLLM_SERVER_TESTS = re.compile(r"^tests/test_(partial_remote|remote_vllm)\.py::")
+_VLLM_SERVER_TESTS = re.compile(r"^tests/test_(partial_remote|remote_pool|remote_vllm)\.py::")
 
 
 def _uses_vllm(item: pytest.Item) -> bool:

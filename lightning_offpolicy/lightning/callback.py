@@ -362,8 +362,11 @@ class RolloutCallback(Callback):
         """Generate and score batch ``index`` with the engine's current weights (any thread)."""
         pipeline = self._pipeline()
         rollout, generate_s = pipeline.rollout(prompts, index, self._rank)
-        if pipeline.last_stats:
-            self._sampling_stats[index] = pipeline.last_stats
+        stats = dict(pipeline.last_stats or {})
+        if callable(engine_stats := getattr(self.engine, "rollout_stats", None)):
+            stats.update(engine_stats())  # e.g. a server pool's requests per server
+        if stats:
+            self._sampling_stats[index] = stats
         if index == 0:
             rank_zero_info(
                 f"RolloutCallback: first rollout: {rollout.num_sequences} completions, "

@@ -8,7 +8,7 @@ from lightning_offpolicy.rollout.asynchrony import AsyncSettings
 from lightning_offpolicy.rollout.dapo import DAPOSettings
 from lightning_offpolicy.rollout.engine import Completion, InterruptibleEngine, RolloutEngine, SamplingConfig
 from lightning_offpolicy.rollout.hf import HFEngine, HFProcessEngine
-from lightning_offpolicy.rollout.vllm import RemoteVLLMEngine
+from lightning_offpolicy.rollout.vllm import RemoteVLLMEngine, RemoteVLLMPool
 from lightning_offpolicy.rollout.vllm.inprocess import VLLMEngine
 
 __all__ = [
@@ -19,6 +19,7 @@ __all__ = [
     "HFProcessEngine",
     "InterruptibleEngine",
     "RemoteVLLMEngine",
+    "RemoteVLLMPool",
     "RolloutEngine",
     "SamplingConfig",
     "VLLMEngine",

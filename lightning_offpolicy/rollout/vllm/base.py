@@ -187,15 +187,25 @@ class VLLMEngineBase(SpecialTokens):
         With ``seed`` the samples are reproducible (each prompt gets its own seed drawn from it, the
         same scheme in every vLLM backend); without, they come from the engine's global random state.
         """
+        return self.generate_seeded(
+            prompt_ids, sampling, per_prompt_seeds(seed, len(prompt_ids), sampling.samples_per_prompt)
+        )
+
+    def generate_seeded(
+        self, prompt_ids: list[list[int]], sampling: SamplingConfig, seeds: list[int | None]
+    ) -> list[Completion]:
+        """:meth:`generate` with one sampler seed per prompt given (``None``: unseeded): what a pool of
+        engines uses so that a prompt's samples do not depend on which engine drew them."""
         self._check_usable()
         if self.eos_token_id is None:
             raise RuntimeError(f"{self._who} needs eos_token_id (pass it or call set_special_tokens(...)).")
         prompts = checked_prompts(prompt_ids, f"{self._who}.generate")
         if not prompts:
             return []
+        if len(seeds) != len(prompts):
+            raise ValueError(f"{self._who}.generate_seeded: {len(seeds)} seeds for {len(prompts)} prompts.")
         self._prepare_generate(prompts, sampling)
         n = sampling.samples_per_prompt
-        seeds = per_prompt_seeds(seed, len(prompts), n)
         begin = time.perf_counter()
         answers, version = self._sample(prompts, sampling, seeds)
         elapsed = time.perf_counter() - begin

@@ -313,20 +313,19 @@ class RemoteVLLMEngine(ServerCheck, RemoteAdapterSync, RemoteWeightSync, VLLMEng
                 self._streaming = True  # interrupts are in use: keep the tokens of the next ones
             self._stream_interrupt.set()
 
-    def generate(
-        self, prompt_ids: list[list[int]], sampling: SamplingConfig, seed: int | None = None
+    def generate_seeded(
+        self, prompt_ids: list[list[int]], sampling: SamplingConfig, seeds: list[int | None]
     ) -> list[Completion]:
-        """``sampling.samples_per_prompt`` completions per prompt, grouped by prompt in order.
-
-        With ``seed`` the samples are reproducible (each prompt gets its own seed drawn from it, the
-        same scheme in every vLLM backend); without, they come from the server's random state.
-        :meth:`interrupt` cuts the call short (every call, even one that fails, consumes it).
+        """``sampling.samples_per_prompt`` completions per prompt, grouped by prompt in order, prompt
+        ``i`` sampled with seed ``seeds[i]`` (``None``: the server's random state); :meth:`generate`
+        draws the seeds from one. :meth:`interrupt` cuts the call short (every call, even one that
+        fails, consumes it).
         """
         with self._interrupt_lock:
             interrupt = self._stream_interrupt
         self._call.interrupt = interrupt
         try:
-            return super().generate(prompt_ids, sampling, seed)
+            return super().generate_seeded(prompt_ids, sampling, seeds)
         finally:
             self._call.interrupt = None
             with self._interrupt_lock:
