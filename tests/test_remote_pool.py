@@ -110,8 +110,7 @@ def test_prompts_are_spread_and_each_completion_is_its_prompts(servers, weights_
         assert all(seeds[tuple(p)] == s for server_calls in calls for p, s in server_calls)
         # Grouped by prompt in order: completion k's logprobs are the trainer's for prompt k // 2.
         assert [c.prompt_index for c in completions] == [i for i in range(8) for _ in range(2)]
-        ordered = [prompts[c.prompt_index] for c in completions]
-        trainer = teacher_forced_logprobs(trainer_model, ordered, completions, 1.0)
+        trainer = teacher_forced_logprobs(trainer_model, prompts, completions, 1.0)
         assert float(residuals([c.logprobs for c in completions], trainer).max()) < 1e-3
         # A second call spreads by load again: each server had none outstanding.
         pool.generate(prompts[:3], sampling, seed=12)
@@ -197,15 +196,16 @@ def test_a_server_that_hangs_is_named_within_its_timeout(servers, weights_dir):
         f"http://127.0.0.1:{listener.getsockname()[1]}", eos_token_id=2, request_timeout_s=3, connect_timeout_s=2
     )
     live = RemoteVLLMEngine(servers[0].base_url, eos_token_id=2, request_timeout_s=120)
+    sampling = SamplingConfig(max_new_tokens=4, samples_per_prompt=1)
     try:
         for mode in ("retry", "stop"):
             pool = RemoteVLLMPool([hung, live], on_server_failure=mode)
             began = time.perf_counter()
             if mode == "stop":
                 with pytest.raises(RuntimeError, match=f"{hung.base_url} failed during generate"):
-                    pool.generate(reverse_prompts(4), SamplingConfig(max_new_tokens=4), seed=0)
+                    pool.generate(reverse_prompts(4), sampling, seed=0)
             else:
-                completions = pool.generate(reverse_prompts(4), SamplingConfig(max_new_tokens=4), seed=0)
+                completions = pool.generate(reverse_prompts(4), sampling, seed=0)
                 assert len(completions) == 4 and list(pool.failed) == [0] and pool.requests_per_server == [2, 4]
             assert time.perf_counter() - began < 20
     finally:

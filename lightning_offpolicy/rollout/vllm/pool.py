@@ -14,6 +14,7 @@ prompts sampled again on the others. Why the balancing is client-side rather tha
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
 import logging
 import threading
 from collections import Counter, OrderedDict
@@ -298,8 +299,8 @@ class RemoteVLLMPool:
             if self._interrupt.is_set():
                 engine.interrupt()  # an interrupt that came before this share started
             completions = engine.generate_seeded([prompts[i] for i in indices], sampling, [seeds[i] for i in indices])
-            for k, index in enumerate(indices):
-                results[index] = completions[k * n : (k + 1) * n]
+            for k, index in enumerate(indices):  # the server numbered its share's prompts from 0
+                results[index] = [dataclasses.replace(c, prompt_index=index) for c in completions[k * n : (k + 1) * n]]
 
         with self._lock:
             for server, indices in plan.items():
