@@ -332,3 +332,65 @@ def test_gpu_check_cpu_smoke_reports_finite_figures_for_every_part(tmp_path):
         assert needed in text, needed
     for name in ("checkpoint", "fsdp", "lora", "logprobs"):
         assert f"| {name} | ok |" in text, name
+
+
+# ------------------------------------------------------------------ weight_sync, transfer_bandwidth
+WEIGHT_SYNC = BENCH.parent / "weight_sync.py"
+TRANSFER = BENCH.parent / "transfer_bandwidth.py"
+
+
+def test_transfer_bandwidth_moves_a_tiny_model_exactly(tmp_path):
+    """Every way that runs on CPU moves the weights into the receiver's copy (checked by a float64 sum)."""
+    import json
+
+    out = tmp_path / "bw.md"
+    proc = subprocess.run(
+        [sys.executable, str(TRANSFER), "--device", "cpu", "--models", "tiny", "--repeats", "1", "--output", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    rows = json.loads(out.with_suffix(".json").read_text())["rows"]
+    assert [r["way"] for r in rows] == ["shared_memory", "file"]
+    assert all(r["bytes"] > 0 and 0 < r["seconds"] < 10 for r in rows)
+    assert "| tiny | shared_memory |" in out.read_text()
+
+
+def test_weight_sync_report_and_its_summary_line():
+    """The report's ratios and the performance page's line, from figures given by hand."""
+    import importlib.util
+
+    sys.path.insert(0, str(WEIGHT_SYNC.parent))
+    sys.path.insert(0, str(SUMMARIZE.parent))
+    modules = {}
+    for name, path in (("weight_sync", WEIGHT_SYNC), ("summarize", SUMMARIZE)):
+        spec = importlib.util.spec_from_file_location(name, path)
+        modules[name] = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(modules[name])
+
+    def row(model, transport, walls, transfers, nbytes, peak, held):
+        return dict(model=model, transport=transport, params=100, bytes=nbytes, wall_s=walls, transfer_s=transfers,
+                    check_diff=0.01, peak_extra=peak, held_buffer=held)  # fmt: skip
+
+    results = [
+        row("qwen2-0.5b", "file", [6.0, 5.0, 7.0], [5.5, 4.5, 6.5], 2_000_000_000, 2.4e9, 0),
+        row("qwen2-0.5b", "memory", [1.0, 1.2, 0.9], [0.8, 1.0, 0.7], 1_000_000_000, 5e8, 5.4e8),
+        row("llama-168m", "file", [1.0], [0.9], 6e8, 5e8, 0),
+        row("llama-168m", "memory", [0.5], [0.4], 3e8, 1e8, 2e8),
+    ]
+    ratios = modules["weight_sync"].summarize(results)
+    half = ratios["qwen2-0.5b"]
+    assert half["file_wall_s"] == 6.0 and half["memory_wall_s"] == 1.0 and half["speedup_wall"] == 6.0
+    assert half["memory_bandwidth"] == 1e9 / 0.8 and half["file_transfer_s"] == 5.5
+    lines = modules["summarize"].weight_sync({"ratios": ratios})
+    assert lines[0].startswith("- qwen2-0.5b: sync 6.00 s (files) -> 1.00 s (memory), **6.0x** (goal >= 5x: **met**)")
+    assert "(+ a 540 MB bucket held)" in lines[0]
+    assert lines[1].startswith("- llama-168m:") and "goal" not in lines[1]  # the goal is stated at 0.5B
+    ratios["qwen2-0.5b"]["speedup_wall"] = 4.0
+    assert "**not met**" in modules["summarize"].weight_sync({"ratios": ratios})[0]
+    header = {"syncs": 3, "elapsed_s": 1.0, "load_start": 0.0, "load_end": 0.0, "machine": "m", "date": "d",
+              "code": "c", "command": "python benchmarks/weight_sync.py"}  # fmt: skip
+    text = modules["weight_sync"].render(results, modules["weight_sync"].summarize(results), header)
+    assert "- qwen2-0.5b: whole sync **6.0x** faster in memory" in text
+    assert "| 7B (Qwen2-7B) | 15.2 |" in text  # 15.24 GB at 2 bytes per parameter
