@@ -150,6 +150,8 @@ def test_import_does_not_import_vllm():
         (dict(pad_token_id=True), "pad_token_id"),
         (dict(api_key=""), "api_key"),
         (dict(server_weights_dir="/mnt/x"), "server_weights_dir"),
+        (dict(weight_transport="rdma"), "weight_transport='rdma' is not known"),
+        (dict(transfer_master_port=70000), "transfer_master_port"),
     ],
 )
 def test_bad_arguments(kwargs, match):
@@ -312,6 +314,19 @@ def test_launch_failure_raises_with_the_log_tail(tmp_path):
     assert alive(left) == []
 
 
+@pytest.mark.parametrize("transport", ["nccl", "ipc"])
+def test_gpu_transports_say_what_they_need(transport):
+    """vLLM's NCCL / IPC weight-transfer engines need CUDA on the trainer's side: without it, a clear refusal."""
+    from lightning_offpolicy.rollout.vllm.transfer import gpu_transport_refusal
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA: the refusal does not apply")
+    refusal = f"weight_transport='{transport}'.*no CUDA device: use weight_transport='file'"
+    with pytest.raises(ValueError, match=refusal):
+        RemoteVLLMEngine("http://127.0.0.1:8000", weight_transport=transport)
+    assert gpu_transport_refusal("file") is None
+
+
 def test_launcher_argument_checks(tmp_path):
     for kwargs, match in [
         (dict(extra_args=["--port", "1"]), "--port"),
@@ -322,6 +337,7 @@ def test_launcher_argument_checks(tmp_path):
         (dict(port=0), "port"),
         (dict(kv_cache_space_gib=0), "kv_cache_space_gib"),
         (dict(gpu_memory_utilization=2.0), "gpu_memory_utilization"),
+        (dict(weight_transfer_backend="rdma"), "weight_transfer_backend"),
     ]:
         with pytest.raises(ValueError, match=match):
             launch_local_server(tmp_path, **kwargs)

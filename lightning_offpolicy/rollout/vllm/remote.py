@@ -51,6 +51,7 @@ from lightning_offpolicy.rollout.vllm.remote_connect import ServerCheck
 from lightning_offpolicy.rollout.vllm.remote_lora import RemoteAdapterSync
 from lightning_offpolicy.rollout.vllm.remote_sync import RemoteWeightSync
 from lightning_offpolicy.rollout.vllm.streamed import StreamedChoices
+from lightning_offpolicy.rollout.vllm.transfer import GPU_TRANSPORTS, VLLMWeightTransfer, gpu_transport_refusal
 
 __all__ = ["RemoteVLLMEngine"]
 
@@ -139,6 +140,18 @@ class RemoteVLLMEngine(ServerCheck, RemoteAdapterSync, RemoteWeightSync, VLLMEng
             (``launch_local_server(enable_lora=True)``), a frozen base, and an adapter vLLM applies
             (plain LoRA: no DoRA, ``lora_bias`` or ``modules_to_save``); checked at the first sync.
             The self-check runs against the adapter in both modes.
+        weight_transport: How a full-weight sync reaches the server. ``"file"``: safetensors in
+            ``weights_dir``, reloaded by the server (any machine, CPU included). ``"nccl"``: vLLM's
+            weight-transfer engine broadcasts the weights from the trainer's GPU to the server's
+            workers over NCCL; ``"ipc"``: the server's workers read them from the trainer's GPU
+            through CUDA IPC (the same machine). Both need CUDA and vLLM on the trainer's side and a
+            server started with ``--weight-transfer-config '{"backend": "nccl"}'`` (or ``"ipc"``),
+            no ``weights_dir``, and full weights (not ``lora_sync="adapter"``). The self-check runs
+            after every transport.
+        transfer_master_address: ``weight_transport="nccl"``: an address of the trainer's machine
+            the server's workers can reach (the NCCL rendezvous); ``None``: ``127.0.0.1`` for a
+            server on loopback, else required.
+        transfer_master_port: ``weight_transport="nccl"``: the rendezvous port; ``None``: a free one.
         push_lora_base: With ``lora_sync="adapter"``: whether the first sync pushes the peft model's
             base weights (a full-weight reload). ``False``: the server was started from the
             trainer's base checkpoint, so that push is skipped; the self-check of each sync still
@@ -187,6 +200,9 @@ class RemoteVLLMEngine(ServerCheck, RemoteAdapterSync, RemoteWeightSync, VLLMEng
         connect_timeout_s: float = CONNECT_TIMEOUT_S,
         lora_sync: Literal["merged", "adapter"] = "merged",
         push_lora_base: bool = True,
+        weight_transport: Literal["file", "nccl", "ipc"] = "file",
+        transfer_master_address: str | None = None,
+        transfer_master_port: int | None = None,
     ) -> None:
         scheme, host, port, prefix = parse_base_url(base_url)
         if model is not None and (not isinstance(model, str) or not model):
@@ -235,6 +251,28 @@ class RemoteVLLMEngine(ServerCheck, RemoteAdapterSync, RemoteWeightSync, VLLMEng
             )
         if not isinstance(push_lora_base, bool):
             raise ValueError(f"RemoteVLLMEngine.push_lora_base={push_lora_base!r} must be True or False.")
+        if weight_transport not in ("file", *GPU_TRANSPORTS):
+            raise ValueError(
+                f"RemoteVLLMEngine.weight_transport={weight_transport!r} is not known; allowed: 'file', "
+                f"{', '.join(map(repr, GPU_TRANSPORTS))}."
+            )
+        if weight_transport != "file":
+            if (why := gpu_transport_refusal(weight_transport)) is not None:
+                raise ValueError(f"RemoteVLLMEngine: {why}.")
+            if lora_sync == "adapter":
+                raise ValueError(
+                    f"RemoteVLLMEngine(weight_transport={weight_transport!r}) moves full weights: the adapter of "
+                    "lora_sync='adapter' goes through files (weight_transport='file')."
+                )
+            if weight_transport == "nccl" and transfer_master_address is None and not is_loopback(host):
+                raise ValueError(
+                    "RemoteVLLMEngine(weight_transport='nccl') needs transfer_master_address: an address of this "
+                    f"trainer's machine that the server at {host} can reach for the NCCL rendezvous."
+                )
+        if transfer_master_port is not None and (
+            not is_int(transfer_master_port) or not 0 < transfer_master_port < 65536
+        ):
+            raise ValueError(f"RemoteVLLMEngine.transfer_master_port={transfer_master_port!r} must be a port number.")
         api_key = api_key or os.environ.get("VLLM_API_KEY") or None
         if api_key and scheme == "http" and not is_loopback(host):
             warnings.warn(
@@ -280,6 +318,21 @@ class RemoteVLLMEngine(ServerCheck, RemoteAdapterSync, RemoteWeightSync, VLLMEng
         self.share_weights_with_group = share_weights_with_group
         self.connect_timeout_s = float(connect_timeout_s)
         self._http = HTTPClient(scheme, host, port, prefix, api_key, self.base_url, self.connect_timeout_s)
+        self.weight_transport = weight_transport
+        self._transfer: VLLMWeightTransfer | None = None
+        if weight_transport != "file":
+            self._transfer = VLLMWeightTransfer(
+                self.base_url,
+                weight_transport,
+                transfer_master_address or "127.0.0.1",
+                transfer_master_port,
+                self.request_timeout_s,
+                lambda: int(
+                    self._http.request("GET", "/get_world_size", timeout=self.request_timeout_s, what="get_world_size")[
+                        "world_size"
+                    ]
+                ),
+            )
         self._lock = threading.Lock()
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None
         self._pool_lock = threading.Lock()
@@ -409,7 +462,7 @@ class RemoteVLLMEngine(ServerCheck, RemoteAdapterSync, RemoteWeightSync, VLLMEng
     def _prepare_sync(self, source: torch.nn.Module | Mapping[str, torch.Tensor], is_module: bool) -> None:
         if self.lora_sync == "adapter":
             self._check_adapter_source(source, is_module)
-        if self.weights_dir is None:
+        if self.weights_dir is None and self.weight_transport == "file":
             raise RuntimeError(
                 "RemoteVLLMEngine.update_weights needs weights_dir: a directory both this trainer and the server can "
                 "read (shared storage across machines). Pass RemoteVLLMEngine(weights_dir=...)."
@@ -453,6 +506,8 @@ class RemoteVLLMEngine(ServerCheck, RemoteAdapterSync, RemoteWeightSync, VLLMEng
             if self._sync_dir is not None:
                 shutil.rmtree(self._sync_dir, ignore_errors=True)
                 self._sync_dir = None
+            if self._transfer is not None:
+                self._transfer.close()
         finally:
             if acquired:
                 self._lock.release()

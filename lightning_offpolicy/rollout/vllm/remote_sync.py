@@ -36,7 +36,13 @@ class RemoteWeightSync:
     def _sync(self, source: torch.nn.Module | Mapping[str, torch.Tensor]) -> None:
         """Full-weight sync (a peft LoRA policy as merged weights, ``W + scaling B A`` computed out of place)."""
         begin = time.perf_counter()
-        self.last_sync_bytes = self._push_tensors(full_state_dict(source, "RemoteVLLMEngine.update_weights"))
+        if self._transfer is not None:  # vLLM's weight-transfer engine, GPU to GPU
+            tensors = full_state_dict(source, "RemoteVLLMEngine.update_weights", for_files=False)
+            self.last_sync_bytes = self._transfer.send(tensors)
+            del tensors
+            self._reset_prefix_cache()
+        else:
+            self.last_sync_bytes = self._push_tensors(full_state_dict(source, "RemoteVLLMEngine.update_weights"))
         self.last_sync_time_s = time.perf_counter() - begin
 
     def _push_tensors(self, tensors: dict[str, torch.Tensor]) -> int:

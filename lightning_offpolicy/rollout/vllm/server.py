@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import http.client
+import json
 import logging
 import os
 import shutil
@@ -178,6 +179,7 @@ def launch_local_server(
     allow_non_loopback: bool = False,
     enable_lora: bool = False,
     max_lora_rank: int = 16,
+    weight_transfer_backend: Literal["nccl", "ipc"] | None = None,
 ) -> LocalVLLMServer:
     """Start a vLLM OpenAI-compatible server on 127.0.0.1 from this Python environment, set up for RL.
 
@@ -218,10 +220,17 @@ def launch_local_server(
         max_lora_rank: With ``enable_lora``: the largest adapter rank the server accepts, one of
             the values vLLM allows (1, 8, 16, 32, 64, 128, 256, 320, 512 in vLLM 0.32); the smallest
             that fits the adapter wastes the least memory.
+        weight_transfer_backend: Start a server that ``RemoteVLLMEngine(weight_transport=...)`` can
+            push weights into with vLLM's weight-transfer engine of that name (``--weight-transfer-config
+            '{"backend": ...}'``; GPU only). ``None``: weights come through files.
 
     Raises:
         RuntimeError: The server exited or did not become healthy in time (the message has its log's tail).
     """
+    if weight_transfer_backend not in (None, "nccl", "ipc"):
+        raise ValueError(
+            f"launch_local_server: weight_transfer_backend={weight_transfer_backend!r}: allowed 'nccl', 'ipc' or None."
+        )
     if dtype not in ALLOWED_DTYPES:
         raise ValueError(f"launch_local_server: dtype={dtype!r} is not known; allowed: {', '.join(ALLOWED_DTYPES)}.")
     if port is not None and (not is_int(port) or not 0 < port < 65536):
@@ -272,7 +281,7 @@ def launch_local_server(
             )
         host = value
     model = str(model_dir)
-    chosen = port if port is not None else _free_port()
+    chosen = port if port is not None else free_port()
     own_log = log_file is None
     if log_file is None:
         log_path = Path(tempfile.mkdtemp(prefix="lightning_offpolicy_vllm_server_")) / "server.log"
@@ -293,6 +302,11 @@ def launch_local_server(
         "--disable-uvicorn-access-log",
         *(["--skip-tokenizer-init"] if skip_tokenizer_init else []),
         *(["--enable-lora", "--max-lora-rank", str(max_lora_rank)] if enable_lora else []),
+        *(
+            ["--weight-transfer-config", json.dumps({"backend": weight_transfer_backend})]
+            if weight_transfer_backend is not None
+            else []
+        ),
         *extra,
     ]  # fmt: skip
     env = dict(os.environ)
@@ -349,7 +363,8 @@ def _wait_healthy(server: LocalVLLMServer, timeout_s: float) -> None:
         time.sleep(0.5)
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A TCP port free on this machine now (the kernel's choice for 127.0.0.1)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
