@@ -29,6 +29,7 @@ from typing import Any
 # benchmarks/*.py run as scripts: their directory is on sys.path, and with it the shared harness.
 from harness.memory import MB
 from harness.report import header_bullets, load_bullet, load_prose, method_sections, run_header, write_report
+from trainer_memory_worker import MODELS as MEMORY_MODELS
 
 ROOT = Path(__file__).resolve().parent.parent
 PROSE = load_prose(__file__)
@@ -36,19 +37,7 @@ PROSE = load_prose(__file__)
 #: Model shapes: (architecture, config overrides). Random weights, built from the config.
 MODELS: dict[str, tuple[str, dict[str, Any]]] = {
     "tiny": ("llama", {}),  # the quickstart's tiny Llama
-    "llama-168m": (
-        "llama",
-        {
-            "vocab_size": 32000,
-            "hidden_size": 1024,
-            "intermediate_size": 2816,
-            "num_hidden_layers": 8,
-            "num_attention_heads": 16,
-            "num_key_value_heads": 16,
-            "head_dim": 64,
-            "max_position_embeddings": 512,
-        },
-    ),
+    "llama-168m": ("llama", MEMORY_MODELS["llama-168m"].config),  # trainer_memory.py's
     # Qwen2-0.5B's shape (494M parameters, the embedding tied to the output layer).
     "qwen2-0.5b": (
         "qwen2",

@@ -20,6 +20,7 @@ import pytest
 from tests.vllm_fixtures import (  # noqa: F401
     SHARED_SETUP,
     VLLM_MISSING,
+    stand_in,
     tiny_ckpt,
     trainer_model,
     vllm_engine,

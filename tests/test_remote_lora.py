@@ -22,7 +22,7 @@ import torch
 
 from lightning_offpolicy.rollout.engine import Completion, SamplingConfig
 from lightning_offpolicy.rollout.vllm import RemoteVLLMEngine, launch_local_server
-from tests.test_remote_vllm import _models, _StandIn
+from tests.test_remote_vllm import _models
 from tests.test_vllm_lora import RANK, _bit_identical, _ckpt_lora, _lora, _optimizer_step, _snapshot
 from tests.vllm_fixtures import requires_vllm, residuals, reverse_prompts, teacher_forced_logprobs
 
@@ -96,19 +96,6 @@ def make_engine(lora_server, tmp_path):
     yield make
     for engine in engines:
         engine.close()
-
-
-@pytest.fixture
-def stand_in():
-    servers: list[_StandIn] = []
-
-    def make(routes):
-        servers.append(_StandIn(routes))
-        return servers[-1]
-
-    yield make
-    for s in servers:
-        s.close()
 
 
 def _info(lora: dict | None, env: dict) -> tuple[int, object]:

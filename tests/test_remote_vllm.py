@@ -11,8 +11,6 @@ and collected in ``MEASURED``. About 3-5 minutes on a 2-core CPU machine (server
 
 from __future__ import annotations
 
-import http.server
-import json
 import math
 import socket
 import subprocess
@@ -58,43 +56,6 @@ def _running_requests(base_url: str) -> float:
 # ---------------------------------------------------------------------- stand-in servers
 
 
-class _StandIn:
-    """A small HTTP server answering ``(method, path)`` from ``routes`` with ``(status, json)``; records requests."""
-
-    def __init__(self, routes: dict[tuple[str, str], tuple[int, object]]) -> None:
-        self.routes = routes
-        self.requests: list[tuple[str, str, dict, object]] = []
-        owner = self
-
-        class Handler(http.server.BaseHTTPRequestHandler):
-            def _answer(self) -> None:
-                length = int(self.headers.get("Content-Length") or 0)
-                body = json.loads(self.rfile.read(length)) if length else None
-                path = self.path.split("?")[0]
-                owner.requests.append((self.command, self.path, dict(self.headers), body))
-                status, payload = owner.routes.get((self.command, path), (404, {"detail": "Not Found"}))
-                data = json.dumps(payload).encode()
-                self.send_response(status)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
-
-            do_GET = do_POST = _answer
-
-            def log_message(self, *args) -> None:  # quiet
-                pass
-
-        self.httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.base_url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
-        self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
-        self.thread.start()
-
-    def close(self) -> None:
-        self.httpd.shutdown()
-        self.httpd.server_close()
-
-
 def _models(*names: str) -> tuple[int, object]:
     return 200, {"object": "list", "data": [{"id": n, "object": "model", "max_model_len": 256} for n in names]}
 
@@ -102,19 +63,6 @@ def _models(*names: str) -> tuple[int, object]:
 def _server_info(mode: str = "processed_logprobs") -> tuple[int, object]:
     config = {"logprobs_mode": mode, "dtype": "torch.float32", "max_model_len": 256, "generation_config": "vllm"}
     return 200, {"vllm_config": {"model_config": config}, "vllm_env": {}, "system_env": {}}
-
-
-@pytest.fixture
-def stand_in():
-    servers: list[_StandIn] = []
-
-    def make(routes):
-        servers.append(_StandIn(routes))
-        return servers[-1]
-
-    yield make
-    for s in servers:
-        s.close()
 
 
 # ---------------------------------------------------------------------- no vLLM server needed

@@ -8,6 +8,9 @@ start a fresh one if a later test asks for it again.
 
 from __future__ import annotations
 
+import http.server
+import json
+import threading
 import time
 import warnings
 from pathlib import Path
@@ -203,3 +206,57 @@ def lose_syncs(patch: pytest.MonkeyPatch, engine) -> None:
     patch.setattr(engine, "_reload_weights", lambda *args, **kwargs: None)
     if hasattr(engine, "_load_bucket"):
         patch.setattr(engine, "_load_bucket", lambda *args, **kwargs: None)
+
+
+# ---------------------------------------------------------------------- stand-in servers
+
+
+class _StandIn:
+    """A small HTTP server answering ``(method, path)`` from ``routes`` with ``(status, json)``; records requests."""
+
+    def __init__(self, routes: dict[tuple[str, str], tuple[int, object]]) -> None:
+        self.routes = routes
+        self.requests: list[tuple[str, str, dict, object]] = []
+        owner = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def _answer(self) -> None:
+                length = int(self.headers.get("Content-Length") or 0)
+                body = json.loads(self.rfile.read(length)) if length else None
+                path = self.path.split("?")[0]
+                owner.requests.append((self.command, self.path, dict(self.headers), body))
+                status, payload = owner.routes.get((self.command, path), (404, {"detail": "Not Found"}))
+                data = json.dumps(payload).encode()
+                self.send_response(status)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            do_GET = do_POST = _answer
+
+            def log_message(self, *args) -> None:  # quiet
+                pass
+
+        self.httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.base_url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
+        self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
+        self.thread.start()
+
+    def close(self) -> None:
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+@pytest.fixture
+def stand_in():
+    """Start :class:`_StandIn` servers (``stand_in(routes)``); all closed at the end of the test."""
+    servers: list[_StandIn] = []
+
+    def make(routes):
+        servers.append(_StandIn(routes))
+        return servers[-1]
+
+    yield make
+    for s in servers:
+        s.close()

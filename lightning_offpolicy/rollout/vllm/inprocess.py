@@ -121,13 +121,15 @@ class VLLMEngine(AdapterSync, VLLMEngineBase):
             ``1.0``, plus a relative part under reduced precision (``weight_sync.SyncTolerance``).
         request_timeout_s: Longest an engine call (generate, weight reload) may take before the
             engine is declared hung, shut down and a ``RuntimeError`` raised.
-        weight_transport: How the trainer's weights reach the engine at a sync. ``"memory"``: in
-            buckets through shared memory, each handed to the workers' ``load_weights`` (vLLM's
-            in-place load; no disk; extra memory one bucket); it adds the kit's
-            ``worker_extension_cls`` to the engine and needs an unquantized engine. ``"file"``:
-            written as safetensors and reloaded with vLLM's ``reload_weights`` (the reference path).
+        weight_transport: How the trainer's weights reach the engine at a sync. ``"memory"``: cast
+            to the engine's dtype, in buckets through one shared-memory file, each loaded in place
+            by every worker with vLLM's layerwise reload (no disk; one bucket held); it adds the
+            kit's ``worker_extension_cls`` to the engine and needs an unquantized engine.
+            ``"file"``: written as safetensors and reloaded with vLLM's ``reload_weights`` (the
+            reference path). docs/scaling.md, "Weight sync", compares them.
         weight_bucket_mb: Size of one in-memory bucket (MiB, in the engine's dtype); the buffer
-            grows to the largest single tensor when that is larger.
+            grows to hold a decoder layer, or the embedding and output layer together, when one is
+            larger.
         lora_sync: How a peft LoRA model's weights reach the engine. ``"merged"``: at every sync the
             base weights with the active adapters folded in (out of place), reloaded like a full
             model (plain LoRA on any target module). ``"adapter"``: vLLM applies the adapter itself
