@@ -14,6 +14,7 @@ import socket
 import threading
 import time
 from functools import partial
+from pathlib import Path
 
 import pytest
 import torch
@@ -91,6 +92,51 @@ def _restore(servers, weights_dir, model) -> None:
 def test_bad_pool_arguments(make, match):
     with pytest.raises(ValueError, match=match):
         make()
+
+
+def _rank_share_worker(rank: int, port: int, result_dir: str, servers: int) -> None:
+    """One trainer rank: a pool over every listed server, its share taken at the first call."""
+    import json
+
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    try:
+        urls = [f"http://127.0.0.1:{9000 + i}" for i in range(servers)]
+        pool = RemoteVLLMPool([RemoteVLLMEngine(u) for u in urls])
+        try:
+            pool.generate([], SamplingConfig())  # the first call takes the rank's share; no prompt, no request
+            kept = [s.base_url for s in pool.servers]
+        except ValueError as err:
+            kept = str(err)
+        unsplit = RemoteVLLMPool([RemoteVLLMEngine(u) for u in urls], split_across_ranks=False)
+        unsplit.generate([], SamplingConfig())
+        Path(result_dir, f"rank{rank}.json").write_text(
+            json.dumps({"kept": kept, "unsplit": [s.base_url for s in unsplit.servers]})
+        )
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("servers", [3, 1])
+def test_each_trainer_rank_takes_its_own_servers(tmp_path, servers):
+    """Two real gloo ranks, one YAML list: rank r keeps servers[r::2]; too few servers is a clear error."""
+    import json
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.start_processes(_rank_share_worker, args=(port, str(tmp_path), servers), nprocs=2, start_method="spawn")
+    got = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    urls = [f"http://127.0.0.1:{9000 + i}" for i in range(servers)]
+    assert [g["unsplit"] for g in got] == [urls, urls]
+    if servers == 3:
+        assert [g["kept"] for g in got] == [[urls[0], urls[2]], [urls[1]]]
+    else:
+        assert all("1 servers for 2 trainer ranks" in g["kept"] for g in got)
 
 
 @requires_vllm

@@ -22,6 +22,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any, Literal
 
 import torch
+import torch.distributed as dist
 
 from lightning_offpolicy.argcheck import is_int
 from lightning_offpolicy.rollout.engine import Completion, SamplingConfig, checked_prompts, per_prompt_seeds
@@ -107,6 +108,12 @@ class RemoteVLLMPool:
             same seeds; the run stops only when no server is left. ``"stop"``: a ``RuntimeError``
             naming the server at once (the fit stops; with ``PreemptionCheckpoint(save_on_exception=
             True)`` after saving a checkpoint).
+        split_across_ranks: Under several trainer processes (``torch.distributed`` initialized, as
+            under Lightning's DDP / FSDP2), each rank keeps its own share of ``servers`` at its first
+            call, ``servers[rank::world_size]`` (a server serves one trainer rank: a sync changes
+            its weights for every client), so one YAML list serves every rank. Needs at least as
+            many servers as ranks. ``False``: every rank uses every server listed (give each rank
+            its own list).
 
     Attributes:
         version: Policy version every live server holds (stamped on completions by each server).
@@ -116,7 +123,10 @@ class RemoteVLLMPool:
     _who = "RemoteVLLMPool"
 
     def __init__(
-        self, servers: Sequence[RemoteVLLMEngine], on_server_failure: Literal["retry", "stop"] = "retry"
+        self,
+        servers: Sequence[RemoteVLLMEngine],
+        on_server_failure: Literal["retry", "stop"] = "retry",
+        split_across_ranks: bool = True,
     ) -> None:
         servers = list(servers)
         if not servers or not all(isinstance(s, RemoteVLLMEngine) for s in servers):
@@ -132,8 +142,12 @@ class RemoteVLLMPool:
                 f"RemoteVLLMPool.on_server_failure={on_server_failure!r} is not known; allowed: "
                 f"{', '.join(map(repr, _FAILURE_MODES))}."
             )
+        if not isinstance(split_across_ranks, bool):
+            raise ValueError(f"RemoteVLLMPool.split_across_ranks={split_across_ranks!r} must be True or False.")
         self.servers = servers
         self.on_server_failure = on_server_failure
+        self.split_across_ranks = split_across_ranks
+        self._split = False
         self.version = 0
         self.requests_per_server = [0] * len(servers)
         self.failed: dict[int, str] = {}  # server index -> why it was left out
@@ -182,6 +196,7 @@ class RemoteVLLMPool:
         With ``seed`` each prompt gets the seed a single engine would give it, whichever server
         samples it. :meth:`interrupt` cuts the call short on every server it uses.
         """
+        self._take_rank_share()
         prompts = checked_prompts(prompt_ids, f"{self._who}.generate")
         if not prompts:
             return []
@@ -224,6 +239,7 @@ class RemoteVLLMPool:
         """
         if not is_int(version):
             raise TypeError(f"{self._who}.update_weights: version must be an int, got {version!r}.")
+        self._take_rank_share()
         with self._sync_lock:
             live = self.live_servers()
             failures: dict[int, BaseException] = {}
@@ -263,6 +279,33 @@ class RemoteVLLMPool:
         return f"RemoteVLLMPool([{states}], version={self.version})"
 
     # ------------------------------------------------------------------ balancing
+
+    def _take_rank_share(self) -> None:
+        """Once: under several trainer ranks, keep ``servers[rank::world_size]`` (``split_across_ranks``)."""
+        with self._lock:
+            if self._split:
+                return
+            self._split = True
+            if not (self.split_across_ranks and dist.is_available() and dist.is_initialized()):
+                return
+            world, rank = dist.get_world_size(), dist.get_rank()
+            if world == 1:
+                return
+            if len(self.servers) < world:
+                raise ValueError(
+                    f"{self._who}: {len(self.servers)} servers for {world} trainer ranks; each rank needs its own "
+                    "(a sync changes a server's weights for every client). List at least one server per rank, or "
+                    "set split_across_ranks=False and give each rank its own list."
+                )
+            mine = self.servers[rank::world]
+            for server in self.servers:
+                if server not in mine:
+                    server.close()
+            self.servers = mine
+            self.requests_per_server = [0] * len(mine)
+            self._outstanding = [0] * len(mine)
+            self._batch_counts = [0] * len(mine)
+            log.info("%s: rank %d of %d uses %s", self._who, rank, world, [s.base_url for s in mine])
 
     def _assign(self, prompts: list[list[int]]) -> dict[int, list[int]]:
         """Server -> positions in ``prompts``: continuations to their server, the rest to the least loaded."""
