@@ -266,7 +266,9 @@ def test_a_server_that_hangs_is_named_within_its_timeout(servers, weights_dir):
 
 @requires_vllm
 @pytest.mark.slow
-def test_a_server_killed_mid_fit_is_left_out_and_the_fit_goes_on(servers, weights_dir, tiny_ckpt, tmp_path):
+def test_a_server_killed_mid_fit_is_left_out_and_the_fit_goes_on(
+    servers, weights_dir, tiny_ckpt, tmp_path, trainer_model
+):
     """A fit on two servers; the second is killed (SIGKILL) after step 2: the fit finishes on the first,
     and the logged counts show both serving, then one. Last test of the module: it kills the module's server."""
     import lightning as L
@@ -299,7 +301,10 @@ def test_a_server_killed_mid_fit_is_left_out_and_the_fit_goes_on(servers, weight
         enable_model_summary=False,
         default_root_dir=tmp_path,
     )
-    trainer.fit(module, PromptDataModule(task="reverse", prompts_per_step=4, num_train_prompts=64))
+    try:
+        trainer.fit(module, PromptDataModule(task="reverse", prompts_per_step=4, num_train_prompts=64))
+    finally:
+        _restore(servers[:1], weights_dir, trainer_model)  # the session's shared server trained along
     assert module.policy_version == 5 and list(pool.failed) == [1]
     assert victim.base_url in pool.failed[1]
     (version_dir,) = list((tmp_path / "pool").iterdir())
