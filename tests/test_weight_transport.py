@@ -168,6 +168,9 @@ def test_memory_and_file_syncs_give_bit_identical_engines(vllm_engine, trainer_m
         assert float((seen["file"] - trainer).abs().max()) <= 1e-3
         buckets = plan_buckets(unique_tensors(trainer_model.state_dict()), 1 << 20, torch.float32)
         assert len(buckets) >= 2  # the 1 MiB case really went in several buckets
+        # The workers keep their mapping; the file's name is gone after the first bucket (nothing left behind
+        # in /dev/shm by a run that dies), and the later syncs above still arrived.
+        assert engine._shared_weights.path is not None and not engine._shared_weights.path.exists()
     finally:
         engine.weight_transport, engine.weight_bucket_mb = "memory", 512
         from transformers import LlamaForCausalLM
@@ -193,4 +196,38 @@ def test_a_full_dev_shm_falls_back_to_a_temporary_file(monkeypatch, tmp_path, ca
     assert "--shm-size" in caplog.text
     slots = buffer.fill([("w", torch.ones(8))], None)
     assert slots[0].dtype == "float32"
+    buffer.close()
+
+
+def test_send_moves_every_tensor_and_leaves_no_file_behind():
+    """A receiver that maps the file at the first bucket, as a vLLM worker does, gets every tensor cast; the file's
+    name is gone after the first bucket, also when that bucket's load fails."""
+    state = unique_tensors(_llama().state_dict())
+    received: dict[str, torch.Tensor] = {}
+    mapped: dict[str, torch.Tensor] = {}
+
+    def load(path, nbytes, slots, first, last):
+        if path not in mapped:
+            mapped[path] = torch.from_file(path, shared=True, size=nbytes, dtype=torch.uint8)
+        for name, dtype_name, shape, offset in slots:
+            dtype = getattr(torch, dtype_name)
+            count = torch.Size(shape).numel()
+            received[name] = mapped[path][offset : offset + count * dtype.itemsize].view(dtype).view(shape).clone()
+
+    buffer = SharedWeightsBuffer(bucket_bytes=300_000)
+    moved = buffer.send(state, torch.bfloat16, load)
+    assert not buffer.path.exists() and len(mapped) == 1
+    assert received.keys() == state.keys() and moved == sum(t.numel() * 2 for t in state.values())
+    assert all(torch.equal(received[n], t.to(torch.bfloat16)) for n, t in state.items())
+    buffer.send(state, torch.bfloat16, load)  # the next sync reuses the mapping under the same name
+    assert len(mapped) == 1
+    buffer.close()
+
+    def failing(path, nbytes, slots, first, last):
+        raise RuntimeError("the engine died")
+
+    buffer = SharedWeightsBuffer(bucket_bytes=300_000)
+    with pytest.raises(RuntimeError, match="died"):
+        buffer.send(state, torch.bfloat16, failing)
+    assert not buffer.path.exists()
     buffer.close()

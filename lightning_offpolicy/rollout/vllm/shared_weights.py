@@ -206,11 +206,23 @@ class SharedWeightsBuffer:
         self.ensure(max(sizes + [_ALIGN]))
         for index, bucket in enumerate(buckets):
             slots = self.fill(((name, tensors[name]) for name in bucket), engine_dtype)
-            load(str(self.path), self.nbytes, [slot.as_rpc() for slot in slots], index == 0, index == len(buckets) - 1)
+            try:
+                load(
+                    str(self.path),
+                    self.nbytes,
+                    [slot.as_rpc() for slot in slots],
+                    index == 0,
+                    index == len(buckets) - 1,
+                )
+            finally:
+                if index == 0 and self.path is not None:
+                    # Every worker has mapped it now (or failed, and the engine is gone), and a mapping outlives
+                    # the name: without it, a run that dies leaves nothing behind in /dev/shm.
+                    self.path.unlink(missing_ok=True)
         return sum(t.numel() * transfer_dtype(t, engine_dtype).itemsize for t in tensors.values())
 
     def close(self) -> None:
-        """Unmap and delete the buffer's file (a worker's own mapping lasts until it lets go)."""
+        """Unmap the buffer and delete its file if still there (a worker's own mapping lasts until it lets go)."""
         self._buffer = None
         if self.path is not None:
             self.path.unlink(missing_ok=True)
