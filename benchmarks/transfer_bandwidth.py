@@ -25,7 +25,6 @@ Usage::
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import tempfile
@@ -35,6 +34,9 @@ from typing import Any
 
 import torch
 import torch.multiprocessing as mp
+
+# benchmarks/*.py run as scripts: their directory is on sys.path, and with it the shared harness.
+from harness.report import write_report
 
 from lightning_offpolicy.rollout.vllm.shared_weights import SharedWeightsBuffer
 
@@ -239,12 +241,7 @@ def main(argv: list[str] | None = None) -> int:
         "command": " ".join(["python", "benchmarks/transfer_bandwidth.py", *argv]),
     }
     rows = [row for m in args.models.split(",") if m for row in measure(m.strip(), args.device, args.repeats)]
-    text = render(rows, header)
-    print(text)
-    if args.output:
-        args.output.parent.mkdir(parents=True, exist_ok=True)
-        args.output.write_text(text)
-        args.output.with_suffix(".json").write_text(json.dumps({"header": header, "rows": rows}, indent=2) + "\n")
+    write_report(args.output, render(rows, header), {"header": header, "rows": rows})
     return 0
 
 

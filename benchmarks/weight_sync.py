@@ -116,14 +116,14 @@ class PssSampler:
         self.peak = max(self.peak, self.total())
 
 
-@__import__("torch").no_grad()
 def _nudge(model, step: int) -> None:
     """Move every weight a little (the sync check's movement test needs the trainer to move)."""
     import torch
 
     gen = torch.Generator().manual_seed(1000 + step)
-    for param in model.parameters():
-        param.add_(torch.randn(param.shape, generator=gen) * 1e-3)
+    with torch.no_grad():
+        for param in model.parameters():
+            param.add_(torch.randn(param.shape, generator=gen) * 1e-3)
 
 
 def worker(model_name: str, transport: str, syncs: int) -> dict[str, Any]:

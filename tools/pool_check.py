@@ -32,6 +32,8 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))  # the shared harness
+from harness.report import write_report  # noqa: E402
 from soak import reward_blocks, run_dir, scalars  # noqa: E402
 from soak_processes import run_fit  # noqa: E402
 
@@ -40,20 +42,22 @@ RUNS = ("one", "two", "two, B killed")
 
 
 def engine_yaml(urls: list[str], weights_dir: Path) -> str:
-    servers = "\n".join(
-        f"        - class_path: lightning_offpolicy.rollout.RemoteVLLMEngine\n"
-        f'          init_args: {{base_url: "{url}", weights_dir: "{weights_dir}", request_timeout_s: 120}}'
-        for url in urls
+    """The config that replaces the quickstart's engine: one server, or a pool over several."""
+    import yaml
+
+    def server(url: str) -> dict[str, Any]:
+        args = {"base_url": url, "weights_dir": str(weights_dir), "request_timeout_s": 120}
+        return {"class_path": "lightning_offpolicy.rollout.RemoteVLLMEngine", "init_args": args}
+
+    engine = (
+        server(urls[0])
+        if len(urls) == 1
+        else {
+            "class_path": "lightning_offpolicy.rollout.RemoteVLLMPool",
+            "init_args": {"on_server_failure": "retry", "servers": [server(url) for url in urls]},
+        }
     )
-    if len(urls) == 1:
-        return (
-            "rollout:\n  engine:\n    class_path: lightning_offpolicy.rollout.RemoteVLLMEngine\n"
-            f'    init_args: {{base_url: "{urls[0]}", weights_dir: "{weights_dir}", request_timeout_s: 120}}\n'
-        )
-    return (
-        "rollout:\n  engine:\n    class_path: lightning_offpolicy.rollout.RemoteVLLMPool\n    init_args:\n"
-        f"      on_server_failure: retry\n      servers:\n{servers}\n"
-    )
+    return yaml.safe_dump({"rollout": {"engine": engine}}, sort_keys=False)
 
 
 def kill_when(save_dir: Path, server: Any, batches: int, killed: dict[str, float]) -> threading.Thread:
@@ -180,12 +184,7 @@ def main(argv: list[str] | None = None) -> int:
         "max_steps": args.max_steps or 600,
         "killed_after_batches": killed.get("after_batches"),
     }
-    text = render(results, meta)
-    print(text)
-    if args.output:
-        args.output.parent.mkdir(parents=True, exist_ok=True)
-        args.output.write_text(text)
-        args.output.with_suffix(".json").write_text(json.dumps({"meta": meta, "results": results}, indent=2) + "\n")
+    write_report(args.output, render(results, meta), {"meta": meta, "results": results})
     return 0 if all(r["status"] == 0 for r in results) else 1
 
 

@@ -77,6 +77,11 @@ def unique_tensors(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tenso
     return unique
 
 
+def _payload_bytes(tensor: torch.Tensor, engine_dtype: torch.dtype | None) -> int:
+    """Bytes of ``tensor`` in its transfer dtype."""
+    return tensor.numel() * transfer_dtype(tensor, engine_dtype).itemsize
+
+
 def plan_buckets(
     tensors: Mapping[str, torch.Tensor], bucket_bytes: int, engine_dtype: torch.dtype | None
 ) -> list[list[str]]:
@@ -88,10 +93,6 @@ def plan_buckets(
     reload: vLLM may hold those until then. A group larger than ``bucket_bytes`` gets a bucket of
     its own (the buffer grows to hold it).
     """
-
-    def nbytes(name: str) -> int:
-        tensor = tensors[name]
-        return _aligned(tensor.numel() * transfer_dtype(tensor, engine_dtype).itemsize)
 
     layers: dict[str, list[str]] = {}  # first-appearance order
     loose: list[str] = []
@@ -105,7 +106,7 @@ def plan_buckets(
     current: list[str] = []
     used = 0
     for group in [*layers.values(), loose] if loose else list(layers.values()):
-        size = sum(nbytes(name) for name in group)
+        size = sum(_aligned(_payload_bytes(tensors[name], engine_dtype)) for name in group)
         if current and (used + size > bucket_bytes or group is loose):
             buckets.append(current)
             current, used = [], 0
@@ -199,10 +200,7 @@ class SharedWeightsBuffer:
         """
         tensors = unique_tensors(tensors)
         buckets = plan_buckets(tensors, self.bucket_bytes, engine_dtype)
-        sizes = [
-            sum(_aligned(tensors[n].numel() * transfer_dtype(tensors[n], engine_dtype).itemsize) for n in bucket)
-            for bucket in buckets
-        ]
+        sizes = [sum(_aligned(_payload_bytes(tensors[n], engine_dtype)) for n in bucket) for bucket in buckets]
         self.ensure(max(sizes + [_ALIGN]))
         for index, bucket in enumerate(buckets):
             slots = self.fill(((name, tensors[name]) for name in bucket), engine_dtype)
@@ -219,7 +217,7 @@ class SharedWeightsBuffer:
                     # Every worker has mapped it now (or failed, and the engine is gone), and a mapping outlives
                     # the name: without it, a run that dies leaves nothing behind in /dev/shm.
                     self.path.unlink(missing_ok=True)
-        return sum(t.numel() * transfer_dtype(t, engine_dtype).itemsize for t in tensors.values())
+        return sum(_payload_bytes(t, engine_dtype) for t in tensors.values())
 
     def close(self) -> None:
         """Unmap the buffer and delete its file if still there (a worker's own mapping lasts until it lets go)."""
