@@ -39,6 +39,7 @@ import torch.multiprocessing as mp
 from harness.report import write_report
 
 from lightning_offpolicy.rollout.vllm.shared_weights import SharedWeightsBuffer
+from lightning_offpolicy.rollout.vllm.worker_extension import slot_views
 
 #: Decoder shapes: (vocab, hidden, intermediate, layers, heads, kv heads, tied).
 SHAPES = {
@@ -100,10 +101,8 @@ def receiver(conn: Any, shape: str, device: str) -> None:
             path, nbytes, slots = payload
             if mapped is None or mapped[0] != path:
                 mapped = (path, torch.from_file(path, shared=True, size=nbytes, dtype=torch.uint8))
-            for name, dtype_name, shape_, offset in slots:
-                dtype = getattr(torch, dtype_name)
-                count = torch.Size(shape_).numel()
-                weights[name].copy_(mapped[1][offset : offset + count * dtype.itemsize].view(dtype).view(shape_))
+            for name, view in slot_views(mapped[1], slots):  # what a vLLM worker hands its load_weights
+                weights[name].copy_(view)
         elif way == "cuda_ipc":
             buffer, slots = payload  # rebuilt from the IPC handle by torch.multiprocessing
             for name, offset, count in slots:

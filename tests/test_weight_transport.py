@@ -17,6 +17,7 @@ from lightning_offpolicy.demo.tiny import tiny_llama_config
 from lightning_offpolicy.rollout.vllm.inprocess import VLLMEngine
 from lightning_offpolicy.rollout.vllm.shared_weights import SharedWeightsBuffer, plan_buckets, unique_tensors
 from lightning_offpolicy.rollout.vllm.weight_sync import trainer_probe_logprobs
+from lightning_offpolicy.rollout.vllm.worker_extension import slot_views
 from tests.vllm_fixtures import requires_vllm
 
 
@@ -209,10 +210,8 @@ def test_send_moves_every_tensor_and_leaves_no_file_behind():
     def load(path, nbytes, slots, first, last):
         if path not in mapped:
             mapped[path] = torch.from_file(path, shared=True, size=nbytes, dtype=torch.uint8)
-        for name, dtype_name, shape, offset in slots:
-            dtype = getattr(torch, dtype_name)
-            count = torch.Size(shape).numel()
-            received[name] = mapped[path][offset : offset + count * dtype.itemsize].view(dtype).view(shape).clone()
+        for name, view in slot_views(mapped[path], slots):  # as SharedWeightsReceiver reads them
+            received[name] = view.clone()
 
     buffer = SharedWeightsBuffer(bucket_bytes=300_000)
     moved = buffer.send(state, torch.bfloat16, load)

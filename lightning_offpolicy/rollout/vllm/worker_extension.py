@@ -8,11 +8,12 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any
 
 import torch
 
-__all__ = ["RECEIVER_CLS", "SharedWeightsReceiver"]
+__all__ = ["RECEIVER_CLS", "SharedWeightsReceiver", "slot_views"]
 
 
 class SharedWeightsReceiver:
@@ -56,7 +57,7 @@ class SharedWeightsReceiver:
         with set_current_vllm_config(self.vllm_config), torch.no_grad():  # type: ignore[attr-defined]
             if first:
                 initialize_layerwise_reload(model)
-            model.load_weights(_views(buffer, slots))
+            model.load_weights(slot_views(buffer, slots))
             if last:
                 finalize_layerwise_reload(model, runner.model_config)
                 for reset in ("reset_lora_state", "reset_encoder_cache", "reset_mm_cache"):
@@ -71,12 +72,11 @@ class SharedWeightsReceiver:
         self._lo_mapped = None
 
 
-def _views(buffer: torch.Tensor, slots: list[list]):
+def slot_views(buffer: torch.Tensor, slots: list[list]) -> Iterator[tuple[str, torch.Tensor]]:
+    """``(name, tensor)`` of each slot (``[name, dtype name, shape, byte offset]``): views of ``buffer``'s bytes."""
     for name, dtype_name, shape, offset in slots:
         dtype = getattr(torch, dtype_name)
-        count = 1
-        for dim in shape:
-            count *= dim
+        count = torch.Size(shape).numel()
         yield name, buffer[offset : offset + count * dtype.itemsize].view(dtype).view(shape)
 
 
