@@ -18,6 +18,8 @@ from lightning_offpolicy.lightning.mixin import OffPolicyMixin
 from lightning_offpolicy.lightning.module import OffPolicyRLModule
 from lightning_offpolicy.rollout import SamplingConfig
 from tests.module_helpers import TOKENIZER, fit_on, make_rollout, tiny_model
+from tests.test_packing import long_tail_batch, tiny_gpt2
+from tests.test_packing import tiny_model as float64_model
 
 CORRECTION = OffPolicyCorrectionConfig.geo_mis_token_tis(low=0.8, high=1.25, clip_high=1.5)
 LOSS = PolicyLossConfig(eps_clip_low=0.2, eps_clip_high=0.28)
@@ -73,6 +75,7 @@ def test_mixin_step_equals_the_module_step_and_leaves_the_users_hooks_alone():
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
     # The RL batch never reached the user's training_step; their hook ran, the version counted once.
     assert mixed.own_steps == 0 and mixed.zero_grad_calls == 1 and mixed.policy_version == 1
+    assert mixed.rl_packed and reference.packed  # both packed, by default
 
 
 def test_mixin_passes_other_batches_to_the_users_training_step_and_checkpoints_the_version(tmp_path):
@@ -129,6 +132,73 @@ def test_mixin_refuses_a_loglinear_prox_it_has_no_use_for():
     model = tiny_model()
     with pytest.raises(ValueError, match="prox_method='loglinear' has nothing to save"):
         fit_on(LogLinear(model), [make_rollout(model)], max_steps=1)
+
+
+class CapturingRL(RLModule):
+    """Keeps each RL step's loss, the gradients of its backward and the decoder's forward inputs."""
+
+    def __init__(self, model: torch.nn.Module, rl_packing: str = "auto") -> None:
+        super().__init__(model)
+        self.rl_packing = rl_packing
+        self.losses, self.grads, self.inputs = [], [], []
+        model.base_model.register_forward_hook(lambda mod, args, kw, out: self.inputs.append(kw), with_kwargs=True)
+
+    def off_policy_step(self, batch, batch_idx):
+        loss = super().off_policy_step(batch, batch_idx)
+        self.losses.append(loss.detach())
+        return loss
+
+    def on_after_backward(self):
+        self.grads.append({name: p.grad.clone() for name, p in self.model.named_parameters()})
+
+
+def test_mixin_packs_its_forward_and_gives_the_padded_loss_and_gradients():
+    """float64 tiny Llama, responses of 3 to 40 tokens: the packed step's loss and every parameter's gradient
+    equal the padded step's to rounding; the packed forward saw the real tokens alone."""
+    start = float64_model("llama")
+    batch = long_tail_batch(start)
+    packed, padded = CapturingRL(copy.deepcopy(start)), CapturingRL(copy.deepcopy(start), rl_packing="off")
+    assert packed.rl_packed and not padded.rl_packed
+    for module in (packed, padded):
+        fit_on(module, [batch], max_steps=1)
+    (packed_inputs,), (padded_inputs,) = packed.inputs, padded.inputs  # one forward each
+    assert tuple(padded_inputs["input_ids"].shape) == (6, 46) and padded_inputs["attention_mask"] is not None
+    # sdpa: the 141 real tokens first-fit in rows as wide as the padded batch ([45], [39, 7], [33, 9], [8]).
+    assert tuple(packed_inputs["input_ids"].shape) == (4, 46) and packed_inputs["attention_mask"] is None
+    (packed_loss,), (padded_loss,) = packed.losses, padded.losses
+    assert packed_loss.dtype == torch.float64 and abs(float(padded_loss)) > 1e-3
+    torch.testing.assert_close(packed_loss, padded_loss, rtol=0, atol=1e-12)
+    (packed_grads,), (padded_grads,) = packed.grads, padded.grads
+    assert len(padded_grads) == len(list(start.parameters()))
+    assert max(float(g.abs().max()) for g in padded_grads.values()) > 1e-3  # the check can fail
+    for name, grad in padded_grads.items():
+        torch.testing.assert_close(packed_grads[name], grad, rtol=1e-9, atol=1e-12, msg=name)
+
+
+def test_mixin_trains_a_model_that_cannot_pack_padded_and_refuses_it_under_on():
+    batch = long_tail_batch(tiny_gpt2())
+    auto = CapturingRL(tiny_gpt2())
+    assert not auto.rl_packed
+    fit_on(auto, [batch], max_steps=1)
+    (inputs,) = auto.inputs
+    assert inputs["attention_mask"] is not None and len(auto.losses) == 1
+    required = CapturingRL(tiny_gpt2(), rl_packing="on")
+    with pytest.raises(ValueError, match=r"OffPolicyMixin.rl_packing='on', but .*GPT2LMHeadModel is not in"):
+        fit_on(required, [batch], max_steps=1)
+    assert required.inputs == []  # refused before any forward
+
+
+def test_mixin_refuses_an_unknown_packing_mode():
+    allowed = r"is not known; allowed: 'auto' .*'on' .*'off'"
+    with pytest.raises(ValueError, match=r"OffPolicyMixin.rl_packing='yes' " + allowed):
+
+        class Yes(RLModule):
+            rl_packing = "yes"
+
+    model = tiny_model()
+    module = CapturingRL(model, rl_packing="packed")
+    with pytest.raises(ValueError, match=r"OffPolicyMixin.rl_packing='packed' " + allowed):
+        fit_on(module, [make_rollout(model)], max_steps=1)
 
 
 def dropout_model() -> torch.nn.Module:

@@ -7,9 +7,11 @@ Trainer. The module exposes its causal LM (``policy_attribute``, default ``"mode
 ``training_step`` and checkpoint / batch-end hooks when the class is created: a
 :class:`~lightning_offpolicy.batch.PromptBatch` gets one corrected policy-gradient step under
 automatic optimization (dropout off, ``pi_prox`` the detached ``pi_theta``), every other batch the
-module's own code; ``policy_version`` counts every optimizer step. What it requires and does, and
-when to use :class:`~lightning_offpolicy.OffPolicyRLModule` instead: docs/journeys.md, "2. RL added
-to an existing SFT module".
+module's own code; ``policy_version`` counts every optimizer step. Its forward runs packed,
+without padding, where the model allows it (``rl_packing``, as ``OffPolicyRLModule``'s
+``packing``). What it requires and does, and when to use
+:class:`~lightning_offpolicy.OffPolicyRLModule` instead: docs/journeys.md, "2. RL added to an
+existing SFT module".
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from lightning_offpolicy.lightning.update_hooks import MetricsRecorder
 from lightning_offpolicy.metrics.correction import CorrectionMetrics, PolicyLossMetrics
 from lightning_offpolicy.train import step
 from lightning_offpolicy.train.micro_step import MicroBatchStep
+from lightning_offpolicy.train.policy import PACKING_MODES, PackingMode, resolve_packing
 from lightning_offpolicy.train.update import Forward, PPOUpdate
 
 __all__ = ["OffPolicyMixin"]
@@ -43,6 +46,9 @@ class OffPolicyMixin:
         rl_correction: The off-policy correction (default: token TIS capped at 2).
         rl_loss: The surrogate and its aggregation (default: decoupled PPO, eps 0.2 / 0.28).
         temperature: Temperature the tokens are scored with; must equal the callback's.
+        rl_packing: Packed, padding-free RL forwards: ``"auto"`` (where the model allows it), ``"on"``
+            (required: a model that cannot pack is refused at the first RL step) or ``"off"`` (padded).
+            Resolved against the policy at the first RL step (:attr:`rl_packed`).
         policy_version: Optimizer steps taken so far.
     """
 
@@ -50,10 +56,12 @@ class OffPolicyMixin:
     rl_correction: OffPolicyCorrectionConfig = OffPolicyCorrectionConfig.token_tis(clip_high=2.0)
     rl_loss: PolicyLossConfig = PolicyLossConfig(eps_clip_low=0.2, eps_clip_high=0.28)
     temperature: float = 1.0
+    rl_packing: PackingMode = "auto"
     policy_version: int = 0
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
+        _check_packing_mode(cls.rl_packing)  # a class attribute: refused when the class is defined
         for name, before in _ROUTED.items():
             method = cls.__dict__.get(name) or getattr(cls, name, None)
             if method is not None and not getattr(method, "_off_policy_wrapped", False):
@@ -70,6 +78,23 @@ class OffPolicyMixin:
                 f"OffPolicyMixin: the module has no attribute {self.policy_attribute!r} holding the causal LM; "
                 "set `policy_attribute` on the class to the attribute's name."
             ) from None
+
+    @property
+    def rl_packed(self) -> bool:
+        """Whether the RL forwards run packed: ``rl_packing`` resolved against the policy.
+
+        Resolved at the first RL step (or here, when asked before it), again only if the policy or
+        ``rl_packing`` changes.
+
+        Raises:
+            ValueError: ``rl_packing`` is not a known mode, or is ``"on"`` and the policy cannot pack.
+        """
+        policy, mode = self.policy, self.rl_packing
+        cached = self.__dict__.get("_rl_packed")
+        if cached is None or cached[0] is not policy or cached[1] != mode:
+            _check_packing_mode(mode)
+            cached = self.__dict__["_rl_packed"] = (policy, mode, resolve_packing(mode, [policy], _PACKING_SETTING))
+        return cached[2]
 
     def _route_training_step(self, batch: Any, batch_idx: int, *args: Any, **kwargs: Any) -> tuple[bool, Any]:
         if isinstance(batch, (PromptBatch, RolloutBatch)):
@@ -92,6 +117,7 @@ class OffPolicyMixin:
                 "or OffPolicyRLModule."
             )
         check_compatible(self.rl_correction, self.rl_loss)
+        packed = self.rl_packed
         rollout = rollout.to(self.device)
         rollout.validate(require_rollout_logprobs=True)
         if self.__dict__.get("_modes_before_rl") is None:
@@ -102,8 +128,8 @@ class OffPolicyMixin:
                 [CorrectionMetrics(self.rl_correction), PolicyLossMetrics(self.rl_correction)]
             ).to(self.device)
         # One optimizer step, one micro-batch: pi_prox is the detached pi_theta of its forward (exact).
-        update = PPOUpdate(MicroBatchStep(self.rl_correction, self.rl_loss), shuffle_minibatches=False)
-        hooks = _AutomaticOptimizationHooks(self.policy, self.temperature)
+        update = PPOUpdate(MicroBatchStep(self.rl_correction, self.rl_loss), shuffle_minibatches=False, packed=packed)
+        hooks = _AutomaticOptimizationHooks(self.policy, self.temperature, packed)
         recorder = _StepRecorder(*self._off_policy_metrics)
         update(rollout, hooks, recorder, logging=True, step_version=int(self.policy_version))
         self._log_off_policy(rollout, recorder)
@@ -172,13 +198,16 @@ class _AutomaticOptimizationHooks:
 
     world_size = 1
 
-    def __init__(self, policy: torch.nn.Module, temperature: float) -> None:
+    def __init__(self, policy: torch.nn.Module, temperature: float, packed: bool) -> None:
         self.policy = policy
         self.temperature = temperature
+        self.packed = packed
         self.loss: torch.Tensor | None = None
 
     def forward(self, batch: RolloutBatch, return_entropy: bool) -> Forward:
-        return step.response_logprobs(self.policy, batch, self.temperature, return_entropy=return_entropy)
+        return step.response_logprobs(
+            self.policy, batch, self.temperature, return_entropy=return_entropy, packed=self.packed
+        )
 
     def no_grad_forward(self, batch: RolloutBatch, reference: bool) -> torch.Tensor:
         raise RuntimeError("OffPolicyMixin takes pi_prox from its one forward and has no reference model.")
@@ -211,6 +240,17 @@ class _StepRecorder(MetricsRecorder):
 
     def entropy(self, values: torch.Tensor) -> None:
         self.entropies = values
+
+
+_PACKING_SETTING = "OffPolicyMixin.rl_packing"
+
+
+def _check_packing_mode(mode: Any) -> None:
+    if mode not in PACKING_MODES:
+        raise ValueError(
+            f"{_PACKING_SETTING}={mode!r} is not known; allowed: 'auto' (packed RL forwards where the model "
+            "allows them), 'on' (required) or 'off' (padded)."
+        )
 
 
 def _dropout_off(module: torch.nn.Module) -> list[tuple[torch.nn.Module, bool]]:
