@@ -8,26 +8,25 @@ import time
 from pathlib import Path
 from typing import Any
 
-from vs_trl_task import SETTINGS, kit_reward, trl_reward
+import vs_trl_task
 
 
-def _step_record(
-    starts: list[float], rewards: list[float], began: float, rollout_kl: list[float] | None = None
-) -> dict[str, Any]:
+def _step_record(starts: list[float], rewards: list[float], began: float, **extra: list[Any] | None) -> dict[str, Any]:
     ends = starts[1:]
     step_s = [b - a for a, b in zip(starts, ends, strict=False)]
     record = {"rewards": rewards, "step_s": step_s, "wall_s": ends[-1] - began}
-    if rollout_kl is not None:
-        record["rollout_kl"] = rollout_kl
+    record.update({key: values for key, values in extra.items() if values})
     return record
 
 
 class TRLStepRecorder:
-    """What a TRL side records: each optimizer step's start (and the end of training) and the ``reward`` TRL logs."""
+    """What a TRL side records: each optimizer step's start (and the end of training), the ``reward`` TRL
+    logs and its completion lengths (``completions/mean_length``, ``completions/max_length``)."""
 
     def __init__(self) -> None:
         self.starts: list[float] = []
         self.rewards: list[float] = []
+        self.lengths: list[dict[str, float]] = []
 
     def callback(self) -> Any:
         """A ``transformers.TrainerCallback`` that fills :attr:`starts` and :attr:`rewards`."""
@@ -45,6 +44,13 @@ class TRLStepRecorder:
             def on_log(self, args, state, control, logs=None, **kwargs):
                 if logs and "reward" in logs:
                     recorder.rewards.append(float(logs["reward"]))
+                    if "completions/mean_length" in logs:
+                        recorder.lengths.append(
+                            {
+                                "mean": float(logs["completions/mean_length"]),
+                                "max": float(logs["completions/max_length"]),
+                            }
+                        )
 
         return Record()
 
@@ -76,17 +82,19 @@ def _patch_trl_vllm_for_cpu() -> None:
     generation.VLLMGeneration.sync_weights = sync_weights
 
 
-def run_trl(workdir: Path, steps: int, seed: int, engine: str = "hf") -> dict[str, Any]:
-    """TRL 1.x ``GRPOTrainer`` with the shared settings; per-step reward and wall time."""
+def run_trl(workdir: Path, steps: int, seed: int, engine: str = "hf", task: Any = vs_trl_task) -> dict[str, Any]:
+    """TRL 1.x ``GRPOTrainer`` with ``task``'s shared settings and reward; per-step reward, wall time and
+    completion lengths."""
     import torch
     from datasets import Dataset
     from transformers import AutoTokenizer
     from trl import GRPOConfig, GRPOTrainer
 
+    settings = task.SETTINGS
     prompts = json.loads((workdir / "prompts.json").read_text())
     record = TRLStepRecorder()
 
-    per_step = SETTINGS["prompts_per_step"] * SETTINGS["samples_per_prompt"]
+    per_step = settings["prompts_per_step"] * settings["samples_per_prompt"]
     vllm: dict[str, Any] = {}
     if engine == "vllm":
         _patch_trl_vllm_for_cpu()
@@ -102,18 +110,18 @@ def run_trl(workdir: Path, steps: int, seed: int, engine: str = "hf") -> dict[st
         max_steps=steps,
         per_device_train_batch_size=per_step,
         gradient_accumulation_steps=1,
-        num_generations=SETTINGS["samples_per_prompt"],
+        num_generations=settings["samples_per_prompt"],
         steps_per_generation=1,  # one optimizer step per generated batch: on-policy
         num_iterations=1,
-        max_completion_length=SETTINGS["max_new_tokens"],
-        temperature=SETTINGS["temperature"],
-        top_p=SETTINGS["top_p"],
+        max_completion_length=settings["max_new_tokens"],
+        temperature=settings["temperature"],
+        top_p=settings["top_p"],
         top_k=0,
-        learning_rate=SETTINGS["learning_rate"],
-        weight_decay=SETTINGS["weight_decay"],
+        learning_rate=settings["learning_rate"],
+        weight_decay=settings["weight_decay"],
         lr_scheduler_type="constant",
         warmup_steps=0,
-        max_grad_norm=SETTINGS["max_grad_norm"],
+        max_grad_norm=settings["max_grad_norm"],
         loss_type="dapo",
         beta=0.0,
         bf16=False,
@@ -132,7 +140,7 @@ def run_trl(workdir: Path, steps: int, seed: int, engine: str = "hf") -> dict[st
     tokenizer = AutoTokenizer.from_pretrained(workdir / "model")
     trainer = GRPOTrainer(
         model=str(workdir / "model"),
-        reward_funcs=trl_reward,
+        reward_funcs=task.trl_reward,
         args=config,
         train_dataset=Dataset.from_dict({"prompt": prompts}),
         processing_class=tokenizer,
@@ -141,15 +149,24 @@ def run_trl(workdir: Path, steps: int, seed: int, engine: str = "hf") -> dict[st
     assert next(trainer.model.parameters()).dtype == torch.float32
     began = time.perf_counter()
     trainer.train()
-    return _step_record(record.starts, record.rewards, began)
+    return _step_record(record.starts, record.rewards, began, lengths=record.lengths)
 
 
 def run_kit(
-    workdir: Path, steps: int, seed: int, engine: str = "hf", variant: dict[str, str] | None = None
+    workdir: Path,
+    steps: int,
+    seed: int,
+    engine: str = "hf",
+    variant: dict[str, str] | None = None,
+    task: Any = vs_trl_task,
 ) -> dict[str, Any]:
     """The kit as a user writes it: ``OffPolicyRLModule(model=<dir>)`` + ``RolloutCallback(HFEngine())``
-    (``VLLMEngine()`` for ``engine="vllm"``). ``variant``: ``engine_dtype`` (the vLLM engine's dtype,
-    default the trainer's) and ``correction`` (an ``OffPolicyCorrectionConfig`` preset, default metrics only)."""
+    (``VLLMEngine()`` for ``engine="vllm"``), with ``task``'s settings and reward. ``variant``:
+    ``engine_dtype`` (the vLLM engine's dtype, default the trainer's), ``correction`` (an
+    ``OffPolicyCorrectionConfig`` preset, default metrics only), ``max_staleness``, ``engine_process``,
+    ``packing`` (the module's, default ``"auto"``) and ``keep_rollouts`` (the last N rollout batches saved
+    to ``workdir/rollouts``). Per step it records the reward, the wall time, the
+    training step's own time (``train_s``) and the completion lengths."""
     from functools import partial
 
     import lightning as L
@@ -163,18 +180,29 @@ def run_kit(
     from lightning_offpolicy.lightning.module import OffPolicyRLModule
     from lightning_offpolicy.rollout import AsyncSettings, HFEngine, SamplingConfig
 
+    settings = task.SETTINGS
+    variant = variant or {}
+    keep_rollouts = int(variant.get("keep_rollouts") or 0)
     prompts = json.loads((workdir / "prompts.json").read_text())
     starts: list[float] = []
     rewards: list[float] = []
     rollout_kl: list[float] = []
+    train_s: list[float] = []
+    lengths: list[dict[str, float]] = []
 
     class Record(L.Callback):
         # Placed after the RolloutCallback: its on_train_batch_start has attached the rollout.
         def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
             starts.append(time.perf_counter())
             rewards.append(float(batch.rollout.rewards.mean()))
+            completion = batch.rollout.response_mask.sum(-1).float()
+            lengths.append({"mean": float(completion.mean()), "max": float(completion.max())})
+            if batch_idx >= steps - keep_rollouts:  # the last batches, for long_tail_probe.py
+                (workdir / "rollouts").mkdir(exist_ok=True)
+                torch.save(batch.rollout.to("cpu"), workdir / "rollouts" / f"{batch_idx:05d}.pt")
 
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            train_s.append(time.perf_counter() - starts[-1])
             # The module computes its metrics on logging steps only (Lightning's default: every 50th).
             if is_logging_step(trainer, batch_idx, pl_module.optimizer_steps_per_batch, steps_done=True):
                 rollout_kl.append(abs(float(trainer.callback_metrics["rollout_corr/kl"])))
@@ -184,16 +212,16 @@ def run_kit(
 
     from lightning_offpolicy.correction import OffPolicyCorrectionConfig
 
-    variant = variant or {}
     correction = getattr(OffPolicyCorrectionConfig, variant.get("correction") or "disabled")()
     L.seed_everything(seed, verbose=False)
     module = OffPolicyRLModule(
         model=str(workdir / "model"),
         correction=correction,
-        optimizer=partial(torch.optim.AdamW, lr=SETTINGS["learning_rate"], weight_decay=SETTINGS["weight_decay"]),
-        gradient_clip_val=SETTINGS["max_grad_norm"],
-        temperature=SETTINGS["temperature"],
+        optimizer=partial(torch.optim.AdamW, lr=settings["learning_rate"], weight_decay=settings["weight_decay"]),
+        gradient_clip_val=settings["max_grad_norm"],
+        temperature=settings["temperature"],
         seed=seed,
+        packing=variant.get("packing") or "auto",
     )
     if engine == "vllm":
         from lightning_offpolicy.rollout import VLLMEngine
@@ -213,39 +241,45 @@ def run_kit(
         rollout_engine = HFEngine()
     rollout = RolloutCallback(
         rollout_engine,
-        reward_fn=kit_reward,
+        reward_fn=task.kit_reward,
         sampling=SamplingConfig(
-            max_new_tokens=SETTINGS["max_new_tokens"],
-            temperature=SETTINGS["temperature"],
-            top_p=SETTINGS["top_p"],
+            max_new_tokens=settings["max_new_tokens"],
+            temperature=settings["temperature"],
+            top_p=settings["top_p"],
             sampling_mask=variant.get("sampling_mask") != "off",
-            samples_per_prompt=SETTINGS["samples_per_prompt"],
+            samples_per_prompt=settings["samples_per_prompt"],
         ),
         seed=seed,
         asynchrony=AsyncSettings(max_staleness=int(variant.get("max_staleness") or 0)),
     )
     loader = DataLoader(
         PromptDataset([(p, {}) for p in prompts]),
-        batch_size=SETTINGS["prompts_per_step"],
+        batch_size=settings["prompts_per_step"],
         shuffle=False,
         collate_fn=collate_prompts,
     )
     trainer = bare_trainer(steps, [rollout, Record()])
     began = time.perf_counter()
     trainer.fit(module, train_dataloaders=loader)
-    return _step_record(starts, rewards, began, rollout_kl)
+    return _step_record(starts, rewards, began, rollout_kl=rollout_kl, train_s=train_s, lengths=lengths)
 
 
 def run_side(
-    side: str, workdir: Path, steps: int, seed: int, engine: str = "hf", variant: dict[str, str] | None = None
+    side: str,
+    workdir: Path,
+    steps: int,
+    seed: int,
+    engine: str = "hf",
+    variant: dict[str, str] | None = None,
+    task: Any = vs_trl_task,
 ) -> dict[str, Any]:
     import torch
 
-    torch.set_num_threads(SETTINGS["threads"])
+    torch.set_num_threads(task.SETTINGS["threads"])
     if side == "trl":
-        record = run_trl(workdir, steps, seed, engine)
+        record = run_trl(workdir, steps, seed, engine, task)
     else:
-        record = run_kit(workdir, steps, seed, engine, variant)
+        record = run_kit(workdir, steps, seed, engine, variant, task)
     if len(record["rewards"]) != steps or len(record["step_s"]) != steps:
         raise RuntimeError(
             f"vs_trl: the {side} side recorded {len(record['rewards'])} rewards and {len(record['step_s'])} "
