@@ -86,6 +86,7 @@ bench: $(VENV)/.dev
 	$(MAKE) --no-print-directory vs-trl-top-p; \
 	$(PY) benchmarks/vs_trl_tools.py --seeds 0,1 --jobs 2 --output docs/reports/performance_vs_trl_tools.md; \
 	$(PY) benchmarks/weight_sync.py --output docs/reports/performance_weight_sync.md; \
+	$(PY) benchmarks/compile_policy.py --output docs/reports/performance_compile.md; \
 	$(PY) tools/summarize.py --docs docs/reports --output docs/reports/performance.md --started $$start --load-start $$load
 
 # top_p 0.9 on vs_trl's task: TRL and the kit with the sampling mask, the kit without it, and both at
