@@ -10,6 +10,7 @@ Usage::
 
     python benchmarks/compile_policy.py --output docs/reports/performance_compile.md     # ~15 min, 2 CPU cores
     python benchmarks/compile_policy.py --models tiny --threads 1 --steps 3 --output /tmp/compile.md  # smoke, ~2 min
+    python benchmarks/compile_policy.py --from-json docs/reports/performance_compile.json --output ...  # re-render
 """
 
 from __future__ import annotations
@@ -36,8 +37,8 @@ PROSE = load_prose(__file__)
 MODELS: dict[str, dict[str, Any]] = {
     # benchmarks/vs_trl_task.py's random-init tiny Llama and its batch: 8 prompts x 8 samples, ~22 tokens.
     "tiny": {"rows": 64, "prompt": 8, "completion": (8, 16), "warmup": 2},
-    # A ~12M-parameter Qwen2 on rows of very different lengths.
-    "qwen2-12m": {"rows": 32, "prompt": 16, "completion": (16, 512), "warmup": 2},
+    # A 15.7M-parameter Qwen2 (untied head) on rows of very different lengths.
+    "qwen2-16m": {"rows": 32, "prompt": 16, "completion": (16, 512), "warmup": 2},
 }
 QWEN2_12M = dict(
     vocab_size=8192,
@@ -226,12 +227,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=5, help="timed steady-state steps after the warm-up (default 5)")
     p.add_argument("--timeout", type=float, default=1200.0, help="seconds per subprocess")
     p.add_argument("--output", type=Path, default=None, help="markdown report (a .json is written next to it)")
+    p.add_argument("--from-json", type=Path, default=None, help="re-render a report from its JSON (no measurement)")
     p.add_argument("--worker", nargs=3, metavar=("MODEL", "MODE", "THREADS"), help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.steps < 1:
         p.error("--steps must be >= 1")
     if args.worker:
         print(json.dumps(worker(args.worker[0], args.worker[1], int(args.worker[2]), args.steps)))
+        return 0
+    if args.from_json:
+        payload = json.loads(args.from_json.read_text())
+        payload["rows"] = summarize(payload["results"])
+        write_report(args.output, render(payload["rows"], payload["header"]), payload)
         return 0
     models = [m.strip() for m in args.models.split(",") if m.strip()]
     unknown = [m for m in models if m not in MODELS]
