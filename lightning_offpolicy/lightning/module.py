@@ -115,8 +115,8 @@ class OffPolicyRLModule(LightningModule):
             the correction's whole-batch settings (``normalize_weights``, ``m2po_mask``).
         packing: Packed, padding-free micro-batches: auto (where the model allows it), on or off.
         compile_policy: ``torch.compile`` the policy's decoder (under the fused head) for the
-            teacher-forced forwards and backwards of the step, with dynamic shapes (one graph for
-            every micro-batch length; :mod:`~lightning_offpolicy.train.compiled_policy`): ``"on"``,
+            teacher-forced forwards and backwards of the step, with dynamic shapes (the micro-batch
+            lengths share a few graphs; :mod:`~lightning_offpolicy.train.compiled_policy`): ``"on"``,
             ``"off"`` or ``"auto"`` (on only on device types where it was measured to win: none so
             far, so eager; docs/reports/performance_compile.md). The first steps pay the compilation;
             generation stays eager and checkpoints keep the eager model's keys. ``"on"`` needs a model
