@@ -4,8 +4,9 @@
 :func:`~lightning_offpolicy.logprobs.head.fused_head_parts` finds under the fused head (``model.base_model``,
 e.g. ``LlamaModel``): the forward and its backward run as inductor graphs, and the fused head keeps
 computing the logprobs from the hidden states as before. The graph is built with dynamic shapes, so the
-packed micro-batches of a step (a different number of tokens each) reuse one graph per grad mode
-instead of compiling per length.
+packed micro-batches of a step (a different number of tokens each) share a few graphs instead of
+compiling per length: one per grad mode, plus the specializations dynamo and inductor make (a micro-batch
+packed into a single row; on CPU, one of more than 4096 packed positions).
 
 Only the call is replaced (``Module._compiled_call_impl``, which ``Module.compile`` sets): the parameters,
 their names and the ``state_dict`` keys are those of the eager model, so checkpoints load either way.
