@@ -87,6 +87,7 @@ bench: $(VENV)/.dev
 	$(PY) benchmarks/vs_trl_tools.py --seeds 0,1 --jobs 2 --output docs/reports/performance_vs_trl_tools.md; \
 	$(PY) benchmarks/weight_sync.py --output docs/reports/performance_weight_sync.md; \
 	$(PY) benchmarks/vs_trl_long_tail.py --output docs/reports/performance_long_tail.md; \
+	$(PY) benchmarks/compile_policy.py --output docs/reports/performance_compile.md; \
 	$(PY) tools/summarize.py --docs docs/reports --output docs/reports/performance.md --started $$start --load-start $$load
 
 # top_p 0.9 on vs_trl's task: TRL and the kit with the sampling mask, the kit without it, and both at

@@ -58,8 +58,9 @@ from lightning_offpolicy.lightning.update_hooks import ManualOptimizationHooks, 
 from lightning_offpolicy.metrics.correction import CorrectionMetrics, PolicyLossMetrics
 from lightning_offpolicy.metrics.evaluation import EvaluationMetrics
 from lightning_offpolicy.preflight import check_model_path, check_vocab
+from lightning_offpolicy.train import compiled_policy, step
 from lightning_offpolicy.train import policy as policy_building
-from lightning_offpolicy.train import step
+from lightning_offpolicy.train.compiled_policy import COMPILE_MODES, CompileMode
 from lightning_offpolicy.train.micro_step import MicroBatchStep
 from lightning_offpolicy.train.policy import PACKING_MODES, REFERENCE_MODES, PackingMode, ReferenceMode
 from lightning_offpolicy.train.update import PPOUpdate
@@ -113,6 +114,13 @@ class OffPolicyRLModule(LightningModule):
             shape class (docs/reports/performance_correction.md). Needs a C++ compiler (inductor); not with
             the correction's whole-batch settings (``normalize_weights``, ``m2po_mask``).
         packing: Packed, padding-free micro-batches: auto (where the model allows it), on or off.
+        compile_policy: ``torch.compile`` the policy's decoder (under the fused head) for the
+            teacher-forced forwards and backwards of the step, with dynamic shapes (the micro-batch
+            lengths share a few graphs; :mod:`~lightning_offpolicy.train.compiled_policy`): ``"on"``,
+            ``"off"`` or ``"auto"`` (on only on device types where it was measured to win: none so
+            far, so eager; docs/reports/performance_compile.md). The first steps pay the compilation;
+            generation stays eager and checkpoints keep the eager model's keys. ``"on"`` needs a model
+            whose head can be fused and no FSDP2 sharding, and a C++ compiler (inductor).
     """
 
     def __init__(
@@ -139,6 +147,7 @@ class OffPolicyRLModule(LightningModule):
         gradient_checkpointing: bool = False,
         fused_loss: bool = False,
         packing: PackingMode = "auto",
+        compile_policy: CompileMode = "auto",
     ) -> None:
         super().__init__()
         for name, value in (
@@ -166,6 +175,11 @@ class OffPolicyRLModule(LightningModule):
             raise ValueError(
                 f"OffPolicyRLModule.packing={packing!r} is not known; allowed: 'auto' (packed micro-batches where the "
                 "model allows them), 'on' (required) or 'off' (padded micro-batches)."
+            )
+        if compile_policy not in COMPILE_MODES:
+            raise ValueError(
+                f"OffPolicyRLModule.compile_policy={compile_policy!r} is not known; allowed: 'auto' (compiled only "
+                "where it was measured to be faster), 'on' (compiled) or 'off' (eager)."
             )
         # Copies: the defaults above are shared objects, and a caller's config must not change under us.
         self.correction = dataclasses.replace(correction if correction is not None else OffPolicyCorrectionConfig())
@@ -211,6 +225,7 @@ class OffPolicyRLModule(LightningModule):
         self.gradient_checkpointing = gradient_checkpointing
         self.fused_loss = fused_loss
         self.packing = packing
+        self.compile_policy = compile_policy
         self.reference_model: torch.nn.Module | None = None
         self._tokenizer_fingerprint: dict[str, Any] | None = None
         self.policy_version = 0
@@ -265,6 +280,13 @@ class OffPolicyRLModule(LightningModule):
         if getattr(self, "device_mesh", None) is not None and not getattr(self, "_sharded", False):
             policy_building.shard_fsdp2([self.policy, self.reference_model], self.device_mesh)
             self._sharded = True
+        # Last: the compiled call wraps the decoder as LoRA, checkpointing and sharding left it.
+        sharded = bool(getattr(self, "_sharded", False))
+        setting = "OffPolicyRLModule.compile_policy"
+        if compiled_policy.resolve_compile(self.compile_policy, self.policy, self.device, sharded, setting):
+            for model in (self.policy, self.reference_model):
+                if model is not None:
+                    compiled_policy.compile_policy(model)
 
     def on_fit_start(self) -> None:
         # Filtered here, not at import: only fits of this module keep their policy in eval mode.
