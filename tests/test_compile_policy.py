@@ -62,6 +62,7 @@ def batch(pair) -> object:
 
 
 # ------------------------------------------------------------------------------ the forward and backward
+@pytest.mark.long("the first test of the file compiles the decoder (forward and backward): ~35 s cold on 2 cores")
 def test_compiled_logprobs_entropy_and_gradients_equal_eager(pair, batch):
     eager, compiled = pair
     real = batch.attention_mask[:, batch.prompt_length :].bool()
@@ -135,6 +136,7 @@ def test_one_training_step_compiled_equals_eager_and_checkpoints_cross_load(pair
             assert all(torch.equal(v, expected[k]) for k, v in target.state_dict().items())
 
 
+@pytest.mark.long("compiles a second decoder (LoRA + gradient checkpointing): ~35 s cold on 2 cores")
 def test_lora_with_gradient_checkpointing_compiles_to_the_eager_gradients(batch):
     from peft import LoraConfig, get_peft_model
 
