@@ -100,27 +100,17 @@ class OffPolicyRLModule(LightningModule):
         logprob_chunk_size: Rows per chunk of the lean logprob computation.
         shuffle_minibatches: Shuffle rows before each pass's mini-batch split.
         seed: Seed of the mini-batch shuffles.
-        lora_rank: Rank of peft LoRA adapters added to the policy (0: full fine-tuning). Only the
-            adapters are trained and given to the optimizer; the reference (``reference="auto"``)
-            is the same model with the adapters disabled, no second copy.
+        lora_rank: Rank of peft LoRA adapters added to the policy (0: full fine-tuning); only they
+            train, and the reference is the model with them disabled.
         lora_alpha: LoRA scaling numerator (the update is ``alpha / rank * B @ A``).
         lora_target_modules: Module names (or ``"all-linear"``) the adapters wrap.
-        gradient_checkpointing: Recompute each decoder layer's activations in the backward pass
-            instead of storing them (less memory, more compute).
-        fused_loss: Compute the correction, the policy loss, its gradient and the metric sums of
-            each micro-batch in one ``torch.compile``'d graph
-            (:class:`~lightning_offpolicy.correction.fused.FusedCorrectionStep`) instead of eagerly:
-            the same values, faster and with fewer ``[B, T]`` temporaries, after a compilation per
-            shape class (docs/reports/performance_correction.md). Needs a C++ compiler (inductor); not with
-            the correction's whole-batch settings (``normalize_weights``, ``m2po_mask``).
+        gradient_checkpointing: Recompute each decoder layer's activations in the backward pass.
+        fused_loss: The correction, loss, gradient and metric sums of each micro-batch in one compiled
+            graph (``FusedCorrectionStep``): the same values, faster (docs/reports/performance_correction.md).
+            Needs a C++ compiler; not with ``normalize_weights`` or ``m2po_mask``.
         packing: Packed, padding-free micro-batches: auto (where the model allows it), on or off.
-        compile_policy: ``torch.compile`` the policy's decoder (under the fused head) for the
-            teacher-forced forwards and backwards of the step, with dynamic shapes (the micro-batch
-            lengths share a few graphs; :mod:`~lightning_offpolicy.train.compiled_policy`): ``"on"``,
-            ``"off"`` or ``"auto"`` (on only on device types where it was measured to win: none so
-            far, so eager; docs/reports/performance_compile.md). The first steps pay the compilation;
-            generation stays eager and checkpoints keep the eager model's keys. ``"on"`` needs a model
-            whose head can be fused and no FSDP2 sharding, and a C++ compiler (inductor).
+        compile_policy: ``torch.compile`` the policy's decoder for the step's forwards and backwards
+            (docs/training.md, "Compiled policy"): on, off or auto (eager until measured to win).
     """
 
     def __init__(
