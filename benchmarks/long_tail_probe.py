@@ -10,12 +10,15 @@ share is the padded layout's share of positions that are padding; the speed-up i
 (embedding lookup excluded) per real token, ``6 x`` the output layer per response token (the only
 positions whose logits the kit computes), and ``6 x n^2 x`` the attention width per layer and
 sequence of ``n`` tokens (causal: half of the ``n x n`` scores, forward and backward). MFU divides
-their rate by the best float32 matmul rate measured in the same process with the same threads.
+their rate by the best float32 matmul rate measured in the same process with the same threads; the
+rate of the model's own matmul shapes alone (:func:`model_gemm_rate`) says how much of that peak a
+step of this model could reach at all.
 """
 
 from __future__ import annotations
 
 import contextlib
+import math
 import statistics
 import time
 from pathlib import Path
@@ -38,6 +41,35 @@ def matmul_peak(threads: int, repeats: int = 5) -> dict[str, float]:
             times.append(time.perf_counter() - began)
         best[str(size)] = 2 * size**3 / min(times) / 1e9
     return best
+
+
+def model_gemm_rate(policy: torch.nn.Module, tokens: int, threads: int, repeats: int = 3) -> float:
+    """GFLOP/s of the training step's matmuls alone, on the model's own shapes, for ``tokens`` tokens.
+
+    Every ``nn.Linear`` of the decoder runs its forward ``x @ W.T`` and its two backward matmuls
+    (``dY @ W``, ``dY.T @ x``) on ``tokens`` rows of random data (the best of ``repeats``); the rate
+    is their FLOPs over their summed time: the ceiling a step made only of these matmuls would reach.
+    """
+    torch.set_num_threads(threads)
+    head = policy.get_output_embeddings()
+    shapes: dict[tuple[int, int], int] = {}
+    for module in policy.modules():
+        if isinstance(module, torch.nn.Linear) and module is not head:
+            key = (module.in_features, module.out_features)
+            shapes[key] = shapes.get(key, 0) + 1
+    flops = seconds = 0.0
+    for (fan_in, fan_out), count in shapes.items():
+        x, w, dy = torch.randn(tokens, fan_in), torch.randn(fan_out, fan_in), torch.randn(tokens, fan_out)
+        for a, b in ((x, w.T), (dy, w), (dy.T, x)):  # the forward, then the two backward matmuls
+            a @ b  # warm-up
+            best = math.inf
+            for _ in range(repeats):
+                began = time.perf_counter()
+                a @ b
+                best = min(best, time.perf_counter() - began)
+            flops += 2.0 * tokens * fan_in * fan_out * count
+            seconds += best * count
+    return flops / seconds / 1e9
 
 
 def model_flops(policy: torch.nn.Module, sequence_lengths: list[int], response_tokens: int) -> float:
@@ -125,6 +157,8 @@ def probe(model_dir: Path, rollout_files: list[Path], threads: int, repeats: int
             }
         )
     peak = matmul_peak(threads)
+    largest = max(batches, key=lambda b: b["real_tokens"])
+    gemm = model_gemm_rate(modules["auto"].policy, largest["real_tokens"], threads)
     packed_total = sum(b["packed_s"] for b in batches)
     padded_total = sum(b["padded_s"] for b in batches)
     padded_positions = sum(b["padded_positions"] for b in batches)
@@ -144,5 +178,8 @@ def probe(model_dir: Path, rollout_files: list[Path], threads: int, repeats: int
         "padded_gflops": gflop / padded_total,
         "mfu": gflop / packed_total / best_peak,
         "mfu_padded": gflop / padded_total / best_peak,
+        # The model's own matmul shapes alone: how much of the peak this model's matmuls can reach.
+        "gemm_gflops": gemm,
+        "gemm_share_of_peak": gemm / best_peak,
         "median_packed_s": statistics.median(b["packed_s"] for b in batches),
     }

@@ -34,7 +34,7 @@ SETTINGS: dict[str, Any] = {
     "max_new_tokens": 512,
     "temperature": 1.0,
     "top_p": 1.0,
-    "learning_rate": 5e-4,
+    "learning_rate": 1e-4,
     "weight_decay": 0.0,
     "max_grad_norm": 1.0,
     "loss": "token-mean (TRL loss_type='dapo')",
