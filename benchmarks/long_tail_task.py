@@ -11,8 +11,9 @@ of ~16 to 512 tokens, and a reward that depends on the completion's length.
   hidden dimension, large enough that the final norm leaves a near-constant value there, and the
   output layer reads it into the end-of-turn logit alone, calibrated so that the chance to end at
   each token is 1/:data:`MEAN_LENGTH`. Completion lengths start geometric (median ~90 tokens, ~12%
-  under 16, ~2% reaching the 512 cap, so that about every other batch has one); training can move
-  them, as RL moves a real model's.
+  under 16, ~2% reaching the 512 cap, so that about every other batch has one). The prior is fragile:
+  AdamW's first steps grow the rest of the residual stream against its dimension, and within a few
+  steps both sides sample much longer completions (docs/performance.md, "Notes on the figures").
 * **Task**: the prompt is 3-6 random lowercase letters, a space, a target length ``N`` in characters
   (log-uniform in 16..1024) and ``:``. The reward is the share of the prompt's first letter among the
   completion's characters times the length factor ``min(c / N, N / c)`` of the completion's ``c``

@@ -121,6 +121,9 @@ def test_the_probe_times_packed_and_padded_updates_of_the_same_batch(tmp_path):
     assert one["packed_s"] > 0 and one["padded_s"] > 0
     assert result["mfu"] == pytest.approx(one["model_gflop"] / one["packed_s"] / max(result["matmul_gflops"].values()))
     assert math.isfinite(result["speedup"])
+    assert result["gemm_gflops"] > 0 and result["gemm_share_of_peak"] == pytest.approx(
+        result["gemm_gflops"] / max(result["matmul_gflops"].values())
+    )
 
 
 def test_goals_are_judged_from_the_summary_and_the_probe():
