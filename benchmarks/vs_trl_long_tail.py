@@ -17,8 +17,8 @@ same process. The report states the issue's goals as met or not.
 
 Usage::
 
-    python benchmarks/vs_trl_long_tail.py --output docs/reports/performance_long_tail.md   # ~40 min, 2 cores
-    python benchmarks/vs_trl_long_tail.py --quick --output /tmp/long_tail.md                # smoke test, ~5 min
+    python benchmarks/vs_trl_long_tail.py --output docs/reports/performance_long_tail.md   # ~35 min, 2 cores
+    python benchmarks/vs_trl_long_tail.py --quick --output /tmp/long_tail.md                # smoke test, ~10 min
 """
 
 from __future__ import annotations
