@@ -29,6 +29,7 @@ from typing import Any
 
 # benchmarks/*.py run as scripts: their directory is on sys.path, and with it the shared harness.
 from harness.report import header_bullets, load_bullet, load_prose, method_sections, run_header, write_report
+from long_tail_task import MODEL_SHAPE
 
 ROOT = Path(__file__).resolve().parent.parent
 PROSE = load_prose(__file__)
@@ -40,16 +41,8 @@ MODELS: dict[str, dict[str, Any]] = {
     # A 15.7M-parameter Qwen2 (untied head) on rows of very different lengths.
     "qwen2-16m": {"rows": 32, "prompt": 16, "completion": (16, 512), "warmup": 2},
 }
-QWEN2_12M = dict(
-    vocab_size=8192,
-    hidden_size=384,
-    intermediate_size=1024,
-    num_hidden_layers=6,
-    num_attention_heads=6,
-    num_key_value_heads=2,
-    max_position_embeddings=1024,
-    tie_word_embeddings=False,
-)
+#: The long-tail side-by-side's Qwen2 shape, with a larger vocabulary.
+QWEN2_16M = dict(MODEL_SHAPE, vocab_size=8192)
 MODES = ("eager", "compiled")
 #: Tokens per micro-batch: several micro-batches of different lengths per step on the larger model.
 MICRO_TOKENS = 4096
@@ -66,7 +59,7 @@ def build_model(name: str, directory: Path):
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     torch.manual_seed(0)
-    return Qwen2ForCausalLM(Qwen2Config(pad_token_id=0, bos_token_id=1, eos_token_id=2, **QWEN2_12M)).float()
+    return Qwen2ForCausalLM(Qwen2Config(pad_token_id=0, bos_token_id=1, eos_token_id=2, **QWEN2_16M)).float()
 
 
 def make_batch(spec: dict[str, Any], vocab: int, seed: int):
