@@ -13,6 +13,7 @@ Reads, from ``--docs`` (each one optional; a missing one is reported as not run)
 * ``performance_vs_trl_tools.json``   (``benchmarks/vs_trl_tools.py``)
 * ``performance_weight_sync.json``    (``benchmarks/weight_sync.py``)
 * ``performance_long_tail.json``      (``benchmarks/vs_trl_long_tail.py``)
+* ``performance_compile.json``        (``benchmarks/compile_policy.py``)
 
 Nothing is measured here. ``make bench`` runs it last with ``--started`` (the epoch second the
 target started) and ``--load-start``, so the page states the wall time of the whole target.
@@ -52,6 +53,7 @@ SECTIONS = [
     ("performance_vs_trl_tools", "Tool use side by side with TRL (tools=...)", "benchmarks/vs_trl_tools.py"),
     ("performance_weight_sync", "Weight sync: in memory vs files", "benchmarks/weight_sync.py"),
     ("performance_long_tail", "Long-tailed completions side by side with TRL", "benchmarks/vs_trl_long_tail.py"),
+    ("performance_compile", "Compiled policy: training step compiled vs eager", "benchmarks/compile_policy.py"),
 ]
 
 
@@ -338,6 +340,20 @@ def long_tail(data: dict[str, Any]) -> list[str]:
     return lines
 
 
+def compile_policy(data: dict[str, Any]) -> list[str]:
+    """Per model and thread count: steady s/step eager and compiled, their ratio, the cold compilation."""
+    lines = [
+        "| model | threads | eager s/step | compiled s/step | compiled / eager | compile s |",
+        "|---|---:|---:|---:|---:|---:|",
+    ]
+    for r in data["rows"]:
+        lines.append(
+            f"| {r['model']} | {r['threads']} | {r['eager_steady_s']:.3f} | {r['compiled_steady_s']:.3f} | "
+            f"**{r['steady_ratio']:.2f}** | {r['compile_s']:.0f} |"
+        )
+    return lines
+
+
 RENDER: dict[str, Callable[[Any], list[str]]] = {
     "performance_end_to_end": end_to_end,
     "performance_async": async_overlap,
@@ -348,6 +364,7 @@ RENDER: dict[str, Callable[[Any], list[str]]] = {
     "performance_vs_trl_tools": vs_trl_tools,
     "performance_weight_sync": weight_sync,
     "performance_long_tail": long_tail,
+    "performance_compile": compile_policy,
 }
 
 READING = {
@@ -372,6 +389,8 @@ READING = {
     "performance_long_tail": "Completions of ~16 to 512 tokens from a ~10M-parameter Qwen2 with a byte-level BPE "
     "tokenizer: TRL and the kit (synchronous, and asynchronous beside it), each in its own process, back to back; "
     "then the kit's update packed vs padded on the same batches, and its MFU against the measured matmul peak.",
+    "performance_compile": "`OffPolicyRLModule(compile_policy='on')` against eager, cold inductor cache, steady-state "
+    "median s/step (ratio < 1: compiled is faster); `'auto'` stays eager (docs/training.md, 'Compiled policy').",
 }
 
 
