@@ -141,10 +141,19 @@ def _run_subprocess(
     return json.loads(out.read_text())
 
 
+#: Per-step series the sides record that this report does not use (the long-tail benchmark's).
+_UNUSED_SERIES = ("lengths", "train_s")
+
+
+def _report_record(record: dict[str, Any]) -> dict[str, Any]:
+    """``record`` without the per-step series this report does not read (they would triple its JSON)."""
+    return {key: value for key, value in record.items() if key not in _UNUSED_SERIES}
+
+
 def merge_reports(paths: list[Path], output: Path | None, notes: list[str]) -> int:
     """One report from the runs of several invocations' JSON files (their headers' commands listed)."""
     datas = [json.loads(path.read_text()) for path in paths]
-    runs = [run for data in datas for run in data["runs"]]
+    runs = [_report_record(run) for data in datas for run in data["runs"]]
     header = dict(datas[0]["header"])
     header["command"] = "` and `".join(data["header"]["command"] for data in datas)
     header["seeds"] = sorted({run["seed"] for run in runs})
@@ -278,7 +287,8 @@ def main(argv: list[str] | None = None) -> int:
                 record = _run_subprocess(side, workdir, args.steps, seed, engine, variant, args.top_p)
                 label = LABELS[side] + _top_p_label(args.top_p)
                 label += _variant_label(variant, engine) if side == "kit" else ""
-                run = {"side": side, "engine": engine, "label": label, "seed": seed, "top_p": args.top_p, **record}
+                run = {"side": side, "engine": engine, "label": label, "seed": seed, "top_p": args.top_p}
+                run.update(_report_record(record))
                 run.update(summarize_run(record))
                 runs.append(run)
                 print(
