@@ -163,8 +163,8 @@ def run_kit(
     """The kit as a user writes it: ``OffPolicyRLModule(model=<dir>)`` + ``RolloutCallback(HFEngine())``
     (``VLLMEngine()`` for ``engine="vllm"``), with ``task``'s settings and reward. ``variant``:
     ``engine_dtype`` (the vLLM engine's dtype, default the trainer's), ``correction`` (an
-    ``OffPolicyCorrectionConfig`` preset, default metrics only), ``max_staleness``, ``engine_process``,
-    ``packing`` (the module's, default ``"auto"``) and ``keep_rollouts`` (the last N rollout batches saved
+    ``OffPolicyCorrectionConfig`` preset, default metrics only), ``max_staleness``, ``engine_process``
+    and ``keep_rollouts`` (the last N rollout batches saved
     to ``workdir/rollouts``). Per step it records the reward, the wall time, the
     training step's own time (``train_s``) and the completion lengths."""
     from functools import partial
@@ -221,7 +221,6 @@ def run_kit(
         gradient_clip_val=settings["max_grad_norm"],
         temperature=settings["temperature"],
         seed=seed,
-        packing=variant.get("packing") or "auto",
     )
     if engine == "vllm":
         from lightning_offpolicy.rollout import VLLMEngine
