@@ -158,8 +158,9 @@ def build_checkpoint(directory: Path, seed: int) -> Path:
 
 def parameter_count(directory: Path) -> int:
     """Parameters of the saved model (from its config, without loading the weights)."""
+    import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    with __import__("torch").device("meta"):
+    with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(directory))
     return sum(p.numel() for p in model.parameters())

@@ -96,7 +96,6 @@ def summarize(side: str, seed: int, record: dict[str, Any]) -> dict[str, Any]:
         "first_reward": statistics.fmean(rewards[:window]),
         "final_reward": statistics.fmean(rewards[-window:]),
         "median_step_s": statistics.median(step_s),
-        "mean_step_s": statistics.fmean(step_s),
         "completion_tokens_per_s": completion_tokens / sum(step_s) if lengths else None,
         "mean_completion": statistics.fmean(length["mean"] for length in lengths) if lengths else None,
         "longest_completion": max(length["max"] for length in lengths) if lengths else None,
@@ -124,7 +123,7 @@ def aggregate(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
         row: dict[str, Any] = {key: _mean([run.get(key) for run in mine]) for key in numeric}
         row.update(side=side, label=LABELS[side], seeds=[run["seed"] for run in mine])
         row["final_reward_per_seed"] = [run["final_reward"] for run in mine]
-        row["median_step_s"] = statistics.median(s for run in mine for s in run["step_s_all"])
+        row["median_step_s"] = statistics.median(s for run in mine for s in run["record"]["step_s"])
         rows.append(row)
     return rows
 
@@ -286,10 +285,7 @@ def main(argv: list[str] | None = None) -> int:
         return _child(args)
     if args.from_json is not None:
         data = json.loads(args.from_json.read_text())
-        runs = [
-            {**summarize(r["side"], r["seed"], r["record"]), "step_s_all": r["step_s_all"], "record": r["record"]}
-            for r in data["runs"]
-        ]
+        runs = [{**summarize(r["side"], r["seed"], r["record"]), "record": r["record"]} for r in data["runs"]]
         data.update(runs=runs, summary=aggregate(runs))
         data["header"]["goals"] = goals(data["summary"], data["probes"])
         data["header"]["notes"] = data["header"].get("notes", []) + list(args.note)
@@ -315,7 +311,7 @@ def main(argv: list[str] | None = None) -> int:
             (workdir / "prompts.json").write_text(json.dumps(prompts))
             for side in sides:
                 record = _run_child(side, workdir, args, seed)
-                run = {**summarize(side, seed, record), "step_s_all": record["step_s"], "record": record}
+                run = {**summarize(side, seed, record), "record": record}
                 runs.append(run)
                 print(
                     f"seed {seed} {side}: final reward {run['final_reward']:.3f}, median s/step "

@@ -30,7 +30,7 @@ from lightning_offpolicy.lightning.update_hooks import MetricsRecorder
 from lightning_offpolicy.metrics.correction import CorrectionMetrics, PolicyLossMetrics
 from lightning_offpolicy.train import step
 from lightning_offpolicy.train.micro_step import MicroBatchStep
-from lightning_offpolicy.train.policy import PACKING_MODES, PackingMode, resolve_packing
+from lightning_offpolicy.train.policy import PackingMode, check_packing_mode, resolve_packing
 from lightning_offpolicy.train.update import Forward, PPOUpdate
 
 __all__ = ["OffPolicyMixin"]
@@ -61,7 +61,7 @@ class OffPolicyMixin:
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
-        _check_packing_mode(cls.rl_packing)  # a class attribute: refused when the class is defined
+        check_packing_mode(cls.rl_packing, _PACKING_SETTING)  # a class attribute: refused when the class is defined
         for name, before in _ROUTED.items():
             method = cls.__dict__.get(name) or getattr(cls, name, None)
             if method is not None and not getattr(method, "_off_policy_wrapped", False):
@@ -92,7 +92,7 @@ class OffPolicyMixin:
         policy, mode = self.policy, self.rl_packing
         cached = self.__dict__.get("_rl_packed")
         if cached is None or cached[0] is not policy or cached[1] != mode:
-            _check_packing_mode(mode)
+            check_packing_mode(mode, _PACKING_SETTING)
             cached = self.__dict__["_rl_packed"] = (policy, mode, resolve_packing(mode, [policy], _PACKING_SETTING))
         return cached[2]
 
@@ -243,14 +243,6 @@ class _StepRecorder(MetricsRecorder):
 
 
 _PACKING_SETTING = "OffPolicyMixin.rl_packing"
-
-
-def _check_packing_mode(mode: Any) -> None:
-    if mode not in PACKING_MODES:
-        raise ValueError(
-            f"{_PACKING_SETTING}={mode!r} is not known; allowed: 'auto' (packed RL forwards where the model "
-            "allows them), 'on' (required) or 'off' (padded)."
-        )
 
 
 def _dropout_off(module: torch.nn.Module) -> list[tuple[torch.nn.Module, bool]]:

@@ -62,7 +62,7 @@ from lightning_offpolicy.train import compiled_policy, step
 from lightning_offpolicy.train import policy as policy_building
 from lightning_offpolicy.train.compiled_policy import COMPILE_MODES, CompileMode
 from lightning_offpolicy.train.micro_step import MicroBatchStep
-from lightning_offpolicy.train.policy import PACKING_MODES, REFERENCE_MODES, PackingMode, ReferenceMode
+from lightning_offpolicy.train.policy import REFERENCE_MODES, PackingMode, ReferenceMode
 from lightning_offpolicy.train.update import PPOUpdate
 
 #: Lightning's notice about modules in eval mode at the start of fit: the policy is in eval mode on
@@ -161,11 +161,7 @@ class OffPolicyRLModule(LightningModule):
                 f"OffPolicyRLModule.reference={reference!r} is not known; allowed: 'auto', 'none', "
                 "'frozen_copy', 'disable_adapter'."
             )
-        if packing not in PACKING_MODES:
-            raise ValueError(
-                f"OffPolicyRLModule.packing={packing!r} is not known; allowed: 'auto' (packed micro-batches where the "
-                "model allows them), 'on' (required) or 'off' (padded micro-batches)."
-            )
+        policy_building.check_packing_mode(packing, "OffPolicyRLModule.packing")
         if compile_policy not in COMPILE_MODES:
             raise ValueError(
                 f"OffPolicyRLModule.compile_policy={compile_policy!r} is not known; allowed: 'auto' (compiled only "

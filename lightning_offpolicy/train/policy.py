@@ -192,6 +192,23 @@ def shard_fsdp2(models: Sequence[torch.nn.Module | None], device_mesh: Any) -> N
         fully_shard(model, mesh=mesh)
 
 
+def check_packing_mode(mode: object, setting: str) -> None:
+    """Refuse a packing mode that is not one of :data:`PACKING_MODES`.
+
+    Args:
+        mode: The configured value.
+        setting: The setting's name, for the error (``"OffPolicyRLModule.packing"``).
+
+    Raises:
+        ValueError: ``mode`` is not ``"auto"``, ``"on"`` or ``"off"``.
+    """
+    if mode not in PACKING_MODES:
+        raise ValueError(
+            f"{setting}={mode!r} is not known; allowed: 'auto' (packed where the model allows it), 'on' (required) "
+            "or 'off' (padded)."
+        )
+
+
 def resolve_packing(mode: PackingMode, models: Sequence[torch.nn.Module | None], setting: str) -> bool:
     """Whether micro-batches run packed: ``mode`` against what the models allow.
 
