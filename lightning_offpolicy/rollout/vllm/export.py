@@ -2,8 +2,8 @@
 
 Any engine that loads the trainer's weights from safetensors files (the in-process
 :class:`~lightning_offpolicy.rollout.VLLMEngine`, a remote ``vllm serve`` server reading a shared
-directory) takes them from :func:`export_state_dict` (wrappers removed, tied weights un-shared, as
-safetensors requires) and :func:`write_safetensors` (a reader never sees a half-written file).
+directory) takes them from :func:`export_state_dict` (wrappers removed, tied weights un-shared as
+safetensors requires, or left out for an engine) and :func:`write_safetensors` (a reader never sees a half-written file).
 """
 
 from __future__ import annotations
@@ -11,13 +11,21 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
 from lightning_offpolicy.argcheck import is_int
 
-__all__ = ["export_state_dict", "is_peft_model", "make_private_dirs", "unwrap", "weight_source", "write_safetensors"]
+__all__ = [
+    "export_state_dict",
+    "is_peft_model",
+    "make_private_dirs",
+    "unique_tensors",
+    "unwrap",
+    "weight_source",
+    "write_safetensors",
+]
 
 
 def unwrap(module: torch.nn.Module) -> torch.nn.Module:
@@ -37,21 +45,34 @@ def is_peft_model(source: Any) -> bool:
 
 
 def export_state_dict(
-    source: torch.nn.Module | Mapping[str, torch.Tensor], who: str, for_files: bool = True
+    source: torch.nn.Module | Mapping[str, torch.Tensor],
+    who: str,
+    for_files: bool = True,
+    tied: Literal["copy", "drop"] = "copy",
 ) -> dict[str, torch.Tensor]:
     """The tensors of ``source`` (a module or a state dict) on CPU, contiguous, with no shared storage.
 
     ``who`` names the caller in error messages (e.g. ``"VLLMEngine.update_weights"``). Sharded
     (FSDP2 DTensor) parameters are gathered whole: a collective, so every rank must call it.
-    ``for_files=False``: the tensors as they are (any device, tied ones still shared, no copy),
-    for a sync that copies them into its own buffer.
+    ``for_files=False``: the tensors as they are (any device, no copy), for a sync that copies
+    them into its own buffer.
+
+    ``tied``: what becomes of a tensor that is the same as an earlier one (a tied output layer,
+    ``lm_head.weight`` after ``model.embed_tokens.weight``). ``"copy"``: exported under its own
+    name too (what ``load_state_dict(strict=True)`` needs); ``"drop"``: left out, as
+    ``save_pretrained`` leaves it out (what a vLLM engine loads: some of its models, Gemma-2's,
+    have no output layer of their own and refuse the name; the others tie it themselves, and the
+    kit's receiver processes the tied layer again, :mod:`~lightning_offpolicy.rollout.vllm.worker_extension`).
     """
     state = unwrap(source).state_dict() if isinstance(source, torch.nn.Module) else source
-    tensors: dict[str, torch.Tensor] = {}
-    seen: set[int] = set()
     for name, value in state.items():
         if not isinstance(value, torch.Tensor):
             raise TypeError(f"{who}: {name!r} is a {type(value).__name__}, not a tensor.")
+    if tied == "drop":
+        state = unique_tensors(state)
+    tensors: dict[str, torch.Tensor] = {}
+    storages: set[int] = set()  # CPU storages exported so far (for files)
+    for name, value in state.items():
         tensor = value.detach()
         if hasattr(tensor, "full_tensor"):  # DTensor (FSDP2): the engine needs the whole parameter
             tensor = tensor.full_tensor()
@@ -60,11 +81,29 @@ def export_state_dict(
             continue
         tensor = tensor.to("cpu")
         ptr = tensor.untyped_storage().data_ptr() if tensor.numel() else -1
-        if ptr in seen:  # tied weights: safetensors refuses shared storage
+        if ptr in storages:  # tied weights: safetensors refuses shared storage
             tensor = tensor.clone()
-        seen.add(ptr)
+        storages.add(ptr)
         tensors[name] = tensor.contiguous()
     return tensors
+
+
+def unique_tensors(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``tensors`` less every one that is the same tensor as an earlier one (a tied ``lm_head.weight``).
+
+    The same: one storage at one offset with one shape (a DTensor: the same object).
+    """
+    seen: set[tuple] = set()
+    unique = {}
+    for name, tensor in tensors.items():
+        if hasattr(tensor, "full_tensor") or tensor.numel() == 0:
+            key: tuple = (id(tensor),)
+        else:
+            key = (tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tuple(tensor.shape))
+        if key not in seen:
+            seen.add(key)
+            unique[name] = tensor
+    return unique
 
 
 def weight_source(

@@ -15,9 +15,10 @@ What the engine guarantees (each one checked by ``tests/test_vllm_engine.py`` an
   stop ids and only on them, and the stop token is part of ``Completion.token_ids``, as in ``HFEngine``.
 * **In-place weight sync in memory, with a self-check**: the weights cross in buckets through
   shared memory into every worker's ``load_weights`` (:mod:`~lightning_offpolicy.rollout.vllm.shared_weights`;
-  ``weight_transport="file"``: safetensors reloaded with ``collective_rpc("reload_weights")``),
-  the prefix cache reset, then a fixed probe scored by the engine and by the trainer
-  (:mod:`~lightning_offpolicy.rollout.vllm.weight_sync`): a sync that did not arrive raises at once.
+  ``weight_transport="file"``: safetensors the same receiver reloads), a tied output layer processed
+  again, every parameter checked to have received a tensor, the prefix cache reset, then a fixed
+  probe scored by the engine and by the trainer (:mod:`~lightning_offpolicy.rollout.vllm.weight_sync`):
+  a sync that did not arrive raises at once.
 * **LoRA (peft) models, two ways** (``lora_sync``): ``"merged"`` pushes the base weights with the
   adapters folded in (computed out of place); ``"adapter"`` pushes the base once, then only the
   adapter (:class:`~lightning_offpolicy.rollout.vllm.lora.AdapterSync`).
@@ -71,7 +72,7 @@ from lightning_offpolicy.rollout.vllm.peft_export import (
 )
 from lightning_offpolicy.rollout.vllm.shared_weights import SharedWeightsBuffer
 from lightning_offpolicy.rollout.vllm.stepping import run_requests
-from lightning_offpolicy.rollout.vllm.weight_sync import probe_ids, weights_dtype
+from lightning_offpolicy.rollout.vllm.weight_sync import check_received, probe_ids, weights_dtype
 from lightning_offpolicy.rollout.vllm.worker_extension import RECEIVER_CLS
 
 __all__ = ["VLLMEngine", "supported_cpu_head_dims", "vllm_available"]
@@ -123,10 +124,11 @@ class VLLMEngine(AdapterSync, VLLMEngineBase):
             engine is declared hung, shut down and a ``RuntimeError`` raised.
         weight_transport: How the trainer's weights reach the engine at a sync. ``"memory"``: cast
             to the engine's dtype, in buckets through one shared-memory file, each loaded in place
-            by every worker with vLLM's layerwise reload (no disk; one bucket held); it adds the
-            kit's ``worker_extension_cls`` to the engine and needs an unquantized engine.
-            ``"file"``: written as safetensors and reloaded with vLLM's ``reload_weights`` (the
-            reference path). docs/scaling.md, "Weight sync", compares them.
+            by every worker with vLLM's layerwise reload (no disk; one bucket held); needs an
+            unquantized engine. ``"file"``: written as safetensors and reloaded in place from them
+            (the reference path). Both go through the kit's ``worker_extension_cls``, which also
+            processes a tied output layer again and reports any parameter that received nothing.
+            docs/scaling.md, "Weight sync", compares them.
         weight_bucket_mb: Size of one in-memory bucket (MiB, in the engine's dtype); the buffer
             grows to hold a decoder layer, or the embedding and output layer together, when one is
             larger.
@@ -226,16 +228,17 @@ class VLLMEngine(AdapterSync, VLLMEngineBase):
         engine_kwargs = dict(engine_kwargs or {})
         if "model" in engine_kwargs:
             raise ValueError("VLLMEngine.engine_kwargs must not set 'model': use the `model` argument.")
-        if weight_transport == "memory":
-            for key, why in (
-                ("worker_extension_cls", f"the in-memory sync needs the kit's own ({RECEIVER_CLS})"),
-                ("quantization", "the in-memory sync loads with the model's load_weights, without re-quantizing"),
-            ):
-                if engine_kwargs.get(key) not in (None, RECEIVER_CLS):
-                    raise ValueError(
-                        f"VLLMEngine.engine_kwargs sets {key}={engine_kwargs[key]!r}, but weight_transport='memory': "
-                        f"{why}. Use weight_transport='file'."
-                    )
+        if engine_kwargs.get("worker_extension_cls") not in (None, RECEIVER_CLS):
+            raise ValueError(
+                f"VLLMEngine.engine_kwargs sets worker_extension_cls={engine_kwargs['worker_extension_cls']!r}: the "
+                f"weight sync needs the kit's own ({RECEIVER_CLS}). Leave it unset."
+            )
+        if weight_transport == "memory" and engine_kwargs.get("quantization") is not None:
+            raise ValueError(
+                f"VLLMEngine.engine_kwargs sets quantization={engine_kwargs['quantization']!r}, but "
+                "weight_transport='memory': the in-memory sync loads with the model's load_weights, without "
+                "re-quantizing. Use weight_transport='file'."
+            )
         mode = engine_kwargs.get("logprobs_mode", "processed_logprobs")
         if mode != "processed_logprobs":
             raise ValueError(
@@ -457,13 +460,11 @@ class VLLMEngine(AdapterSync, VLLMEngineBase):
 
     # ------------------------------------------------------------------ weight sync
 
-    def _reload_weights(self, weights_path: str) -> None:
-        """Reload every worker's weights in place from the safetensors files in ``weights_path``."""
+    def _reload_weights(self, weights_path: str) -> list[list[str] | None]:
+        """Reload every worker's weights in place from the safetensors files in ``weights_path``; what each
+        worker's model did not receive (:meth:`SharedWeightsReceiver.lo_reload_from_files`)."""
         llm = self._llm
-        self._watched(
-            lambda: llm.collective_rpc("reload_weights", kwargs={"weights_path": weights_path}),
-            "reload_weights",
-        )
+        return self._watched(lambda: llm.collective_rpc("lo_reload_from_files", args=(weights_path,)), "reload_weights")
 
     def _update_full(self, source: torch.nn.Module | Mapping[str, torch.Tensor], is_module: bool) -> None:
         """Full-weight sync (``lora_sync="merged"``): a peft model's weights are merged with its adapters."""
@@ -484,20 +485,28 @@ class VLLMEngine(AdapterSync, VLLMEngineBase):
             return
         self._ensure_started()
         begin = time.perf_counter()
-        self._push_weights(full_state_dict(source, SYNC_CALLER, for_files=self.weight_transport == "file"))
+        self._push_weights(
+            full_state_dict(source, SYNC_CALLER, for_files=self.weight_transport == "file", tied="drop")
+        )
         self.last_sync_time_s = time.perf_counter() - begin
 
     def _push_weights(self, tensors: dict[str, torch.Tensor]) -> None:
-        """Move ``tensors`` into the engine's weights in place, then drop the stale prefix cache."""
+        """Move ``tensors`` into the engine's weights in place, then drop the stale prefix cache.
+
+        ``tensors`` leaves a tied output layer out (``tied="drop"`` of the export): the receiver
+        processes it again from the embedding it shares.
+        """
+        names = sorted(tensors)
         if self.weight_transport == "memory":
-            self.last_sync_bytes = self._send_in_memory(tensors)
+            self.last_sync_bytes, missing = self._send_in_memory(tensors)
         else:
             if self._sync_dir is None:
                 self._sync_dir = self._new_tmp_dir("sync")
             path = write_safetensors(tensors, self._sync_dir)
             self.last_sync_bytes = path.stat().st_size
             del tensors
-            self._reload_weights(str(self._sync_dir))
+            missing = self._reload_weights(str(self._sync_dir))
+        check_received(missing, names, "VLLMEngine")
         # Watched too: vLLM waits for the answer without a timeout, and a core that dies just after
         # the request was sent never gives one.
         if not self._watched(self._llm.reset_prefix_cache, "reset_prefix_cache"):
@@ -506,8 +515,9 @@ class VLLMEngine(AdapterSync, VLLMEngineBase):
                 "cached KV of the old weights could serve new requests."
             )
 
-    def _send_in_memory(self, tensors: dict[str, torch.Tensor]) -> int:
-        """Copy ``tensors`` bucket by bucket into shared memory, each loaded by every worker; the bytes moved."""
+    def _send_in_memory(self, tensors: dict[str, torch.Tensor]) -> tuple[int, list[list[str] | None]]:
+        """Copy ``tensors`` bucket by bucket into shared memory, each loaded by every worker; the bytes moved
+        and what each worker's model did not receive."""
         bucket_bytes = self.weight_bucket_mb << 20
         if self._shared_weights is None or self._shared_weights.bucket_bytes != bucket_bytes:
             if self._shared_weights is not None:
@@ -515,10 +525,11 @@ class VLLMEngine(AdapterSync, VLLMEngineBase):
             self._shared_weights = SharedWeightsBuffer(bucket_bytes)
         return self._shared_weights.send(tensors, self.compute_dtype, self._load_bucket)
 
-    def _load_bucket(self, path: str, nbytes: int, slots: list[list], first: bool, last: bool) -> None:
-        """Have every worker load one bucket from the shared-memory file ``path`` (in-place reload)."""
+    def _load_bucket(self, path: str, nbytes: int, slots: list[list], first: bool, last: bool) -> list:
+        """Have every worker load one bucket from the shared-memory file ``path`` (in-place reload); each
+        worker's answer (after the last bucket: what its model did not receive)."""
         llm = self._llm
-        self._watched(
+        return self._watched(
             lambda: llm.collective_rpc("lo_load_shared_bucket", args=(path, nbytes, slots, first, last)),
             "load_weights",
         )

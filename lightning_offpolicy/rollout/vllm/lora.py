@@ -92,7 +92,7 @@ class AdapterSync:
         begin = time.perf_counter()
         moved = 0
         if not self._base_synced:  # the checkpoint in `model` may differ from the trainer's base
-            self._push_weights(base_state_dict(model, SYNC_CALLER))
+            self._push_weights(base_state_dict(model, SYNC_CALLER, tied="drop"))
             moved = self.last_sync_bytes or 0
             self._base_synced = True
         self.last_sync_bytes = moved + self._push_adapter(model, version)

@@ -81,8 +81,7 @@ def start_llm(engine: Any, model: str) -> tuple[Any, list[Any], float]:
             )
         # One adapter at a time: the policy's current one (an old one is never requested again).
         kwargs.update(enable_lora=True, max_loras=1, max_lora_rank=engine._max_lora_rank)
-    if engine.weight_transport == "memory":
-        kwargs["worker_extension_cls"] = RECEIVER_CLS
+    kwargs["worker_extension_cls"] = RECEIVER_CLS  # every sync goes through the kit's receiver
     kwargs.update(engine.engine_kwargs)
     env = {"VLLM_CPU_KVCACHE_SPACE": str(engine.kv_cache_space_gib)} if on_cpu and engine.kv_cache_space_gib else {}
     before = vllm_process.descendants()

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
@@ -30,19 +30,24 @@ _VLLM_PLAIN_INITS = ("gaussian", "eva", "orthogonal", "mica", "lora_ga")
 
 
 def full_state_dict(
-    source: torch.nn.Module | Mapping[str, torch.Tensor], who: str, for_files: bool = True
+    source: torch.nn.Module | Mapping[str, torch.Tensor],
+    who: str,
+    for_files: bool = True,
+    tied: Literal["copy", "drop"] = "copy",
 ) -> dict[str, torch.Tensor]:
     """The weights an engine without adapters computes with: merged for a peft model, else exported as they are.
 
-    ``for_files``: as :func:`~lightning_offpolicy.rollout.vllm.export.export_state_dict`'s (a
+    ``for_files``, ``tied``: as :func:`~lightning_offpolicy.rollout.vllm.export.export_state_dict`'s (a
     merged peft model's tensors are always CPU copies).
     """
     if is_peft_model(source):
-        return merged_state_dict(source, who)
-    return export_state_dict(source, who, for_files=for_files)
+        return merged_state_dict(source, who, tied)
+    return export_state_dict(source, who, for_files=for_files, tied=tied)
 
 
-def merged_state_dict(model: torch.nn.Module, who: str = "merged_state_dict") -> dict[str, torch.Tensor]:
+def merged_state_dict(
+    model: torch.nn.Module, who: str = "merged_state_dict", tied: Literal["copy", "drop"] = "copy"
+) -> dict[str, torch.Tensor]:
     """The weights a peft LoRA model computes with, under the base model's checkpoint names.
 
     Each LoRA-wrapped layer's weight is exported as ``W + scaling * B @ A`` summed over its active
@@ -66,10 +71,12 @@ def merged_state_dict(model: torch.nn.Module, who: str = "merged_state_dict") ->
             plain ``W + B @ A`` (DoRA, ...).
         ValueError: Adapters are merged in place while disabled (unmerge first).
     """
-    return _peft_export(unwrap(model), merge=True, who=who)
+    return _peft_export(unwrap(model), merge=True, who=who, tied=tied)
 
 
-def base_state_dict(model: torch.nn.Module, who: str = "base_state_dict") -> dict[str, torch.Tensor]:
+def base_state_dict(
+    model: torch.nn.Module, who: str = "base_state_dict", tied: Literal["copy", "drop"] = "copy"
+) -> dict[str, torch.Tensor]:
     """The base weights of a peft LoRA model (adapters left out) under the base model's checkpoint names.
 
     What an engine that applies the adapter itself (vLLM's LoRA support) needs once, before the
@@ -80,7 +87,7 @@ def base_state_dict(model: torch.nn.Module, who: str = "base_state_dict") -> dic
         ValueError: An adapter is merged into the base weights (``merge_adapter()``): the base
             weights are then not in the model; unmerge first.
     """
-    return _peft_export(unwrap(model), merge=False, who=who)
+    return _peft_export(unwrap(model), merge=False, who=who, tied=tied)
 
 
 def adapter_rank(model: torch.nn.Module) -> int:
@@ -164,7 +171,7 @@ def _active_lora_config(model: Any, who: str) -> Any:
     return config
 
 
-def _peft_export(model: Any, merge: bool, who: str) -> dict[str, torch.Tensor]:
+def _peft_export(model: Any, merge: bool, who: str, tied: Literal["copy", "drop"]) -> dict[str, torch.Tensor]:
     from peft.tuners.lora import LoraLayer
     from peft.tuners.tuners_utils import BaseTunerLayer
     from peft.utils.other import AuxiliaryTrainingWrapper, ModulesToSaveWrapper
@@ -195,7 +202,7 @@ def _peft_export(model: Any, merge: bool, who: str) -> dict[str, torch.Tensor]:
         if target in out:
             raise RuntimeError(f"{who}: two tensors map to the checkpoint name {target!r} ({key!r} is the second).")
         out[target] = replaced.get(key, value)
-    return export_state_dict(out, who)
+    return export_state_dict(out, who, tied=tied)
 
 
 def _lora_layer_tensors(name: str, module: Any, merge: bool, who: str) -> dict[str, torch.Tensor]:

@@ -20,10 +20,15 @@ import tempfile
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 
 import torch
 
-__all__ = ["BucketSlot", "SharedWeightsBuffer", "plan_buckets", "unique_tensors"]
+from lightning_offpolicy.rollout.vllm.export import unique_tensors
+
+_T = TypeVar("_T")
+
+__all__ = ["BucketSlot", "SharedWeightsBuffer", "plan_buckets"]
 
 log = logging.getLogger(__name__)
 
@@ -58,23 +63,6 @@ def transfer_dtype(tensor: torch.Tensor, engine_dtype: torch.dtype | None) -> to
     if engine_dtype is not None and tensor.is_floating_point():
         return engine_dtype
     return tensor.dtype
-
-
-def unique_tensors(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """``tensors`` less every one that shares storage with an earlier one (a tied ``lm_head``).
-
-    vLLM's models skip a tied output layer's weight when loading (they tie it to the embedding
-    themselves), so it need not cross.
-    """
-    seen: set[tuple[int, int]] = set()
-    unique = {}
-    for name, tensor in tensors.items():
-        key = (tensor.untyped_storage().data_ptr(), tensor.storage_offset()) if tensor.numel() else (id(tensor), 0)
-        if key in seen:
-            continue
-        seen.add(key)
-        unique[name] = tensor
-    return unique
 
 
 def _payload_bytes(tensor: torch.Tensor, engine_dtype: torch.dtype | None) -> int:
@@ -191,12 +179,14 @@ class SharedWeightsBuffer:
         self,
         tensors: Mapping[str, torch.Tensor],
         engine_dtype: torch.dtype | None,
-        load: Callable[[str, int, list[list], bool, bool], None],
-    ) -> int:
+        load: Callable[[str, int, list[list], bool, bool], _T],
+    ) -> tuple[int, _T]:
         """Move ``tensors`` bucket by bucket: fill the buffer, then ``load(path, nbytes, slots, first, last)``.
 
+        A tensor that is the same as an earlier one (a tied output layer) crosses once, under the first name.
+
         Returns:
-            The bytes moved (after the cast to the transfer dtype).
+            The bytes moved (after the cast to the transfer dtype) and what the last ``load`` returned.
         """
         tensors = unique_tensors(tensors)
         buckets = plan_buckets(tensors, self.bucket_bytes, engine_dtype)
@@ -205,7 +195,7 @@ class SharedWeightsBuffer:
         for index, bucket in enumerate(buckets):
             slots = self.fill(((name, tensors[name]) for name in bucket), engine_dtype)
             try:
-                load(
+                answer = load(
                     str(self.path),
                     self.nbytes,
                     [slot.as_rpc() for slot in slots],
@@ -217,7 +207,7 @@ class SharedWeightsBuffer:
                     # Every worker has mapped it now (or failed, and the engine is gone), and a mapping outlives
                     # the name: without it, a run that dies leaves nothing behind in /dev/shm.
                     self.path.unlink(missing_ok=True)
-        return sum(_payload_bytes(t, engine_dtype) for t in tensors.values())
+        return sum(_payload_bytes(t, engine_dtype) for t in tensors.values()), answer
 
     def close(self) -> None:
         """Unmap the buffer and delete its file if still there (a worker's own mapping lasts until it lets go)."""

@@ -14,7 +14,15 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["SyncCheck", "SyncTolerance", "probe_ids", "sync_tolerance", "trainer_probe_logprobs", "weights_dtype"]
+__all__ = [
+    "SyncCheck",
+    "SyncTolerance",
+    "check_received",
+    "probe_ids",
+    "sync_tolerance",
+    "trainer_probe_logprobs",
+    "weights_dtype",
+]
 
 #: Length of the self-check's probe sequence (tokens).
 PROBE_LENGTH = 32
@@ -108,6 +116,31 @@ def trainer_probe_logprobs(module: torch.nn.Module, probe: list[int]) -> torch.T
     finally:
         module.train(was_training)
     return lp[0].double().cpu()
+
+
+def check_received(answers: list[list[str] | None] | None, sent: list[str], who: str) -> None:
+    """Raise when a worker's model has parameters that received nothing in a sync.
+
+    Args:
+        answers: Each engine worker's list of its model's parameters that got no tensor in the
+            sync (``None``: the worker's model does not say what it loaded; nothing to check).
+        sent: The names the trainer sent, for the message.
+        who: The engine's name.
+
+    Raises:
+        RuntimeError: Some parameter got no tensor: the engine would go on computing with its old
+            values while the trainer moves on (docs/engines.md, "Weight sync").
+    """
+    missing = sorted({name for answer in answers or () if answer for name in answer})
+    if not missing:
+        return
+    shown = ", ".join(missing[:8]) + (f" and {len(missing) - 8} more" if len(missing) > 8 else "")
+    raise RuntimeError(
+        f"{who} weight sync: {len(missing)} of the engine's parameters received nothing from the {len(sent)} "
+        f"tensors the trainer sent ({shown}): the engine would go on sampling with their old values. The "
+        "trainer's model lacks them or names them otherwise (a different architecture or a renamed module?). "
+        "Nothing was stamped with the new version."
+    )
 
 
 class SyncCheck:

