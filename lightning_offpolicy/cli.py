@@ -4,6 +4,7 @@
     lightning-offpolicy fit --config configs/quickstart.yaml --config configs/correction/geo_mis.yaml
     lightning-offpolicy fit --print_config
     lightning-offpolicy selfcheck          # every correction preset on a real tiny model, no training
+    lightning-offpolicy check-model DIR    # every engine gets the weights of DIR's architecture right
 
 Config groups: ``model`` (:class:`~lightning_offpolicy.lightning.module.OffPolicyRLModule`; ``model.model``
 is a string here, a path, a hub name or ``tiny:<task>``), ``data`` (any LightningDataModule yielding
@@ -381,6 +382,10 @@ def main(argv: list[str] | None = None) -> int:
         from lightning_offpolicy.demo import selfcheck
 
         return selfcheck.main(words[1:])
+    if words[:1] == ["check-model"]:
+        from lightning_offpolicy.modelcheck import cli as check_model
+
+        return check_model.main(words[1:])
     OffPolicyCLI(
         OffPolicyRLModule,
         LightningDataModule,  # any data module: the kit's, or the user's own (class_path: mydata.MyPrompts)

@@ -15,7 +15,8 @@ import torch
 
 from lightning_offpolicy.demo.tiny import tiny_llama_config
 from lightning_offpolicy.rollout.vllm.inprocess import VLLMEngine
-from lightning_offpolicy.rollout.vllm.shared_weights import SharedWeightsBuffer, plan_buckets, unique_tensors
+from lightning_offpolicy.rollout.vllm.export import unique_tensors
+from lightning_offpolicy.rollout.vllm.shared_weights import SharedWeightsBuffer, plan_buckets
 from lightning_offpolicy.rollout.vllm.weight_sync import trainer_probe_logprobs
 from lightning_offpolicy.rollout.vllm.worker_extension import slot_views
 from tests.vllm_fixtures import requires_vllm
@@ -131,13 +132,14 @@ def test_views_vllm_still_holds_are_copied_out_before_the_pages_are_reused():
         (dict(weight_transport="nccl"), "weight_transport"),
         (dict(weight_bucket_mb=0), "weight_bucket_mb"),
         (dict(engine_kwargs={"worker_extension_cls": "my.Ext"}), "worker_extension_cls.*Leave it unset"),
+        (dict(weight_transport="file", engine_kwargs={"worker_extension_cls": "my.Ext"}), "worker_extension_cls"),
         (dict(engine_kwargs={"quantization": "fp8"}), "quantization.*weight_transport='file'"),
     ],
 )
 def test_bad_transport_settings(kwargs, match):
     with pytest.raises(ValueError, match=match):
         VLLMEngine(model="unused", **kwargs)
-    if "engine_kwargs" in kwargs:  # allowed with the file transport
+    if "quantization" in kwargs.get("engine_kwargs", {}):  # allowed with the file transport
         VLLMEngine(model="unused", weight_transport="file", **kwargs)
 
 
@@ -212,9 +214,11 @@ def test_send_moves_every_tensor_and_leaves_no_file_behind():
             mapped[path] = torch.from_file(path, shared=True, size=nbytes, dtype=torch.uint8)
         for name, view in slot_views(mapped[path], slots):  # as SharedWeightsReceiver reads them
             received[name] = view.clone()
+        return "last" if last else "not last"
 
     buffer = SharedWeightsBuffer(bucket_bytes=300_000)
-    moved = buffer.send(state, torch.bfloat16, load)
+    moved, answer = buffer.send(state, torch.bfloat16, load)
+    assert answer == "last"
     assert not buffer.path.exists() and len(mapped) == 1
     assert received.keys() == state.keys() and moved == sum(t.numel() * 2 for t in state.values())
     assert all(torch.equal(received[n], t.to(torch.bfloat16)) for n, t in state.items())

@@ -59,8 +59,28 @@ def load_policy(model: str, torch_dtype: str, tokenizer: Any = None) -> tuple[to
         tokenizer = load_tokenizer(path)
     elif isinstance(tokenizer, HFTokenizer) and not tokenizer.loaded:
         tokenizer.load(path)  # options from the config, files from the model's directory
-    policy = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, torch_dtype))
+    from transformers import AutoConfig
+
+    attention = faithful_attention(AutoConfig.from_pretrained(path))
+    kwargs = {"attn_implementation": attention} if attention else {}
+    policy = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, torch_dtype), **kwargs)
     return policy, tokenizer
+
+
+def faithful_attention(config: Any) -> str | None:
+    """The attention implementation the policy must load with to compute what its architecture defines
+    (``None``: transformers' default).
+
+    transformers' default, ``sdpa``, drops the attention logit soft-capping of Gemma-2-style configs
+    (``attn_logit_softcapping``), which vLLM applies: the trainer would score another policy than the
+    engine samples (docs/engines.md, "Weight sync across model families"). ``eager`` applies it.
+    """
+    if getattr(config, "attn_logit_softcapping", None) and getattr(config, "_attn_implementation", None) in (
+        None,
+        "sdpa",
+    ):
+        return "eager"
+    return None
 
 
 def add_lora(policy: torch.nn.Module, rank: int, alpha: float, target_modules: list[str] | str) -> torch.nn.Module:

@@ -3,7 +3,8 @@
 Any engine that loads the trainer's weights from safetensors files (the in-process
 :class:`~lightning_offpolicy.rollout.VLLMEngine`, a remote ``vllm serve`` server reading a shared
 directory) takes them from :func:`export_state_dict` (wrappers removed, tied weights un-shared as
-safetensors requires, or left out for an engine) and :func:`write_safetensors` (a reader never sees a half-written file).
+safetensors requires, or left out for an engine) and :func:`write_safetensors` (a reader never sees a
+half-written file).
 """
 
 from __future__ import annotations

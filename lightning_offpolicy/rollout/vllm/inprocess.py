@@ -485,9 +485,7 @@ class VLLMEngine(AdapterSync, VLLMEngineBase):
             return
         self._ensure_started()
         begin = time.perf_counter()
-        self._push_weights(
-            full_state_dict(source, SYNC_CALLER, for_files=self.weight_transport == "file", tied="drop")
-        )
+        self._push_weights(full_state_dict(source, SYNC_CALLER, for_files=self.weight_transport == "file", tied="drop"))
         self.last_sync_time_s = time.perf_counter() - begin
 
     def _push_weights(self, tensors: dict[str, torch.Tensor]) -> None:

@@ -99,7 +99,7 @@ class RemoteAdapterSync:
         written = 0
         write_s = reload_s = 0.0
         if not self._base_synced:
-            written += self._push_tensors(base_state_dict(model, _CALLER))
+            written += self._push_tensors(base_state_dict(model, _CALLER, tied=self._tied_export()))
             write_s, reload_s = self.last_write_time_s, self.last_reload_time_s
             # Read by the server during the reload: no longer needed (it may be as large as the model).
             with contextlib.suppress(OSError):

@@ -13,6 +13,7 @@ import time
 import warnings
 from collections.abc import Mapping
 from pathlib import Path
+from typing import Any, Literal
 
 import torch
 
@@ -20,7 +21,8 @@ from lightning_offpolicy.rollout.vllm.errors import DEV_MODE_HINT
 from lightning_offpolicy.rollout.vllm.export import make_private_dirs, write_safetensors
 from lightning_offpolicy.rollout.vllm.http import HTTPStatusError
 from lightning_offpolicy.rollout.vllm.peft_export import full_state_dict
-from lightning_offpolicy.rollout.vllm.weight_sync import PROBE_LENGTH, probe_ids
+from lightning_offpolicy.rollout.vllm.weight_sync import PROBE_LENGTH, check_received, probe_ids
+from lightning_offpolicy.rollout.vllm.worker_extension import RECEIVER_CLS, RECEIVER_VERSION
 
 __all__ = ["RemoteWeightSync"]
 
@@ -42,7 +44,8 @@ class RemoteWeightSync:
             del tensors
             self._reset_prefix_cache()
         else:
-            self.last_sync_bytes = self._push_tensors(full_state_dict(source, "RemoteVLLMEngine.update_weights"))
+            tensors = full_state_dict(source, "RemoteVLLMEngine.update_weights", tied=self._tied_export())
+            self.last_sync_bytes = self._push_tensors(tensors)
         self.last_sync_time_s = time.perf_counter() - begin
 
     def _push_tensors(self, tensors: dict[str, torch.Tensor]) -> int:
@@ -95,19 +98,42 @@ class RemoteWeightSync:
         assert self.weights_dir is not None
         return str(Path(self.server_weights_dir) / local.relative_to(Path(self.weights_dir)))
 
+    def _has_receiver(self) -> bool:
+        """Whether the server runs the kit's weight-sync receiver (``--worker-extension-cls``, as
+        :func:`~lightning_offpolicy.rollout.vllm.server.launch_local_server` starts it); asked once."""
+        known = getattr(self, "_receiver_known", None)
+        if known is None:
+            try:
+                answer = self._http.request(
+                    "POST",
+                    "/collective_rpc",
+                    {"method": "lo_receiver_version", "timeout": self.request_timeout_s},
+                    timeout=self.request_timeout_s,
+                    what="the weight-sync receiver check",
+                )
+                known = str(RECEIVER_VERSION) in map(str, _results(answer))  # non-list answers come back as strings
+            except HTTPStatusError:  # no such method: a server started without the kit's receiver
+                known = False
+            self._receiver_known = known
+        return known
+
+    def _tied_export(self) -> Literal["copy", "drop"]:
+        """A tied output layer's weight: left out for the kit's receiver (which processes the tied layer
+        again, and which every family's model takes), sent under its own name otherwise (vLLM's own
+        reload processes it then; a model without an output layer of its own, Gemma-2's, refuses it)."""
+        return "drop" if self._has_receiver() else "copy"
+
     def _reload_weights(self, server_path: str) -> None:
         """Ask the server to reload its weights in place from the safetensors files in ``server_path``."""
+        receiver = self._has_receiver()
+        body: dict = {"timeout": self.request_timeout_s}
+        if receiver:
+            body.update(method="lo_reload_from_files", args=[server_path])
+        else:
+            body.update(method="reload_weights", kwargs={"weights_path": server_path})
         try:
-            self._http.request(
-                "POST",
-                "/collective_rpc",
-                {
-                    "method": "reload_weights",
-                    "kwargs": {"weights_path": server_path},
-                    "timeout": self.request_timeout_s,
-                },
-                timeout=self.request_timeout_s,
-                what="reload_weights",
+            answer = self._http.request(
+                "POST", "/collective_rpc", body, timeout=self.request_timeout_s, what="reload_weights"
             )
         except HTTPStatusError as err:
             if err.status == 404:
@@ -117,9 +143,13 @@ class RemoteWeightSync:
             self._failure = (
                 f"the server at {self.base_url} failed to reload the weights written to {server_path!r} and must be "
                 "restarted (a failed reload leaves vLLM's weights half-loaded). Is weights_dir on storage the server "
-                "can read at that path (set server_weights_dir if it mounts it elsewhere)?"
+                "can read at that path (set server_weights_dir if it mounts it elsewhere)? A model whose vLLM class "
+                "has no output layer of its own (Gemma-2) refuses a tied lm_head.weight: start the server with "
+                f"--worker-extension-cls {RECEIVER_CLS} (launch_local_server does)."
             )
             raise RuntimeError(f"{err} {self._failure}") from err
+        if receiver:
+            check_received(_results(answer), [], "RemoteVLLMEngine")
 
     def _reset_prefix_cache(self) -> None:
         """Drop the server's prefix cache: cached KV of the old weights must not serve new requests."""
@@ -183,3 +213,8 @@ def _warn_if_others_can_replace(root: Path) -> None:
                 RuntimeWarning,
                 stacklevel=4,
             )
+
+
+def _results(answer: Any) -> list:
+    """The per-worker results of a ``/collective_rpc`` answer (``{"results": [...]}`` in vLLM 0.32)."""
+    return list(answer.get("results") or []) if isinstance(answer, dict) else []

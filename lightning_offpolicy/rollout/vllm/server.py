@@ -27,6 +27,7 @@ from lightning_offpolicy.rollout.vllm.base import ALLOWED_DTYPES
 from lightning_offpolicy.rollout.vllm.errors import SERVER_MODULE
 from lightning_offpolicy.rollout.vllm.http import host_for_url, is_loopback
 from lightning_offpolicy.rollout.vllm.lora import allowed_lora_ranks
+from lightning_offpolicy.rollout.vllm.worker_extension import RECEIVER_CLS
 
 __all__ = ["LocalVLLMServer", "launch_local_server"]
 
@@ -135,7 +136,7 @@ class LocalVLLMServer:
 
 #: Options launch_local_server sets itself; extra_args may not set them, in any spelling vLLM reads.
 #: (``--config``: a YAML file's options, its host for one, would escape the checks below.)
-_LAUNCHER_OWN = ("--port", "--model", "--config")
+_LAUNCHER_OWN = ("--port", "--model", "--config", "--worker-extension-cls")
 
 
 def _option_values(args: Sequence[str], option: str) -> list[tuple[str, str | None]]:
@@ -300,6 +301,7 @@ def launch_local_server(
         "--logprobs-mode", "processed_logprobs",
         "--generation-config", "vllm",
         "--disable-uvicorn-access-log",
+        "--worker-extension-cls", RECEIVER_CLS,  # the kit's weight-sync receiver (tied output layers, checks)
         *(["--skip-tokenizer-init"] if skip_tokenizer_init else []),
         *(["--enable-lora", "--max-lora-rank", str(max_lora_rank)] if enable_lora else []),
         *(

@@ -18,6 +18,7 @@ import torch
 
 __all__ = [
     "RECEIVER_CLS",
+    "RECEIVER_VERSION",
     "SharedWeightsReceiver",
     "refresh_tied_layers",
     "safetensors_weights",
@@ -75,6 +76,10 @@ class SharedWeightsReceiver:
             The model's parameters that received nothing (``None``: the loader does not say).
         """
         return self._lo_load(safetensors_weights(weights_path), first=True, last=True)
+
+    def lo_receiver_version(self) -> int:
+        """:data:`RECEIVER_VERSION`: a remote engine asks it to know that the server runs this receiver."""
+        return RECEIVER_VERSION
 
     def lo_release_shared(self) -> None:
         """Unmap the buffer (the trainer deleted or replaced its file)."""
@@ -192,6 +197,9 @@ def _copy_out_held_views(model: torch.nn.Module, buffer: torch.Tensor) -> None:
                 if isinstance(value, torch.Tensor) and start <= value.untyped_storage().data_ptr() < end:
                     bound.arguments[key] = value.clone()
 
+
+#: What :meth:`SharedWeightsReceiver.lo_receiver_version` answers (bumped when its methods change).
+RECEIVER_VERSION = 1
 
 #: What :class:`~lightning_offpolicy.rollout.VLLMEngine` passes as vLLM's ``worker_extension_cls``.
 RECEIVER_CLS = f"{SharedWeightsReceiver.__module__}.{SharedWeightsReceiver.__qualname__}"
