@@ -35,6 +35,7 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
     "mistral": ("MistralConfig", {"tie_word_embeddings": False}),
     "olmo2": ("Olmo2Config", {"tie_word_embeddings": False}),
     "qwen3-moe": ("Qwen3MoeConfig", {"tie_word_embeddings": False}),
+    "mixtral": ("MixtralConfig", {"tie_word_embeddings": False}),
 }
 
 #: Config keys :func:`tiny_like` sets where the config has them (value, or a function of the old value).

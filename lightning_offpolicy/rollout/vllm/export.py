@@ -19,6 +19,7 @@ import torch
 from lightning_offpolicy.argcheck import is_int
 
 __all__ = [
+    "checkpoint_format",
     "export_state_dict",
     "is_peft_model",
     "make_private_dirs",
@@ -65,7 +66,11 @@ def export_state_dict(
     have no output layer of their own and refuse the name; the others tie it themselves, and the
     kit's receiver processes the tied layer again, :mod:`~lightning_offpolicy.rollout.vllm.worker_extension`).
     """
-    state = unwrap(source).state_dict() if isinstance(source, torch.nn.Module) else source
+    if isinstance(source, torch.nn.Module):
+        model = unwrap(source)
+        state = checkpoint_format(model, model.state_dict())
+    else:
+        state = source
     for name, value in state.items():
         if not isinstance(value, torch.Tensor):
             raise TypeError(f"{who}: {name!r} is a {type(value).__name__}, not a tensor.")
@@ -87,6 +92,26 @@ def export_state_dict(
         storages.add(ptr)
         tensors[name] = tensor.contiguous()
     return tensors
+
+
+def checkpoint_format(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``state`` (``model``'s state dict, or tensors under its names) under the checkpoint's names and layout.
+
+    transformers 5 keeps some families in memory under other names or fused (Mixtral's experts under
+    ``mlp.experts`` as one ``gate_up_proj``; the checkpoint has ``block_sparse_moe.experts.N.w1``):
+    engines load checkpoints, so the export undoes that conversion as ``save_pretrained`` does
+    (``revert_weight_conversion``). Sharded (DTensor) tensors are left as they are.
+    """
+    if any(hasattr(t, "full_tensor") for t in state.values()):
+        return state
+    try:
+        from transformers.core_model_loading import revert_weight_conversion
+        from transformers.modeling_utils import PreTrainedModel
+    except ImportError:  # an older transformers: names in memory are the checkpoint's
+        return state
+    if not isinstance(model, PreTrainedModel):
+        return state
+    return revert_weight_conversion(model, dict(state))
 
 
 def unique_tensors(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:

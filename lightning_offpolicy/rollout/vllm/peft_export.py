@@ -14,7 +14,7 @@ from typing import Any, Literal
 
 import torch
 
-from lightning_offpolicy.rollout.vllm.export import export_state_dict, is_peft_model, unwrap
+from lightning_offpolicy.rollout.vllm.export import checkpoint_format, export_state_dict, is_peft_model, unwrap
 
 __all__ = [
     "adapter_rank",
@@ -202,7 +202,7 @@ def _peft_export(model: Any, merge: bool, who: str, tied: Literal["copy", "drop"
         if target in out:
             raise RuntimeError(f"{who}: two tensors map to the checkpoint name {target!r} ({key!r} is the second).")
         out[target] = replaced.get(key, value)
-    return export_state_dict(out, who, tied=tied)
+    return export_state_dict(checkpoint_format(base, out), who, tied=tied)
 
 
 def _lora_layer_tensors(name: str, module: Any, merge: bool, who: str) -> dict[str, torch.Tensor]:
