@@ -110,6 +110,7 @@ class SharedWeightsReceiver:
                 if held is not None:
                     _copy_out_held_views(model, held)
                 return []
+            partial = partly_loaded_layers(model)
             with _quiet_unloaded_warning(self._lo_tied):
                 finalize_layerwise_reload(model, runner.model_config)
             refresh_tied_layers(self._lo_tied)
@@ -118,10 +119,10 @@ class SharedWeightsReceiver:
                 if hasattr(runner, reset):  # what vLLM's reload_weights resets after loading
                     getattr(runner, reset)()
         if self._lo_loaded is None:
-            return None
+            return partial or None
         lora = self.vllm_config.lora_config is not None  # type: ignore[attr-defined]
         expected = {name.replace(".base_layer.", ".") if lora else name for name, _ in model.named_parameters()}
-        return sorted(expected - self._lo_loaded)
+        return sorted(expected - self._lo_loaded) + partial
 
 
 def safetensors_weights(directory: str) -> Iterator[tuple[str, torch.Tensor]]:
@@ -135,6 +136,27 @@ def safetensors_weights(directory: str) -> Iterator[tuple[str, torch.Tensor]]:
         with safe_open(str(file), framework="pt") as handle:
             for name in handle.keys():  # noqa: SIM118 - safe_open has no __iter__
                 yield name, handle.get_tensor(name)
+
+
+def partly_loaded_layers(model: torch.nn.Module) -> list[str]:
+    """``"<layer> (partly)"`` for each layer still waiting for some of its weights when the sync ends.
+
+    vLLM fuses checkpoint tensors into one parameter (``q_proj``, ``k_proj``, ``v_proj`` into
+    ``qkv_proj``): one of them missing leaves the fused parameter partly old, which the loaded
+    names cannot tell. Embeddings and output layers are left out: their padded vocabulary is
+    never loaded whole.
+    """
+    from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
+    from vllm.model_executor.model_loader.reload.layerwise import LAYERWISE_INFO
+
+    partial = []
+    for name, module in model.named_modules():
+        info = LAYERWISE_INFO.get(module)
+        if info is None or not info.can_load() or isinstance(module, VocabParallelEmbedding):
+            continue
+        if 0 < info.load_numel < (info.load_numel_total or 0):
+            partial.append(f"{name} (partly)")
+    return partial
 
 
 def tied_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
