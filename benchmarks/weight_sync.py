@@ -167,6 +167,9 @@ def worker(model_name: str, transport: str, syncs: int) -> dict[str, Any]:
             before = sampler.total()
             with sampler:
                 engine.update_weights(model, syncs + 1)
+            # The engine's own scores of the sync check's probe: the same weights in every transport's
+            # process (same start, same seeded moves), so the transports must agree bit for bit.
+            probe_logprobs = engine._engine_probe_logprobs(engine._probe()).tolist()
             return {
                 "model": model_name,
                 "transport": transport,
@@ -176,6 +179,7 @@ def worker(model_name: str, transport: str, syncs: int) -> dict[str, Any]:
                 "wall_s": walls,
                 "transfer_s": transfers,
                 "check_diff": engine.last_sync_check_max_abs_diff,
+                "probe_logprobs": probe_logprobs,
                 "pss_before": before,
                 "peak_extra": sampler.peak - before,
                 # The shared-memory bucket lives from the first sync to close: in `before`, not in the peak.
@@ -208,6 +212,8 @@ def summarize(results: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
             s[f"{transport}_peak_extra"] = r["peak_extra"]
             s[f"{transport}_held_buffer"] = r["held_buffer"]
         if "file" in by and "memory" in by:
+            memory, file = by["memory"]["probe_logprobs"], by["file"]["probe_logprobs"]
+            s["transports_max_diff"] = max(abs(a - b) for a, b in zip(memory, file, strict=True))
             s["speedup_wall"] = s["file_wall_s"] / s["memory_wall_s"]
             s["speedup_transfer"] = s["file_transfer_s"] / s["memory_transfer_s"]
         out[model] = s
@@ -245,6 +251,13 @@ def render(results: list[dict[str, Any]], ratios: dict[str, dict[str, float]], h
             f"| {s[f'{t}_transfer_s']:.3f} | {s[f'{t}_bandwidth'] / 1e9:.2f} | {r['peak_extra'] / MB:,.0f} "
             f"| {r['held_buffer'] / MB:,.0f} | {r['check_diff']:.3g} |"
         )
+    agree = {model: s["transports_max_diff"] for model, s in ratios.items() if "transports_max_diff" in s}
+    lines += [
+        "",
+        "Memory == file (the engine's probe logprobs after the same weights crossed each way): "
+        + ", ".join(f"{m} {'bit-identical' if d == 0 else f'**differ by {d:.3g}**'}" for m, d in agree.items())
+        + ".",
+    ]
     lines += ["", "Ratios (same run), file / memory:", ""]
     for model, s in ratios.items():
         if "speedup_wall" in s:
@@ -312,6 +325,10 @@ def main(argv: list[str] | None = None) -> int:
         "load_end": os.getloadavg()[0],
     }
     write_report(args.output, render(results, ratios, header), {"header": header, "results": results, "ratios": ratios})
+    differ = {m: s["transports_max_diff"] for m, s in ratios.items() if s.get("transports_max_diff", 0) != 0}
+    if differ:
+        print(f"memory and file syncs gave different engines: {differ}", file=sys.stderr)
+        return 1
     return 0
 
 

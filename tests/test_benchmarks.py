@@ -369,17 +369,18 @@ def test_weight_sync_report_and_its_summary_line():
         modules[name] = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(modules[name])
 
-    def row(model, transport, walls, transfers, nbytes, peak, held):
+    def row(model, transport, walls, transfers, nbytes, peak, held, probe=(-1.0, -2.5)):
         return dict(model=model, transport=transport, params=100, bytes=nbytes, wall_s=walls, transfer_s=transfers,
-                    check_diff=0.01, peak_extra=peak, held_buffer=held)  # fmt: skip
+                    check_diff=0.01, peak_extra=peak, held_buffer=held, probe_logprobs=list(probe))  # fmt: skip
 
     results = [
         row("qwen2-0.5b", "file", [6.0, 5.0, 7.0], [5.5, 4.5, 6.5], 2_000_000_000, 2.4e9, 0),
         row("qwen2-0.5b", "memory", [1.0, 1.2, 0.9], [0.8, 1.0, 0.7], 1_000_000_000, 5e8, 5.4e8),
         row("llama-168m", "file", [1.0], [0.9], 6e8, 5e8, 0),
-        row("llama-168m", "memory", [0.5], [0.4], 3e8, 1e8, 2e8),
+        row("llama-168m", "memory", [0.5], [0.4], 3e8, 1e8, 2e8, probe=(-1.0, -2.25)),
     ]
     ratios = modules["weight_sync"].summarize(results)
+    assert ratios["qwen2-0.5b"]["transports_max_diff"] == 0.0 and ratios["llama-168m"]["transports_max_diff"] == 0.25
     half = ratios["qwen2-0.5b"]
     assert half["file_wall_s"] == 6.0 and half["memory_wall_s"] == 1.0 and half["speedup_wall"] == 6.0
     assert half["memory_bandwidth"] == 1e9 / 0.8 and half["file_transfer_s"] == 5.5
@@ -393,4 +394,5 @@ def test_weight_sync_report_and_its_summary_line():
               "code": "c", "command": "python benchmarks/weight_sync.py"}  # fmt: skip
     text = modules["weight_sync"].render(results, modules["weight_sync"].summarize(results), header)
     assert "- qwen2-0.5b: whole sync **6.0x** faster in memory" in text
+    assert "qwen2-0.5b bit-identical, llama-168m **differ by 0.25**" in text
     assert "| 7B (Qwen2-7B) | 15.2 |" in text  # 15.24 GB at 2 bytes per parameter

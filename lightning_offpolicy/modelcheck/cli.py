@@ -9,7 +9,7 @@ For each model it builds a tiny random model of the same config
 layer, attention and experts layout kept; no weights are read, nothing is downloaded), runs the
 conformance cells of
 :mod:`~lightning_offpolicy.modelcheck.matrix` on the engines installed, and prints one row per
-model: ``ok`` or why not. Exit status 1 when a cell fails. docs/engines.md, "Check your own model".
+model: ``ok`` or why not. Exit status 1 when a cell fails. docs/training.md, "Weight sync across model families".
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 :func:`tiny_like` shrinks any causal-LM config to a model the CPU engines start in seconds while
 keeping what decides whether a weight sync works: the architecture, the tied or untied output
 layer, grouped-query attention, mixture-of-experts routing, per-layer attention types.
-:data:`FAMILIES` lists the shapes the kit is checked on (docs/engines.md, "Checked model families").
+:data:`FAMILIES` lists the shapes the kit is checked on (docs/training.md, "Weight sync across model families").
 """
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ computes with what the trainer computes:
   trainer's cast to the engine's dtype.
 
 A cell that raises is reported with its reason, never skipped silently. The why and the families
-checked: docs/engines.md, "Weight sync across model families".
+checked: docs/training.md, "Weight sync across model families".
 """
 
 from __future__ import annotations

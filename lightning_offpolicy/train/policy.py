@@ -73,7 +73,7 @@ def faithful_attention(config: Any) -> str | None:
 
     transformers' default, ``sdpa``, drops the attention logit soft-capping of Gemma-2-style configs
     (``attn_logit_softcapping``), which vLLM applies: the trainer would score another policy than the
-    engine samples (docs/engines.md, "Weight sync across model families"). ``eager`` applies it.
+    engine samples (docs/training.md, "Weight sync across model families"). ``eager`` applies it.
     """
     if getattr(config, "attn_logit_softcapping", None) and getattr(config, "_attn_implementation", None) in (
         None,

@@ -129,7 +129,7 @@ def check_received(answers: list[list[str] | None] | None, sent: list[str], who:
 
     Raises:
         RuntimeError: Some parameter got no tensor: the engine would go on computing with its old
-            values while the trainer moves on (docs/engines.md, "Weight sync").
+            values while the trainer moves on (docs/training.md, "Weight sync across model families").
     """
     missing = sorted({name for answer in answers or () if answer for name in answer})
     if not missing:

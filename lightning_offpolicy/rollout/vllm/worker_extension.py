@@ -42,7 +42,7 @@ class SharedWeightsReceiver:
     Every sync ends the same way: each layer whose weight is tied to another's (an output layer
     tied to the embedding) is processed again (:func:`refresh_tied_layers`), and the names of the
     parameters that received nothing come back to the trainer, which refuses the sync when there
-    are any (docs/engines.md, "Weight sync").
+    are any (docs/training.md, "Weight sync across model families").
     """
 
     def lo_load_shared_bucket(
