@@ -172,8 +172,11 @@ def test_server_without_lora_support_is_a_clear_error(stand_in, tmp_path):
     )
     with pytest.raises(RuntimeError, match="no /v1/load_lora_adapter.*VLLM_ALLOW_RUNTIME_LORA_UPDATING=1"):
         engine.update_weights(model, 1)
-    paths = [path for method, path, _, _ in unsaid.requests if method == "POST"]
-    assert paths == ["/collective_rpc", "/reset_prefix_cache", "/v1/load_lora_adapter"]
+    posts = [(path, body) for method, path, _, body in unsaid.requests if method == "POST"]
+    # The receiver asked for once (this stand-in has none), then vLLM's own reload of the base.
+    paths = [path for path, _ in posts]
+    assert paths == ["/collective_rpc", "/collective_rpc", "/reset_prefix_cache", "/v1/load_lora_adapter"]
+    assert [body["method"] for _, body in posts[:2]] == ["lo_receiver_version", "reload_weights"]
     assert engine.version == 0 and engine.adapter_name is None
     assert [p.name for p in engine._sync_dir.iterdir()] == []  # base file and the unloaded adapter's files gone
     engine.close()
