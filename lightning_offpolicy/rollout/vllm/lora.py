@@ -78,7 +78,7 @@ class AdapterSync:
             self._max_lora_rank = vllm_lora_rank(rank)
             if self.model is None:
                 model_dir = self._new_tmp_dir("model")
-                write_base_checkpoint(model_dir, model, base_state_dict(model, SYNC_CALLER))
+                write_base_checkpoint(model_dir, model, base_state_dict(model, SYNC_CALLER, tied="drop"))
                 self._ensure_started(str(model_dir))
                 self._base_synced = True
             else:
