@@ -39,7 +39,9 @@ class RemoteWeightSync:
         """Full-weight sync (a peft LoRA policy as merged weights, ``W + scaling B A`` computed out of place)."""
         begin = time.perf_counter()
         if self._transfer is not None:  # vLLM's weight-transfer engine, GPU to GPU
-            tensors = full_state_dict(source, "RemoteVLLMEngine.update_weights", for_files=False)
+            # A tied output layer shares the embedding's parameter on the GPU (no packed copy to renew):
+            # not sent, as save_pretrained leaves it out (vLLM's Gemma-2 refuses it).
+            tensors = full_state_dict(source, "RemoteVLLMEngine.update_weights", for_files=False, tied="drop")
             self.last_sync_bytes = self._transfer.send(tensors)
             del tensors
             self._reset_prefix_cache()
