@@ -21,6 +21,7 @@ __all__ = [
     "RECEIVER_VERSION",
     "ExpertsProcessing",
     "SharedWeightsReceiver",
+    "received_nothing",
     "refresh_tied_layers",
     "safetensors_weights",
     "slot_views",
@@ -40,7 +41,8 @@ class SharedWeightsReceiver:
     out first. A file sync is the same run in one call.
 
     Every sync ends the same way: each layer whose weight is tied to another's (an output layer
-    tied to the embedding) is processed again (:func:`refresh_tied_layers`), and the names of the
+    tied to the embedding) and got no tensor of its own is processed from the reloaded shared
+    weight (:func:`refresh_tied_layers`), and the names of the
     parameters that received nothing come back to the trainer, which refuses the sync when there
     are any (docs/training.md, "Weight sync across model families").
     """
@@ -111,9 +113,10 @@ class SharedWeightsReceiver:
                     _copy_out_held_views(model, held)
                 return []
             partial = partly_loaded_layers(model)
-            with _quiet_unloaded_warning(self._lo_tied):
+            unloaded_tied = [layer for layer in self._lo_tied if received_nothing(layer)]
+            with _quiet_unloaded_warning(unloaded_tied):
                 finalize_layerwise_reload(model, runner.model_config)
-            refresh_tied_layers(self._lo_tied)
+            refresh_tied_layers(unloaded_tied)
             self._lo_experts.finish()
             for reset in ("reset_lora_state", "reset_encoder_cache", "reset_mm_cache"):
                 if hasattr(runner, reset):  # what vLLM's reload_weights resets after loading
@@ -159,6 +162,15 @@ def partly_loaded_layers(model: torch.nn.Module) -> list[str]:
     return partial
 
 
+def received_nothing(layer: torch.nn.Module) -> bool:
+    """Whether ``layer`` is still waiting for its first weight of this reload (vLLM will put its old
+    tensors back at the end, unprocessed)."""
+    from vllm.model_executor.model_loader.reload.layerwise import LAYERWISE_INFO
+
+    info = LAYERWISE_INFO.get(layer)
+    return info is not None and info.can_load() and info.load_numel == 0
+
+
 def tied_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
     """The layers of ``model`` whose ``weight`` is one parameter with another layer's (a tied output layer).
 
@@ -175,7 +187,8 @@ def tied_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
 
 
 def refresh_tied_layers(layers: list[torch.nn.Module]) -> None:
-    """Process each of ``layers`` again from its (reloaded) weight: what vLLM does once after loading."""
+    """Process each of ``layers`` (tied layers that received no tensor of their own) from its reloaded
+    shared weight: what vLLM does once after loading."""
     for layer in layers:
         process = getattr(layer.quant_method, "process_weights_after_loading", None)
         if process is not None:
