@@ -22,11 +22,18 @@ import time
 from collections.abc import Sequence
 
 from lightning_offpolicy.modelcheck.families import FAMILIES, build_tiny, family_config, tiny_like
-from lightning_offpolicy.modelcheck.matrix import CELLS, Cell, check_hf_engines, check_trainer_paths, check_vllm
+from lightning_offpolicy.modelcheck.matrix import (
+    CELLS,
+    Cell,
+    check_hf_engines,
+    check_server,
+    check_trainer_paths,
+    check_vllm,
+)
 
 __all__ = ["format_table", "main", "run"]
 
-_ENGINES = ("vllm", "hf")
+_ENGINES = ("vllm", "server", "hf")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -49,7 +56,8 @@ def _parser() -> argparse.ArgumentParser:
         "--engines",
         default="vllm,hf",
         help="comma-separated engines to check: vllm (in-process, memory and file transports, LoRA merged), "
-        "hf (HFEngine bfloat16 and HFProcessEngine). vllm is left out with a note where vLLM is not installed.",
+        "server (a local vllm serve synced by RemoteVLLMEngine through files; one more start per model), hf "
+        "(HFEngine bfloat16 and HFProcessEngine). vLLM's cells say 'not checked' where vLLM is not installed.",
     )
     parser.add_argument("--no-lora", action="store_true", help="leave out the LoRA merged cell")
     return parser
@@ -62,19 +70,23 @@ def run(models: Sequence[tuple[str, object]], engines: Sequence[str], lora: bool
     """The cells of each ``(label, config)``: ``(label, tied, cells)``; the trainer's own paths always."""
     from lightning_offpolicy.rollout.vllm.offline import vllm_available
 
+    have_vllm = vllm_available()
     rows = []
     for label, config in models:
         tiny = tiny_like(config)
         cells: list[Cell] = [check_trainer_paths(build_tiny(tiny))]
         if "vllm" in engines:
-            if vllm_available():
-                cells += check_vllm(build_tiny(tiny), lora=lora)
-            else:
-                cells += [Cell(name, True, None, "vLLM not installed: not checked") for name in CELLS[:4]]
+            cells += check_vllm(build_tiny(tiny), lora=lora) if have_vllm else _not_checked(CELLS[:4])
+        if "server" in engines:
+            cells += [check_server(build_tiny(tiny))] if have_vllm else _not_checked(["vllm server file"])
         if "hf" in engines:
             cells += check_hf_engines(build_tiny(tiny))
         rows.append((label, bool(getattr(tiny, "tie_word_embeddings", False)), cells))
     return rows
+
+
+def _not_checked(names: Sequence[str]) -> list[Cell]:
+    return [Cell(name, True, None, "vLLM not installed: not checked") for name in names]
 
 
 def format_table(rows: list[Row]) -> str:

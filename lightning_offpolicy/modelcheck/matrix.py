@@ -9,6 +9,8 @@ computes with what the trainer computes:
   transports bit-identical on the same weights;
 * the trainer's own forwards (packed micro-batches, the fused head: what changes how the trainer
   scores a sequence) against a float64 reference of the model's logits;
+* a local ``vllm serve`` (:func:`~lightning_offpolicy.rollout.vllm.server.launch_local_server`) synced by
+  :class:`~lightning_offpolicy.rollout.RemoteVLLMEngine` through files, the same probe comparison;
 * the embedded HF engines (:class:`~lightning_offpolicy.rollout.HFEngine`,
   :class:`~lightning_offpolicy.rollout.HFProcessEngine`): every engine tensor equal to the
   trainer's cast to the engine's dtype.
@@ -34,6 +36,7 @@ __all__ = [
     "Cell",
     "VLLMSettings",
     "check_hf_engines",
+    "check_server",
     "check_trainer_paths",
     "check_vllm",
     "move_every_parameter",
@@ -48,6 +51,7 @@ CELLS = (
     "vllm file",
     "vllm memory == file",
     "vllm lora merged",
+    "vllm server file",
     "hf bfloat16",
     "hf-process",
     "trainer packed / fused head",
@@ -209,6 +213,45 @@ def _lora_merged(engine: object, model: torch.nn.Module, probe: list[int]) -> Ce
 def _is_projection(name: str, module: torch.nn.Module) -> bool:
     """Attention and MLP linear layers inside the decoder (what LoRA usually targets)."""
     return isinstance(module, torch.nn.Linear) and ".layers." in name and "gate" != name.rsplit(".", 1)[-1]
+
+
+def check_server(model: torch.nn.Module, settings: VLLMSettings | None = None) -> Cell:
+    """The ``vllm server file`` cell: a local server started from ``model``'s checkpoint, then a sync of moved
+    weights through :class:`~lightning_offpolicy.rollout.RemoteVLLMEngine` (float32). ``model`` is moved."""
+    return _attempt("vllm server file", lambda: _server_cell(model, settings or VLLMSettings()))[0]
+
+
+def _server_cell(model: torch.nn.Module, settings: VLLMSettings) -> Cell:
+    import tempfile
+
+    from lightning_offpolicy.rollout.vllm.remote import RemoteVLLMEngine
+    from lightning_offpolicy.rollout.vllm.server import launch_local_server
+
+    with tempfile.TemporaryDirectory(prefix="lightning_offpolicy_check_model_") as tmp:
+        model.save_pretrained(f"{tmp}/model")
+        server = launch_local_server(
+            f"{tmp}/model",
+            dtype="float32",
+            max_model_len=settings.max_model_len,
+            kv_cache_space_gib=settings.kv_cache_space_gib,
+            gpu_memory_utilization=settings.gpu_memory_utilization,
+        )
+        try:
+            engine = RemoteVLLMEngine(server.base_url, weights_dir=f"{tmp}/sync", check_weight_sync=False)
+            try:
+                move_every_parameter(model, 21)
+                engine.update_weights(model, 1)
+                probe = engine._probe(model)
+                return _probe_cell(
+                    "vllm server file",
+                    engine._engine_probe_logprobs(probe),
+                    trainer_probe_logprobs(model, probe),
+                    FLOAT32_ATOL,
+                )
+            finally:
+                engine.close()
+        finally:
+            server.close()
 
 
 def check_hf_engines(model: torch.nn.Module, which: Iterable[str] = ("hf bfloat16", "hf-process")) -> list[Cell]:
