@@ -165,11 +165,13 @@ def test_a_stale_hf_engine_tensor_fails_its_cell(monkeypatch):
 
 
 def test_check_received():
-    check_received([[], []], ["a"], "E")  # every worker received everything
-    check_received([None], ["a"], "E")  # a model that does not say what it loaded: nothing to check
-    check_received(None, ["a"], "E")
-    with pytest.raises(RuntimeError, match=r"2 of the engine's parameters received nothing .*a\.w, b\.w.*old values"):
-        check_received([["b.w"], ["a.w", "b.w"]], ["x"], "VLLMEngine")
+    check_received([[], []], 1, "E")  # every worker received everything
+    check_received([None], 1, "E")  # a model that does not say what it loaded: nothing to check
+    check_received(None, 1, "E")
+    with pytest.raises(
+        RuntimeError, match=r"2 of the engine's parameters received nothing from the 7 tensors .*a\.w, b\.w.*old"
+    ):
+        check_received([["b.w"], ["a.w", "b.w"]], 7, "VLLMEngine")
 
 
 def test_check_model_table_and_exit_status(tmp_path, capsys):

@@ -56,10 +56,12 @@ class RemoteWeightSync:
         begin = time.perf_counter()
         sync_dir = self._ensure_sync_dir()
         path = write_safetensors(tensors, sync_dir, mode=self._file_mode())
+        sent = len(tensors)
         del tensors
         written = time.perf_counter()
-        self._reload_weights(self._server_path(sync_dir))
+        missing = self._reload_weights(self._server_path(sync_dir))
         reloaded = time.perf_counter()
+        check_received(missing, sent, "RemoteVLLMEngine")
         self._reset_prefix_cache()
         self.last_write_time_s = written - begin
         self.last_reload_time_s = reloaded - written
@@ -125,8 +127,9 @@ class RemoteWeightSync:
         reload processes it then; a model without an output layer of its own, Gemma-2's, refuses it)."""
         return "drop" if self._has_receiver() else "copy"
 
-    def _reload_weights(self, server_path: str) -> None:
-        """Ask the server to reload its weights in place from the safetensors files in ``server_path``."""
+    def _reload_weights(self, server_path: str) -> list | None:
+        """Ask the server to reload its weights in place from the safetensors files in ``server_path``; with
+        the kit's receiver, what each worker's model did not receive (``None``: not known)."""
         receiver = self._has_receiver()
         body: dict = {"timeout": self.request_timeout_s}
         if receiver:
@@ -150,8 +153,7 @@ class RemoteWeightSync:
                 f"--worker-extension-cls {RECEIVER_CLS} (launch_local_server does)."
             )
             raise RuntimeError(f"{err} {self._failure}") from err
-        if receiver:
-            check_received(_results(answer), [], "RemoteVLLMEngine")
+        return _results(answer) if receiver else None
 
     def _reset_prefix_cache(self) -> None:
         """Drop the server's prefix cache: cached KV of the old weights must not serve new requests."""

@@ -118,13 +118,13 @@ def trainer_probe_logprobs(module: torch.nn.Module, probe: list[int]) -> torch.T
     return lp[0].double().cpu()
 
 
-def check_received(answers: list[list[str] | None] | None, sent: list[str], who: str) -> None:
+def check_received(answers: list[list[str] | None] | None, sent: int, who: str) -> None:
     """Raise when a worker's model has parameters that received nothing in a sync.
 
     Args:
         answers: Each engine worker's list of its model's parameters that got no tensor in the
             sync (``None``: the worker's model does not say what it loaded; nothing to check).
-        sent: The names the trainer sent, for the message.
+        sent: How many tensors the trainer sent, for the message.
         who: The engine's name.
 
     Raises:
@@ -136,7 +136,7 @@ def check_received(answers: list[list[str] | None] | None, sent: list[str], who:
         return
     shown = ", ".join(missing[:8]) + (f" and {len(missing) - 8} more" if len(missing) > 8 else "")
     raise RuntimeError(
-        f"{who} weight sync: {len(missing)} of the engine's parameters received nothing from the {len(sent)} "
+        f"{who} weight sync: {len(missing)} of the engine's parameters received nothing from the {sent} "
         f"tensors the trainer sent ({shown}): the engine would go on sampling with their old values. The "
         "trainer's model lacks them or names them otherwise (a different architecture or a renamed module?). "
         "Nothing was stamped with the new version."
