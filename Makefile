@@ -134,7 +134,7 @@ soak: $(VENV)/.dev
 	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} $(PY) tools/soak_faults.py --output docs/reports/soak_faults.md
 	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} $(PY) tools/pool_check.py --output docs/reports/pool_check.md
 	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} $(VENV)/bin/lightning-offpolicy check-model --family all \
-		--engines vllm,server,hf > docs/reports/check_model.md
+		--engines vllm,server,hf --output docs/reports/check_model.md
 
 # The figures of README.md and docs/*.md marked `<!-- docs-check: ... -->` (the quickstart reward
 # table, the selfcheck table, the examples' printed figures), re-run with the command the docs state

@@ -178,8 +178,14 @@ def test_check_model_table_and_exit_status(tmp_path, capsys):
     """check-model on a checkpoint directory (only config.json is read) and a family, embedded engines."""
     family_config("qwen2-tied").save_pretrained(tmp_path)
     assert json.loads((tmp_path / "config.json").read_text())["tie_word_embeddings"] is True
-    assert check_model.main([str(tmp_path), "--family", "gemma2", "--engines", "hf"]) == 0
+    report = tmp_path / "report.md"
+    assert check_model.main([str(tmp_path), "--family", "gemma2", "--engines", "hf", "--output", str(report)]) == 0
     out = capsys.readouterr().out
+    written = report.read_text()
+    assert written.startswith("# check-model\n") and "--engines hf" in written and "transformers 5." in written
+    assert [line for line in written.splitlines() if line.startswith("| ")] == [
+        line for line in out.splitlines() if line.startswith("| ")
+    ]
     lines = [line for line in out.splitlines() if line.startswith("| ")]
     assert lines[0] == "| model | tied | hf bfloat16 | hf-process | trainer packed / fused head |"
     assert lines[1].startswith(f"| {tmp_path} (Qwen2) | yes | ok (0.0e+00) | ok (0.0e+00) | ok (")

@@ -60,6 +60,12 @@ def _parser() -> argparse.ArgumentParser:
         "(HFEngine bfloat16 and HFProcessEngine). vLLM's cells say 'not checked' where vLLM is not installed.",
     )
     parser.add_argument("--no-lora", action="store_true", help="leave out the LoRA merged cell")
+    parser.add_argument(
+        "--output",
+        default=None,
+        help="also write the table, with the versions it was measured with, to this Markdown file "
+        "(the engines' own logs go to the console, not into it)",
+    )
     return parser
 
 
@@ -138,10 +144,41 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.getLogger("vllm").setLevel(logging.WARNING)
     begin = time.perf_counter()
     rows = run(models, engines, lora=not args.no_lora)
-    print(format_table(rows))
     failed = sum(not c.ok for _, _, cells in rows for c in cells)
-    print(f"\n{len(rows)} model(s), {failed} failed cell(s), {time.perf_counter() - begin:.0f} s")
+    summary = f"{len(rows)} model(s), {failed} failed cell(s), {time.perf_counter() - begin:.0f} s"
+    print(format_table(rows) + "\n\n" + summary)
+    if args.output:
+        words = list(argv) if argv is not None else sys.argv[1:]
+        date = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+        report = [
+            "# check-model",
+            "",
+            f"- **Command**: `lightning-offpolicy check-model {' '.join(words)}`",
+            f"- **Versions**: {_versions()}",
+            f"- **Date**: {date}",
+            "",
+            format_table(rows),
+            "",
+            summary,
+            "",
+        ]
+        with open(args.output, "w", encoding="utf-8") as handle:
+            handle.write("\n".join(report))
     return 1 if failed else 0
+
+
+def _versions() -> str:
+    import torch
+    import transformers
+
+    from lightning_offpolicy.rollout.vllm.offline import vllm_available
+
+    parts = [f"torch {torch.__version__}", f"transformers {transformers.__version__}"]
+    if vllm_available():
+        import vllm
+
+        parts.append(f"vLLM {vllm.__version__}")
+    return ", ".join(parts)
 
 
 if __name__ == "__main__":
