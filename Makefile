@@ -127,14 +127,14 @@ study: $(VENV)/.dev
 # fault runs: SIGTERM to the process group (every config), the vLLM engine killed mid-fit, a full
 # disk at a save; each resumes from what it saved. Then the quickstart on one vLLM server, on two behind
 # RemoteVLLMPool and on two with one killed mid-fit. Then the weight-sync matrix on every model family
-# (`check-model --family all --engines vllm,server,hf`, ~15 min). Writes docs/reports/soak.md, docs/reports/soak_faults.md,
+# (`check-model --family all --engines vllm,lora-adapter,server,hf`, ~20 min). Writes docs/reports/soak.md, docs/reports/soak_faults.md,
 # docs/reports/pool_check.md (+ .json) and docs/reports/check_model.md. Not part of `make test` (about 3.9 h on 2 cores).
 soak: $(VENV)/.dev
 	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} $(PY) tools/soak.py --output docs/reports/soak.md
 	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} $(PY) tools/soak_faults.py --output docs/reports/soak_faults.md
 	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} $(PY) tools/pool_check.py --output docs/reports/pool_check.md
 	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} $(VENV)/bin/lightning-offpolicy check-model --family all \
-		--engines vllm,server,hf --output docs/reports/check_model.md
+		--engines vllm,lora-adapter,server,hf --output docs/reports/check_model.md
 
 # The figures of README.md and docs/*.md marked `<!-- docs-check: ... -->` (the quickstart reward
 # table, the selfcheck table, the examples' printed figures), re-run with the command the docs state

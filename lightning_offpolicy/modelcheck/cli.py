@@ -26,6 +26,7 @@ from lightning_offpolicy.modelcheck.matrix import (
     CELLS,
     Cell,
     check_hf_engines,
+    check_lora_adapter,
     check_server,
     check_trainer_paths,
     check_vllm,
@@ -33,7 +34,7 @@ from lightning_offpolicy.modelcheck.matrix import (
 
 __all__ = ["format_table", "main", "run"]
 
-_ENGINES = ("vllm", "server", "hf")
+_ENGINES = ("vllm", "lora-adapter", "server", "hf")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -56,7 +57,8 @@ def _parser() -> argparse.ArgumentParser:
         "--engines",
         default="vllm,hf",
         help="comma-separated engines to check: vllm (in-process, memory and file transports, LoRA merged), "
-        "server (a local vllm serve synced by RemoteVLLMEngine through files; one more start per model), hf "
+        "lora-adapter (vLLM applying a LoRA adapter itself; one more start per model), server (a local vllm serve "
+        "synced by RemoteVLLMEngine through files; one more start per model), hf "
         "(HFEngine bfloat16 and HFProcessEngine). vLLM's cells say 'not checked' where vLLM is not installed.",
     )
     parser.add_argument("--no-lora", action="store_true", help="leave out the LoRA merged cell")
@@ -83,6 +85,8 @@ def run(models: Sequence[tuple[str, object]], engines: Sequence[str], lora: bool
         cells: list[Cell] = [check_trainer_paths(build_tiny(tiny))]
         if "vllm" in engines:
             cells += check_vllm(build_tiny(tiny), lora=lora) if have_vllm else _not_checked(CELLS[:4])
+        if "lora-adapter" in engines:
+            cells += [check_lora_adapter(build_tiny(tiny))] if have_vllm else _not_checked(["vllm lora adapter"])
         if "server" in engines:
             cells += [check_server(build_tiny(tiny))] if have_vllm else _not_checked(["vllm server file"])
         if "hf" in engines:

@@ -9,6 +9,7 @@ computes with what the trainer computes:
   transports bit-identical on the same weights;
 * the trainer's own forwards (packed micro-batches, the fused head: what changes how the trainer
   scores a sequence) against a float64 reference of the model's logits;
+* vLLM applying a LoRA adapter itself (``lora_sync="adapter"``: the base once, then the adapter);
 * a local ``vllm serve`` (:func:`~lightning_offpolicy.rollout.vllm.server.launch_local_server`) synced by
   :class:`~lightning_offpolicy.rollout.RemoteVLLMEngine` through files, the same probe comparison;
 * the embedded HF engines (:class:`~lightning_offpolicy.rollout.HFEngine`,
@@ -36,6 +37,7 @@ __all__ = [
     "Cell",
     "VLLMSettings",
     "check_hf_engines",
+    "check_lora_adapter",
     "check_server",
     "check_trainer_paths",
     "check_vllm",
@@ -51,6 +53,7 @@ CELLS = (
     "vllm file",
     "vllm memory == file",
     "vllm lora merged",
+    "vllm lora adapter",
     "vllm server file",
     "hf bfloat16",
     "hf-process",
@@ -189,19 +192,31 @@ def _start(engine: object, model: torch.nn.Module) -> Cell:
     return Cell("vllm start", True, None, f"{time.perf_counter() - begin:.0f} s")
 
 
-def _lora_merged(engine: object, model: torch.nn.Module, probe: list[int]) -> Cell:
-    """A peft LoRA copy of ``model`` with non-zero adapters, synced merged into the same engine."""
+def _with_lora(model: torch.nn.Module, attention_only: bool, seed: int) -> torch.nn.Module:
+    """A peft LoRA copy of ``model`` (rank 8) on its decoder's projections, with non-zero adapters."""
     import copy
 
     from peft import LoraConfig, get_peft_model
 
-    targets = sorted({name.rsplit(".", 1)[-1] for name, mod in model.named_modules() if _is_projection(name, mod)})
+    targets = sorted(
+        {
+            name.rsplit(".", 1)[-1]
+            for name, module in model.named_modules()
+            if _is_projection(name, module) and (".self_attn." in name or not attention_only)
+        }
+    )
     peft_model = get_peft_model(copy.deepcopy(model), LoraConfig(r=8, lora_alpha=16, target_modules=targets))
-    generator = torch.Generator().manual_seed(7)
+    generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, param in peft_model.named_parameters():
-            if "lora_B" in name:  # peft starts B at zero: give the adapter something to merge
+            if "lora_B" in name:  # peft starts B at zero: give the adapter something to apply
                 param.copy_(torch.randn(param.shape, generator=generator) * 0.05)
+    return peft_model
+
+
+def _lora_merged(engine: object, model: torch.nn.Module, probe: list[int]) -> Cell:
+    """A peft LoRA copy of ``model`` with non-zero adapters, synced merged into the same engine."""
+    peft_model = _with_lora(model, attention_only=False, seed=7)
     engine.weight_transport = "memory"
     engine.update_weights(peft_model, 4)
     engine_lp = engine._engine_probe_logprobs(probe)
@@ -213,6 +228,40 @@ def _lora_merged(engine: object, model: torch.nn.Module, probe: list[int]) -> Ce
 def _is_projection(name: str, module: torch.nn.Module) -> bool:
     """Attention and MLP linear layers inside the decoder (what LoRA usually targets)."""
     return isinstance(module, torch.nn.Linear) and ".layers." in name and "gate" != name.rsplit(".", 1)[-1]
+
+
+def check_lora_adapter(model: torch.nn.Module, settings: VLLMSettings | None = None) -> Cell:
+    """The ``vllm lora adapter`` cell: an engine with vLLM's LoRA support started from a peft copy of ``model``
+    (LoRA on the attention projections), then a sync of a moved adapter, applied by vLLM (float32)."""
+    return _attempt("vllm lora adapter", lambda: _lora_adapter_cell(model, settings or VLLMSettings()))[0]
+
+
+def _lora_adapter_cell(model: torch.nn.Module, settings: VLLMSettings) -> Cell:
+    from lightning_offpolicy.rollout.vllm.inprocess import VLLMEngine
+
+    peft_model = _with_lora(model, attention_only=True, seed=8)
+    engine = VLLMEngine(
+        model=None,
+        dtype="float32",
+        eos_token_id=0,
+        lora_sync="adapter",
+        max_model_len=settings.max_model_len,
+        gpu_memory_utilization=settings.gpu_memory_utilization,
+        kv_cache_space_gib=settings.kv_cache_space_gib,
+        check_weight_sync=False,
+    )
+    try:
+        engine.update_weights(peft_model, 0)  # starts from the base, loads the first adapter
+        with torch.no_grad():
+            for name, param in peft_model.named_parameters():
+                if "lora_" in name:
+                    param.add_(torch.randn_like(param) * 0.05)
+        engine.update_weights(peft_model, 1)
+        probe = engine._probe()
+        engine_lp = engine._engine_probe_logprobs(probe)
+        return _probe_cell("vllm lora adapter", engine_lp, trainer_probe_logprobs(peft_model, probe), FLOAT32_ATOL)
+    finally:
+        engine.close()
 
 
 def check_server(model: torch.nn.Module, settings: VLLMSettings | None = None) -> Cell:
