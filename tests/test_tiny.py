@@ -12,8 +12,8 @@ import torch
 import lightning_offpolicy.demo.tiny as tiny
 from lightning_offpolicy.data.tasks import get_task
 from lightning_offpolicy.data.tokenizers import CharTokenizer, load_tokenizer
+from lightning_offpolicy.demo.checkpoint_cache import CACHE_ENV, MARKER_FILE
 from lightning_offpolicy.demo.tiny import (
-    MARKER_FILE,
     build_tiny_llama,
     greedy_completions,
     greedy_reward,
@@ -26,7 +26,7 @@ from lightning_offpolicy.demo.tiny import (
 
 @pytest.fixture(autouse=True)
 def _cache_and_threads(tmp_path, monkeypatch):
-    monkeypatch.setenv(tiny.CACHE_ENV, str(tmp_path / "cache"))
+    monkeypatch.setenv(CACHE_ENV, str(tmp_path / "cache"))
     # One thread: the model is tiny, and on a busy 2-core machine two threads run ~20x slower.
     threads = torch.get_num_threads()
     torch.set_num_threads(1)

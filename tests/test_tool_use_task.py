@@ -186,7 +186,7 @@ def test_a_small_build_loads_as_an_ordinary_checkpoint_and_plays_episodes(tmp_pa
     builds it for configs/tool_use.yaml, and recorded in its marker)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
-    from lightning_offpolicy.demo.tiny import MARKER_FILE
+    from lightning_offpolicy.demo.checkpoint_cache import MARKER_FILE
     from lightning_offpolicy.demo.tool_use import prepare_tool_use_checkpoint, tool_use_success
 
     settings = {"sft_steps": 20, "num_conversations": 64}

@@ -22,7 +22,7 @@ from lightning_offpolicy.data.environments.base import Message
 from lightning_offpolicy.data.environments.guess_number import GuessNumber
 from lightning_offpolicy.data.tasks.guess_number import GuessNumberTask
 from lightning_offpolicy.demo.chat_sft import play_held_out, sft_on_conversations
-from lightning_offpolicy.demo.tiny import cached_build, chat_checkpoint_target
+from lightning_offpolicy.demo.checkpoint_cache import cached_build, chat_checkpoint_target
 from lightning_offpolicy.demo.tiny_bpe import (
     CHATML_TEMPLATE,
     SPECIAL_TOKENS,
@@ -159,7 +159,8 @@ def build_guess_number_checkpoint(directory: str | os.PathLike, seed: int = 0, *
 
 
 def prepare_guess_number_checkpoint(seed: int = 0, directory: str | os.PathLike | None = None, **settings: Any) -> Path:
-    """:func:`build_guess_number_checkpoint`, cached (as :func:`~lightning_offpolicy.demo.tiny.cached_build`)."""
+    """:func:`build_guess_number_checkpoint`, cached
+    (:func:`~lightning_offpolicy.demo.checkpoint_cache.cached_build`)."""
     chosen, target = chat_checkpoint_target(
         "prepare_guess_number_checkpoint", "tiny-guess-number", seed, directory, DEFAULT_GUESS_NUMBER_SETTINGS, settings
     )

@@ -269,13 +269,13 @@ def save_chat_checkpoint(
 ) -> Path:
     """Save ``model`` and ``tokenizer`` as a Qwen2.5-style chat checkpoint: generation stops on
     ``end_of_turn`` and ``end_of_text``, pads with ``end_of_text``, no bos. Returns the absolute directory."""
-    from lightning_offpolicy.demo.tiny import _save_model
+    from lightning_offpolicy.demo.checkpoint_cache import save_model
 
     model.generation_config.eos_token_id = [end_of_turn, end_of_text]
     model.generation_config.pad_token_id = end_of_text
     model.generation_config.bos_token_id = None
     target = Path(directory).expanduser().absolute()
     target.mkdir(parents=True, exist_ok=True)
-    _save_model(model, target)
+    save_model(model, target)
     tokenizer.save_pretrained(target)
     return target

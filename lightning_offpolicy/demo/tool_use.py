@@ -27,7 +27,7 @@ import torch
 from lightning_offpolicy.argcheck import is_int
 from lightning_offpolicy.data.tasks.tool_use import MultiplyToolTask
 from lightning_offpolicy.demo.chat_sft import play_held_out, sft_on_conversations
-from lightning_offpolicy.demo.tiny import cached_build, chat_checkpoint_target
+from lightning_offpolicy.demo.checkpoint_cache import cached_build, chat_checkpoint_target
 from lightning_offpolicy.demo.tiny_bpe import SPECIAL_TOKENS, save_chat_checkpoint, tiny_config, train_bpe_tokenizer
 from lightning_offpolicy.rollout.multi_turn import EpisodeSettings, episode_metadata
 

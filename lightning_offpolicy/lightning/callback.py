@@ -24,7 +24,6 @@ from typing import Any, TypeVar
 
 import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
-from lightning.pytorch.loggers import TensorBoardLogger
 from lightning.pytorch.utilities import rank_zero_info
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from typing_extensions import override
@@ -34,6 +33,12 @@ from lightning_offpolicy.batch import PromptBatch, RolloutBatch
 from lightning_offpolicy.data.rewards import DEFAULT_REWARD_TIMEOUT_S, RewardSpec, resolve_reward
 from lightning_offpolicy.lightning.log_steps import is_logging_step
 from lightning_offpolicy.lightning.preemption import on_any_rank
+from lightning_offpolicy.lightning.rollout_logs import (
+    log_reward_components,
+    log_staleness_histogram,
+    log_timing,
+    steps_per_batch,
+)
 from lightning_offpolicy.metrics.evaluation import EvaluationBatch
 from lightning_offpolicy.preflight import check_context, check_group_size, check_vocab, context_limit
 from lightning_offpolicy.rollout.advantages import ADVANTAGE_ESTIMATORS
@@ -231,7 +236,7 @@ class RolloutCallback(Callback):
                 source, trainer.global_rank, trainer.world_size, skip=self.generated_batches, seed=self.seed
             ),
             max_staleness=self.asynchrony.max_staleness,
-            steps_per_batch=_steps_per_batch(pl_module),
+            steps_per_batch=steps_per_batch(pl_module),
             first_index=self.generated_batches,
             trainer_version=version,
             engine_version=version,
@@ -267,8 +272,8 @@ class RolloutCallback(Callback):
             "dropped_samples": float(self.dropped_samples),
             **self._sampling_stats.pop(produced.index, {}),
         }
-        if is_logging_step(trainer, batch_idx, _steps_per_batch(pl_module)):
-            self._log_staleness_histogram(trainer, version, produced.rollout)
+        if is_logging_step(trainer, batch_idx, steps_per_batch(pl_module)):
+            log_staleness_histogram(trainer, version, produced.rollout)
 
     def preempt(self) -> None:
         """Cut the rollout in flight short for a preemption (thread-safe; PreemptionCheckpoint calls it on SIGTERM).
@@ -381,40 +386,12 @@ class RolloutCallback(Callback):
         if self._background:
             self._after_async_step(pl_module)
         if self.last_timing:
-            self._log_timing(trainer, pl_module, batch_idx)
+            timing, self.last_timing = self.last_timing, {}
+            log_timing(trainer, pl_module, batch_idx, timing)
         if isinstance(batch, PromptBatch) and batch.rollout is not None and batch.rollout.reward_components:
-            self._log_reward_components(trainer, pl_module, batch.rollout.reward_components)
+            log_reward_components(trainer, pl_module, batch.rollout.reward_components)
         if isinstance(batch, PromptBatch):
             batch.rollout = None  # free the rollout's tensors before the loader's next batch
-
-    def _log_timing(self, trainer: Trainer, pl_module: LightningModule, batch_idx: int) -> None:
-        """``rollout/*`` timings on the batches whose values reach the logger; the progress bar's every batch."""
-        timing = dict(self.last_timing)
-        self.last_timing = {}
-        generate_s = max(timing.pop("generate_s"), 1e-9)
-        tokens_per_s = timing.pop("tokens") / generate_s
-        # The step already ran: global_step counts its optimizer steps.
-        logging = is_logging_step(trainer, batch_idx, _steps_per_batch(pl_module), steps_done=True)
-        if logging or trainer.progress_bar_callback is not None:
-            pl_module.log("gen_tok/s", tokens_per_s, prog_bar=True, batch_size=1, logger=False)
-        if not logging:
-            return
-        values = {"rollout/generate_s": generate_s, "rollout/tokens_per_s": tokens_per_s}
-        values.update({f"rollout/{name}": value for name, value in timing.items()})
-        pl_module.log_dict(values, on_step=True, on_epoch=False, batch_size=1)
-
-    def _log_reward_components(
-        self, trainer: Trainer, pl_module: LightningModule, components: dict[str, torch.Tensor]
-    ) -> None:
-        """``reward/<name>``: each weighted part's mean over the step's completions of every rank (exact)."""
-        sums = torch.stack([v.double().sum() for v in components.values()])
-        counts = torch.tensor([float(v.numel()) for v in components.values()], dtype=torch.float64)
-        totals = torch.cat([sums, counts]).to(pl_module.device)
-        if trainer.world_size > 1:  # every rank has the same parts, in the same order
-            totals = trainer.strategy.reduce(totals, reduce_op="sum")
-        means = totals[: len(components)] / totals[len(components) :].clamp(min=1)
-        for name, mean in zip(components, means, strict=True):
-            pl_module.log(f"reward/{name}", mean.float(), on_step=True, on_epoch=False, batch_size=1, sync_dist=False)
 
     def _after_async_step(self, pl_module: LightningModule) -> None:
         version = int(pl_module.policy_version)
@@ -428,13 +405,6 @@ class RolloutCallback(Callback):
             self.producer.set_engine_version(version)
         self.last_timing["sync_s"] = time.perf_counter() - started
         self._record_sync_probe_diff()
-
-    def _log_staleness_histogram(self, trainer: Trainer, version: int, rollout: RolloutBatch) -> None:
-        tokens = rollout.response_mask.bool()
-        for logger in trainer.loggers:
-            if isinstance(logger, TensorBoardLogger) and tokens.any():
-                staleness = (version - rollout.policy_version[tokens]).float()
-                logger.experiment.add_histogram("staleness/hist", staleness, global_step=trainer.global_step)
 
     # ------------------------------------------------------------------------------ held-out evaluation
     @override
@@ -505,8 +475,3 @@ class RolloutCallback(Callback):
             self.engine.close()  # also wakes a vLLM request in flight
         if producer is not None:
             producer.close()
-
-
-def _steps_per_batch(pl_module: LightningModule) -> int:
-    """Policy versions one training batch advances (the module's ``optimizer_steps_per_batch``, default 1)."""
-    return int(getattr(pl_module, "optimizer_steps_per_batch", 1))

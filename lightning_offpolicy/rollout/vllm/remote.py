@@ -10,7 +10,8 @@ Same guarantees as the in-process :class:`~lightning_offpolicy.rollout.VLLMEngin
 distribution sampled from, token ids in and out, in-place weight sync with a self-check, no hangs),
 and interruptible (partial rollouts, streamed requests): how each is kept over HTTP, and when
 requests stream, is in docs/remote_vllm.md, "What the engine guarantees".
-Connecting is :class:`~lightning_offpolicy.rollout.vllm.remote_connect.ServerCheck`, the weight
+Connecting is :class:`~lightning_offpolicy.rollout.vllm.remote_connect.ServerCheck`, the requests
+:class:`~lightning_offpolicy.rollout.vllm.remote_requests.RemoteRequests`, the weight
 sync :class:`~lightning_offpolicy.rollout.vllm.remote_sync.RemoteWeightSync` (full weights) and
 :class:`~lightning_offpolicy.rollout.vllm.remote_lora.RemoteAdapterSync` (a peft model's adapter).
 
@@ -26,9 +27,9 @@ import os
 import shutil
 import threading
 import warnings
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Literal, TypeVar
+from typing import Any, Literal
 
 import torch
 
@@ -37,7 +38,7 @@ from lightning_offpolicy.rollout.engine import (
     Completion,
     SamplingConfig,
 )
-from lightning_offpolicy.rollout.vllm.base import SUPPORT_LOGPROBS, RawSample, VLLMEngineBase, support_request
+from lightning_offpolicy.rollout.vllm.base import SUPPORT_LOGPROBS, RawSample, VLLMEngineBase
 from lightning_offpolicy.rollout.vllm.errors import DEV_MODE_HINT
 from lightning_offpolicy.rollout.vllm.http import (
     CONNECT_TIMEOUT_S,
@@ -49,20 +50,19 @@ from lightning_offpolicy.rollout.vllm.http import (
 )
 from lightning_offpolicy.rollout.vllm.remote_connect import ServerCheck
 from lightning_offpolicy.rollout.vllm.remote_lora import RemoteAdapterSync
+from lightning_offpolicy.rollout.vllm.remote_requests import RemoteRequests
 from lightning_offpolicy.rollout.vllm.remote_sync import RemoteWeightSync
-from lightning_offpolicy.rollout.vllm.streamed import StreamedChoices
-from lightning_offpolicy.rollout.vllm.transfer import GPU_TRANSPORTS, VLLMWeightTransfer, gpu_transport_refusal
+from lightning_offpolicy.rollout.vllm.transfer import VLLMWeightTransfer, check_transport_settings
 
 __all__ = ["RemoteVLLMEngine"]
 
 log = logging.getLogger(__name__)
 
-_T = TypeVar("_T")
 _WHO = "RemoteVLLMEngine"
 _LORA_SYNC_MODES = ("merged", "adapter")
 
 
-class RemoteVLLMEngine(ServerCheck, RemoteAdapterSync, RemoteWeightSync, VLLMEngineBase):
+class RemoteVLLMEngine(ServerCheck, RemoteRequests, RemoteAdapterSync, RemoteWeightSync, VLLMEngineBase):
     """Sample from a vLLM server (``vllm serve``) over its OpenAI-compatible HTTP API.
 
     The server must run with ``--logprobs-mode processed_logprobs`` and, for weight syncs, with
@@ -251,28 +251,7 @@ class RemoteVLLMEngine(ServerCheck, RemoteAdapterSync, RemoteWeightSync, VLLMEng
             )
         if not isinstance(push_lora_base, bool):
             raise ValueError(f"RemoteVLLMEngine.push_lora_base={push_lora_base!r} must be True or False.")
-        if weight_transport not in ("file", *GPU_TRANSPORTS):
-            raise ValueError(
-                f"RemoteVLLMEngine.weight_transport={weight_transport!r} is not known; allowed: 'file', "
-                f"{', '.join(map(repr, GPU_TRANSPORTS))}."
-            )
-        if weight_transport != "file":
-            if (why := gpu_transport_refusal(weight_transport)) is not None:
-                raise ValueError(f"RemoteVLLMEngine: {why}.")
-            if lora_sync == "adapter":
-                raise ValueError(
-                    f"RemoteVLLMEngine(weight_transport={weight_transport!r}) moves full weights: the adapter of "
-                    "lora_sync='adapter' goes through files (weight_transport='file')."
-                )
-            if weight_transport == "nccl" and transfer_master_address is None and not is_loopback(host):
-                raise ValueError(
-                    "RemoteVLLMEngine(weight_transport='nccl') needs transfer_master_address: an address of this "
-                    f"trainer's machine that the server at {host} can reach for the NCCL rendezvous."
-                )
-        if transfer_master_port is not None and (
-            not is_int(transfer_master_port) or not 0 < transfer_master_port < 65536
-        ):
-            raise ValueError(f"RemoteVLLMEngine.transfer_master_port={transfer_master_port!r} must be a port number.")
+        check_transport_settings(weight_transport, lora_sync, host, transfer_master_address, transfer_master_port)
         api_key = api_key or os.environ.get("VLLM_API_KEY") or None
         if api_key and scheme == "http" and not is_loopback(host):
             warnings.warn(
@@ -442,23 +421,6 @@ class RemoteVLLMEngine(ServerCheck, RemoteAdapterSync, RemoteWeightSync, VLLMEng
     def _engine_vocab_size(self) -> int | None:
         return self._vocab_size  # known once a module was pushed
 
-    def _stream_completion(self, body: dict[str, Any], n: int, interrupt: StreamInterrupt) -> list[RawSample]:
-        """The ``n`` samples of one ``/v1/completions`` request (streamed or not), the unfinished ones
-        :data:`INTERRUPTED` when ``interrupt`` cut it short."""
-        choices = StreamedChoices(n, top_logprobs=body["logprobs"] > 0)
-        if not interrupt.is_set():  # once interrupted, the requests still queued are not sent
-            complete = self._http.stream(
-                "/v1/completions",
-                body,
-                timeout=self.request_timeout_s,
-                what="generate",
-                on_event=choices.add,
-                interrupt=interrupt,
-            )
-            if complete:
-                return choices.samples(interrupted=False)
-        return choices.samples(interrupted=True)
-
     def _prepare_sync(self, source: torch.nn.Module | Mapping[str, torch.Tensor], is_module: bool) -> None:
         if self.lora_sync == "adapter":
             self._check_adapter_source(source, is_module)
@@ -518,71 +480,6 @@ class RemoteVLLMEngine(ServerCheck, RemoteAdapterSync, RemoteWeightSync, VLLMEng
             f"RemoteVLLMEngine(base_url={self.base_url!r}, model={self.model_name or self.model!r}, "
             f"lora_sync={self.lora_sync!r}, {state})"
         )
-
-    # ------------------------------------------------------------------ requests
-
-    def _completion_body(
-        self, prompt: list[int], sampling: SamplingConfig, seed: int | None, streaming: bool
-    ) -> dict[str, Any]:
-        body: dict[str, Any] = {
-            "model": self.request_model,
-            "prompt": prompt,
-            "n": sampling.samples_per_prompt,
-            "max_tokens": sampling.max_new_tokens,
-            **sampling.sampler_settings(),  # temperature 0 when greedy (vLLM's argmax); top_k 0: off
-            # Neutral, explicitly: otherwise the server takes them from the checkpoint's
-            # generation_config.json (unless started with --generation-config vllm), and a penalty
-            # would change the distribution sampled from without the trainer knowing.
-            "min_p": 0.0,
-            "repetition_penalty": 1.0,
-            "presence_penalty": 0.0,
-            "frequency_penalty": 0.0,
-            # The sampled token's logprob, and under a sampling mask the top ones that show the kept support.
-            "logprobs": support_request(sampling, self.support_logprobs),
-            # Stop on the engine's stop ids and only on them, as HFEngine / VLLMEngine: without
-            # ignore_eos the server would decide the stop ids itself.
-            "ignore_eos": True,
-            "stop_token_ids": self.stop_ids,
-            "return_token_ids": True,
-            # Name the logprob tokens "token_id:N": no tokenizer needed (--skip-tokenizer-init).
-            "return_tokens_as_token_ids": True,
-            # Streamed (once interrupts are in use), so that an interrupt has the tokens sampled so far.
-            "stream": streaming,
-        }
-        if streaming:
-            body["stream_interval"] = self.stream_interval
-        if seed is not None:
-            body["seed"] = seed
-        return body
-
-    def _map(self, fn: Callable[[Any], _T], items: Sequence[Any]) -> list[_T]:
-        """``fn`` over ``items``, at most ``max_concurrent_requests`` in flight; the first error cancels the rest."""
-        if len(items) == 1:
-            return [fn(items[0])]
-        with self._pool_lock:  # close() may run in another thread: never use a pool it has shut down
-            if self._closed:
-                raise RuntimeError("RemoteVLLMEngine was closed during generate.")
-            if self._pool is None:
-                self._pool = concurrent.futures.ThreadPoolExecutor(
-                    max_workers=self.max_concurrent_requests, thread_name_prefix="RemoteVLLMEngine"
-                )
-            pool = self._pool
-        futures: list[concurrent.futures.Future[_T]] = []
-        try:
-            for item in items:
-                futures.append(pool.submit(fn, item))  # raises RuntimeError once close() shut the pool down
-            # Each request ends within its own deadline, so waiting for them in turn cannot hang.
-            return [f.result() for f in futures]
-        except (concurrent.futures.CancelledError, RuntimeError) as err:
-            for f in futures:
-                f.cancel()
-            if self._closed:  # close() from another thread cancelled the queue / shut the pool down
-                raise RuntimeError("RemoteVLLMEngine was closed during generate.") from err
-            raise
-        except BaseException:
-            for f in futures:
-                f.cancel()
-            raise
 
 
 def _vocab_size(source: torch.nn.Module | Mapping[str, torch.Tensor]) -> int | None:

@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["GPU_TRANSPORTS", "VLLMWeightTransfer", "gpu_transport_refusal"]
+__all__ = ["GPU_TRANSPORTS", "VLLMWeightTransfer", "check_transport_settings", "gpu_transport_refusal"]
 
 #: The ``weight_transport`` values that use vLLM's weight-transfer engines.
 GPU_TRANSPORTS = ("nccl", "ipc")
@@ -46,6 +46,45 @@ def gpu_transport_refusal(transport: str) -> str | None:
             f"installed in the trainer's environment ({err}): install it, or use weight_transport='file'"
         )
     return None
+
+
+def check_transport_settings(
+    weight_transport: str,
+    lora_sync: str,
+    host: str,
+    transfer_master_address: str | None,
+    transfer_master_port: int | None,
+) -> None:
+    """Refuse a :class:`~lightning_offpolicy.rollout.vllm.remote.RemoteVLLMEngine` transport setting that cannot work.
+
+    Raises:
+        ValueError: An unknown transport, a GPU transport this machine cannot drive, one combined
+            with ``lora_sync="adapter"``, NCCL to a remote ``host`` without ``transfer_master_address``,
+            or a port out of range; the message names the setting.
+    """
+    from lightning_offpolicy.argcheck import is_int
+    from lightning_offpolicy.rollout.vllm.http import is_loopback
+
+    if weight_transport not in ("file", *GPU_TRANSPORTS):
+        raise ValueError(
+            f"RemoteVLLMEngine.weight_transport={weight_transport!r} is not known; allowed: 'file', "
+            f"{', '.join(map(repr, GPU_TRANSPORTS))}."
+        )
+    if weight_transport != "file":
+        if (why := gpu_transport_refusal(weight_transport)) is not None:
+            raise ValueError(f"RemoteVLLMEngine: {why}.")
+        if lora_sync == "adapter":
+            raise ValueError(
+                f"RemoteVLLMEngine(weight_transport={weight_transport!r}) moves full weights: the adapter of "
+                "lora_sync='adapter' goes through files (weight_transport='file')."
+            )
+        if weight_transport == "nccl" and transfer_master_address is None and not is_loopback(host):
+            raise ValueError(
+                "RemoteVLLMEngine(weight_transport='nccl') needs transfer_master_address: an address of this "
+                f"trainer's machine that the server at {host} can reach for the NCCL rendezvous."
+            )
+    if transfer_master_port is not None and (not is_int(transfer_master_port) or not 0 < transfer_master_port < 65536):
+        raise ValueError(f"RemoteVLLMEngine.transfer_master_port={transfer_master_port!r} must be a port number.")
 
 
 def _tensors_source() -> Any:
