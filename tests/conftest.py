@@ -97,6 +97,13 @@ def tiny_checkpoint_cache(tmp_path_factory, request):
     os.environ.pop("LIGHTNING_OFFPOLICY_CACHE", None)
 
 
+@pytest.fixture(autouse=True)
+def no_run_seed_from_an_earlier_test(monkeypatch):
+    """Components without a seed of their own take the run's (``seed_everything``'s ``PL_GLOBAL_SEED``,
+    lightning_offpolicy/seeding.py): a test that seeded the run must not seed the next one on its worker."""
+    monkeypatch.delenv("PL_GLOBAL_SEED", raising=False)
+
+
 #: A test that takes longer (setup + call + teardown, on a 2-core machine) carries ``@pytest.mark.long(why)``.
 #: The start of a module- or session-wide fixture, and of the shared vLLM engine and server, is not counted:
 #: it is paid once, by whichever test of its users comes first.

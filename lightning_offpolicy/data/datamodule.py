@@ -16,6 +16,7 @@ from lightning_offpolicy.data.files import RowLocator
 from lightning_offpolicy.data.rewards.resolve import RewardSpec
 from lightning_offpolicy.data.sampler import ResumableTrainLoader
 from lightning_offpolicy.data.sources import REASONING_GYM_PREFIX, load_source, reasoning_gym_rows
+from lightning_offpolicy.seeding import run_seed
 
 __all__ = ["DatasetDataModule", "PromptRows"]
 
@@ -76,7 +77,8 @@ class DatasetDataModule(ResumableTrainLoader, LightningDataModule):
         prompts_per_step: Prompts per training step on each process (the train batch size); the
             rollout side samples each ``samples_per_prompt`` times.
         val_prompts_per_step: Prompts per validation batch (default: ``prompts_per_step``).
-        seed: Seed of the shuffled order, the held-out split and the reasoning-gym generation.
+        seed: Seed of the shuffled order, the held-out split and the reasoning-gym generation; ``None``: the
+            run's (``seed_everything``).
         shuffle: Shuffle the training prompts (a new order each epoch); False keeps the file order.
         split: The split taken from a ``DatasetDict`` source.
         reward_fn: The reward for these prompts, exposed as ``self.reward_fn`` (which
@@ -98,7 +100,7 @@ class DatasetDataModule(ResumableTrainLoader, LightningDataModule):
         val_size: int | float | None = None,
         prompts_per_step: int = 16,
         val_prompts_per_step: int | None = None,
-        seed: int = 0,
+        seed: int | None = None,
         shuffle: bool = True,
         split: str = "train",
         reward_fn: RewardSpec = None,
@@ -124,7 +126,7 @@ class DatasetDataModule(ResumableTrainLoader, LightningDataModule):
         self.prompt_field = prompt_field
         self.prompts_per_step = prompts_per_step
         self.val_prompts_per_step = val_prompts_per_step or prompts_per_step
-        self.seed = seed
+        self.seed = seed = run_seed(seed, "DatasetDataModule.seed")
         self.shuffle = shuffle
         self.split = split
         self.reasoning_gym_size = reasoning_gym_size

@@ -51,6 +51,7 @@ from lightning_offpolicy.rollout.partial import RolloutStopped
 from lightning_offpolicy.rollout.producer import RolloutProducer
 from lightning_offpolicy.rollout.prompt_source import prompt_batches
 from lightning_offpolicy.rollout.rollouter import Rollouter
+from lightning_offpolicy.seeding import run_seed
 
 _T = TypeVar("_T")
 _PRODUCER_STOPPED = "the rollout producer was stopped (a preemption)"
@@ -66,7 +67,8 @@ class RolloutCallback(Callback):
         reward_timeout_s: Longest one reward call on a batch may take (seconds); ``None``: no limit.
         sampling: How completions are sampled.
         advantage_estimator: ``"grpo"``, ``"dr_grpo"``, ``"rloo"`` or ``"reinforce"``.
-        seed: Base seed of the sampler (batch ``j`` on rank ``r`` derives its own).
+        seed: Base seed of the sampler (batch ``j`` on rank ``r`` derives its own); ``None``: the run's
+            (``seed_everything``).
         asynchrony: Background generation with bounded staleness; default: synchronous.
         dapo: DAPO's dynamic sampling and overlong handling.
         episodes: Multi-turn episodes: the tools or the environment the model talks to, and the
@@ -85,7 +87,7 @@ class RolloutCallback(Callback):
         reward_timeout_s: float | None = DEFAULT_REWARD_TIMEOUT_S,
         sampling: SamplingConfig = SamplingConfig(),  # noqa: B008 (read-only, copied)
         advantage_estimator: str = "grpo",
-        seed: int = 0,
+        seed: int | None = None,
         asynchrony: AsyncSettings = AsyncSettings(),  # noqa: B008 (frozen)
         dapo: DAPOSettings = DAPOSettings(),  # noqa: B008 (frozen)
         episodes: EpisodeSettings = EpisodeSettings(),  # noqa: B008 (read-only)
@@ -125,7 +127,7 @@ class RolloutCallback(Callback):
         self.reward_fn = resolve_reward(reward_fn, "RolloutCallback.reward_fn")
         self.sampling = dataclasses.replace(sampling)
         self.advantage_estimator = advantage_estimator
-        self.seed = seed
+        self.seed = run_seed(seed, "RolloutCallback.seed")
         self.asynchrony = asynchrony
         self.dapo = dapo
         self.episodes = episodes

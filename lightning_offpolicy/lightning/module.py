@@ -58,6 +58,7 @@ from lightning_offpolicy.lightning.update_hooks import ManualOptimizationHooks, 
 from lightning_offpolicy.metrics.correction import CorrectionMetrics, PolicyLossMetrics
 from lightning_offpolicy.metrics.evaluation import EvaluationMetrics
 from lightning_offpolicy.preflight import check_model_path, check_vocab
+from lightning_offpolicy.seeding import run_seed
 from lightning_offpolicy.train import compiled_policy, step
 from lightning_offpolicy.train import policy as policy_building
 from lightning_offpolicy.train.compiled_policy import COMPILE_MODES, CompileMode
@@ -99,7 +100,7 @@ class OffPolicyRLModule(LightningModule):
         torch_dtype: dtype the model is loaded in (when built from ``model``).
         logprob_chunk_size: Rows per chunk of the lean logprob computation.
         shuffle_minibatches: Shuffle rows before each pass's mini-batch split.
-        seed: Seed of the mini-batch shuffles.
+        seed: Seed of the mini-batch shuffles; ``None``: the run's (``seed_everything``).
         lora_rank: Rank of peft LoRA adapters added to the policy (0: full fine-tuning); only they
             train, and the reference is the model with them disabled.
         lora_alpha: LoRA scaling numerator (the update is ``alpha / rank * B @ A``).
@@ -130,7 +131,7 @@ class OffPolicyRLModule(LightningModule):
         torch_dtype: Literal["float32", "bfloat16", "float16"] = "float32",
         logprob_chunk_size: int = 1024,
         shuffle_minibatches: bool = True,
-        seed: int = 0,
+        seed: int | None = None,
         lora_rank: int = 0,
         lora_alpha: float = 16.0,
         lora_target_modules: list[str] | str = "all-linear",
@@ -204,7 +205,7 @@ class OffPolicyRLModule(LightningModule):
         self.torch_dtype = torch_dtype
         self.logprob_chunk_size = logprob_chunk_size
         self.shuffle_minibatches = shuffle_minibatches
-        self.seed = seed
+        self.seed = seed = run_seed(seed, "OffPolicyRLModule.seed")
         self.lora_rank = lora_rank
         self.lora_alpha = lora_alpha
         self.lora_target_modules = lora_target_modules

@@ -14,6 +14,7 @@ from lightning_offpolicy.batch import PromptBatch
 from lightning_offpolicy.data.sampler import ResumableTrainLoader
 from lightning_offpolicy.data.tasks.base import Task, TaskReward
 from lightning_offpolicy.data.tasks.registry import TASKS, get_task
+from lightning_offpolicy.seeding import run_seed
 
 __all__ = ["PromptDataset", "PromptDataModule", "collate_prompts"]
 
@@ -55,7 +56,7 @@ class PromptDataModule(ResumableTrainLoader, LightningDataModule):
         prompts_per_step: prompts per training step (the DataLoader batch size); each prompt is
             sampled ``rollout.sampling.samples_per_prompt`` times by the rollout side.
         num_train_prompts: size of the fixed training prompt set (one epoch = this many prompts).
-        seed: seed of the prompt set and of the shuffling order.
+        seed: seed of the prompt set and of the shuffling order; ``None``: the run's (``seed_everything``).
         num_val_prompts: held-out prompts for evaluation in Lightning's validation loop (``val/*``
             metrics, see :mod:`lightning_offpolicy.metrics.evaluation`); 0: no validation. They come from
             a seed stream of their own and never equal a training prompt (except for a task whose
@@ -69,7 +70,7 @@ class PromptDataModule(ResumableTrainLoader, LightningDataModule):
         task: str = "reverse",
         prompts_per_step: int = 16,
         num_train_prompts: int = 2048,
-        seed: int = 0,
+        seed: int | None = None,
         num_val_prompts: int = 0,
         val_prompts_per_step: int = 16,
     ) -> None:
@@ -99,7 +100,7 @@ class PromptDataModule(ResumableTrainLoader, LightningDataModule):
         self.task_name = task
         self.prompts_per_step = prompts_per_step
         self.num_train_prompts = num_train_prompts
-        self.seed = seed
+        self.seed = seed = run_seed(seed, "PromptDataModule.seed")
         self.shuffle = True
         self.task: Task = get_task(task)
         self.reward_fn = TaskReward(self.task)
