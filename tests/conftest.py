@@ -108,7 +108,11 @@ def no_run_seed_from_an_earlier_test(monkeypatch):
 #: The start of a module- or session-wide fixture, and of the shared vLLM engine and server, is not counted:
 #: it is paid once, by whichever test of its users comes first.
 LONG_S = 30.0
+#: The suite's wall-time budget on the project's 2-core machine (README, "Two commands"), printed against.
+BUDGET_S = 12 * 60.0
 _unmarked_long: list[tuple[float, str]] = []
+_file_seconds: dict[str, float] = {}  # every phase of every test of a file, shared starts included
+_session_start = time.perf_counter()
 _phase_seconds: dict[str, float] = {}  # a test's setup (+ call) so far
 _running: list[pytest.Item] = []  # the test being set up, on this process
 
@@ -137,6 +141,8 @@ def pytest_configure(config: pytest.Config) -> None:
 
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:
     # Runs on the xdist controller too, where a report carries its test's marker names in `keywords`.
+    test_file = report.nodeid.split("::", 1)[0]
+    _file_seconds[test_file] = _file_seconds.get(test_file, 0.0) + report.duration
     seconds = _phase_seconds.pop(report.nodeid, 0.0) + report.duration
     if report.when == "setup":
         seconds -= sum(value for name, value in report.user_properties if name == SHARED_SETUP)
@@ -147,6 +153,17 @@ def pytest_runtest_logreport(report: pytest.TestReport) -> None:
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Config) -> None:
+    if _file_seconds and not hasattr(config, "workerinput"):
+        wall = time.perf_counter() - _session_start
+        workers = getattr(config.option, "numprocesses", None) or 1
+        verdict = "within" if wall <= BUDGET_S else "OVER"
+        terminalreporter.section(
+            f"suite {wall / 60:.1f} min of wall time: {verdict} its {BUDGET_S / 60:.0f} min budget "
+            f"({workers} worker(s), load {os.getloadavg()[0]:.1f} at the end)"
+        )
+        terminalreporter.write_line("the files that cost most (test seconds, summed over their tests):")
+        for test_file, seconds in sorted(_file_seconds.items(), key=lambda item: -item[1])[:12]:
+            terminalreporter.write_line(f"{seconds:7.1f} s  {test_file}")
     if _unmarked_long:
         terminalreporter.section(f"tests over {LONG_S:.0f} s without @pytest.mark.long(why)")
         for seconds, nodeid in sorted(_unmarked_long, reverse=True):
