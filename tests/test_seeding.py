@@ -7,12 +7,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from lightning.pytorch import LightningDataModule
 
 from lightning_offpolicy.cli import OffPolicyCLI
 from lightning_offpolicy.lightning.callback import RolloutCallback
-from lightning_offpolicy.lightning.module import OffPolicyRLModule
 from lightning_offpolicy.seeding import RUN_SEED_ENV, run_seed
+from tests.test_cli import parse
 
 QUICKSTART = str(Path(__file__).resolve().parents[1] / "configs" / "quickstart.yaml")
 
@@ -33,14 +32,7 @@ def test_run_seed(monkeypatch, caplog):
 
 
 def _cli(*args: str) -> OffPolicyCLI:
-    return OffPolicyCLI(
-        OffPolicyRLModule,
-        LightningDataModule,
-        subclass_mode_data=True,
-        run=False,
-        args=["--config", QUICKSTART, *args],
-        auto_configure_optimizers=False,
-    )
+    return parse("--config", QUICKSTART, *args)
 
 
 def _callback(cli: OffPolicyCLI) -> RolloutCallback:
