@@ -205,7 +205,7 @@ def test_adapter_syncs_follow_the_peft_model(make_engine, lora_server, tiny_ckpt
     engine = make_engine(lora_sync="adapter")
     reloads: list[str] = []
     reload = engine._reload_weights
-    monkeypatch.setattr(engine, "_reload_weights", lambda path: (reloads.append(path), reload(path)))
+    monkeypatch.setattr(engine, "_reload_weights", lambda path: (reloads.append(path), reload(path))[1])
 
     before = _snapshot(model)
     engine.update_weights(model, 0)  # the base weights, then the adapter

@@ -128,7 +128,8 @@ def test_sync_directory_and_file_are_private_under_umask_000(
     engine = RemoteVLLMEngine(
         "http://127.0.0.1:9", weights_dir=str(tmp_path / "weights"), share_weights_with_group=share
     )
-    monkeypatch.setattr(engine, "_reload_weights", lambda path: None)  # the two HTTP calls of a sync
+    monkeypatch.setattr(engine, "_has_receiver", lambda: False)  # the three HTTP calls of a sync
+    monkeypatch.setattr(engine, "_reload_weights", lambda path: None)
     monkeypatch.setattr(engine, "_reset_prefix_cache", lambda: None)
     engine._sync({"w": torch.ones(3)})
     sync_dir = engine._sync_dir

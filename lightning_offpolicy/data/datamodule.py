@@ -77,8 +77,7 @@ class DatasetDataModule(ResumableTrainLoader, LightningDataModule):
         prompts_per_step: Prompts per training step on each process (the train batch size); the
             rollout side samples each ``samples_per_prompt`` times.
         val_prompts_per_step: Prompts per validation batch (default: ``prompts_per_step``).
-        seed: Seed of the shuffled order, the held-out split and the reasoning-gym generation; ``None``: the
-            run's (``seed_everything``).
+        seed: Seed of the order, the held-out split, reasoning-gym (``None``: the run's ``seed_everything``).
         shuffle: Shuffle the training prompts (a new order each epoch); False keeps the file order.
         split: The split taken from a ``DatasetDict`` source.
         reward_fn: The reward for these prompts, exposed as ``self.reward_fn`` (which
@@ -121,7 +120,8 @@ class DatasetDataModule(ResumableTrainLoader, LightningDataModule):
         # Dataset objects and callables stay out of the checkpoint's hyper-parameters.
         plain = (str, int, float, list, dict, type(None))
         objects = {"source": source, "val_source": val_source, "reward_fn": reward_fn}
-        self.save_hyperparameters(ignore=[k for k, v in objects.items() if not isinstance(v, plain)])
+        # Not the seed: Lightning refuses a key the module's hyper-parameters also have with another value.
+        self.save_hyperparameters(ignore=["seed", *(k for k, v in objects.items() if not isinstance(v, plain))])
         self.source = source
         self.prompt_field = prompt_field
         self.prompts_per_step = prompts_per_step

@@ -67,8 +67,7 @@ class RolloutCallback(Callback):
         reward_timeout_s: Longest one reward call on a batch may take (seconds); ``None``: no limit.
         sampling: How completions are sampled.
         advantage_estimator: ``"grpo"``, ``"dr_grpo"``, ``"rloo"`` or ``"reinforce"``.
-        seed: Base seed of the sampler (batch ``j`` on rank ``r`` derives its own); ``None``: the run's
-            (``seed_everything``).
+        seed: Sampler seed (None: the run's).
         asynchrony: Background generation with bounded staleness; default: synchronous.
         dapo: DAPO's dynamic sampling and overlong handling.
         episodes: Multi-turn episodes: the tools or the environment the model talks to, and the

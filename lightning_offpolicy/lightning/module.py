@@ -100,7 +100,7 @@ class OffPolicyRLModule(LightningModule):
         torch_dtype: dtype the model is loaded in (when built from ``model``).
         logprob_chunk_size: Rows per chunk of the lean logprob computation.
         shuffle_minibatches: Shuffle rows before each pass's mini-batch split.
-        seed: Seed of the mini-batch shuffles; ``None``: the run's (``seed_everything``).
+        seed: Shuffle seed (None: the run's).
         lora_rank: Rank of peft LoRA adapters added to the policy (0: full fine-tuning); only they
             train, and the reference is the model with them disabled.
         lora_alpha: LoRA scaling numerator (the update is ``alpha / rank * B @ A``).
@@ -219,6 +219,7 @@ class OffPolicyRLModule(LightningModule):
         self.automatic_optimization = False
         ignored = ["tokenizer", "optimizer", "lr_scheduler"] + (["model"] if self.policy is not None else [])
         self.save_hyperparameters(ignore=ignored)
+        self.hparams["seed"] = self.seed  # the seed the run used (None: resolved from seed_everything)
 
         self.correction_metrics = CorrectionMetrics(self.correction)
         self.update = PPOUpdate(

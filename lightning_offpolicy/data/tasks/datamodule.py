@@ -56,7 +56,7 @@ class PromptDataModule(ResumableTrainLoader, LightningDataModule):
         prompts_per_step: prompts per training step (the DataLoader batch size); each prompt is
             sampled ``rollout.sampling.samples_per_prompt`` times by the rollout side.
         num_train_prompts: size of the fixed training prompt set (one epoch = this many prompts).
-        seed: seed of the prompt set and of the shuffling order; ``None``: the run's (``seed_everything``).
+        seed: seed of the prompt set and its order (``None``: the run's ``seed_everything``).
         num_val_prompts: held-out prompts for evaluation in Lightning's validation loop (``val/*``
             metrics, see :mod:`lightning_offpolicy.metrics.evaluation`); 0: no validation. They come from
             a seed stream of their own and never equal a training prompt (except for a task whose
@@ -96,7 +96,8 @@ class PromptDataModule(ResumableTrainLoader, LightningDataModule):
             raise ValueError(
                 f"PromptDataModule: `val_prompts_per_step` must be a positive int, got {val_prompts_per_step!r}."
             )
-        self.save_hyperparameters()
+        # Not the seed: Lightning refuses a key the module's hyper-parameters also have with another value.
+        self.save_hyperparameters(ignore=["seed"])
         self.task_name = task
         self.prompts_per_step = prompts_per_step
         self.num_train_prompts = num_train_prompts
