@@ -16,7 +16,8 @@ computes with what the trainer computes:
   :class:`~lightning_offpolicy.rollout.HFProcessEngine`): every engine tensor equal to the
   trainer's cast to the engine's dtype.
 
-A cell that raises is reported with its reason, never skipped silently. The why and the families
+A cell that raises is reported with its reason, never skipped silently; a setting the kit refuses up
+front (a ``ValueError`` naming it) reads ``refused``, with the reason. The why and the families
 checked: docs/training.md, "Weight sync across model families".
 """
 
@@ -47,7 +48,7 @@ __all__ = [
 #: Largest accepted |engine - trainer| probe logprob with both in float32 (nats).
 FLOAT32_ATOL = 1e-4
 
-#: The cells :func:`check_vllm` and :func:`check_hf_engines` fill, in the order of the table.
+#: Every cell, in the order of the table (``check_vllm`` fills the first four).
 CELLS = (
     "vllm memory",
     "vllm file",
