@@ -41,6 +41,12 @@ def _uses_vllm(item: pytest.Item) -> bool:
     return needs_vllm or bool(_VLLM_FIXTURES & set(item.fixturenames)) or bool(_VLLM_NAME.search(item.nodeid))
 
 
+def _uses_server(item: pytest.Item) -> bool:
+    """Whether a test runs on the session's shared vLLM server (by its fixtures, or its module's)."""
+    fixtures = set(item.fixturenames)
+    return bool({"vllm_server", "vllm_server_holder"} & fixtures) or _VLLM_SERVER_TESTS.search(item.nodeid) is not None
+
+
 # tryfirst: the groups must be marked before pytest-xdist's own hook reads them into the test ids.
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -59,9 +65,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     # shared server last, in a row: it stays up from the first of them to the end of the session
     # (and tests that check no vLLM process is left would see its processes). In one process as on
     # the xdist workers, where this order is the vLLM group's.
-    vllm.sort(
-        key=lambda item: (_VLLM_SERVER_TESTS.search(item.nodeid) is not None) - ("vllm_engine" in item.fixturenames)
-    )
+    vllm.sort(key=lambda item: _uses_server(item) - ("vllm_engine" in item.fixturenames))
     items[:] = vllm + [item for item in items if item not in chosen]
 
 
