@@ -60,7 +60,7 @@ demo: $(VENV)/.base
 selfcheck: $(VENV)/.base
 	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} $(VENV)/bin/lightning-offpolicy selfcheck
 
-# Two pytest-xdist workers (~15 min on 2 cores; tests/conftest.py keeps every vLLM test on one of
+# Two pytest-xdist workers (~16 min on 2 cores; tests/conftest.py keeps every vLLM test on one of
 # them); TEST_WORKERS=0 runs one process (~19 min). The 25 slowest tests are printed (one over 30 s
 # carries @pytest.mark.long(why)).
 TEST_WORKERS ?= 2
