@@ -2,11 +2,11 @@
 #   make demo   create .venv, install, run the main job on the embedded default
 #   make test   create .venv with the dev, bench, games and vLLM extras, run the whole suite
 #   make selfcheck  every correction preset on a real tiny model (no training)
-#   make bench  run the benchmarks under benchmarks/ (including the side-by-side against TRL); reports in docs/reports/
+#   make bench  the benchmark scripts' tests, then the benchmarks under benchmarks/ (including the side-by-side against TRL); reports in docs/reports/
 #   make vs-trl-top-p  the TRL side-by-side at top_p 0.9, with and without the sampling mask (part of bench)
 #   make study  the mismatch study: correction vs staleness / engine mismatch, two tasks (~65 min on 2 cores)
-#   make soak   every shipped config to its max_steps, quiet and beside a CPU hog, then its fault runs (~3.5 h)
-#   make docs-check  re-run the cheap figures of README.md / docs/ and compare (~5-15 min; not in `make test`)
+#   make soak   the soak tools' tests, then every shipped config to its max_steps, quiet and beside a CPU hog, then its fault runs (~3.9 h)
+#   make docs-check  re-run the figures of README.md / docs/ and compare (~10 min; `make test` re-runs them all but the quickstart's seeds 1-4)
 PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
@@ -60,12 +60,14 @@ demo: $(VENV)/.base
 selfcheck: $(VENV)/.base
 	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} $(VENV)/bin/lightning-offpolicy selfcheck
 
-# Two pytest-xdist workers (~16 min on 2 cores; tests/conftest.py keeps every vLLM test on one of
-# them); TEST_WORKERS=0 runs one process (~19 min). The 25 slowest tests are printed (one over 30 s
-# carries @pytest.mark.long(why)).
+# Two pytest-xdist workers (tests/conftest.py keeps every vLLM test on one of them); TEST_WORKERS=0
+# runs one process. The suite prints its time against its 12 min budget, the files that cost most
+# and the 25 slowest tests (one over 30 s carries @pytest.mark.long(why)). Tests marked soak or bench
+# (the soak's and the benchmarks' own tools at test size) run first in `make soak` / `make bench`.
 TEST_WORKERS ?= 2
 test: $(VENV)/.dev
-	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} $(PY) -m pytest tests -n $(TEST_WORKERS) --dist loadgroup --durations=25
+	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} $(PY) -m pytest tests -n $(TEST_WORKERS) --dist loadgroup --durations=25 \
+		-m "not soak and not bench"
 
 # Every benchmark writes docs/reports/performance_<name>.md and a .json next to it; summarize.py then
 # gathers the key ratios into docs/reports/performance.md with the wall time of the whole target
@@ -75,6 +77,7 @@ test: $(VENV)/.dev
 bench: $(VENV)/.dev
 	set -e; start=$$(date +%s); load=$$($(PY) -c "import os; print(os.getloadavg()[0])"); \
 	export OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1}; \
+	$(PY) -m pytest tests -m bench -n $(TEST_WORKERS) --dist loadgroup; \
 	$(PY) benchmarks/correction_bench.py --full --threads 1 --repeats 20 --profile auto \
 		--output docs/reports/performance_correction.md; \
 	$(PY) benchmarks/logprob_memory.py --output docs/reports/performance_logprobs.md; \
@@ -130,6 +133,7 @@ study: $(VENV)/.dev
 # (`check-model --family all --engines vllm,lora-adapter,server,hf`, ~20 min). Writes docs/reports/soak.md, docs/reports/soak_faults.md,
 # docs/reports/pool_check.md (+ .json) and docs/reports/check_model.md. Not part of `make test` (about 3.9 h on 2 cores).
 soak: $(VENV)/.dev
+	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} $(PY) -m pytest tests -m soak -n $(TEST_WORKERS) --dist loadgroup
 	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} $(PY) tools/soak.py --output docs/reports/soak.md
 	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} $(PY) tools/soak_faults.py --output docs/reports/soak_faults.md
 	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} $(PY) tools/pool_check.py --output docs/reports/pool_check.md
@@ -137,10 +141,11 @@ soak: $(VENV)/.dev
 		--engines vllm,lora-adapter,server,hf --output docs/reports/check_model.md
 
 # The figures of README.md and docs/*.md marked `<!-- docs-check: ... -->` (the quickstart reward
-# table, the selfcheck table, the examples' printed figures), re-run with the command the docs state
-# and compared within the tolerances stated in tools/docs_check.py; figures too costly to re-run here
-# (GPU runs, hours of training) against the report or document they were taken from. Exit status 1
-# on a mismatch.
+# table of seeds 0-4 and README's seed-range, the selfcheck table, the examples' printed figures),
+# re-run with the command the docs state and compared within the tolerances stated in
+# tools/docs_check.py; figures too costly to re-run here (GPU runs, hours of training) against the
+# report or document they were taken from. Exit status 1 on a mismatch. `make test` re-runs every
+# figure but the quickstart's seeds 1-4 (tests/test_docs_figures.py).
 docs-check: $(VENV)/.base
 	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} $(PY) tools/docs_check.py
 

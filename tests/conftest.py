@@ -54,12 +54,15 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     # - every test that starts vLLM is in one group: two engines starting at once on 2 cores slow
     #   both by far more than running them in turn (and each holds its own KV cache), and the
     #   session's shared engine and server stay one copy; it is the longest unit, so it goes first;
-    # - every other test is grouped by its module, so a module's fixtures are set up once.
+    # - every other test is grouped by its module, so a module's fixtures are set up once, unless it
+    #   names its own group (long tests of one module that share nothing and can run side by side).
     vllm = [item for item in items if _uses_vllm(item)]
     chosen = set(vllm)
     for item in items:
-        group = "vllm" if item in chosen else item.nodeid.split("::", 1)[0]
-        item.add_marker(pytest.mark.xdist_group(group))
+        if item in chosen:
+            item.add_marker(pytest.mark.xdist_group("vllm"))
+        elif item.get_closest_marker("xdist_group") is None:
+            item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::", 1)[0]))
     # The tests on the session's shared engine first: several later ones close it (one engine at a
     # time), and each test on the shared engine after such a one starts it again. Those on the
     # shared server last, in a row: it stays up from the first of them to the end of the session
@@ -136,11 +139,20 @@ def pytest_fixture_setup(fixturedef, request):
         _running[0].user_properties.append((SHARED_SETUP, time.perf_counter() - started))
 
 
+#: Markers of the tests that run in another make target than `make test` (each says what it tests there).
+ELSEWHERE = {
+    "soak": "a test of the soak's tools or of a fault the soak runs at full length; `make soak` runs it first",
+    "bench": "a test of a benchmark script at test size; `make bench` runs it first",
+}
+
+
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line(
         "markers",
         f"long(why): a test over {LONG_S:.0f} s on 2 cores; `why` says what it proves that a shorter one cannot",
     )
+    for name, where in ELSEWHERE.items():
+        config.addinivalue_line("markers", f"{name}(what): {where}")
 
 
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:

