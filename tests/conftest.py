@@ -69,7 +69,18 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     # (and tests that check no vLLM process is left would see its processes). In one process as on
     # the xdist workers, where this order is the vLLM group's.
     vllm.sort(key=lambda item: _uses_server(item) - ("vllm_engine" in item.fixturenames))
-    items[:] = vllm + [item for item in items if item not in chosen]
+    # Then the groups with the most long tests: a worker takes the next group when it is free, so the
+    # long ones go early and the short ones fill the end (not one long test on one worker while the
+    # other has finished). pytest-xdist keeps this order (pytest_configure turns its reordering by
+    # group size off). Tests that run in another target (soak, bench) do not count.
+    others = [item for item in items if item not in chosen]
+    group_of = {item: next(iter(item.iter_markers("xdist_group"))).args[0] for item in others}
+    long_tests: dict[str, int] = {}
+    for item in others:
+        counted = item.get_closest_marker("long") is not None and not any(map(item.get_closest_marker, ELSEWHERE))
+        long_tests[group_of[item]] = long_tests.get(group_of[item], 0) + counted
+    others.sort(key=lambda item: -long_tests[group_of[item]])
+    items[:] = vllm + others
 
 
 def pytest_xdist_node_collection_finished(node, ids: list[str]) -> None:
@@ -153,6 +164,10 @@ def pytest_configure(config: pytest.Config) -> None:
     )
     for name, where in ELSEWHERE.items():
         config.addinivalue_line("markers", f"{name}(what): {where}")
+    # pytest-xdist would hand out the groups by their number of tests (the vLLM group first, then the
+    # modules of many quick tests, the single long tests last); the order set at collection is better.
+    if hasattr(config.option, "loadscopereorder"):
+        config.option.loadscopereorder = False
 
 
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:

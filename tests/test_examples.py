@@ -65,6 +65,7 @@ def test_own_model_and_data_example_learns_the_reasoning_gym_task(tmp_path):
     assert (tmp_path / "own_model_and_data").is_dir()
 
 
+@pytest.mark.long("the example builds its own BPE checkpoint and warms it up before real tool episodes")
 def test_tool_use_agent_example_trains_episodes_that_call_the_tool(tmp_path):
     """The example's path on a short warm-up (its learning at full length is measured by `make soak`'s
     configs/tool_use.yaml, the same run from YAML)."""
