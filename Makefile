@@ -62,12 +62,12 @@ selfcheck: $(VENV)/.base
 
 # Two pytest-xdist workers (tests/conftest.py keeps every vLLM test on one of them); TEST_WORKERS=0
 # runs one process. The suite prints its time against its 12 min budget, the files that cost most
-# and the 25 slowest tests (one over 30 s carries @pytest.mark.long(why)). Tests marked soak or bench
-# (the soak's and the benchmarks' own tools at test size) run first in `make soak` / `make bench`.
+# and the 25 slowest tests (one over 30 s carries @pytest.mark.long(why)). Tests marked soak, bench or
+# study (those targets' own scripts at test size) run first in `make soak` / `make bench` / `make study`.
 TEST_WORKERS ?= 2
 test: $(VENV)/.dev
 	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} $(PY) -m pytest tests -n $(TEST_WORKERS) --dist loadgroup --durations=25 \
-		-m "not soak and not bench"
+		-m "not soak and not bench and not study"
 
 # Every benchmark writes docs/reports/performance_<name>.md and a .json next to it; summarize.py then
 # gathers the key ratios into docs/reports/performance.md with the wall time of the whole target
@@ -122,6 +122,7 @@ vs-trl-top-p: $(VENV)/.dev
 # the report is docs/reports/results.md, the per-batch series and the plots are in docs/reports/results/ (the
 # reading is kept in docs/reports/results/reading.md). 62 min on 2 cores.
 study: $(VENV)/.dev
+	OMP_NUM_THREADS=1 $(PY) -m pytest tests -m study
 	OMP_NUM_THREADS=1 nice -n 10 $(PY) studies/mismatch_study.py --output-dir docs/reports/results \
 		--reading docs/reports/results/reading.md
 

@@ -154,6 +154,7 @@ def pytest_fixture_setup(fixturedef, request):
 ELSEWHERE = {
     "soak": "a test of the soak's tools or of a fault the soak runs at full length; `make soak` runs it first",
     "bench": "a test of a benchmark script at test size; `make bench` runs it first",
+    "study": "a test of a study script (studies/) at test size; `make study` runs it first",
 }
 
 

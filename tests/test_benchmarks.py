@@ -29,6 +29,7 @@ def _first_table(text: str) -> tuple[list[str], list[list[str]]]:
     return header, rows
 
 
+@pytest.mark.bench("benchmarks/correction_bench.py --quick")
 def test_correction_bench_quick(tmp_path):
     out = tmp_path / "perf.md"
     proc = subprocess.run(
@@ -79,6 +80,7 @@ def test_correction_bench_quick(tmp_path):
 ASYNC_BENCH = BENCH.parent / "async_overlap.py"
 
 
+@pytest.mark.bench("benchmarks/async_overlap.py --quick")
 def test_async_overlap_bench_quick(tmp_path):
     out = tmp_path / "async.md"
     proc = subprocess.run(
@@ -343,6 +345,7 @@ WEIGHT_SYNC = BENCH.parent / "weight_sync.py"
 TRANSFER = BENCH.parent / "transfer_bandwidth.py"
 
 
+@pytest.mark.bench("benchmarks/transfer_bandwidth.py at test size")
 def test_transfer_bandwidth_moves_a_tiny_model_exactly(tmp_path):
     """Every way that runs on CPU moves the weights into the receiver's copy (checked by a float64 sum)."""
     import json

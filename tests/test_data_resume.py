@@ -126,14 +126,16 @@ def test_two_rank_ddp_resume_and_exact_reward_parts(tmp_path):
         {"fn": "tests.reward_fixtures.length_bonus", "weight": 0.5, "name": "len"},
     ]
     ddp = {"devices": 2, "strategy": "ddp_spawn"}
-    full_trainer = fit(make(), tmp_path / "full", tmp_path / "full.jsonl", max_steps=5, reward_fn=reward, **ddp)
-    fit(make(), tmp_path / "a", tmp_path / "a.jsonl", max_steps=2, every=2, reward_fn=reward, **ddp)
-    (checkpoint,) = (tmp_path / "a" / "ckpt").glob("*.ckpt")
+    # The full run saves after every 2 steps; the resume starts from its step-2 checkpoint, as after a
+    # preemption there.
+    full_trainer = fit(
+        make(), tmp_path / "full", tmp_path / "full.jsonl", max_steps=5, every=2, reward_fn=reward, **ddp
+    )
+    (checkpoint,) = (tmp_path / "full" / "ckpt").glob("*-step=2.ckpt")
     fit(make(), tmp_path / "b", tmp_path / "b.jsonl", max_steps=5, ckpt_path=checkpoint, reward_fn=reward, **ddp)
     for rank in (0, 1):
         full = [r["prompts"] for r in read(tmp_path / "full.jsonl", rank)]
-        assert [r["prompts"] for r in read(tmp_path / "a.jsonl", rank)] == full[:2]
-        assert [r["prompts"] for r in read(tmp_path / "b.jsonl", rank)] == full[2:]
+        assert len(full) == 5 and [r["prompts"] for r in read(tmp_path / "b.jsonl", rank)] == full[2:]
     # In one epoch (3 batches of 2 per rank) the two ranks train every one of the 12 prompts once.
     epoch = [p for rank in (0, 1) for r in read(tmp_path / "full.jsonl", rank)[:3] for p in r["prompts"]]
     assert sorted(epoch) == sorted(p for p, _ in make().train_dataset.items)

@@ -14,6 +14,7 @@ SCRIPT = ROOT / "benchmarks" / "logprob_memory.py"
 
 
 @pytest.mark.slow
+@pytest.mark.bench("benchmarks/logprob_memory.py --quick")
 def test_logprob_benchmark_quick(tmp_path):
     out = tmp_path / "report.md"
     proc = subprocess.run(

@@ -80,6 +80,7 @@ def quick_study(tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess]:
     return out, proc
 
 
+@pytest.mark.study("studies/mismatch_study.py --quick")
 def test_json_has_every_run_with_one_value_per_batch(quick_study):
     out, _ = quick_study
     data = json.loads((out / "mismatch_study.json").read_text())
@@ -156,6 +157,7 @@ def test_version_kl_is_the_exact_kl_between_consecutive_versions():
     assert expected[0] > 1e-6
 
 
+@pytest.mark.study("studies/mismatch_study.py --quick")
 def test_staleness_is_zero_synchronous_and_bounded_asynchronous(quick_study):
     out, _ = quick_study
     data = json.loads((out / "mismatch_study.json").read_text())
@@ -182,6 +184,7 @@ def test_staleness_is_zero_synchronous_and_bounded_asynchronous(quick_study):
 
 
 @pytest.mark.parametrize("name", ["mismatch_study.png", "mismatch_curves.png"])
+@pytest.mark.study("studies/mismatch_study.py --quick")
 def test_pngs_are_pngs(quick_study, name):
     out, _ = quick_study
     png = (out / name).read_bytes()
@@ -190,6 +193,7 @@ def test_pngs_are_pngs(quick_study, name):
     assert width > 500 and height > 300
 
 
+@pytest.mark.study("studies/mismatch_study.py --quick")
 def test_calibration_measures_every_rate_and_uses_the_rule(quick_study):
     out, _ = quick_study
     study = _load_study()
@@ -229,6 +233,7 @@ def test_paired_delta_is_the_mean_difference_with_a_student_t_interval():
     assert study.fmt_delta(0.01, 0.02) == "+0.010 [-0.010, +0.030]"
 
 
+@pytest.mark.study("studies/mismatch_study.py --quick")
 def test_markdown_table_matches_the_json(quick_study):
     out, proc = quick_study
     report = out.with_suffix(".md")  # the default: docs/reports/results -> docs/reports/results.md
@@ -255,6 +260,7 @@ def test_markdown_table_matches_the_json(quick_study):
     assert "| condition |" in proc.stdout  # the report also goes to stdout
 
 
+@pytest.mark.study("studies/mismatch_study.py --quick")
 def test_render_only_rebuilds_the_same_table_from_the_json_and_appends_the_reading(quick_study, tmp_path):
     out, _ = quick_study
     report = out.with_suffix(".md")

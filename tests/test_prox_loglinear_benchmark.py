@@ -7,6 +7,8 @@ import json
 import sys
 from pathlib import Path
 
+import pytest
+
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "studies"))
 import mismatch_study  # noqa: E402  (studies/ is not a package)
 import prox_loglinear  # noqa: E402
@@ -27,6 +29,7 @@ def test_every_correction_with_a_pi_prox_has_a_loglinear_variant_and_bypass_has_
     assert conditions["stale4-tis-loglinear"].correction == "tis-loglinear"
 
 
+@pytest.mark.study("studies/prox_loglinear.py --quick")
 def test_quick_run_reports_both_methods_and_the_forward_it_saves(tmp_path):
     output = tmp_path / "report.md"
     assert prox_loglinear.main(["--quick", "--tasks", "reverse", "--workers", "1", "--output", str(output)]) == 0

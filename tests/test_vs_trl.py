@@ -142,6 +142,7 @@ def run_quick(tmp_path: Path, *args: str, timeout: float) -> tuple[Path, dict]:
 
 
 @pytest.mark.long("TRL's GRPOTrainer and the kit, each a real 3-step fit in its own process on the same seed")
+@pytest.mark.bench("benchmarks/vs_trl.py, both sides at test size")
 def test_vs_trl_quick(tmp_path):
     pytest.importorskip("trl")
     out, data = run_quick(tmp_path, "--seeds", "3", timeout=600)
