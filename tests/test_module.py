@@ -297,6 +297,7 @@ def test_staleness_is_logged_per_token_against_the_version_of_the_step():
     ],
     ids=["geo_mis_token_tis", "bypass_ppo_clip_k3_rs", "bypass_pg_token_icepop"],
 )
+@pytest.mark.long("torch.compile builds the fused step of each correction's graph (cold: ~20-35 s on 2 cores)")
 def test_fused_loss_logs_what_the_eager_step_logs(correction):
     """fused_loss=True over several micro-batched, two-epoch steps with rejections: the same weights
     and, at every logged step, the same metrics as the eager path (the correction per micro-batch
