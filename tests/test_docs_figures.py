@@ -19,6 +19,7 @@ sys.path.insert(0, str(ROOT / "tools"))
 import docs_check  # noqa: E402  (tools/ is not a package)
 
 FILES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+FIGURES = [figure for path in FILES for figure in docs_check.find_figures(path)]
 #: The quickstart table's row re-run on every landing (the other seeds: `make docs-check`).
 LANDING_SEEDS = [0]
 #: Figures that re-run a command (the others read a report or a source document).
@@ -27,7 +28,7 @@ RERUN_KINDS = ("quickstart", "selfcheck", "output")
 
 def _cases() -> list:
     cases = []
-    for figure in (f for path in FILES for f in docs_check.find_figures(path)):
+    for figure in FIGURES:
         name = f"{figure.path.name}:{figure.line}:{figure.kind}"
         marks = []
         if figure.kind in RERUN_KINDS:
@@ -51,7 +52,6 @@ def test_the_documented_figure_is_what_its_command_gives(figure):
 
 
 def test_every_figure_kind_of_the_docs_is_re_run_or_read():
-    kinds = {f.kind for path in FILES for f in docs_check.find_figures(path)}
-    assert kinds == set(docs_check.KINDS)
-    (quickstart,) = [f for path in FILES for f in docs_check.find_figures(path) if f.kind == "quickstart"]
+    assert {f.kind for f in FIGURES} == set(docs_check.KINDS)
+    (quickstart,) = [f for f in FIGURES if f.kind == "quickstart"]
     assert set(LANDING_SEEDS) <= set(docs_check.parse_reward_table(quickstart.body).seeds)

@@ -45,7 +45,7 @@ def test_every_example_has_a_test():
     assert {p.stem for p in EXAMPLES.glob("*.py")} == tested
 
 
-def test_own_model_and_data_example_learns_the_reasoning_gym_task(tmp_path):
+def test_own_model_and_data_example_builds_a_chat_checkpoint_and_trains_it_on_reasoning_gym(tmp_path):
     example = load("own_model_and_data")
     checkpoint = tmp_path / "checkpoint"
     metrics = example.main(
