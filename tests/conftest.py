@@ -8,6 +8,7 @@ silently, so the run stops with an error instead.
 
 from __future__ import annotations
 
+import inspect
 import os
 import re
 import time
@@ -47,6 +48,13 @@ def _uses_server(item: pytest.Item) -> bool:
     return bool({"vllm_server", "vllm_server_holder"} & fixtures) or _VLLM_SERVER_TESTS.search(item.nodeid) is not None
 
 
+def _vllm_order(item: pytest.Item) -> tuple[bool, bool, bool]:
+    """Shared engine (not closing it), shared engine then closing it, engines of their own, shared server."""
+    fixtures = set(item.fixturenames)  # with the fixtures they need: every user of the engine has its holder
+    asks_holder = "vllm_engine_holder" in inspect.signature(item.obj).parameters
+    return _uses_server(item), "vllm_engine" not in fixtures, asks_holder
+
+
 # tryfirst: the groups must be marked before pytest-xdist's own hook reads them into the test ids.
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -63,12 +71,13 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(pytest.mark.xdist_group("vllm"))
         elif item.get_closest_marker("xdist_group") is None:
             item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::", 1)[0]))
-    # The tests on the session's shared engine first: several later ones close it (one engine at a
-    # time), and each test on the shared engine after such a one starts it again. Those on the
-    # shared server last, in a row: it stays up from the first of them to the end of the session
-    # (and tests that check no vLLM process is left would see its processes). In one process as on
-    # the xdist workers, where this order is the vLLM group's.
-    vllm.sort(key=lambda item: _uses_server(item) - ("vllm_engine" in item.fixturenames))
+    # The tests on the session's shared engine first, those that may close it (they hold its holder:
+    # one engine at a time) after the others: each test on the shared engine after such a one would
+    # start it again (~27 s of CPU over three processes). Those on the shared server last, in a row:
+    # it stays up from the first of them to the end of the session (and tests that check no vLLM
+    # process is left would see its processes). In one process as on the xdist workers, where this
+    # order is the vLLM group's.
+    vllm.sort(key=_vllm_order)
     # Then the groups with the most long tests: a worker takes the next group when it is free, so the
     # long ones go early and the short ones fill the end (not one long test on one worker while the
     # other has finished). pytest-xdist keeps this order (pytest_configure turns its reordering by

@@ -124,6 +124,18 @@ def fit_on(module: L.LightningModule, batches: list, max_steps: int, **trainer_k
     return trainer
 
 
+def fused_step_on_aot_eager(monkeypatch) -> None:
+    """The module's fused step traced and differentiated as always (dynamo, AOT autograd) but run op by op
+    (``aot_eager``): for tests of what the module does with the fused step. What inductor's generated code
+    computes is tests/test_fused_correction.py's (every preset) and one inductor fit of test_module.py's."""
+    import functools
+
+    import lightning_offpolicy.train.micro_step as micro_step
+    from lightning_offpolicy.correction.fused import FusedCorrectionStep
+
+    monkeypatch.setattr(micro_step, "FusedCorrectionStep", functools.partial(FusedCorrectionStep, backend="aot_eager"))
+
+
 def tiny_model(seed: int = 0) -> torch.nn.Module:
     model = build_tiny_llama(seed=seed)
     with torch.no_grad():

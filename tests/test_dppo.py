@@ -44,7 +44,7 @@ from lightning_offpolicy.correction import (
 from lightning_offpolicy.correction.dppo import binary_divergence, dppo_mask
 from lightning_offpolicy.correction.peer_names import PeerNameWarning
 from lightning_offpolicy.lightning.module import OffPolicyRLModule
-from tests.module_helpers import TOKENIZER, fit_on, make_rollout, tiny_model
+from tests.module_helpers import TOKENIZER, fit_on, fused_step_on_aot_eager, make_rollout, tiny_model
 
 RTOL, ATOL = 1e-12, 1e-15
 
@@ -400,9 +400,11 @@ def _max_difference(a: torch.nn.Module, b: torch.nn.Module) -> float:
     return max((pa.double() - pb.double()).abs().max().item() for pa, pb in pairs)
 
 
-def test_prime_rl_default_loss_trains_through_the_module_eager_and_fused():
+def test_prime_rl_default_loss_trains_through_the_module_eager_and_fused(monkeypatch):
     """bypass + DPPO-TV + rollout KL k2 in OffPolicyRLModule: micro-batched, two epochs; the fused
-    step ends at the eager weights, and ppo/clip_frac reports DPPO's masked tokens."""
+    step (its traced graph run op by op: DPPO through inductor is tests/test_fused_correction.py's) ends
+    at the eager weights, and ppo/clip_frac reports DPPO's masked tokens."""
+    fused_step_on_aot_eager(monkeypatch)
     loss = PolicyLossConfig(loss_type="dppo_tv", dppo_delta_low=2e-3, dppo_delta_high=2e-3, rollout_kl_coef=2e-3)
 
     def run(fused: bool):

@@ -352,11 +352,13 @@ def test_the_grid_drops_something():
 
 # ------------------------------------------------------------------------------ in the training module
 @pytest.mark.parametrize("fused_loss", [False, True], ids=["eager", "fused"])
-def test_the_module_applies_opsm_and_logs_its_rates(fused_loss):
+def test_the_module_applies_opsm_and_logs_its_rates(fused_loss, monkeypatch):
     from functools import partial
 
     from lightning_offpolicy import OffPolicyRLModule
-    from tests.module_helpers import TOKENIZER, fit_on, make_rollout, tiny_model
+    from tests.module_helpers import TOKENIZER, fit_on, fused_step_on_aot_eager, make_rollout, tiny_model
+
+    fused_step_on_aot_eager(monkeypatch)  # OPSM through inductor: tests/test_fused_correction.py
 
     def logged(correction):
         torch.manual_seed(0)

@@ -344,24 +344,6 @@ def logged_policy_versions(run_dir: Path, name: str = "quickstart") -> list[floa
     return [e.value for e in events.Scalars("train/policy_version")]
 
 
-@pytest.mark.slow
-def test_cli_sigterm_mid_fit_exits_143_with_a_checkpoint_that_resumes(tmp_path):
-    status, log = run_cli(tmp_path, "first", "--trainer.max_steps=2000", sigterm_after="first rollout")
-    assert status == SIGTERM_EXIT_CODE, log[-3000:]
-    (path,) = (tmp_path / "first").rglob("preempted.ckpt")
-    assert path.parent.name == "checkpoints"  # the ModelCheckpoint's directory
-    checkpoint = torch.load(path, weights_only=False)
-    step = checkpoint["global_step"]
-    assert step >= STEPS_PER_BATCH and step % STEPS_PER_BATCH == 0 and checkpoint["policy_version"] == step
-    assert logged_policy_versions(tmp_path / "first")[-1] == step  # nothing trained after the checkpoint
-
-    target = step + 2 * STEPS_PER_BATCH
-    status, log = run_cli(tmp_path, "resumed", f"--trainer.max_steps={target}", f"--ckpt_path={path}")
-    assert status == 0, log[-3000:]
-    # The resumed run's first step is version step + 2: it continued, it did not restart from 0.
-    assert logged_policy_versions(tmp_path / "resumed") == [step + STEPS_PER_BATCH, target]
-
-
 def sigterm_while_both_ranks_generate(tmp_path: Path, *args: str) -> str:
     """A 2-rank DDP CLI fit whose second generation (engine call) is slow, and SIGTERM to its process group
     once both ranks are in it: both generations are cut short, none comes after, and the fit exits 143.
@@ -475,12 +457,19 @@ def test_sigterm_to_the_whole_process_group_with_a_synchronous_vllm_engine(tmp_p
 
 # ------------------------------------------------------------------------------ --ckpt_path last, a full disk
 @pytest.mark.slow
-def test_cli_sigterm_then_ckpt_path_last_resumes_from_the_preemption_checkpoint(tmp_path):
-    """The resumed run is a new logger version: `last` must look in the earlier versions' directories."""
+def test_cli_sigterm_mid_fit_exits_143_and_ckpt_path_last_resumes_from_its_checkpoint(tmp_path):
+    """SIGTERM mid-fit: exit 143 with a checkpoint of the last completed batch (nothing trained after it). The
+    resumed run is a new logger version: `last` must look in the earlier versions' directories, and the run
+    continues from the checkpoint's step and data position (`--ckpt_path FILE`: the two-rank DDP test above)."""
     status, log = run_cli(tmp_path, "run", "--trainer.max_steps=2000", sigterm_after="first rollout")
     assert status == SIGTERM_EXIT_CODE, log[-3000:]
     (path,) = (tmp_path / "run").rglob("preempted.ckpt")
-    step = torch.load(path, weights_only=False)["global_step"]
+    assert path.parent.name == "checkpoints"  # the ModelCheckpoint's directory
+    checkpoint = torch.load(path, weights_only=False)
+    step = checkpoint["global_step"]
+    assert step >= STEPS_PER_BATCH and step % STEPS_PER_BATCH == 0 and checkpoint["policy_version"] == step
+    assert logged_policy_versions(tmp_path / "run")[-1] == step  # nothing trained after the checkpoint
+
     target = step + 2 * STEPS_PER_BATCH
     status, log = run_cli(tmp_path, "run", f"--trainer.max_steps={target}", "--ckpt_path=last")
     assert status == 0, log[-3000:]
@@ -488,6 +477,7 @@ def test_cli_sigterm_then_ckpt_path_last_resumes_from_the_preemption_checkpoint(
     events = EventAccumulator(str(tmp_path / "run" / "quickstart" / "version_1"))
     events.Reload()
     scalars = events.Scalars("train/policy_version")
+    # The resumed run's first step is version step + 2: it continued, it did not restart from 0.
     assert [e.value for e in scalars] == [step + STEPS_PER_BATCH, target]
     # The data position continues: the first batch logged is the one after the checkpoint's.
     assert scalars[0].step == step // STEPS_PER_BATCH
