@@ -33,6 +33,7 @@ import re
 import socket
 import sys
 import traceback
+import warnings
 from typing import Any
 
 from jsonargparse import DefaultHelpFormatter
@@ -179,6 +180,10 @@ def claim_log_directory(trainer: Trainer) -> Any:
         handle.truncate()
         handle.write(f"pid {os.getpid()} on {socket.gethostname()}\n")
         handle.flush()
+        if os.listdir(log_dir) == [RUN_LOCK_FILE]:
+            # CSVLogger warns that an existing directory's logs will be deleted when it holds anything: here
+            # only this run's lock, in a directory just made for it.
+            warnings.filterwarnings("ignore", message=f"Experiment logs directory {re.escape(log_dir)} exists")
         if taken:
             log.warning("%s was taken by a run that started at the same time; this run logs to %s.", taken[-1], log_dir)
         return handle
@@ -240,6 +245,13 @@ class OffPolicyCLI(LightningCLI):
             if cause is None:
                 raise
             raise cause from None
+
+    def _parse_ckpt_path(self) -> None:
+        # LightningCLI parses a `--ckpt_path FILE`'s saved hyper-parameters over the config, so that the
+        # checkpoint's model and correction would replace the configured ones without a word (`last` is resolved
+        # later and never was). Here the config is what trains, whichever way the checkpoint is named: the module
+        # refuses another policy's checkpoint and names each setting that differs from the saving run's.
+        return
 
     def _run_subcommand(self, subcommand: str) -> None:
         # One run per log directory at a time: taken before Lightning writes anything there.

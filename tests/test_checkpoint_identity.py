@@ -155,6 +155,30 @@ def test_the_same_policy_under_another_name_resumes_with_a_warning(tmp_path, mod
     assert resumed.policy_version == 2
 
 
+def test_a_resume_trains_its_own_settings_and_names_each_that_differs_from_the_checkpoints(tmp_path, models):
+    """A checkpoint of a token-TIS run resumed by a run configured with geo-MIS and another micro-batch size:
+    the resumed run trains geo-MIS (what it was configured with), and the warning names both settings."""
+    from lightning_offpolicy.correction import OffPolicyCorrectionConfig
+
+    path = saved_run(module(str(models["llama"]), correction=OffPolicyCorrectionConfig.token_tis()), tmp_path)
+    resumed = module(
+        str(models["llama"]), correction=OffPolicyCorrectionConfig.geo_mis(), max_tokens_per_microbatch=512
+    )
+    with pytest.warns(UserWarning, match=r"settings other than the run that saved it") as record:
+        fit(resumed, tmp_path, max_steps=2, ckpt_path=path)
+    (message,) = [str(w.message) for w in record if "settings other than" in str(w.message)]
+    assert "max_tokens_per_microbatch: 8192 -> 512" in message
+    assert "correction.tis_level: 'token' -> None" in message and "correction.geo_mask: False -> True" in message
+    assert resumed.correction == OffPolicyCorrectionConfig.geo_mis() and resumed.policy_version == 2
+    same = module(str(models["llama"]), correction=OffPolicyCorrectionConfig.token_tis())
+    import warnings
+
+    with warnings.catch_warnings(record=True) as quiet:
+        warnings.simplefilter("always")
+        fit(same, tmp_path, max_steps=2, ckpt_path=path)
+    assert not [w for w in quiet if "settings other than" in str(w.message)]
+
+
 @pytest.fixture
 def one_rank_group(tmp_path):
     import torch.distributed as dist
@@ -181,9 +205,11 @@ def test_a_sharded_policy_has_the_identity_of_the_unsharded_one(one_rank_group):
 
 
 @pytest.mark.slow
-def test_cli_ckpt_path_last_from_a_run_of_another_model_is_refused(tmp_path, models):
-    """`lightning-offpolicy fit --model.model=<qwen2> --ckpt_path last` where the newest checkpoint under the logger's
-    name is a tiny Llama run's (the quickstart's name kept, its model.model changed): refused before any step."""
+@pytest.mark.parametrize("given", ["last", "file"])
+def test_cli_ckpt_path_from_a_run_of_another_model_is_refused(tmp_path, models, given):
+    """`lightning-offpolicy fit --model.model=<qwen2> --ckpt_path last|FILE` where the checkpoint is a tiny Llama
+    run's (the quickstart's name kept, its model.model changed): refused before any step. With a FILE, LightningCLI
+    alone parses the checkpoint's settings over the config and would train the Llama without a word."""
     checkpoints = tmp_path / "quickstart" / "version_0" / "checkpoints"
     checkpoints.mkdir(parents=True)
     shutil.copy(saved_run(module(str(models["llama"])), tmp_path), checkpoints / "last.ckpt")
@@ -194,13 +220,13 @@ def test_cli_ckpt_path_last_from_a_run_of_another_model_is_refused(tmp_path, mod
         f"--trainer.default_root_dir={tmp_path}",
         f"--trainer.logger.init_args.save_dir={tmp_path}",
         "--trainer.enable_progress_bar=false",
-        "--ckpt_path=last",
+        f"--ckpt_path={'last' if given == 'last' else checkpoints / 'last.ckpt'}",
     ]  # fmt: skip
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
     run = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     log = run.stdout + run.stderr
     assert run.returncode == 1, log[-3000:]
-    assert f"--ckpt_path last: resuming from {checkpoints / 'last.ckpt'}" in log
+    assert (f"--ckpt_path last: resuming from {checkpoints / 'last.ckpt'}" in log) == (given == "last")
     assert (
         f"CheckpointMismatchError: The checkpoint '{checkpoints / 'last.ckpt'}' was saved from a run of model "
         f"'{models['llama']}' (LlamaForCausalLM), and this run trains model '{models['qwen2']}' (Qwen2ForCausalLM)"

@@ -90,7 +90,7 @@ def test_find_last_checkpoint_picks_the_newest_of_every_earlier_version(tmp_path
         "version_1/checkpoints/last.ckpt": 200,
         "version_1/checkpoints/preempted.ckpt": 300,
         "version_1/checkpoints/.last.ckpt.0123.tmp": 900,  # an interrupted save: never a candidate
-        "version_2/checkpoints/epoch=0-step=8.ckpt": 800,  # not a resume point of the kit's
+        "version_2/checkpoints/epoch=0-step=8.ckpt": 250,  # a ModelCheckpoint's own name: a checkpoint too
         "version_2/events.out": 950,
     }
     for name, mtime in files.items():
@@ -101,6 +101,9 @@ def test_find_last_checkpoint_picks_the_newest_of_every_earlier_version(tmp_path
     assert find_last_checkpoint(trainer) == str(root / "version_1/checkpoints/preempted.ckpt")
     os.utime(root / "version_0/checkpoints/last.ckpt", (400, 400))
     assert find_last_checkpoint(trainer) == str(root / "version_0/checkpoints/last.ckpt")
+    # Lightning's `epoch=N-step=M.ckpt` (save_top_k, every_n_train_steps without save_last): written last, found.
+    os.utime(root / "version_2/checkpoints/epoch=0-step=8.ckpt", (500, 500))
+    assert find_last_checkpoint(trainer) == str(root / "version_2/checkpoints/epoch=0-step=8.ckpt")
     other = L.Trainer(logger=TensorBoardLogger(save_dir=tmp_path / "runs", name="other"), accelerator="cpu")
     assert find_last_checkpoint(other) is None
 

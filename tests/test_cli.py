@@ -281,6 +281,21 @@ def run_holding(tmp_path, *extra: str):
     return cli.trainer, lock
 
 
+def test_a_fresh_csv_logged_run_does_not_warn_that_old_logs_will_be_deleted(tmp_path):
+    """The run's lock is the only entry of its new directory: CSVLogger's warning about deleting what a
+    directory held is not for it (a second run given the same version is, and still gets it)."""
+    import warnings
+
+    csv = ["--trainer.logger=lightning.pytorch.loggers.CSVLogger", f"--trainer.logger.init_args.save_dir={tmp_path}"]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        short_fit(tmp_path, 0, *csv)
+    assert not [w for w in caught if "exists and is not empty" in str(w.message)]
+    assert (tmp_path / "lightning_logs" / "version_0" / "metrics.csv").is_file()
+    with pytest.warns(UserWarning, match="exists and is not empty"):
+        short_fit(tmp_path, 0, *csv, "--trainer.logger.init_args.version=0")
+
+
 def test_runs_started_together_with_automatic_versions_get_a_directory_each(tmp_path, monkeypatch):
     trainer_a, lock_a = run_holding(tmp_path)
     assert trainer_a.logger.version == 0

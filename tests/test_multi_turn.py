@@ -277,6 +277,51 @@ def test_a_turn_cut_by_a_weight_push_continues_under_the_new_weights_with_each_t
     assert spanning >= 1, "a turn should have been cut by the push and continued under the new weights"
 
 
+class GymStyle:
+    """Answers each reply with what it was made with: a gym-style tuple, ``None``, ..."""
+
+    def __init__(self, returned: object) -> None:
+        self.returned = returned
+
+    def reset(self, prompt, metadata) -> None:
+        pass
+
+    def step(self, reply: str) -> object:
+        return self.returned
+
+
+TO_RETURN = (
+    " Return lightning_offpolicy.data.environments.StepResult(messages=[{'role': 'user', 'content': ...}], "
+    "reward=..., done=...) from step (docs/environments.md, 'The contract')."
+)
+
+
+@pytest.mark.parametrize(
+    ("returned", "message"),
+    [
+        (
+            ("Higher.", 0.0, False, False, {}),
+            "GymStyle.step returned a tuple (('Higher.', 0.0, False, False, {})), not a StepResult. A gym-style "
+            "(observation, reward, done, ...) tuple is not read." + TO_RETURN,
+        ),
+        (None, "GymStyle.step returned None, not a StepResult." + TO_RETURN),
+        # A long observation is shown shortened.
+        ("x" * 1000, "GymStyle.step returned a str ('xxxxxxxxxxxx...xxxxxxxxxxxxx'), not a StepResult." + TO_RETURN),
+    ],
+)
+def test_an_environment_step_returning_no_step_result_is_named_with_what_to_return(returned, message):
+    # Every id ends a turn: the first turn is one stop token, and the environment answers it.
+    engine = HFEngine(dtype="float32", pad_token_id=0, eos_token_id=2, stop_token_ids=list(range(64)))
+    engine.update_weights(tiny_model(), version=0)
+    runner = EpisodeRunner(
+        EpisodeSettings(environment=functools.partial(GymStyle, returned)), CharTokenizer(), engine.stop_ids
+    )
+    sampling = SamplingConfig(max_new_tokens=4, samples_per_prompt=1)
+    with pytest.raises(TypeError) as raised:
+        runner.run(["abc"], [{}], runner.prompt_ids(["abc"]), sampling, engine.generate, seed=0, group_offset=0)
+    assert str(raised.value) == message
+
+
 def test_held_out_evaluation_plays_episodes_and_scores_each_one(model_and_tokenizer):
     model, raw = model_and_tokenizer
     reward, seen = environment_reward_seen()

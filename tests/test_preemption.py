@@ -20,12 +20,14 @@ import lightning as L
 import psutil
 import pytest
 import torch
+from lightning.pytorch.loggers import TensorBoardLogger
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from lightning_offpolicy.data.tasks import PromptDataModule
 from lightning_offpolicy.data.tokenizers import CharTokenizer
 from lightning_offpolicy.demo.tiny import build_tiny_llama
 from lightning_offpolicy.lightning.callback import RolloutCallback
+from lightning_offpolicy.lightning.checkpointing import find_last_checkpoint
 from lightning_offpolicy.lightning.module import OffPolicyRLModule
 from lightning_offpolicy.lightning.preemption import SAVE_ERROR_EXIT_CODE, SIGTERM_EXIT_CODE, PreemptionCheckpoint
 from lightning_offpolicy.rollout import AsyncSettings, HFEngine, SamplingConfig
@@ -61,7 +63,9 @@ class BatchProbe(L.Callback):
         self.batches.append((batch_idx, trainer.fit_loop.epoch_loop._batches_that_stepped))
 
 
-def build(tmp_path, max_steps: int, callbacks, max_new_tokens: int = 7, val_every: int | None = None, **rollout):
+def build(
+    tmp_path, max_steps: int, callbacks, max_new_tokens: int = 7, val_every: int | None = None, logger=False, **rollout
+):
     """The module, its RolloutCallback, a Trainer and the data; ``val_every``: a held-out evaluation (one
     batch of 2 prompts) every that many training batches."""
     module = OffPolicyRLModule(
@@ -78,7 +82,7 @@ def build(tmp_path, max_steps: int, callbacks, max_new_tokens: int = 7, val_ever
         max_steps=max_steps,
         callbacks=[rollout_callback, *callbacks],
         default_root_dir=tmp_path,
-        logger=False,
+        logger=logger,
         enable_progress_bar=False,
         enable_model_summary=False,
         enable_checkpointing=False,
@@ -128,6 +132,24 @@ def test_sigterm_saves_at_the_batch_boundary_exits_143_and_resumes(tmp_path):
         torch.testing.assert_close(seen["weights"][name], value, rtol=0, atol=0)
     assert resumed.policy_version == resumed_trainer.global_step == 4 * STEPS_PER_BATCH
     assert resumed_rollout.generated_batches == 4
+
+
+def test_without_a_model_checkpoint_each_run_saves_in_its_own_directory(tmp_path):
+    """enable_checkpointing=False: the preemption checkpoint goes where a ModelCheckpoint of the run would write
+    (its logger's version), not to a `<default_root_dir>/checkpoints` every run started there shares."""
+    paths = []
+    for _ in range(2):  # two experiments started in the same directory, both preempted
+        preemption = PreemptionCheckpoint()
+        logger = TensorBoardLogger(save_dir=tmp_path / "logs", name="run")
+        module, _, trainer, data = build(tmp_path, 40, [SendSigterm(at_batch=0), preemption], logger=logger)
+        with pytest.raises(SystemExit):
+            trainer.fit(module, data)
+        paths.append(preemption.saved_path)
+    root = tmp_path / "logs" / "run"
+    assert paths == [str(root / f"version_{v}" / "checkpoints" / "preempted.ckpt") for v in (0, 1)]
+    assert all(Path(p).is_file() for p in paths) and not (tmp_path / "checkpoints").exists()
+    resumed = L.Trainer(logger=TensorBoardLogger(save_dir=tmp_path / "logs", name="run"), accelerator="cpu")
+    assert find_last_checkpoint(resumed) == paths[1]  # --ckpt_path last: the newest of them
 
 
 def test_sigterm_during_a_generation_cuts_it_short_and_saves_the_last_completed_batch(tmp_path):

@@ -86,6 +86,10 @@ def _restore(servers, weights_dir, model) -> None:
             lambda: RemoteVLLMPool([RemoteVLLMEngine("http://127.0.0.1:1"), RemoteVLLMEngine("http://127.0.0.1:1/v1")]),
             "the same server twice",
         ),
+        (  # one server under two names: every sync pushed to it twice
+            lambda: RemoteVLLMPool([RemoteVLLMEngine("http://localhost:1"), RemoteVLLMEngine("http://127.0.0.1:1")]),
+            r"the same server twice \(http://localhost:1 and http://127\.0\.0\.1:1\)",
+        ),
         (lambda: RemoteVLLMPool([RemoteVLLMEngine("http://127.0.0.1:1")], on_server_failure="ignore"), "retry"),
     ],
 )

@@ -8,6 +8,8 @@ import threading
 import time
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from transformers.utils import get_json_schema
 
 from lightning_offpolicy.data.environments import (
@@ -411,6 +413,215 @@ def test_an_async_tool_that_raises_or_hangs_is_an_error():
     assert result.tool_errors == 2
 
 
+# ---------------------------------------------------------------- replies and results that once broke a step
+
+EXPECTED = 'write {"name": "<tool name>", "arguments": {...}}'
+
+
+def echo(text: str) -> object:
+    """Return the text as it came.
+
+    Args:
+        text: Anything.
+    """
+    return text
+
+
+def tally(count: int, items: list | None = None) -> object:
+    """Return the count and the items.
+
+    Args:
+        count: A count.
+        items: Some items.
+    """
+    return [count, items]
+
+
+def power_of_ten(digits: int) -> int:
+    """Return 10 ** digits (digits at most 6000: the fuzz test may pass any integer).
+
+    Args:
+        digits: The exponent.
+    """
+    return 10 ** min(digits, 6000)
+
+
+def test_a_call_nested_1000_levels_deep_is_malformed():
+    too_deep = f"Malformed tool call: the call nests deeper than 100 levels; {EXPECTED}"
+    bare = "<tool_call>" + "[" * 1000 + "]" * 1000 + "</tool_call>"
+    in_arguments = '<tool_call>{"name": "tally", "arguments": ' + '{"a": ' * 1000 + "1" + "}" * 1001 + "</tool_call>"
+    # Arguments as a JSON string (that some models write) nesting as deep: the name is still known.
+    in_a_string = '<tool_call>{"name": "tally", "arguments": "' + "[" * 1000 + "]" * 1000 + '"}</tool_call>'
+    assert parse_tool_calls(bare) == [MalformedToolCall(bare, too_deep.removeprefix("Malformed tool call: "))]
+    result = Tools([tally])().step(bare + in_arguments + in_a_string)
+    assert result.messages == [
+        {"role": "tool", "name": "unknown", "content": str({"error": too_deep})},
+        {"role": "tool", "name": "unknown", "content": str({"error": too_deep})},
+        {
+            "role": "tool",
+            "name": "tally",
+            "content": str(
+                {"error": f'Malformed tool call: "arguments" is a string that nests deeper than 100 levels; {EXPECTED}'}
+            ),
+        },
+    ]
+    assert (result.tool_calls, result.tool_errors) == (3, 3)
+    # 100 levels (the call's object, its arguments and 98 lists) still run; a list argument given as
+    # a string that nests too deep does not read as a list and is passed on as the string.
+    nested = json.loads("[" * 98 + "]" * 98)
+    ok = Tools([tally])().step(
+        call("tally", {"count": 1, "items": nested}) + call("tally", {"count": 2, "items": "[" * 200})
+    )
+    assert [m["content"] for m in ok.messages] == [json.dumps([1, nested]), json.dumps([2, "[" * 200])]
+
+
+def test_an_integer_of_4301_digits_in_the_arguments_is_malformed():
+    big = "1" * 4301
+    literal = '<tool_call>{"name": "multiply", "arguments": {"a": ' + big + ', "b": 2}}</tool_call>'
+    as_string = call("multiply", {"a": big, "b": 2})  # a string the schema's integer type would convert
+    result = Tools([multiply])().step(literal + as_string + call("multiply", {"a": int("7" * 4300), "b": 1}))
+    assert result.messages[:2] == [
+        {
+            "role": "tool",
+            "name": "unknown",
+            "content": str(
+                {"error": f"Malformed tool call: the call holds an integer with more than 4300 digits; {EXPECTED}"}
+            ),
+        },
+        {
+            "role": "tool",
+            "name": "multiply",
+            "content": "{'error': \"Malformed tool call: argument 'a' is an integer with more than 4300 digits\"}",
+        },
+    ]
+    assert result.messages[2]["content"] == "7" * 4300  # at the limit, it runs
+    assert (result.tool_calls, result.tool_errors) == (3, 2)
+
+
+def test_a_lone_surrogate_from_a_tool_or_the_arguments_becomes_the_replacement_character():
+    def lone_surrogate(x: int) -> str:
+        """Return text holding a lone surrogate.
+
+        Args:
+            x: Ignored.
+        """
+        return "a\ud800b"
+
+    # The model writes the escape \ud800 in its JSON; the tool echoes the decoded surrogate back.
+    reply = (
+        call("lone_surrogate", {"x": 1}) + '<tool_call>{"name": "echo", "arguments": {"text": "\\udfff!"}}</tool_call>'
+    )
+    result = Tools([lone_surrogate, echo])().step(reply)
+    assert result.messages == [
+        {"role": "tool", "name": "lone_surrogate", "content": "a\ufffdb"},
+        {"role": "tool", "name": "echo", "content": "\ufffd!"},
+    ]
+    assert (result.tool_calls, result.tool_errors) == (2, 0)
+
+
+def test_a_tool_returning_an_integer_of_5000_digits_is_an_error():
+    result = Tools([power_of_ten])().step(call("power_of_ten", {"digits": 4999}))
+    assert result.messages == [
+        {
+            "role": "tool",
+            "name": "power_of_ten",
+            "content": str(
+                {"error": "The result holds an integer with more than 4300 digits, too long to turn into text."}
+            ),
+        }
+    ]
+    assert (result.tool_calls, result.tool_errors) == (1, 1)
+
+
+FRAGMENTS = (
+    "<tool_call>",
+    "</tool_call>",
+    "</think>",
+    "<think>",
+    "{",
+    "}",
+    "[",
+    "]",
+    '"',
+    ":",
+    ",",
+    "\\",
+    '"name"',
+    '"arguments"',
+    '"echo"',
+    '"tally"',
+    '"items"',
+    "null",
+    "\\ud800",
+    "\ud800",
+    "\n",
+)
+
+#: Any text, lone surrogates included (hypothesis leaves them out of text() unless asked).
+ANY_TEXT = st.text(st.characters(exclude_categories=()), max_size=8)
+
+
+def raw_values() -> st.SearchStrategy[str]:
+    """JSON text of an argument's value as a model might write it: any JSON, escaped or lone surrogates,
+    integers of up to 5000 digits, brackets 1200 deep, closed or not."""
+    # Lengths at the limits and past them, as well as any: hypothesis draws mostly small integers.
+    digits = st.sampled_from([4300, 4301, 5000]) | st.integers(1, 5000)
+    depth = st.sampled_from([98, 99, 100, 1000]) | st.integers(1, 1200)
+    return st.one_of(
+        st.recursive(
+            st.none() | st.booleans() | st.integers() | st.floats() | ANY_TEXT,
+            lambda inner: st.lists(inner, max_size=3) | st.dictionaries(ANY_TEXT, inner, max_size=3),
+            max_leaves=10,
+        ).map(json.dumps),
+        st.sampled_from(['"\\ud800"', '"a\\udfffb"', '"\ud800"']),
+        digits.map(lambda n: "9" * n),
+        digits.map(lambda n: '"' + "9" * n + '"'),  # for the schema's integer type to convert
+        depth.map(lambda n: "[" * n + "]" * n),
+        depth.map(lambda n: '"' + "[" * n + "]" * n + '"'),  # for the schema's array type
+        depth.map(lambda n: "{" * n),
+    )
+
+
+def json_calls() -> st.SearchStrategy[str]:
+    """A call block naming a tool (mostly a known one) with arguments written as in :func:`raw_values`."""
+    names = (st.sampled_from(["echo", "tally", "power_of_ten"]) | ANY_TEXT).map(json.dumps)
+    keys = st.sampled_from(["text", "count", "items", "digits"]) | ANY_TEXT
+    arguments = st.lists(st.tuples(keys.map(json.dumps), raw_values()), max_size=3).map(
+        lambda pairs: "{" + ", ".join(f"{k}: {v}" for k, v in pairs) + "}"
+    )
+    as_string = st.booleans()  # arguments as a JSON string holding the object, as some models write them
+    return st.builds(
+        lambda name, args, quoted: (
+            f'<tool_call>{{"name": {name}, "arguments": {json.dumps(args) if quoted else args}}}</tool_call>'
+        ),
+        names,
+        arguments,
+        as_string,
+    )
+
+
+def reply_parts() -> st.SearchStrategy[str]:
+    """One piece of a reply: a call, a fragment of the call syntax, a raw value, or any text."""
+    # A call of echo with any text: what the tool returns reaches the message as it is.
+    echoes = (ANY_TEXT | st.just("a\ud800")).map(lambda text: call("echo", {"text": text}))
+    return st.one_of(json_calls(), echoes, st.sampled_from(FRAGMENTS), raw_values(), ANY_TEXT)
+
+
+@settings(max_examples=200, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
+@given(st.lists(reply_parts(), max_size=12).map("".join))
+def test_property_no_reply_breaks_the_parser_or_a_step(reply):
+    calls = parse_tool_calls(reply)
+    assert all(isinstance(c, (ToolCall, MalformedToolCall)) for c in calls)
+    # What is wrong is said in a few words, never by quoting the body back.
+    assert all(len(c.error) < 250 for c in calls if isinstance(c, MalformedToolCall))
+    result = Tools([echo, tally, power_of_ten], timeout_s=5.0)().step(reply)
+    assert isinstance(result, StepResult) and result.done == (not calls)
+    assert result.tool_calls == len(calls) == len(result.messages)
+    for message in result.messages:
+        message["name"].encode("utf-8")
+        message["content"].encode("utf-8")
+
+
 # ---------------------------------------------------------------- the chat template
 
 
@@ -458,3 +669,19 @@ def test_a_call_rendered_by_the_template_parses_back_and_its_result_renders(qwen
     assert result.messages == [{"role": "tool", "name": "multiply", "content": "42"}]
     with_result = qwen_tokenizer.apply_chat_template(messages + result.messages, tools=tools.tools, tokenize=False)
     assert with_result == rendered + "<|im_start|>user\n<tool_response>\n42\n</tool_response><|im_end|>\n"
+
+
+def test_a_tool_result_holding_a_lone_surrogate_renders_through_the_template(qwen_tokenizer):
+    def lone_surrogate(x: int) -> str:
+        """Return text holding a lone surrogate.
+
+        Args:
+            x: Ignored.
+        """
+        return "a\ud800b"
+
+    tools = Tools([lone_surrogate])
+    result = tools().step(call("lone_surrogate", {"x": 1}))
+    messages = [{"role": "user", "content": "Go."}, {"role": "assistant", "content": "ok"}, *result.messages]
+    ids = qwen_tokenizer.apply_chat_template(messages, tools=tools.tools, tokenize=True)
+    assert "<tool_response>\na\ufffdb\n</tool_response>" in qwen_tokenizer.decode(ids)

@@ -22,6 +22,7 @@ directory) load, with a warning that the checkpoint's weights are the ones train
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 from collections.abc import Mapping
@@ -39,6 +40,7 @@ __all__ = [
     "describe_model",
     "identity_differences",
     "policy_identity",
+    "setting_differences",
     "state_dict_differences",
     "tokenizer_fingerprint",
 ]
@@ -347,3 +349,43 @@ def check_checkpoint_matches(
         differences, saved
     )
     raise CheckpointMismatchError(message, differences)
+
+
+def setting_differences(saved: Any, current: Mapping[str, Any]) -> list[str]:
+    """The module settings (``hyper_parameters``) in which this run differs from the run that saved a checkpoint.
+
+    Resuming trains with this run's settings, as configured (``--ckpt_path`` FILE and ``last`` alike): a
+    setting changed on purpose (a new correction, another ``max_tokens_per_microbatch``) is applied, and each
+    difference is named so that an unintended one is seen. Nested settings (``correction``, ``loss``) are
+    compared field by field; ``model`` is left to :func:`check_checkpoint_matches`.
+
+    Args:
+        saved: The checkpoint's ``hyper_parameters`` (anything else: no differences).
+        current: This module's ``hparams``.
+
+    Returns:
+        ``"name: <checkpoint's> -> <this run's>"`` per differing setting, in ``current``'s order.
+    """
+    if not isinstance(saved, Mapping):
+        return []
+
+    def flat(values: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for key, value in values.items():
+            # Lightning's own entries (the CLI's instantiator); the model is the identity check's to compare.
+            if str(key).startswith("_") or (not prefix and key == "model"):
+                continue
+            if dataclasses.is_dataclass(value) and not isinstance(value, type):  # a config passed from Python
+                value = dataclasses.asdict(value)
+            if isinstance(value, Mapping):
+                out.update(flat(value, f"{prefix}{key}."))
+            else:
+                out[f"{prefix}{key}"] = value
+        return out
+
+    before, now = flat(saved), flat(current)
+    return [
+        f"{name}: {repr(before[name]) if name in before else '(not recorded)'} -> {value!r}"
+        for name, value in now.items()
+        if name not in before or before[name] != value
+    ]

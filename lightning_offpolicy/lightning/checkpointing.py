@@ -369,9 +369,10 @@ def find_last_checkpoint(
 ) -> str | None:
     """The newest checkpoint a run of this configuration wrote: what ``--ckpt_path last`` resumes from.
 
-    Searches :func:`checkpoint_directories` for ``last*.ckpt`` (``ModelCheckpoint(save_last=True)``) and
-    ``<name>.ckpt`` for each of ``names`` (the preemption and on-exception checkpoints), and picks the one
-    written last (modification time). Temporary files of an interrupted save are never candidates; a previous
+    Searches :func:`checkpoint_directories` for every ``*.ckpt``: ``last*.ckpt`` (``ModelCheckpoint(save_last=True)``),
+    Lightning's ``epoch=N-step=M.ckpt``, ``<name>.ckpt`` for each of ``names`` (the preemption and on-exception
+    checkpoints, also found in directories that hold nothing else), and picks the one written last
+    (modification time). Temporary files of an interrupted save are never candidates; a previous
     checkpoint an atomic sharded save had moved aside when it was cut short is first restored
     (:func:`restore_interrupted_replacements`).
 
@@ -388,9 +389,9 @@ def find_last_checkpoint(
     for directory in checkpoint_directories(trainer, extra_directories):
         restore_interrupted_replacements(directory)
         for entry in os.scandir(directory):
-            is_last = entry.name.startswith(ModelCheckpoint.CHECKPOINT_NAME_LAST) and entry.name.endswith(".ckpt")
-            # A directory too: a sharded strategy's distributed checkpoint is one.
-            if (is_last or entry.name in wanted) and (entry.is_file() or entry.is_dir()):
+            # Not an atomic save's hidden temporary; a directory counts (a sharded strategy's checkpoint is one).
+            is_checkpoint = entry.name.endswith(".ckpt") and not entry.name.startswith(".")
+            if (is_checkpoint or entry.name in wanted) and (entry.is_file() or entry.is_dir()):
                 found.append((entry.stat().st_mtime_ns, entry.path))
     return max(found)[1] if found else None
 

@@ -470,6 +470,13 @@ class OffPolicyRLModule(LightningModule):
                     f"{identity.describe_model(current)}. Their architecture, shapes and tokenizer are the same, so "
                     "training continues from the checkpoint's weights (this model's own weights are not used)."
                 )
+            changed = identity.setting_differences(checkpoint.get("hyper_parameters"), self.hparams)
+            if changed:
+                rank_zero_warn(
+                    f"Resuming {str(path)!r} with settings other than the run that saved it; this run trains with its "
+                    "own (the checkpoint's weights, optimizer state and data position are restored): "
+                    + "; ".join(changed)
+                )
         self.policy_version = int(checkpoint.get("policy_version", 0))
 
     def policy_identity(self) -> dict[str, Any]:

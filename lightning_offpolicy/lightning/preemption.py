@@ -93,8 +93,9 @@ class PreemptionCheckpoint(Callback):
     """On SIGTERM: save a checkpoint at the next batch boundary, then exit with a non-zero status.
 
     Args:
-        dirpath: Directory of the checkpoint; ``None``: the ``ModelCheckpoint`` callback's directory,
-            else ``<trainer.default_root_dir>/checkpoints``.
+        dirpath: Directory of the checkpoint; ``None``: the ``ModelCheckpoint`` callback's directory, else
+            where one would write: the run's own ``<logger save_dir>/<name>/<version>/checkpoints``, or
+            ``<trainer.default_root_dir>/checkpoints`` without a logger.
         filename: Checkpoint file name without the ``.ckpt`` extension.
         exit_code: Exit status of the process after the checkpoint (143 = 128 + SIGTERM; must be
             1-255, non-zero so that a scheduler sees the job did not finish).
@@ -157,6 +158,7 @@ class PreemptionCheckpoint(Callback):
         # Set while this callback saves: the checkpoint must not count the last batch twice on resume.
         self._uncount_the_last_batch = False
         self._rollouts: list[Any] = []  # callbacks with preempt() (RolloutCallback): cut short on SIGTERM
+        self._run_directory: str | None = None  # where a ModelCheckpoint of this run would write (set up per fit)
 
     @property
     def signalled(self) -> bool:
@@ -178,10 +180,9 @@ class PreemptionCheckpoint(Callback):
         Returns:
             The checkpoint's path.
         """
-        directory = self.dirpath
+        directory = self.dirpath or getattr(trainer.checkpoint_callback, "dirpath", None) or self._run_directory
         if directory is None:
-            callback = trainer.checkpoint_callback
-            directory = getattr(callback, "dirpath", None) or os.path.join(trainer.default_root_dir, "checkpoints")
+            directory = _checkpoint_directory_of_the_run(trainer)
         return os.path.join(directory, f"{filename or self.filename}.ckpt")
 
     # ------------------------------------------------------------------------------ signal
@@ -210,6 +211,11 @@ class PreemptionCheckpoint(Callback):
         self._installed = False
 
     # ------------------------------------------------------------------------------ hooks
+    @override
+    def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        # As ModelCheckpoint resolves its directory: once, on every rank, rank 0's (a logger's next version).
+        self._run_directory = trainer.strategy.broadcast(_checkpoint_directory_of_the_run(trainer))
+
     @override
     def on_sanity_check_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         # From here on rather than from on_train_start: Lightning's own SIGTERM handler, registered just before
@@ -380,3 +386,13 @@ class PreemptionCheckpoint(Callback):
                 self.exit_code,
                 path,
             )
+
+
+def _checkpoint_directory_of_the_run(trainer: Trainer) -> str:
+    """Where a ``ModelCheckpoint`` without ``dirpath`` writes in this run: ``<save_dir>/<name>/<version>/checkpoints``
+    of the first logger (a directory of this run's own), or ``<default_root_dir>/checkpoints`` without a logger."""
+    if not trainer.loggers:
+        return os.path.join(trainer.default_root_dir, "checkpoints")
+    logger = trainer.loggers[0]
+    version = logger.version if isinstance(logger.version, str) else f"version_{logger.version}"
+    return os.path.join(logger.save_dir or trainer.default_root_dir, str(logger.name), version, "checkpoints")

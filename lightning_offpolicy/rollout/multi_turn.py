@@ -10,13 +10,20 @@ engine sampled. How an episode runs and which tokens train: docs/multi_turn.md.
 from __future__ import annotations
 
 import dataclasses
+import reprlib
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from lightning_offpolicy.argcheck import is_int, is_number
 from lightning_offpolicy.data.chat import renderer_for
-from lightning_offpolicy.data.environments.base import Environment, EnvironmentFactory, Message, environment_tools
+from lightning_offpolicy.data.environments.base import (
+    Environment,
+    EnvironmentFactory,
+    Message,
+    StepResult,
+    environment_tools,
+)
 from lightning_offpolicy.rollout.engine import Completion, SamplingConfig
 from lightning_offpolicy.rollout.episode import Episode, Turn
 
@@ -138,6 +145,8 @@ class EpisodeRunner:
 
         Raises:
             RuntimeError: An environment's ``reset`` or ``step`` raised (its error is the cause).
+            TypeError: An environment's ``step`` returned something else than a ``StepResult`` (a
+                gym-style tuple, ``None``); the message names the class and what it returned.
         """
         first = generate(prompt_ids, dataclasses.replace(sampling, max_new_tokens=self._first_budget(sampling)), seed)
         episodes = [Episode(group=group_offset + c.prompt_index, prompt_ids=prompt_ids[c.prompt_index]) for c in first]
@@ -187,6 +196,8 @@ class EpisodeRunner:
             result = environment.step(reply)
         except Exception as error:
             raise RuntimeError(f"{type(environment).__name__}.step raised {type(error).__name__}: {error}") from error
+        if not isinstance(result, StepResult):
+            raise TypeError(_not_a_step_result(environment, result))
         episode.environment_reward += float(result.reward)
         episode.tool_calls += int(result.tool_calls)
         episode.tool_errors += int(result.tool_errors)
@@ -226,6 +237,18 @@ class EpisodeRunner:
             left = self.settings.max_episode_tokens - len(episodes[i].response_ids)
             groups.setdefault(min(max_new_tokens, left), []).append(i)
         return sorted(groups.items(), reverse=True)
+
+
+def _not_a_step_result(environment: Environment, result: Any) -> str:
+    """What to say when ``environment.step`` returned ``result``, which is not a :class:`StepResult`."""
+    # reprlib bounds the text: a returned observation may be a whole transcript.
+    what = "None" if result is None else f"a {type(result).__name__} ({reprlib.repr(result)})"
+    gym = " A gym-style (observation, reward, done, ...) tuple is not read." if isinstance(result, tuple) else ""
+    return (
+        f"{type(environment).__name__}.step returned {what}, not a StepResult.{gym} Return "
+        "lightning_offpolicy.data.environments.StepResult(messages=[{'role': 'user', 'content': ...}], reward=..., "
+        "done=...) from step (docs/environments.md, 'The contract')."
+    )
 
 
 def episode_stats(episodes: Sequence[Episode]) -> dict[str, float]:

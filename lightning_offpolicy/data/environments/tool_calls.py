@@ -16,18 +16,37 @@ registered by name in :data:`CALL_FORMATS`; docs/tools.md lists them.
 in the reply's text; any number of blocks, anywhere after the reasoning (text up to the last
 ``</think>`` is reasoning and is not searched). As in TRL and transformers' ``parse_response``,
 missing or ``null`` arguments mean ``{}``; arguments given as a JSON string that holds an object
-(as some models emit) are decoded.
+(as some models emit) are decoded. A reply is the model's own text, so no reply makes the parser
+raise: JSON nested deeper than :data:`MAX_JSON_DEPTH` levels (which would exhaust Python's
+recursion) and integers longer than Python converts (``sys.get_int_max_str_digits()``) are
+malformed calls like any other bad JSON.
 """
 
 from __future__ import annotations
 
 import json
+import re
+import sys
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any
 
-__all__ = ["CALL_FORMATS", "MalformedToolCall", "ToolCall", "call_parser", "parse_hermes", "parse_tool_calls"]
+__all__ = [
+    "CALL_FORMATS",
+    "MAX_JSON_DEPTH",
+    "MalformedToolCall",
+    "ToolCall",
+    "call_parser",
+    "load_json",
+    "parse_hermes",
+    "parse_tool_calls",
+]
+
+#: Deepest nesting of arrays and objects a call's JSON may have. ``json.loads`` recurses once per
+#: level and raises RecursionError near Python's recursion limit (1000 frames, shared with the
+#: caller's stack); no tool's arguments come near this depth.
+MAX_JSON_DEPTH = 100
 
 
 @dataclass(frozen=True)
@@ -52,6 +71,53 @@ CallParser = Callable[[str], list[ToolCall | MalformedToolCall]]
 
 _OPEN, _CLOSE, _THINK_END = "<tool_call>", "</tool_call>", "</think>"
 
+# A JSON string (escapes kept inside it, possibly never closed) or one bracket: brackets inside
+# strings do not nest. The string part is written unrolled, so a long string is one linear match.
+_STRING_OR_BRACKET = re.compile(r'"[^"\\]*(?:\\.[^"\\]*)*"?|[\[\]{}]', re.DOTALL)
+
+
+def load_json(text: str) -> Any:
+    """``json.loads(text)``, failing only with a ``ValueError`` whose message a model can act on.
+
+    Args:
+        text: JSON written by the model.
+
+    Returns:
+        The decoded value.
+
+    Raises:
+        ValueError: ``text`` is not valid JSON, nests arrays and objects deeper than
+            :data:`MAX_JSON_DEPTH` levels, or holds an integer longer than Python converts; the
+            message completes "the call ..." (``is not valid JSON (...)``, ``nests deeper than 100
+            levels``, ``holds an integer with more than 4300 digits``).
+    """
+    too_deep = f"nests deeper than {MAX_JSON_DEPTH} levels"
+    if _nesting_depth(text) > MAX_JSON_DEPTH:
+        raise ValueError(too_deep)
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as error:
+        raise ValueError(f"is not valid JSON ({error})") from None
+    except ValueError:
+        # json's only other ValueError: int() refusing a literal past the digit limit (CVE-2020-10735).
+        raise ValueError(f"holds an integer with more than {sys.get_int_max_str_digits()} digits") from None
+    except RecursionError:
+        # Within MAX_JSON_DEPTH, still possible when the caller's own stack is already deep.
+        raise ValueError(too_deep) from None
+
+
+def _nesting_depth(text: str) -> int:
+    """The deepest nesting of ``[`` and ``{`` outside JSON strings (stray closers are json's to report)."""
+    depth = deepest = 0
+    for match in _STRING_OR_BRACKET.finditer(text):
+        token = match.group()
+        if token in ("[", "{"):
+            depth += 1
+            deepest = max(deepest, depth)
+        elif token in ("]", "}"):
+            depth -= 1
+    return deepest
+
 
 def parse_hermes(text: str) -> list[ToolCall | MalformedToolCall]:
     """The ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` blocks of ``text``, in order.
@@ -61,9 +127,10 @@ def parse_hermes(text: str) -> list[ToolCall | MalformedToolCall]:
 
     Returns:
         One :class:`ToolCall` per well-formed block and one :class:`MalformedToolCall` per block
-        whose body is not valid JSON, is not an object, has no string ``name``, has ``arguments``
-        that are not an object, or that is never closed (no ``</tool_call>`` before the next
-        ``<tool_call>`` or the end). Empty when the reply calls no tool.
+        whose body is not valid JSON (or nests deeper than :data:`MAX_JSON_DEPTH` levels, or holds
+        an integer longer than Python converts), is not an object, has no string ``name``, has
+        ``arguments`` that are not an object, or that is never closed (no ``</tool_call>`` before
+        the next ``<tool_call>`` or the end). Empty when the reply calls no tool; never raises.
     """
     think_end = text.rfind(_THINK_END)
     if think_end >= 0:
@@ -87,9 +154,9 @@ def parse_hermes(text: str) -> list[ToolCall | MalformedToolCall]:
 def _parse_hermes_body(raw: str, body: str) -> ToolCall | MalformedToolCall:
     expected = 'write {"name": "<tool name>", "arguments": {...}}'
     try:
-        value = json.loads(body)
-    except json.JSONDecodeError as error:
-        return MalformedToolCall(raw, f"the call is not valid JSON ({error}); {expected}")
+        value = load_json(body)
+    except ValueError as error:
+        return MalformedToolCall(raw, f"the call {error}; {expected}")
     if not isinstance(value, dict):
         return MalformedToolCall(raw, f"the call is a JSON {_json_kind(value)}, not an object; {expected}")
     name = value.get("name")
@@ -103,9 +170,9 @@ def _parse_hermes_body(raw: str, body: str) -> ToolCall | MalformedToolCall:
         if not arguments.strip():
             return ToolCall(name, {})
         try:
-            arguments = json.loads(arguments)
-        except json.JSONDecodeError as error:
-            return MalformedToolCall(raw, f'"arguments" is a string that is not valid JSON ({error}); {expected}', name)
+            arguments = load_json(arguments)
+        except ValueError as error:
+            return MalformedToolCall(raw, f'"arguments" is a string that {error}; {expected}', name)
     if not isinstance(arguments, dict):
         return MalformedToolCall(raw, f'"arguments" is a JSON {_json_kind(arguments)}, not an object; {expected}', name)
     return ToolCall(name, arguments)

@@ -7,8 +7,8 @@ tools=...)`` builds each one's JSON schema from its type hints and Google-style 
 its result becomes a ``{"role": "tool"}`` message. A reply without a call is the final answer and
 ends the episode. A call that fails in any way (the tool raises or runs too long, the call is
 malformed, names no known tool or passes wrong arguments) becomes an error text in the tool's
-message, as in TRL, never an exception out of ``step``. docs/tools.md says how to write tools and
-name them in YAML.
+message, as in TRL, never an exception out of ``step``, whatever the reply holds. docs/tools.md says
+how to write tools and name them in YAML.
 """
 
 from __future__ import annotations
@@ -18,17 +18,23 @@ import inspect
 import json
 import logging
 import math
+import re
+import sys
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from lightning_offpolicy.data.environments.base import Message, StepResult
-from lightning_offpolicy.data.environments.tool_calls import MalformedToolCall, ToolCall, call_parser
+from lightning_offpolicy.data.environments.tool_calls import MalformedToolCall, ToolCall, call_parser, load_json
 
 __all__ = ["ToolEnvironment", "Tools"]
 
 log = logging.getLogger(__name__)
+
+# The code points UTF-8 cannot encode: surrogates, which a str holds when a tool returns one or the
+# model writes a "\ud800" escape in its arguments. A tokenizer raises on them.
+_SURROGATE = re.compile("[\ud800-\udfff]")
 
 
 class _ToolTimeout(BaseException):
@@ -195,7 +201,8 @@ class ToolEnvironment:
             ``{"role": "tool", "name": ..., "content": ...}`` message per call, in order, whose
             content is the tool's result as text (a ``str`` as is, another value as JSON, else
             ``str``) or, for a call that failed, ``{'error': '...'}`` as TRL writes it; with the
-            counts of calls and failed calls, and the seconds spent.
+            counts of calls and failed calls, and the seconds spent. Names and contents encode as
+            UTF-8 (a lone surrogate is replaced by U+FFFD), so that the tokenizer takes them.
         """
         calls = self._parse(reply)
         if not calls:
@@ -205,7 +212,7 @@ class ToolEnvironment:
         errors = 0
         for index, call in enumerate(calls):
             name, content, failed = self._answer(call, index, len(calls))
-            messages.append({"role": "tool", "name": name, "content": content})
+            messages.append({"role": "tool", "name": _encodable(name), "content": _encodable(content)})
             errors += failed
         return StepResult(
             messages=messages, tool_calls=len(calls), tool_errors=errors, tool_seconds=time.perf_counter() - start
@@ -225,7 +232,10 @@ class ToolEnvironment:
         if fn is None:
             known = ", ".join(self.tools)
             return _failure(call.name, f"Tool {call.name} not found. Known tools: {known}.")
-        arguments = _coerce_arguments(call.arguments, self.properties.get(call.name, {}))
+        try:
+            arguments = _coerce_arguments(call.arguments, self.properties.get(call.name, {}))
+        except _ArgumentError as error:
+            return _failure(call.name, f"Malformed tool call: {error}")
         outcome = _run(fn, arguments, self.timeout_s, call.name)
         if outcome is None:
             return _failure(call.name, f"Tool {call.name} timed out after {self.timeout_s:g} s.")
@@ -292,20 +302,52 @@ def _error_message(error: BaseException) -> str:
 
 
 def _as_text(value: Any) -> str:
+    """A tool's result as text: a ``str`` as is, a JSON value as JSON, else ``str(value)``.
+
+    Raises:
+        ValueError: the result holds an integer longer than Python converts to text (the message
+            says so, not how to lift Python's limit); whatever ``str(value)`` raises otherwise.
+    """
     if isinstance(value, str):
         return value
     try:
         return json.dumps(value)
     except (TypeError, ValueError):
+        pass
+    try:
         return str(value)
+    except ValueError as error:
+        if "integer string conversion" not in str(error):  # int's message for its digit limit
+            raise
+        limit = sys.get_int_max_str_digits()
+        raise ValueError(
+            f"The result holds an integer with more than {limit} digits, too long to turn into text."
+        ) from None
+
+
+def _encodable(text: str) -> str:
+    """``text`` with every code point UTF-8 cannot encode (a lone surrogate) replaced by U+FFFD."""
+    return _SURROGATE.sub("\ufffd", text)
+
+
+class _ArgumentError(ValueError):
+    """A string argument reads as its schema type but cannot be converted; the message says why."""
 
 
 def _coerce_arguments(arguments: dict[str, Any], properties: Mapping[str, Any]) -> dict[str, Any]:
-    """``arguments`` with each string value converted to its schema property's type, where it reads as one."""
-    return {
-        key: _coerce(value, _schema_types(properties.get(key))) if isinstance(value, str) else value
-        for key, value in arguments.items()
-    }
+    """``arguments`` with each string value converted to its schema property's type, where it reads as one.
+
+    Raises:
+        _ArgumentError: a string is all digits, more than Python converts to an int, for an integer
+            or number argument; the message names the argument.
+    """
+    coerced = {}
+    for key, value in arguments.items():
+        try:
+            coerced[key] = _coerce(value, _schema_types(properties.get(key))) if isinstance(value, str) else value
+        except _ArgumentError as error:
+            raise _ArgumentError(f"argument {key!r} {error}") from None
+    return coerced
 
 
 def _schema_types(schema: Any) -> set[str]:
@@ -322,9 +364,21 @@ def _schema_types(schema: Any) -> set[str]:
 
 
 def _coerce(raw: str, types: set[str]) -> Any:
+    """``raw`` as the first of ``types`` it reads as, else ``raw`` itself.
+
+    Raises:
+        _ArgumentError: ``raw`` is all digits, more than Python converts to an int, for an
+            integer or number type. (JSON for an object or array type that ``load_json`` refuses
+            does not read as the type: ``raw`` is passed on, as any such string is.)
+    """
     if not types or "string" in types:
         return raw
     text = raw.strip()
+    digits = text[1:] if text[:1] in ("+", "-") else text
+    limit = sys.get_int_max_str_digits()
+    if types & {"integer", "number"} and 0 < limit < len(digits) and digits.isdecimal():
+        # int() refuses it; passing the digits on as a string would only move the failure into the tool.
+        raise _ArgumentError(f"is an integer with more than {limit} digits")
     for kind in ("integer", "number", "boolean", "null", "object", "array"):
         if kind not in types:
             continue
@@ -343,7 +397,7 @@ def _coerce(raw: str, types: set[str]) -> Any:
             elif kind == "null" and text in ("null", "None"):
                 return None
             elif kind in ("object", "array"):
-                decoded = json.loads(text)
+                decoded = load_json(text)
                 if isinstance(decoded, dict if kind == "object" else list):
                     return decoded
         except ValueError:

@@ -15,8 +15,11 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import ipaddress
 import logging
+import socket
 import threading
+import urllib.parse
 from collections import Counter, OrderedDict
 from collections.abc import Mapping, Sequence
 from typing import Any, Literal
@@ -135,8 +138,14 @@ class RemoteVLLMPool:
                 f"{[type(s).__name__ for s in servers]}."
             )
         urls = [s.base_url for s in servers]
-        if len(set(urls)) != len(urls):
-            raise ValueError(f"RemoteVLLMPool.servers: the same server twice ({urls}): give each server once.")
+        addresses = [_server_address(url) for url in urls]
+        for i, (port, path, hosts) in enumerate(addresses):
+            for j in range(i):
+                if addresses[j][:2] == (port, path) and addresses[j][2] & hosts:  # e.g. localhost and 127.0.0.1
+                    raise ValueError(
+                        f"RemoteVLLMPool.servers: the same server twice ({urls[j]} and {urls[i]}): give each server "
+                        "once (each sync would be pushed to it twice, and its share of the prompts doubled)."
+                    )
         if on_server_failure not in _FAILURE_MODES:
             raise ValueError(
                 f"RemoteVLLMPool.on_server_failure={on_server_failure!r} is not known; allowed: "
@@ -394,3 +403,22 @@ class RemoteVLLMPool:
     def _none_left(self) -> str:
         reasons = "; ".join(self.failed.values())
         return f"{self._who}: no server left ({reasons}). Restart the servers and resume the fit from its checkpoint."
+
+
+def _server_address(url: str) -> tuple[int | None, str, frozenset[str]]:
+    """``(port, path, addresses)`` of a server URL: the host resolved (any loopback name or address is one
+    host), so that two spellings of one server compare equal."""
+    parts = urllib.parse.urlsplit(url)
+    port = parts.port or {"http": 80, "https": 443}.get(parts.scheme)
+    host = parts.hostname or ""
+    try:
+        resolved = {info[4][0] for info in socket.getaddrinfo(host, port, proto=socket.IPPROTO_TCP)}
+    except (OSError, UnicodeError):  # an unknown name: compared as written
+        resolved = {host}
+    hosts = set()
+    for address in resolved:
+        try:
+            hosts.add("loopback" if ipaddress.ip_address(address.split("%")[0]).is_loopback else address)
+        except ValueError:
+            hosts.add(address)
+    return port, parts.path.rstrip("/"), frozenset(hosts)
