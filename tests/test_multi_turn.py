@@ -405,3 +405,56 @@ def test_episodes_at_top_p_carry_each_model_tokens_kept_support_and_none_at_appe
     assert ((support == tokens.unsqueeze(-1)).any(-1) | ~trained).all()
     assert (support[appended] == -1).all()
     assert rollouter.last_stats["support_unknown_frac"] == 0.0
+
+
+class FailingTool:
+    """Reports one failed tool call per reply (as ToolEnvironment does for a tool that always raises), then ends."""
+
+    def reset(self, prompt, metadata) -> None:
+        pass
+
+    def step(self, reply: str) -> StepResult:
+        message = {"role": "tool", "name": "boom", "content": "{'error': 'boom'}"}
+        return StepResult(messages=[message], tool_calls=1, tool_errors=1, done=True)
+
+
+def _one_token_turns(settings: EpisodeSettings) -> tuple[EpisodeRunner, HFEngine]:
+    """A runner over a real engine whose every id ends a turn: each reply is one token."""
+    engine = HFEngine(dtype="float32", pad_token_id=0, eos_token_id=2, stop_token_ids=list(range(64)))
+    engine.update_weights(tiny_model(), version=0)
+    return EpisodeRunner(settings, CharTokenizer(), engine.stop_ids), engine
+
+
+def _play(runner: EpisodeRunner, engine: HFEngine, prompts: list[str]) -> list:
+    sampling = SamplingConfig(max_new_tokens=4, samples_per_prompt=2)
+    ids = runner.prompt_ids(prompts)
+    return runner.run(prompts, [{"secret": 0}] * len(prompts), ids, sampling, engine.generate, seed=0, group_offset=0)
+
+
+def test_a_budget_no_environment_message_fits_is_named_once():
+    """max_episode_tokens=3: the first reply fits, "again" after it never does, so every episode is cut; the
+    warning names the setting and why, once per runner (not every batch)."""
+    replies = functools.partial(Replies, 3)
+    runner, engine = _one_token_turns(EpisodeSettings(environment=replies, max_episode_tokens=3))
+    with pytest.warns(UserWarning) as record:
+        episodes = _play(runner, engine, ["abc", "de"])
+    assert all(e.truncated for e in episodes) and len(episodes) == 4
+    (message,) = [str(w.message) for w in record]
+    assert message.startswith("Every one of the 4 episodes of a batch was truncated by a limit")
+    assert "(rollout.episodes.max_episode_tokens (an environment message did not fit): 4)" in message
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        _play(runner, engine, ["abc"])  # all cut again: no second warning
+    roomy, engine = _one_token_turns(EpisodeSettings(environment=replies, max_episode_tokens=64))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert not any(e.truncated for e in _play(roomy, engine, ["abc"]))
+
+
+def test_a_tool_that_fails_every_call_is_named_once():
+    runner, engine = _one_token_turns(EpisodeSettings(environment=FailingTool))
+    with pytest.warns(UserWarning, match=r"Every one of the 4 tool calls of a batch failed: .*rollout\.episodes\.tools"):
+        episodes = _play(runner, engine, ["abc", "de"])
+    assert [e.tool_errors for e in episodes] == [1] * 4

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import dataclasses
 import reprlib
+import warnings
+from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -114,6 +116,8 @@ class EpisodeRunner:
         self.factory = settings.factory()
         self.renderer = renderer_for(tokenizer, environment_tools(self.factory))
         self.stop_ids = set(int(t) for t in stop_ids)
+        self._cut_by: Counter[str] = Counter()
+        self._warned: dict[str, bool] = {}
 
     def prompt_ids(self, prompts: Sequence[Any]) -> list[list[int]]:
         """Each prompt's ids, rendered with the template and the tools."""
@@ -148,6 +152,7 @@ class EpisodeRunner:
             TypeError: An environment's ``step`` returned something else than a ``StepResult`` (a
                 gym-style tuple, ``None``); the message names the class and what it returned.
         """
+        self._cut_by: Counter[str] = Counter()  # the limit that ended each truncated episode, by setting
         first = generate(prompt_ids, dataclasses.replace(sampling, max_new_tokens=self._first_budget(sampling)), seed)
         episodes = [Episode(group=group_offset + c.prompt_index, prompt_ids=prompt_ids[c.prompt_index]) for c in first]
         environments = [self._environment(prompts[c.prompt_index], metadata[c.prompt_index]) for c in first]
@@ -170,7 +175,31 @@ class EpisodeRunner:
                         f"generate returned {len(completions)} completions for {len(rows)} episode contexts (one each)."
                     )
                 pending.update(zip(rows, completions, strict=True))
+        self._warn_if_nothing_can_train(episodes)
         return episodes
+
+    def _warn_if_nothing_can_train(self, episodes: list[Episode]) -> None:
+        """Warn once when a batch's episodes all hit a limit, or its tool calls all failed: a configuration
+        under which the model cannot learn to finish, or learns only from error messages."""
+        if episodes and all(e.truncated for e in episodes) and not self._warned.get("truncated"):
+            self._warned["truncated"] = True
+            limits = ", ".join(f"{setting}: {count}" for setting, count in self._cut_by.most_common())
+            warnings.warn(
+                f"Every one of the {len(episodes)} episodes of a batch was truncated by a limit before the model or "
+                f"the environment ended it ({limits}): with all episodes cut the same way the model has nothing to "
+                "learn the end from. Raise the setting named most (each turn and each environment message must fit "
+                "in rollout.episodes.max_episode_tokens).",
+                stacklevel=3,
+            )
+        calls = sum(e.tool_calls for e in episodes)
+        if calls and sum(e.tool_errors for e in episodes) == calls and not self._warned.get("tool_errors"):
+            self._warned["tool_errors"] = True
+            warnings.warn(
+                f"Every one of the {calls} tool calls of a batch failed: the model sees only error messages "
+                "(rollout/tool_errors_per_episode). Check rollout.episodes.tools (a tool that raises on every call, "
+                "tool_timeout_s too short) against a transcript (docs/tools.md).",
+                stacklevel=3,
+            )
 
     def _first_budget(self, sampling: SamplingConfig) -> int:
         return min(sampling.max_new_tokens, self.settings.max_episode_tokens)
@@ -189,6 +218,8 @@ class EpisodeRunner:
         stopped = completion.finish_reason == "stop" and bool(completion.token_ids)
         if not stopped:  # cut at its token budget: the reply is unfinished
             episode.truncated = True
+            whole = len(episode.response_ids) >= self.settings.max_episode_tokens
+            self._cut_by["rollout.episodes.max_episode_tokens" if whole else "rollout.sampling.max_new_tokens"] += 1
             return False
         reply_ids = completion.token_ids[:-1] if completion.token_ids[-1] in self.stop_ids else completion.token_ids
         reply = self.renderer.decode(reply_ids)
@@ -206,12 +237,14 @@ class EpisodeRunner:
             return False
         if turn >= self.settings.max_turns:
             episode.truncated = True
+            self._cut_by["rollout.episodes.max_turns"] += 1
             return False
         stop_text = self.renderer.decode(completion.token_ids[-1:])
         observation = self.renderer.observation_ids(self._capped(result.messages), stop_text)
         # One more model token must fit after what the environment appends.
         if len(episode.response_ids) + len(observation) + 1 > self.settings.max_episode_tokens:
             episode.truncated = True
+            self._cut_by["rollout.episodes.max_episode_tokens (an environment message did not fit)"] += 1
             return False
         episode.turns[-1].observation_ids = observation
         return True
