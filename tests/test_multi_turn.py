@@ -455,6 +455,7 @@ def test_a_budget_no_environment_message_fits_is_named_once():
 
 def test_a_tool_that_fails_every_call_is_named_once():
     runner, engine = _one_token_turns(EpisodeSettings(environment=FailingTool))
-    with pytest.warns(UserWarning, match=r"Every one of the 4 tool calls of a batch failed: .*rollout\.episodes\.tools"):
+    failed = r"Every one of the 4 tool calls of a batch failed: .*rollout\.episodes\.tools"
+    with pytest.warns(UserWarning, match=failed):
         episodes = _play(runner, engine, ["abc", "de"])
     assert [e.tool_errors for e in episodes] == [1] * 4
