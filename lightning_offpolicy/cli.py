@@ -268,7 +268,7 @@ class OffPolicyCLI(LightningCLI):
                 saved = f"; the checkpoint was NOT saved: {preemption.save_error}"
             else:
                 saved = f"; saved {preemption.saved_path}" if preemption.saved_path else ""
-            message = f"SIGTERM: the run stopped with {type(err).__name__}{saved}; exit {preemption.status}"
+            message = f"{preemption.cause}: the run stopped with {type(err).__name__}{saved}; exit {preemption.status}"
             print(message, file=sys.stderr)
             raise SystemExit(preemption.status) from err
         finally:

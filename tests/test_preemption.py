@@ -29,7 +29,12 @@ from lightning_offpolicy.demo.tiny import build_tiny_llama
 from lightning_offpolicy.lightning.callback import RolloutCallback
 from lightning_offpolicy.lightning.checkpointing import find_last_checkpoint
 from lightning_offpolicy.lightning.module import OffPolicyRLModule
-from lightning_offpolicy.lightning.preemption import SAVE_ERROR_EXIT_CODE, SIGTERM_EXIT_CODE, PreemptionCheckpoint
+from lightning_offpolicy.lightning.preemption import (
+    SAVE_ERROR_EXIT_CODE,
+    SIGINT_EXIT_CODE,
+    SIGTERM_EXIT_CODE,
+    PreemptionCheckpoint,
+)
 from lightning_offpolicy.rollout import AsyncSettings, HFEngine, SamplingConfig
 from lightning_offpolicy.rollout.engine import INTERRUPTED
 from tests.vllm_fixtures import requires_vllm
@@ -132,6 +137,49 @@ def test_sigterm_saves_at_the_batch_boundary_exits_143_and_resumes(tmp_path):
         torch.testing.assert_close(seen["weights"][name], value, rtol=0, atol=0)
     assert resumed.policy_version == resumed_trainer.global_step == 4 * STEPS_PER_BATCH
     assert resumed_rollout.generated_batches == 4
+
+
+class SendSigint(L.Callback):
+    """Presses Ctrl-C ``times`` times as batch ``at_batch`` starts (before any of its optimizer steps)."""
+
+    def __init__(self, at_batch: int, times: int = 1) -> None:
+        self.at_batch, self.times = at_batch, times
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if batch_idx == self.at_batch:
+            for _ in range(self.times):
+                os.kill(os.getpid(), signal.SIGINT)
+
+
+@pytest.fixture
+def python_sigint_handler():
+    """Python's own SIGINT handler (KeyboardInterrupt), as in a terminal; Lightning leaves SIGINT ignored after
+    a KeyboardInterrupt, so it is put back afterwards."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, previous)
+
+
+def test_a_first_ctrl_c_inside_a_batch_finishes_it_saves_and_exits_130(tmp_path, python_sigint_handler):
+    preemption = PreemptionCheckpoint(dirpath=str(tmp_path / "ckpt"))
+    module, _, trainer, data = build(tmp_path, 40, [SendSigint(at_batch=1), preemption])
+    with pytest.raises(SystemExit) as info:
+        trainer.fit(module, data)
+    assert info.value.code == SIGINT_EXIT_CODE == 130 and preemption.cause == "Ctrl-C"
+    # Pressed as batch 1 started: the batch ran to its end, and its state is the checkpoint's.
+    checkpoint = torch.load(tmp_path / "ckpt" / "preempted.ckpt", weights_only=False)
+    assert checkpoint["global_step"] == 2 * STEPS_PER_BATCH == module.policy_version
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # given back
+
+
+def test_a_second_ctrl_c_stops_at_once_keeping_the_last_completed_batch(tmp_path, python_sigint_handler):
+    preemption = PreemptionCheckpoint(dirpath=str(tmp_path / "ckpt"))
+    module, _, trainer, data = build(tmp_path, 40, [SendSigint(at_batch=1, times=2), preemption])
+    with pytest.raises(SystemExit) as info:  # Lightning's KeyboardInterrupt handling exits 1
+        trainer.fit(module, data)
+    assert info.value.code == 1 and not (tmp_path / "ckpt" / "on_exception.ckpt").exists()
+    checkpoint = torch.load(tmp_path / "ckpt" / "preempted.ckpt", weights_only=False)
+    assert checkpoint["global_step"] == STEPS_PER_BATCH  # batch 0's end: batch 1 never stepped
 
 
 def test_without_a_model_checkpoint_each_run_saves_in_its_own_directory(tmp_path):

@@ -32,6 +32,9 @@ log = logging.getLogger(__name__)
 #: The status a shell reports for a process ended by SIGTERM (128 + 15).
 SIGTERM_EXIT_CODE = 128 + int(signal.SIGTERM)
 
+#: The status after a first Ctrl-C, as a shell reports a process ended by SIGINT (128 + 2).
+SIGINT_EXIT_CODE = 128 + int(signal.SIGINT)
+
 #: The status when the preemption checkpoint could not be written: ``EX_IOERR`` of ``sysexits.h``.
 SAVE_ERROR_EXIT_CODE = 74
 
@@ -92,6 +95,9 @@ def on_any_rank(trainer: Trainer, flag: bool) -> bool:
 class PreemptionCheckpoint(Callback):
     """On SIGTERM: save a checkpoint at the next batch boundary, then exit with a non-zero status.
 
+    A first Ctrl-C (SIGINT, where Python's own handler is in place) is handled the same way and exits 130; a
+    second one raises ``KeyboardInterrupt`` at once (then the on-exception rule below applies).
+
     Args:
         dirpath: Directory of the checkpoint; ``None``: the ``ModelCheckpoint`` callback's directory, else
             where one would write: the run's own ``<logger save_dir>/<name>/<version>/checkpoints``, or
@@ -151,7 +157,9 @@ class PreemptionCheckpoint(Callback):
         #: The error of a save that failed (``None`` when none did).
         self.save_error: OSError | None = None
         self._signalled = False
+        self._interrupted = False  # the signal was a Ctrl-C (SIGINT)
         self._previous_handler: Any = None
+        self._handles_sigint = False
         self._installed = False
         # global_step at the last batch boundary: a save from the exception path is consistent only there.
         self._boundary_step: int | None = None
@@ -162,13 +170,21 @@ class PreemptionCheckpoint(Callback):
 
     @property
     def signalled(self) -> bool:
-        """Whether this process received SIGTERM during training."""
+        """Whether this process received SIGTERM (or a first Ctrl-C) during training."""
         return self._signalled
 
     @property
+    def cause(self) -> str:
+        """What stopped the run, for messages: ``"SIGTERM"`` or ``"Ctrl-C"``."""
+        return "Ctrl-C" if self._interrupted else "SIGTERM"
+
+    @property
     def status(self) -> int:
-        """The exit status after a SIGTERM: ``exit_code``, or ``save_error_exit_code`` when the save failed."""
-        return self.save_error_exit_code if self.save_error is not None else self.exit_code
+        """The exit status after a SIGTERM: ``exit_code`` (after a first Ctrl-C: 130), or ``save_error_exit_code``
+        when the save failed."""
+        if self.save_error is not None:
+            return self.save_error_exit_code
+        return SIGINT_EXIT_CODE if self._interrupted else self.exit_code
 
     def checkpoint_path(self, trainer: Trainer, filename: str | None = None) -> str:
         """Where the checkpoint goes (see ``dirpath``).
@@ -195,11 +211,25 @@ class PreemptionCheckpoint(Callback):
             # another thread: the interrupt takes locks the interrupted main thread may hold.
             threading.Thread(target=callback.preempt, name="preempt-rollout", daemon=True).start()
 
+    def _on_sigint(self, signum: int, frame: Any) -> None:
+        # A first Ctrl-C stops the run as a SIGTERM does (at the end of the batch, with a checkpoint): a
+        # KeyboardInterrupt inside a batch, between its optimizer steps, leaves no state worth saving. A
+        # second one interrupts at once.
+        if self._interrupted:
+            signal.default_int_handler(signum, frame)
+        self._interrupted = True
+        os.write(2, b"\nCtrl-C: stopping at the end of this batch, with a checkpoint (Ctrl-C again: stop now)\n")
+        self._on_sigterm(signum, frame)
+
     def _install(self) -> None:
         # Signal handlers can only be set from the main thread (a Trainer run from another thread keeps Lightning's).
         if self._installed or threading.current_thread() is not threading.main_thread():
             return
         self._previous_handler = signal.signal(signal.SIGTERM, self._on_sigterm)
+        # Ctrl-C only where Python's own handler would raise KeyboardInterrupt (not a handler of the user's).
+        self._handles_sigint = signal.getsignal(signal.SIGINT) is signal.default_int_handler
+        if self._handles_sigint:
+            signal.signal(signal.SIGINT, self._on_sigint)
         self._installed = True
 
     def _restore(self) -> None:
@@ -208,6 +238,8 @@ class PreemptionCheckpoint(Callback):
         if signal.getsignal(signal.SIGTERM) == self._on_sigterm:
             previous = self._previous_handler
             signal.signal(signal.SIGTERM, previous if previous is not None else signal.SIG_DFL)
+        if self._handles_sigint and signal.getsignal(signal.SIGINT) == self._on_sigint:
+            signal.signal(signal.SIGINT, signal.default_int_handler)
         self._installed = False
 
     # ------------------------------------------------------------------------------ hooks
@@ -231,7 +263,7 @@ class PreemptionCheckpoint(Callback):
     def _start(self, trainer: Trainer) -> None:
         # Under several ranks the rollout callback stops every rank at the batch one of them was cut in.
         self._rollouts = [c for c in trainer.callbacks if callable(getattr(c, "preempt", None))]
-        self._signalled = False
+        self._signalled = self._interrupted = False
         self.saved_path = None
         self.save_error = None
         self._boundary_step = trainer.global_step
@@ -307,15 +339,19 @@ class PreemptionCheckpoint(Callback):
                 else "not at a batch boundary"
             )  # fmt: skip
             log.warning(
-                "SIGTERM, then %s: %s; no preemption checkpoint written (%s). Resume from the last checkpoint.",
-                type(exception).__name__, exception, why,
+                "%s, then %s: %s; no preemption checkpoint written (%s). Resume from the last checkpoint.",
+                self.cause, type(exception).__name__, exception, why,
             )  # fmt: skip
             return
-        log.warning(
-            "SIGTERM, then %s (the signal reached the engine too): %s Saving the state of the last completed batch.",
-            type(exception).__name__,
-            str(exception).rstrip(".") + ".",
-        )
+        if isinstance(exception, KeyboardInterrupt):
+            log.warning("Ctrl-C again: stopping now. Saving the state of the last completed batch.")
+        else:
+            log.warning(
+                "%s, then %s (the signal reached the engine too): %s Saving the state of the last completed batch.",
+                self.cause,
+                type(exception).__name__,
+                str(exception).rstrip(".") + ".",
+            )
         self._save(trainer)
 
     def _save_on_exception(self, trainer: Trainer, exception: BaseException) -> None:
@@ -327,7 +363,8 @@ class PreemptionCheckpoint(Callback):
             why = (
                 "several ranks: the other ranks may never reach the save"
                 if trainer.world_size > 1
-                else "it stopped inside a batch, between its optimizer steps"
+                else f"it stopped inside a batch, {trainer.global_step - (self._boundary_step or 0)} optimizer step(s) "
+                "into it: the weights are no batch's"
             )
             log.warning(
                 "%s at step %d: no on-exception checkpoint written (%s). Resume with --ckpt_path last "
@@ -372,18 +409,19 @@ class PreemptionCheckpoint(Callback):
         if not self._write(trainer, path):
             if trainer.is_global_zero:
                 log.error(
-                    "SIGTERM: no checkpoint saved at step %d; exiting with status %d (not %d: there is nothing new "
+                    "%s: no checkpoint saved at step %d; exiting with status %d (not %d: there is nothing new "
                     "to resume from). Resume from the last checkpoint that was saved: --ckpt_path last.",
-                    trainer.global_step, self.status, self.exit_code,
+                    self.cause, trainer.global_step, self.status, self.exit_code,
                 )  # fmt: skip
             return
         if trainer.is_global_zero:
             log.warning(
-                "SIGTERM: saved %s at step %d; exiting with status %d. Resume with --ckpt_path last "
+                "%s: saved %s at step %d; exiting with status %d. Resume with --ckpt_path last "
                 "(or --ckpt_path %s; Python: trainer.fit(..., ckpt_path=...)).",
+                self.cause,
                 path,
                 trainer.global_step,
-                self.exit_code,
+                self.status,
                 path,
             )
 
