@@ -298,8 +298,11 @@ class _PartlyUnknownEngine(_NoSupportEngine):
         return completions
 
 
-def test_tokens_whose_support_the_engine_could_not_tell_leave_the_loss():
+def test_tokens_whose_support_the_engine_could_not_tell_leave_the_loss(monkeypatch):
+    import lightning_offpolicy.rollout.rollouter as rollouter_module
     from lightning_offpolicy.batch import PromptBatch
+
+    monkeypatch.setattr(rollouter_module, "_warned", set())  # once per process: this test's own
 
     model = sharp_model()
     inner = HFEngine(pad_token_id=PAD, eos_token_id=EOS)
@@ -308,7 +311,8 @@ def test_tokens_whose_support_the_engine_could_not_tell_leave_the_loss():
     reward = lambda p, c, m: [float(len(x)) for x in c]  # noqa: E731 (varied rewards: nonzero advantages)
     known, _ = Rollouter(inner, CharTokenizer(), reward, sampling).rollout(PromptBatch(["ab", "cd"]), index=0)
     rollouter = Rollouter(_PartlyUnknownEngine(inner), CharTokenizer(), reward, sampling)
-    partly, _ = rollouter.rollout(PromptBatch(["ab", "cd"]), index=0)
+    with pytest.warns(UserWarning, match=r"\d+% of a batch's sampled tokens have no known kept set .* leave the loss"):
+        partly, _ = rollouter.rollout(PromptBatch(["ab", "cd"]), index=0)
     odd = torch.zeros_like(known.response_mask, dtype=torch.bool)
     odd[:, 1::2] = True
     assert torch.equal(partly.response_mask, known.response_mask * (~odd).float())
@@ -316,3 +320,27 @@ def test_tokens_whose_support_the_engine_could_not_tell_leave_the_loss():
     assert torch.equal(partly.input_ids, known.input_ids)  # still in the context
     unknown = int((known.response_mask.bool() & odd).sum())
     assert rollouter.last_stats["support_unknown_frac"] == pytest.approx(unknown / known.num_response_tokens)
+
+
+def test_a_one_token_support_is_refused_or_named(monkeypatch):
+    """top_k=1 is refused at set-up; a top_p that keeps one token everywhere (1e-9) trains nothing under the
+    sampling mask (every kept logprob is 0) and is named once, at its first batch."""
+    import warnings
+
+    import lightning_offpolicy.rollout.rollouter as rollouter_module
+    from lightning_offpolicy.batch import PromptBatch
+    from lightning_offpolicy.lightning.callback import RolloutCallback
+
+    with pytest.raises(ValueError, match=r"RolloutCallback\.sampling\.top_k=1 keeps one token"):
+        RolloutCallback(sampling=SamplingConfig(top_k=1))
+    monkeypatch.setattr(rollouter_module, "_warned", set())
+    inner = HFEngine(pad_token_id=PAD, eos_token_id=EOS)
+    inner.update_weights(sharp_model(), version=0)
+    sampling = SamplingConfig(max_new_tokens=4, samples_per_prompt=2, top_p=1e-9)
+    rollouter = Rollouter(inner, CharTokenizer(), lambda p, c, m: [0.0] * len(c), sampling)
+    with pytest.warns(UserWarning, match=r"Every sampled token of a batch was the only one its sampler kept"):
+        batch, _ = rollouter.rollout(PromptBatch(["ab", "cd"]), index=0)
+    assert all(len(kept) == 1 for support in batch.sampling_support for kept in support if kept is not None)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        rollouter.rollout(PromptBatch(["ab", "cd"]), index=1)  # once

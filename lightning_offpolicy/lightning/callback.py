@@ -120,6 +120,11 @@ class RolloutCallback(Callback):
                 "RolloutCallback.sampling.greedy=True: training needs the logprobs of a sampling distribution; "
                 "greedy decoding is for evaluation only (the callback's held-out evaluation adds it itself)."
             )
+        if sampling.top_k == 1:
+            raise ValueError(
+                "RolloutCallback.sampling.top_k=1 keeps one token: the samples are greedy and, under the sampling "
+                "mask, every kept token's logprob is 0, so nothing trains. Use top_k >= 2, or 0 (off)."
+            )
         check_group_size(sampling.samples_per_prompt, advantage_estimator)
         dapo.check(sampling.max_new_tokens, sampling.samples_per_prompt)
         self.engine = engine

@@ -12,6 +12,7 @@ your own.
 from __future__ import annotations
 
 import time
+import warnings
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
@@ -211,7 +212,10 @@ class Rollouter:
         if self.sampling.support_needed:
             supports = [turn.completion.sampling_support for e in trained for turn in e.turns]
             unknown = sum(kept is None for support in supports for kept in support)
-            stats["support_unknown_frac"] = unknown / max(sum(e.model_tokens for e in trained), 1)
+            single = sum(kept is not None and len(kept) == 1 for support in supports for kept in support)
+            tokens = max(sum(e.model_tokens for e in trained), 1)
+            stats["support_unknown_frac"] = unknown / tokens
+            _warn_about_supports(unknown / tokens, single / tokens, self.sampling)
         if self.runner is not None:
             stats.update(episode_stats(trained))
         if self.dapo.overlong_filter:
@@ -357,4 +361,30 @@ class Rollouter:
             texts,
             metadata,
             timeout_s=self.reward_timeout_s,
+        )
+
+
+#: Above this share of sampled tokens with an unknown kept set, a batch's loss misses a part worth a warning.
+UNKNOWN_SUPPORT_WARNING = 0.05
+_warned: set[str] = set()  # each warning once per process: the rollouter is rebuilt every batch
+
+
+def _warn_about_supports(unknown: float, single: float, sampling: SamplingConfig) -> None:
+    """Warn once when the sampling mask leaves much of a batch out of the loss, or keeps one token everywhere."""
+    if unknown > UNKNOWN_SUPPORT_WARNING and "unknown" not in _warned:
+        _warned.add("unknown")
+        warnings.warn(
+            f"{unknown:.0%} of a batch's sampled tokens have no known kept set under top_k={sampling.top_k}, "
+            f"top_p={sampling.top_p} (rollout/support_unknown_frac): the engine reported fewer candidates than the "
+            "sampler kept (a nucleus wider than its support_logprobs), and those tokens leave the loss. Raise the "
+            "engine's support_logprobs, use a top_k the engine can report, or top_p closer to 1.",
+            stacklevel=3,
+        )
+    if single >= 1.0 and "single" not in _warned:
+        _warned.add("single")
+        warnings.warn(
+            f"Every sampled token of a batch was the only one its sampler kept (top_k={sampling.top_k}, "
+            f"top_p={sampling.top_p}): decoding is greedy, and under the sampling mask every kept token's logprob "
+            "is 0, so nothing trains (train/grad_norm 0). Raise top_p (or top_k) so that more than one token is kept.",
+            stacklevel=3,
         )
