@@ -459,3 +459,26 @@ def test_a_tool_that_fails_every_call_is_named_once():
     with pytest.warns(UserWarning, match=failed):
         episodes = _play(runner, engine, ["abc", "de"])
     assert [e.tool_errors for e in episodes] == [1] * 4
+
+
+def test_a_preemption_abandons_the_environment_steps_not_yet_started():
+    """Stopped while the first episode's tool runs: the other episodes' steps are not started (each could take
+    its tool's whole timeout), and the runner raises RolloutStopped at once."""
+    from lightning_offpolicy.rollout.partial import RolloutStopped
+
+    steps: list[str] = []
+
+    class SlowTool:
+        def reset(self, prompt, metadata) -> None:
+            pass
+
+        def step(self, reply: str) -> StepResult:
+            steps.append(reply)  # the preemption arrives while this call runs
+            return StepResult(messages=[{"role": "tool", "name": "slow", "content": "1"}], tool_calls=1)
+
+    runner, engine = _one_token_turns(EpisodeSettings(environment=SlowTool))
+    sampling = SamplingConfig(max_new_tokens=4, samples_per_prompt=2)
+    ids = runner.prompt_ids(["abc", "de"])
+    with pytest.raises(RolloutStopped, match="environment steps"):
+        runner.run(["abc", "de"], [{}, {}], ids, sampling, engine.generate, 0, 0, stop=lambda: bool(steps))
+    assert len(steps) == 1  # of 4 episodes

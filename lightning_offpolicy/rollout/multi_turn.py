@@ -28,6 +28,7 @@ from lightning_offpolicy.data.environments.base import (
 )
 from lightning_offpolicy.rollout.engine import Completion, SamplingConfig
 from lightning_offpolicy.rollout.episode import Episode, Turn
+from lightning_offpolicy.rollout.partial import check_not_stopped
 
 __all__ = ["EpisodeRunner", "EpisodeSettings", "Generate", "episode_metadata", "episode_stats"]
 
@@ -132,6 +133,7 @@ class EpisodeRunner:
         generate: Generate,
         seed: int | None,
         group_offset: int,
+        stop: Callable[[], bool] | None = None,
     ) -> list[Episode]:
         """``sampling.samples_per_prompt`` episodes per prompt, played to their end.
 
@@ -143,12 +145,15 @@ class EpisodeRunner:
             generate: One engine call (partial rollouts continued by the caller).
             seed: The first turn's seed; later turns derive theirs from it.
             group_offset: The group of the first prompt.
+            stop: Returns ``True`` once the rollout must stop (a preemption): checked before each
+                environment step.
 
         Returns:
             The episodes, grouped by prompt in order (rewards not yet set).
 
         Raises:
             RuntimeError: An environment's ``reset`` or ``step`` raised (its error is the cause).
+            RolloutStopped: ``stop`` returned ``True`` (the environment steps left were not run).
             TypeError: An environment's ``step`` returned something else than a ``StepResult`` (a
                 gym-style tuple, ``None``); the message names the class and what it returned.
         """
@@ -159,11 +164,13 @@ class EpisodeRunner:
         pending = dict(enumerate(first))
         turn = 1
         while pending:
-            going = [
-                i
-                for i, completion in pending.items()
-                if self._after_turn(episodes[i], environments[i], completion, turn)
-            ]
+            going = []
+            for i, completion in pending.items():
+                # A preemption abandons the environment steps (tool calls) not yet started: the batch is
+                # dropped anyway, and each step may take up to its tool's timeout.
+                check_not_stopped(stop, "episodes' environment steps")
+                if self._after_turn(episodes[i], environments[i], completion, turn):
+                    going.append(i)
             turn += 1
             pending = {}
             for budget, rows in self._by_budget(episodes, going, sampling.max_new_tokens):

@@ -250,7 +250,7 @@ class Rollouter:
         group of prompt ``i`` is ``group_offset + i``."""
         if self.runner is not None:
             return self.runner.run(
-                prompts.prompts, prompts.metadata, prompt_ids, sampling, generate, seed, group_offset
+                prompts.prompts, prompts.metadata, prompt_ids, sampling, generate, seed, group_offset, self.stop
             )
         completions = generate(prompt_ids, sampling, seed)
         return single_turn_episodes(prompt_ids, completions, group_offset)
