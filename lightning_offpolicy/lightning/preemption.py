@@ -100,8 +100,7 @@ class PreemptionCheckpoint(Callback):
 
     Args:
         dirpath: Directory of the checkpoint; ``None``: the ``ModelCheckpoint`` callback's directory, else
-            where one would write: the run's own ``<logger save_dir>/<name>/<version>/checkpoints``, or
-            ``<trainer.default_root_dir>/checkpoints`` without a logger.
+            where one would write (the run's own ``<save_dir>/<name>/version_N/checkpoints``).
         filename: Checkpoint file name without the ``.ckpt`` extension.
         exit_code: Exit status of the process after the checkpoint (143 = 128 + SIGTERM; must be
             1-255, non-zero so that a scheduler sees the job did not finish).
