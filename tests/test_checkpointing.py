@@ -306,3 +306,46 @@ def test_the_cli_installs_atomic_checkpoints_and_keeps_a_configured_checkpoint_i
 
     trainer = L.Trainer(accelerator="cpu", logger=False, plugins=[Mine()])
     assert not install_atomic_checkpoint_io(trainer) and type(trainer.strategy.checkpoint_io) is Mine
+
+
+def test_a_save_cut_by_sigkill_leaves_a_temporary_that_the_next_resume_removes(tmp_path):
+    """A writer SIGKILLed in the middle of an atomic write leaves its full-size hidden file; `--ckpt_path last`
+    removes it (its writer is dead), and keeps a live writer's and another host's."""
+    import socket
+    import subprocess
+    import sys
+    import time
+
+    from lightning_offpolicy.lightning.leftovers import temporary_name
+
+    checkpoints = tmp_path / "runs" / "run" / "version_0" / "checkpoints"
+    checkpoints.mkdir(parents=True)
+    (checkpoints / "last.ckpt").write_bytes(b"x")
+    # A writer that never finishes its write (the chunks never end), killed as the OOM killer would.
+    writer = subprocess.Popen(
+        [
+            sys.executable, "-c",
+            "import itertools, os, sys; from lightning_offpolicy.lightning.checkpointing import atomic_write; "
+            "atomic_write(b'x' * (1 << 20), sys.argv[1], write=lambda fd, chunk: "
+            "[os.write(fd, chunk[:1]), print('writing', flush=True), __import__('time').sleep(60)][0])",
+            str(checkpoints / "last.ckpt"),
+        ],
+        stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        assert writer.stdout.readline().strip() == "writing"
+        (left,) = [p for p in checkpoints.iterdir() if p.name.endswith(".tmp")]
+        assert f"-{writer.pid}-" in left.name and socket.gethostname() in left.name
+    finally:
+        writer.kill()
+        writer.wait()
+    live = checkpoints / os.path.basename(
+        temporary_name(str(checkpoints / "last.ckpt"))
+    )  # this process's: a save in progress
+    live.write_bytes(b"x")
+    other_host = checkpoints / f".last.ckpt.another-host-{writer.pid}-0123456789ab.tmp"
+    other_host.write_bytes(b"x")
+    time.sleep(0.01)
+    trainer = L.Trainer(logger=TensorBoardLogger(save_dir=tmp_path / "runs", name="run"), accelerator="cpu")
+    assert find_last_checkpoint(trainer) == str(checkpoints / "last.ckpt")
+    assert sorted(p.name for p in checkpoints.iterdir()) == sorted([live.name, other_host.name, "last.ckpt"])

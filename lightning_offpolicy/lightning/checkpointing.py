@@ -51,6 +51,8 @@ from lightning.pytorch import Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
 from typing_extensions import override
 
+from lightning_offpolicy.lightning.leftovers import remove_orphaned_temporaries, temporary_name
+
 __all__ = [
     "AtomicCheckpointIO",
     "CheckpointSaveError",
@@ -116,7 +118,7 @@ def atomic_write(data: bytes | memoryview, path: str, write: Callable[[int, memo
     directory = os.path.dirname(os.path.abspath(path))
     # Same directory, hence same filesystem: os.replace is then a rename, never a copy. A dot name so
     # that globs for checkpoints (Lightning's "last*.ckpt" search included) never pick it up.
-    temporary = os.path.join(directory, f".{os.path.basename(path)}.{uuid.uuid4().hex[:12]}.tmp")
+    temporary = temporary_name(path)
     view = memoryview(data).cast("B")
     written = 0
     try:
@@ -369,12 +371,10 @@ def find_last_checkpoint(
 ) -> str | None:
     """The newest checkpoint a run of this configuration wrote: what ``--ckpt_path last`` resumes from.
 
-    Searches :func:`checkpoint_directories` for every ``*.ckpt``: ``last*.ckpt`` (``ModelCheckpoint(save_last=True)``),
-    Lightning's ``epoch=N-step=M.ckpt``, ``<name>.ckpt`` for each of ``names`` (the preemption and on-exception
-    checkpoints, also found in directories that hold nothing else), and picks the one written last
-    (modification time). Temporary files of an interrupted save are never candidates; a previous
-    checkpoint an atomic sharded save had moved aside when it was cut short is first restored
-    (:func:`restore_interrupted_replacements`).
+    Searches :func:`checkpoint_directories` for every ``*.ckpt`` (``last*.ckpt``, Lightning's ``epoch=N-step=M.ckpt``,
+    the preemption and on-exception ``<name>.ckpt`` of ``names``) and picks the one written last (modification time).
+    Temporary files are never candidates, and those of a writer that died are removed (:mod:`.leftovers`); a
+    checkpoint an atomic sharded save moved aside when cut short is restored (:func:`restore_interrupted_replacements`).
 
     Args:
         trainer: The Trainer of the new run, before ``fit``.
@@ -388,6 +388,7 @@ def find_last_checkpoint(
     found: list[tuple[int, str]] = []
     for directory in checkpoint_directories(trainer, extra_directories):
         restore_interrupted_replacements(directory)
+        remove_orphaned_temporaries(directory)
         for entry in os.scandir(directory):
             # Not an atomic save's hidden temporary; a directory counts (a sharded strategy's checkpoint is one).
             is_checkpoint = entry.name.endswith(".ckpt") and not entry.name.startswith(".")
@@ -484,7 +485,7 @@ class PeriodicCheckpoint(ModelCheckpoint):
             if os.path.isdir(linkpath) and not os.path.islink(linkpath):
                 shutil.rmtree(linkpath)
             directory = os.path.dirname(os.path.abspath(linkpath))
-            temporary = os.path.join(directory, f".{os.path.basename(linkpath)}.{uuid.uuid4().hex[:12]}.tmp")
+            temporary = temporary_name(linkpath)
             try:
                 os.symlink(os.path.relpath(filepath, directory), temporary)
                 os.replace(temporary, linkpath)
