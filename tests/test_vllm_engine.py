@@ -180,6 +180,24 @@ def test_config_error_hint_comes_first_even_without_main_guard(monkeypatch):
     assert vllm_errors.config_error_hint(RuntimeError("Engine core initialization failed")) is None
 
 
+def test_a_small_dev_shm_is_named_first_when_a_start_fails(monkeypatch):
+    """A container's 64 MiB /dev/shm fails a start in ways that read as memory or the spawn guard: named first."""
+    import collections
+
+    from lightning_offpolicy.rollout.vllm import errors as vllm_errors
+
+    monkeypatch.setattr(vllm_errors, "main_guard_missing", lambda: False)
+    monkeypatch.setattr(vllm_errors, "head_dim_hint", lambda model: None)
+    usage = collections.namedtuple("usage", "total used free")
+    monkeypatch.setattr("shutil.disk_usage", lambda path: usage(64 << 20, 60 << 20, 4 << 20))
+    message = vllm_errors.start_failure_message(RuntimeError("Engine core initialization failed"), "ckpt", True, 0.3, 1)
+    hints = message.split("\n- ")[1:]
+    assert hints[0].startswith("likely: /dev/shm has 4 MiB free") and "--shm-size" in hints[0]
+    assert hints[1].startswith("memory:") and hints[-1] == vllm_errors.GUARD_HINT
+    monkeypatch.setattr("shutil.disk_usage", lambda path: usage(8 << 30, 0, 8 << 30))
+    assert vllm_errors.shared_memory_hint() is None
+
+
 # ---------------------------------------------------------------------- shared engine
 
 

@@ -12,6 +12,7 @@ names its own cause, so its hint comes first and the ``spawn`` hint is not calle
 
 from __future__ import annotations
 
+import shutil
 import sys
 from pathlib import Path
 
@@ -122,6 +123,26 @@ def config_error_hint(err: BaseException) -> str | None:
     return hint + "."
 
 
+#: Below this much free space in /dev/shm an engine start is likely to fail there (vLLM's processes exchange
+#: their messages and, on CPU, the KV cache's pages through it).
+SHM_NEEDED_BYTES = 1 << 30
+
+
+def shared_memory_hint(path: str = "/dev/shm") -> str | None:
+    """A hint when ``path`` has less than :data:`SHM_NEEDED_BYTES` free (a container's 64 MiB), else ``None``."""
+    try:
+        free = shutil.disk_usage(path).free
+    except OSError:
+        return None
+    if free >= SHM_NEEDED_BYTES:
+        return None
+    return (
+        f"likely: {path} has {free / 2**20:.0f} MiB free, and vLLM's processes share memory through it: give the "
+        "container more (`docker run --shm-size=8g`, Kubernetes: an emptyDir with medium Memory at /dev/shm), or "
+        "free what dead runs left there (`ls -la /dev/shm`)"
+    )
+
+
 def start_failure_message(
     err: BaseException,
     model: str,
@@ -147,6 +168,9 @@ def start_failure_message(
     else:
         memory += ") or max_model_len"
     hints = [memory]
+    shm = shared_memory_hint()
+    if shm:  # a small /dev/shm fails a start in ways that read as memory or as the spawn guard
+        hints.insert(0, shm)
     head_dim = head_dim_hint(model) if on_cpu else None
     if head_dim:
         hints.insert(0, head_dim)
