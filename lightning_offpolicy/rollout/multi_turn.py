@@ -117,8 +117,8 @@ class EpisodeRunner:
         self.factory = settings.factory()
         self.renderer = renderer_for(tokenizer, environment_tools(self.factory))
         self.stop_ids = set(int(t) for t in stop_ids)
-        self._cut_by: Counter[str] = Counter()
-        self._warned: dict[str, bool] = {}
+        self._cut_by: Counter[str] = Counter()  # the limit that ended each truncated episode of a run, by setting
+        self._warned: set[str] = set()  # each warning once per runner (it lives as long as the callback)
 
     def prompt_ids(self, prompts: Sequence[Any]) -> list[list[int]]:
         """Each prompt's ids, rendered with the template and the tools."""
@@ -157,7 +157,7 @@ class EpisodeRunner:
             TypeError: An environment's ``step`` returned something else than a ``StepResult`` (a
                 gym-style tuple, ``None``); the message names the class and what it returned.
         """
-        self._cut_by: Counter[str] = Counter()  # the limit that ended each truncated episode, by setting
+        self._cut_by.clear()
         first = generate(prompt_ids, dataclasses.replace(sampling, max_new_tokens=self._first_budget(sampling)), seed)
         episodes = [Episode(group=group_offset + c.prompt_index, prompt_ids=prompt_ids[c.prompt_index]) for c in first]
         environments = [self._environment(prompts[c.prompt_index], metadata[c.prompt_index]) for c in first]
@@ -188,8 +188,8 @@ class EpisodeRunner:
     def _warn_if_nothing_can_train(self, episodes: list[Episode]) -> None:
         """Warn once when a batch's episodes all hit a limit, or its tool calls all failed: a configuration
         under which the model cannot learn to finish, or learns only from error messages."""
-        if episodes and all(e.truncated for e in episodes) and not self._warned.get("truncated"):
-            self._warned["truncated"] = True
+        if episodes and all(e.truncated for e in episodes) and "truncated" not in self._warned:
+            self._warned.add("truncated")
             limits = ", ".join(f"{setting}: {count}" for setting, count in self._cut_by.most_common())
             warnings.warn(
                 f"Every one of the {len(episodes)} episodes of a batch was truncated by a limit before the model or "
@@ -199,8 +199,8 @@ class EpisodeRunner:
                 stacklevel=3,
             )
         calls = sum(e.tool_calls for e in episodes)
-        if calls and sum(e.tool_errors for e in episodes) == calls and not self._warned.get("tool_errors"):
-            self._warned["tool_errors"] = True
+        if calls and sum(e.tool_errors for e in episodes) == calls and "tool_errors" not in self._warned:
+            self._warned.add("tool_errors")
             warnings.warn(
                 f"Every one of the {calls} tool calls of a batch failed: the model sees only error messages "
                 "(rollout/tool_errors_per_episode). Check rollout.episodes.tools (a tool that raises on every call, "
