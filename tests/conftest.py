@@ -13,7 +13,12 @@ import os
 import re
 import time
 
-import pytest
+# Inductor compiles its C++ kernels in the test process, not in a pool of compile workers that each
+# import torch again (two per process that compiles, on 2 cores already busy with two test workers).
+# Read when torch._inductor.config is first imported (by Lightning), hence before the imports below.
+os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
+
+import pytest  # noqa: E402
 
 # The real-vLLM fixtures, registered here once for the whole suite: a session-scoped fixture
 # imported into several test modules would be a separate fixture per module (one engine and one

@@ -15,6 +15,14 @@ from lightning_offpolicy.demo.tiny import build_tiny_llama
 
 TOKENIZER = CharTokenizer()
 
+#: How the in-process 2-rank tests start their ranks: forked from the test process, which has imported
+#: torch, Lightning, transformers and the kit already. Spawned ranks import them again (~8 s of CPU
+#: each on 2 cores); the ranks and their gloo collectives are the same. tests/test_async_rollout.py
+#: keeps ``ddp_spawn`` (the module, the callback and its engine pickled to the ranks), and the CLI
+#: tests start ``ddp`` ranks as new processes, as a user's run does.
+TWO_RANK_STRATEGY = "ddp_fork"
+TWO_RANK_START_METHOD = "fork"
+
 
 def make_rollout(model: torch.nn.Module, seed: int = 0, rows: int = 6, mismatch: float = 0.3) -> RolloutBatch:
     """Random prompts / responses of varied lengths; rollout logprobs = model logprobs + noise."""

@@ -1,7 +1,7 @@
 """A resumed run trains the next unseen batch: the prompt order after a resume equals the uninterrupted run's.
 
 Real fits (tiny Llama, HF engine), checkpoints saved mid-epoch by ModelCheckpoint, resumed with
-``ckpt_path``; one process, and 2-rank DDP (gloo, ddp_spawn).
+``ckpt_path``; one process, and 2-rank DDP (gloo, forked ranks).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from lightning_offpolicy.data.tasks import PromptDataModule
 from lightning_offpolicy.lightning.callback import RolloutCallback
 from lightning_offpolicy.lightning.module import OffPolicyRLModule
 from lightning_offpolicy.rollout import SamplingConfig
-from tests.module_helpers import TOKENIZER, tiny_model
+from tests.module_helpers import TOKENIZER, TWO_RANK_STRATEGY, tiny_model
 
 
 class RecordPrompts(L.Callback):
@@ -125,7 +125,7 @@ def test_two_rank_ddp_resume_and_exact_reward_parts(tmp_path):
         {"fn": "tests.reward_fixtures.exact_match", "name": "acc"},
         {"fn": "tests.reward_fixtures.length_bonus", "weight": 0.5, "name": "len"},
     ]
-    ddp = {"devices": 2, "strategy": "ddp_spawn"}
+    ddp = {"devices": 2, "strategy": TWO_RANK_STRATEGY}
     # The full run saves after every 2 steps; the resume starts from its step-2 checkpoint, as after a
     # preemption there.
     full_trainer = fit(

@@ -14,6 +14,7 @@ from lightning_offpolicy.data.tasks import PromptDataModule
 from lightning_offpolicy.lightning.callback import RolloutCallback
 from lightning_offpolicy.lightning.module import OffPolicyRLModule
 from lightning_offpolicy.rollout import SamplingConfig
+from tests.module_helpers import TWO_RANK_STRATEGY
 
 
 def validate(devices: int) -> dict[str, float]:
@@ -21,7 +22,7 @@ def validate(devices: int) -> dict[str, float]:
     trainer = L.Trainer(
         accelerator="cpu",
         devices=devices,
-        strategy="ddp_spawn" if devices > 1 else "auto",
+        strategy=TWO_RANK_STRATEGY if devices > 1 else "auto",
         callbacks=[
             RolloutCallback(
                 sampling=SamplingConfig(samples_per_prompt=3, max_new_tokens=7), seed=5, success_threshold=0.5

@@ -23,6 +23,7 @@ from lightning_offpolicy.correction import (
     policy_loss,
 )
 from lightning_offpolicy.metrics.correction import CorrectionMetrics, PolicyLossMetrics
+from tests.module_helpers import TWO_RANK_START_METHOD
 
 WORLD_SIZE = 2
 CONFIGS = {
@@ -96,7 +97,9 @@ def _worker(rank: int, port: int, result_dir: str) -> None:
 
 @pytest.mark.slow
 def test_two_rank_metrics_and_normalized_weights_equal_single_process(tmp_path):
-    mp.start_processes(_worker, args=(_free_port(), str(tmp_path)), nprocs=WORLD_SIZE, start_method="spawn")
+    mp.start_processes(
+        _worker, args=(_free_port(), str(tmp_path)), nprocs=WORLD_SIZE, start_method=TWO_RANK_START_METHOD
+    )
     ranks = [json.loads(Path(tmp_path, f"rank{r}.json").read_text()) for r in range(WORLD_SIZE)]
     for name, cfg in CONFIGS.items():
         expected, weights, mask = run_on(torch.arange(8), cfg)

@@ -15,7 +15,7 @@ import torch
 
 from lightning_offpolicy.correction import OffPolicyCorrectionConfig, PolicyLossConfig
 from lightning_offpolicy.lightning.module import OffPolicyRLModule
-from tests.module_helpers import TOKENIZER, fit_on, make_rollout, tiny_model
+from tests.module_helpers import TOKENIZER, TWO_RANK_STRATEGY, fit_on, make_rollout, tiny_model
 
 
 def make_module(model) -> OffPolicyRLModule:
@@ -45,7 +45,7 @@ def test_two_rank_ddp_step_equals_single_process_step():
     single_trainer = fit_on(single, single_order, max_steps=2)
 
     ddp = make_module(copy.deepcopy(model))
-    ddp_trainer = fit_on(ddp, halves, max_steps=2, devices=2, strategy="ddp_spawn")
+    ddp_trainer = fit_on(ddp, halves, max_steps=2, devices=2, strategy=TWO_RANK_STRATEGY)
 
     start = tiny_model()
     moved = max((a - b).abs().max().item() for a, b in zip(start.parameters(), single.policy.parameters(), strict=True))

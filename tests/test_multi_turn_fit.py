@@ -19,6 +19,7 @@ from lightning_offpolicy.lightning.module import OffPolicyRLModule
 from lightning_offpolicy.rollout import AsyncSettings, HFEngine, SamplingConfig
 from lightning_offpolicy.rollout.multi_turn import EpisodeSettings
 from tests.engine_contract import Replies
+from tests.module_helpers import TWO_RANK_STRATEGY
 
 EPISODE_KEYS = {
     "rollout/turns_per_episode",
@@ -72,7 +73,7 @@ def episode_fit(
     trainer = L.Trainer(
         accelerator="cpu",
         devices=devices,
-        strategy="ddp_spawn" if devices > 1 else "auto",
+        strategy=TWO_RANK_STRATEGY if devices > 1 else "auto",
         max_steps=max_batches,
         callbacks=[callback, recorder],
         default_root_dir=root,

@@ -22,6 +22,7 @@ from lightning_offpolicy.demo.tiny import (
     tiny_llama_config,
     warmup_sft,
 )
+from tests.module_helpers import TWO_RANK_START_METHOD
 
 
 @pytest.fixture(autouse=True)
@@ -224,7 +225,9 @@ def test_a_build_on_a_ddp_rank_other_than_0_writes_the_weights(tmp_path):
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
     target = tmp_path / "ckpt"
-    torch.multiprocessing.spawn(_build_on_rank_1, args=(port, str(target)), nprocs=2)
+    torch.multiprocessing.start_processes(
+        _build_on_rank_1, args=(port, str(target)), nprocs=2, start_method=TWO_RANK_START_METHOD
+    )
     assert (target / "config.json").is_file() and (target / "model.safetensors").is_file()
     # The marker without the weights (what the bug left) is rebuilt, not taken for a finished build.
     (target / "model.safetensors").unlink()
