@@ -321,26 +321,20 @@ def test_start_failure_says_what_to_change(tiny_ckpt, vllm_engine_holder, monkey
 
 
 @requires_vllm
-def test_default_max_model_len_is_the_models_context(tiny_ckpt, vllm_engine_holder):
-    """max_model_len=None starts on a 256-context model (512 was refused) and reads vLLM's length back."""
+def test_default_max_model_len_is_the_models_context(tiny_ckpt, vllm_engine):
+    """max_model_len=None (the shared engine's) starts on a 256-context model (512 was refused) and reads vLLM's
+    length back."""
     from transformers import AutoConfig
 
-    vllm_engine_holder.close()  # one engine at a time on a small machine
     context = AutoConfig.from_pretrained(str(tiny_ckpt)).max_position_embeddings
-    assert context == 256
-    engine = VLLMEngine(model=str(tiny_ckpt), eos_token_id=2, dtype="float32", kv_cache_space_gib=1)
-    try:
-        assert engine.max_model_len is None
-        cfg = SamplingConfig(max_new_tokens=8, samples_per_prompt=2)
-        out = engine.generate(reverse_prompts(3), cfg, seed=0)
-        assert len(out) == 6 and engine.max_model_len == context
-        with pytest.raises(ValueError, match=f"exceeds max_model_len={context}"):
-            engine.generate([[1] * (context - 4)], cfg)
-    finally:
-        engine.close()
-    too_long = VLLMEngine(
-        model=str(tiny_ckpt), eos_token_id=2, dtype="float32", kv_cache_space_gib=1, max_model_len=512
-    )
+    assert context == 256 and "max_model_len" not in ENGINE_KWARGS
+    assert VLLMEngine(model=str(tiny_ckpt), eos_token_id=2, **ENGINE_KWARGS).max_model_len is None  # until it starts
+    cfg = SamplingConfig(max_new_tokens=8, samples_per_prompt=2)
+    out = vllm_engine.generate(reverse_prompts(3), cfg, seed=0)
+    assert len(out) == 6 and vllm_engine.max_model_len == context
+    with pytest.raises(ValueError, match=f"exceeds max_model_len={context}"):
+        vllm_engine.generate([[1] * (context - 4)], cfg)
+    too_long = VLLMEngine(model=str(tiny_ckpt), eos_token_id=2, **{**ENGINE_KWARGS, "max_model_len": 512})
     with pytest.raises(RuntimeError, match="rejected its configuration") as info:
         too_long.generate(reverse_prompts(1), cfg)
     first_hint = str(info.value).split("\n- ")[1]

@@ -216,30 +216,25 @@ def test_adapter_mode_needs_a_peft_model_and_a_first_sync():
 # ---------------------------------------------------------------------- real engines, one at a time
 
 
-class _OneEngine:
-    """Starts the module's engines one at a time: asking for another closes the previous one."""
+@pytest.fixture
+def merged_engine(vllm_engine, tiny_ckpt):
+    """The session's shared engine: started from a module with ``lora_sync="merged"`` (the default), what a
+    merged-LoRA run starts; the checkpoint's weights are put back after the test."""
+    from transformers import LlamaForCausalLM
 
-    def __init__(self) -> None:
-        self.engines: dict[str, VLLMEngine] = {}
-
-    def get(self, key: str, **kwargs) -> VLLMEngine:
-        if key not in self.engines:
-            self.close()
-            self.engines[key] = VLLMEngine(eos_token_id=2, **ENGINE_KWARGS, **kwargs)
-        return self.engines[key]
-
-    def close(self) -> None:
-        for engine in self.engines.values():
-            engine.close()
-        self.engines.clear()
+    assert vllm_engine.lora_sync == "merged"
+    yield vllm_engine
+    vllm_engine.update_weights(LlamaForCausalLM.from_pretrained(str(tiny_ckpt), dtype=torch.float32), 0)
 
 
 @pytest.fixture(scope="module")
-def engines(vllm_engine_holder):
+def adapter_engine(vllm_engine_holder, tiny_ckpt):
+    """An engine of its own with vLLM's LoRA on, started from the checkpoint (the base weights pushed at the
+    first sync, and only then)."""
     vllm_engine_holder.close()  # the session's shared engine, if a test started it: one engine at a time
-    holder = _OneEngine()
-    yield holder
-    holder.close()
+    engine = VLLMEngine(model=str(tiny_ckpt), eos_token_id=2, lora_sync="adapter", **ENGINE_KWARGS)
+    yield engine
+    engine.close()
     print("\nMEASURED", {k: round(v, 6) for k, v in MEASURED.items()})
 
 
@@ -251,10 +246,10 @@ def lora_model(tiny_ckpt):
 
 @pytest.mark.slow
 @requires_vllm
-def test_merged_sync_matches_the_peft_model(engines, lora_model):
-    engine = engines.get("merged", model=None, lora_sync="merged")
+def test_merged_sync_matches_the_peft_model(merged_engine, lora_model):
+    engine = merged_engine
     before = _snapshot(lora_model)
-    engine.update_weights(lora_model, 0)  # starts from the merged weights
+    engine.update_weights(lora_model, 0)  # the merged weights replace the checkpoint's
     assert _bit_identical(lora_model, before)
     assert engine.last_sync_check_max_abs_diff <= 1e-3
     residual, vs_base, _ = _residual(engine, lora_model, seed=1)
@@ -278,8 +273,8 @@ def test_merged_sync_matches_the_peft_model(engines, lora_model):
 
 @pytest.mark.slow
 @requires_vllm
-def test_merged_sync_that_did_not_arrive_is_caught(engines, lora_model, monkeypatch):
-    engine = engines.get("merged", model=None, lora_sync="merged")
+def test_merged_sync_that_did_not_arrive_is_caught(merged_engine, lora_model, monkeypatch):
+    engine = merged_engine
     engine.update_weights(lora_model, 10)  # a good sync: the check's reference point
     lose_syncs(monkeypatch, engine)  # the peer bug: nothing arrives
     _optimizer_step(lora_model, seed=4)
@@ -293,9 +288,9 @@ def test_merged_sync_that_did_not_arrive_is_caught(engines, lora_model, monkeypa
 
 @pytest.mark.slow
 @requires_vllm
-def test_adapter_sync_matches_the_peft_model(engines, lora_model, tiny_ckpt, monkeypatch):
+def test_adapter_sync_matches_the_peft_model(adapter_engine, lora_model, monkeypatch):
     # Started from the checkpoint: the base weights are pushed at the first sync, and only then.
-    engine = engines.get("adapter", model=str(tiny_ckpt), lora_sync="adapter")
+    engine = adapter_engine
     base_pushes = []
     push = engine._push_weights
     monkeypatch.setattr(engine, "_push_weights", lambda tensors: (base_pushes.append(len(tensors)), push(tensors)))
@@ -338,8 +333,8 @@ def test_adapter_sync_matches_the_peft_model(engines, lora_model, tiny_ckpt, mon
 
 @pytest.mark.slow
 @requires_vllm
-def test_adapter_sync_that_did_not_arrive_is_caught(engines, lora_model, tiny_ckpt, monkeypatch):
-    engine = engines.get("adapter", model=str(tiny_ckpt), lora_sync="adapter")
+def test_adapter_sync_that_did_not_arrive_is_caught(adapter_engine, lora_model, monkeypatch):
+    engine = adapter_engine
     engine.update_weights(lora_model, 20)
     monkeypatch.setattr(engine, "_load_adapter", lambda request: None)  # written, never loaded: the peer bug
     _optimizer_step(lora_model, seed=8)

@@ -25,7 +25,8 @@ VLLM_MISSING = "vLLM is not installed"
 requires_vllm = pytest.mark.skipif(not vllm_available(), reason=VLLM_MISSING)
 
 #: Engine settings of the shared engine (float32, as the trainer, so the residual is the engine's own).
-ENGINE_KWARGS = dict(dtype="float32", max_model_len=256, gpu_memory_utilization=0.3, kv_cache_space_gib=1)
+#: ``max_model_len`` is left unset, as by default: the engine runs at the model's context (256 tokens).
+ENGINE_KWARGS = dict(dtype="float32", gpu_memory_utilization=0.3, kv_cache_space_gib=1)
 
 
 @pytest.fixture(scope="session")
