@@ -9,13 +9,14 @@ import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from lightning_offpolicy.cli import main
-from lightning_offpolicy.rollout import SamplingConfig
+from tests.vllm_fixtures import requires_vllm
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.mark.slow
-def test_fit_with_vllm_rollouts_logs_a_real_bf16_mismatch_and_closes_the_engine(tmp_path):
+def test_fit_with_vllm_rollouts_logs_a_real_bf16_mismatch_and_closes_the_engine(tmp_path, vllm_engine_holder):
+    vllm_engine_holder.close()  # one engine at a time, and none left of the session's at the end
     main([
         "fit", "--config", str(ROOT / "configs" / "vllm.yaml"),
         "--trainer.max_steps=6", f"--trainer.logger.init_args.save_dir={tmp_path}",
@@ -48,40 +49,22 @@ def vllm_children() -> list[str]:
     return names
 
 
-@pytest.mark.slow
-def test_the_default_engine_dtype_is_the_trainers(tmp_path):
-    """``VLLMEngine()`` (``dtype="auto"``) samples in the trainer's float32, not in vLLM's bfloat16 downcast.
+@requires_vllm
+def test_the_default_engine_dtype_is_the_trainers(vllm_engine, trainer_model):
+    """``VLLMEngine()`` (``dtype="auto"``, the session's shared engine's) started from a float32 module samples in
+    the trainer's float32, not in vLLM's bfloat16 downcast.
 
     The downcast stalled the vs_trl task at a reward of ~0.08 where a float32 engine reached 0.9
-    (docs/reports/performance_vs_trl.md): "auto" must follow the module that starts the engine.
+    (docs/reports/performance_vs_trl.md): "auto" must follow the module that starts the engine, as a
+    RolloutCallback's first sync does.
     """
-    pytest.importorskip("vllm")
-    import lightning as L
     import torch
 
-    from lightning_offpolicy.data.tasks import PromptDataModule
-    from lightning_offpolicy.data.tokenizers import CharTokenizer
-    from lightning_offpolicy.demo.tiny import build_tiny_llama
-    from lightning_offpolicy.lightning.callback import RolloutCallback
-    from lightning_offpolicy.lightning.module import OffPolicyRLModule
-    from lightning_offpolicy.rollout import VLLMEngine
+    from lightning_offpolicy.rollout.vllm.weight_sync import trainer_probe_logprobs
 
-    engine = VLLMEngine(max_model_len=64, eos_token_id=2)
-    seen: list[tuple[torch.dtype | None, float]] = []
-
-    class Record(L.Callback):  # after the RolloutCallback: the engine has generated this batch
-        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-            seen.append((engine.compute_dtype, float(trainer.callback_metrics["rollout_corr/abs_logprob_diff_max"])))
-
-    module = OffPolicyRLModule(model=build_tiny_llama(), tokenizer=CharTokenizer())
-    rollout = RolloutCallback(engine=engine, sampling=SamplingConfig(samples_per_prompt=2, max_new_tokens=8))
-    trainer = L.Trainer(
-        accelerator="cpu", max_steps=2, callbacks=[rollout, Record()], default_root_dir=tmp_path, logger=False,
-        enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
-        log_every_n_steps=1,  # Record reads the metrics after every batch
-    )  # fmt: skip
-    trainer.fit(module, PromptDataModule(task="reverse", prompts_per_step=4, num_train_prompts=8))
-    assert [dtype for dtype, _ in seen] == [torch.float32, torch.float32]
+    assert vllm_engine.dtype == "auto" and vllm_engine.compute_dtype == torch.float32
     # float32 on both sides: the engine's and the trainer's logprobs agree to float32 round-off (the
     # bfloat16 engine of test_fit_with_vllm_rollouts... differs by 1e-3 and more).
-    assert all(diff < 1e-4 for _, diff in seen), seen
+    probe = vllm_engine._probe()
+    diff = (vllm_engine._engine_probe_logprobs(probe) - trainer_probe_logprobs(trainer_model, probe)).abs().max()
+    assert float(diff) < 1e-4

@@ -74,8 +74,10 @@ class EngineHolder:
                 why = "closed" if self.engine._closed else f"failed ({self.engine._failure})"
                 warnings.warn(f"the shared vLLM engine was {why}: starting another", stacklevel=2)
                 self.engine.close()
-            # model=None: the engine starts from the trainer's module at the first update_weights.
-            self.engine = VLLMEngine(model=None, eos_token_id=2, **ENGINE_KWARGS)
+            # model=None: the engine starts from the trainer's module at the first update_weights. Its dtype
+            # is left at the default ("auto"): it follows that float32 module (test_vllm_fit checks).
+            settings = {name: value for name, value in ENGINE_KWARGS.items() if name != "dtype"}
+            self.engine = VLLMEngine(model=None, eos_token_id=2, **settings)
             trainer = LlamaForCausalLM.from_pretrained(str(self.model), dtype=torch.float32).eval()
             self.engine.update_weights(trainer, 0)
         # An interrupt a test sent after its last call ended would cut the next test's first call.
@@ -96,7 +98,7 @@ def vllm_engine_holder(tiny_ckpt):
 
 @pytest.fixture
 def vllm_engine(vllm_engine_holder, request) -> VLLMEngine:
-    """The session's shared engine (float32, eos id 2), started from the tiny checkpoint's module."""
+    """The session's shared engine (eos id 2), started from the tiny checkpoint's float32 module (float32)."""
     return shared_from(vllm_engine_holder, request)
 
 
