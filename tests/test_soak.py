@@ -209,7 +209,28 @@ def test_every_fault_applies_where_it_can_happen():
     assert soak_faults.applies("sigterm-group", specs["quickstart"])
     assert soak_faults.applies("engine-killed", specs["vllm_async"])
     assert not soak_faults.applies("engine-killed", specs["quickstart"])  # no engine process to kill
+    assert soak_faults.applies("trainer-sigkilled", specs["vllm"])  # its engine processes must not outlive it
+    assert not soak_faults.applies("trainer-sigkilled", specs["quickstart"])
     assert [name for name, s in specs.items() if soak_faults.applies("full-disk", s)] == ["quickstart"]
+
+
+@pytest.mark.skipif(not Path("/dev/shm").is_dir(), reason="needs /dev/shm and /proc")
+def test_the_sigkill_fault_finds_the_processes_that_name_the_trainer_and_their_shared_memory(tmp_path):
+    import os
+
+    held = Path("/dev/shm") / f"soak_test_{os.getpid()}"
+    held.write_bytes(b"x")
+    code = f"import os, time; f = os.open({str(held)!r}, os.O_RDONLY); print(1, flush=True); time.sleep(60)"
+    env = {**os.environ, soak_faults.TRAINER_ENV: f"{os.getpid()}:"}
+    child = subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout.readline().strip() == "1"
+        assert child.pid in soak_faults.named_trainer(os.getpid())
+        assert held.name in soak_faults.shm_files_of([child.pid]) and held.name in soak_faults.shm_listing()
+    finally:
+        child.kill()
+        child.wait()
+        held.unlink()
 
 
 @pytest.mark.slow

@@ -13,21 +13,30 @@ Faults (each run as a real ``python -m lightning_offpolicy.cli fit`` in its own 
 * ``full-disk``: the checkpoint directory on a 6 MiB tmpfs (a private mount namespace, ``unshare``),
   where the second periodic save does not fit (the quickstart). Expected: exit status 1 naming
   ENOSPC, and the first save intact.
+* ``trainer-sigkilled``: the training process itself SIGKILLed mid-fit, as the OOM killer does (vLLM
+  configs), and left unreaped (a zombie) while its engine processes are watched. Expected: within
+  ``ORPHAN_WAIT_S`` every process of the run is gone (its descendants at the kill, its session, any
+  process whose environment names it as its trainer: the engine core, its workers, the resource
+  tracker), and no ``/dev/shm`` file the run had mapped or open, nor a new weight bucket of it, is left.
+  Nothing was saved at the kill, so this run is not resumed (the other faults check the resume).
 
-Every run must leave no process of its session behind, and then ``--ckpt_path last`` (the
-full-disk run: the intact checkpoint) resumes for ``--resume-batches`` batches: exit 0, the first
-logged ``train/policy_version`` is the saved one plus one batch, and the first resumed batch is logged
-at the step the checkpoint's batch count says (the data position continues). Writes ``--output``
-(markdown) and the same results as JSON next to it; exit status 1 when a run fails a check.
+Every run must leave no process of its session behind, and then (not after ``trainer-sigkilled``)
+``--ckpt_path last`` (the full-disk run: the intact checkpoint) resumes for ``--resume-batches``
+batches: exit 0, the first logged ``train/policy_version`` is the saved one plus one batch, and the
+first resumed batch is logged at the step the checkpoint's batch count says (the data position
+continues). Writes ``--output`` (markdown) and the same results as JSON next to it; exit status 1
+when a run fails a check.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -38,10 +47,13 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from soak import machine, prepare_tiny_models, run_dir, saved_run_config  # noqa: E402
 from soak_configs import ROOT, SoakConfig, run_slug, select_configs, vllm_installed  # noqa: E402
-from soak_processes import run_fit  # noqa: E402
+from soak_processes import describe, run_fit, session_processes  # noqa: E402
 
-FAULTS = ("sigterm-group", "engine-killed", "full-disk")
+FAULTS = ("sigterm-group", "engine-killed", "full-disk", "trainer-sigkilled")
 SIGTERM_STATUS = 143
+ORPHAN_WAIT_S = 10.0  # how long the processes of a SIGKILLed trainer may take to go
+TRAINER_ENV = "LIGHTNING_OFFPOLICY_TRAINER"  # the variable that names a kit trainer (rollout/vllm/watchdog.py)
+SHM = Path("/dev/shm")
 DISK_MIB = 6  # one checkpoint of the tiny model (just under 4 MiB) fits, a second beside it does not
 
 
@@ -58,6 +70,15 @@ class FaultResult:
     resumed_versions: list[float] = field(default_factory=list)
     resumed_first_step: int | None = None
     leftover_processes: list[str] = field(default_factory=list)
+    # trainer-sigkilled: the run's processes at the kill, the seconds until the last was gone (None: some
+    # outlived ORPHAN_WAIT_S), the /dev/shm files it had mapped or open, the new ones left after the wait
+    # (those of the run, and those no process of it had: another program's on a shared machine).
+    processes_at_kill: list[str] = field(default_factory=list)
+    gone_after_s: float | None = None
+    exit_s: dict[int, float] = field(default_factory=dict)  # pid -> seconds from the kill to its exit
+    shm_of_run: list[str] = field(default_factory=list)
+    shm_left: list[str] = field(default_factory=list)
+    shm_new_unattributed: list[str] = field(default_factory=list)
     failures: list[str] = field(default_factory=list)
     log_tail: str = ""
 
@@ -68,7 +89,7 @@ class FaultResult:
 
 def applies(fault: str, spec: SoakConfig) -> bool:
     """Whether ``fault`` is run on ``spec`` (the engine kill needs vLLM; the disk is the same for every config)."""
-    if fault == "engine-killed":
+    if fault in ("engine-killed", "trainer-sigkilled"):
         return spec.uses_vllm
     if fault == "full-disk":
         return spec.name == "quickstart"
@@ -125,6 +146,102 @@ def kill_the_engine_core(after_s: float):
     return during
 
 
+def shm_listing() -> set[str]:
+    """The names in ``/dev/shm`` now (empty where there is none)."""
+    try:
+        return {entry.name for entry in os.scandir(SHM)}
+    except OSError:
+        return set()
+
+
+def named_trainer(pid: int) -> list[int]:
+    """The processes whose environment names ``pid`` as their kit trainer (those ``/proc`` lets us read)."""
+    needle = f"{TRAINER_ENV}={pid}:".encode()
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit() and int(entry.name) != pid:
+            try:
+                environ = (entry / "environ").read_bytes()
+            except OSError:
+                continue
+            if any(item.startswith(needle) for item in environ.split(b"\0")):
+                found.append(int(entry.name))
+    return found
+
+
+def shm_files_of(pids: list[int]) -> set[str]:
+    """The ``/dev/shm`` files (names) that the processes ``pids`` map or hold open."""
+    names = set()
+    for pid in pids:
+        try:
+            maps = Path(f"/proc/{pid}/maps").read_text(errors="replace").splitlines()
+            fds = [os.readlink(f) for f in Path(f"/proc/{pid}/fd").iterdir()]
+        except OSError:
+            continue
+        for path in [line.split(maxsplit=5)[-1] for line in maps if f"{SHM}/" in line] + fds:
+            if path.startswith(f"{SHM}/"):
+                names.add(path.removeprefix(f"{SHM}/").removesuffix(" (deleted)"))
+    return names
+
+
+def sigkill_the_trainer(after_s: float, result: FaultResult, shm_before: set[str]):
+    """SIGKILL the trainer once training is under way; watch its processes and shared memory go."""
+
+    def during(proc: subprocess.Popen, log_path: Path) -> None:
+        import psutil
+
+        if not wait_for_training(proc, log_path, after_s):
+            return
+
+        def run_processes() -> list[Any]:
+            procs = {p.pid: p for p in session_processes(proc.pid)}
+            with contextlib.suppress(psutil.Error):
+                procs.update((p.pid, p) for p in psutil.Process(proc.pid).children(recursive=True))
+            for pid in named_trainer(proc.pid):
+                with contextlib.suppress(psutil.Error):
+                    procs.setdefault(pid, psutil.Process(pid))
+            return [p for p in procs.values() if _running(p)]
+
+        at_kill = run_processes()
+        result.processes_at_kill = describe(at_kill)
+        of_run = shm_files_of([proc.pid, *(p.pid for p in at_kill)])
+        os.kill(proc.pid, signal.SIGKILL)  # not reaped here: a zombie trainer must count as dead too
+        killed = time.monotonic()
+        left, seen = at_kill, {p.pid: p for p in at_kill}
+        while time.monotonic() - killed < ORPHAN_WAIT_S:
+            seen.update((p.pid, p) for p in run_processes())
+            left = [p for p in seen.values() if _running(p)]
+            for p in seen.values():
+                if p not in left and p.pid not in result.exit_s:
+                    result.exit_s[p.pid] = round(time.monotonic() - killed, 2)
+            if not left:
+                result.gone_after_s = max(result.exit_s.values(), default=0.0)
+                break
+            time.sleep(0.05)
+        if left:  # run_fit then gives them its own grace and kills them: they show as leftovers too
+            result.failures.append(f"alive {ORPHAN_WAIT_S:g} s after the kill: {describe(left)}")
+        time.sleep(0.5)  # the resource tracker unlinks the run's segments as the last of its processes exits
+        new = shm_listing() - shm_before
+        bucket = f"lightning_offpolicy_weights_{socket.gethostname()}-{proc.pid}-"  # the kit's, of this trainer
+        of_run |= {name for name in new if name.startswith(bucket)}
+        result.shm_of_run = sorted(of_run)
+        result.shm_left = sorted(name for name in of_run if (SHM / name).exists())
+        result.shm_new_unattributed = sorted(new - of_run)
+        if result.shm_left:
+            result.failures.append(f"{len(result.shm_left)} /dev/shm file(s) of the run left: {result.shm_left}")
+
+    return during
+
+
+def _running(proc: Any) -> bool:
+    import psutil
+
+    try:
+        return proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
+
+
 def full_disk_wrapper(disk: Path, out: Path, prepare: str = "") -> list[str]:
     """A command prefix: run the fit with ``disk`` a private ``DISK_MIB`` MiB tmpfs (in a user and mount
     namespace of its own, so no privilege is needed and nothing outside sees it), copy it to ``out`` after.
@@ -170,6 +287,8 @@ def fault_one(spec: SoakConfig, fault: str, workdir: Path, quick: bool, resume_b
         during, expected = sigterm_the_group(after_s), SIGTERM_STATUS
     elif fault == "engine-killed":
         during = kill_the_engine_core(after_s)
+    elif fault == "trainer-sigkilled":
+        during, expected = sigkill_the_trainer(after_s, result, shm_listing()), -signal.SIGKILL
     else:
         disk, checkpoints = save_dir / "disk", save_dir / "after"
         disk.mkdir(parents=True)
@@ -194,6 +313,10 @@ def fault_one(spec: SoakConfig, fault: str, workdir: Path, quick: bool, resume_b
         result.failures.append(f"{len(result.leftover_processes)} process(es) left over")
     if fault == "full-disk" and "No space left on device (ENOSPC)" not in result.log_tail:
         result.failures.append("the failed save did not name ENOSPC")
+    if fault == "trainer-sigkilled":
+        if not result.processes_at_kill:
+            result.failures.append("the fit ended before it could be killed")
+        return result  # nothing was saved at the kill: no resume
 
     # What `--ckpt_path last` resumes from: the newest checkpoint (find_last_checkpoint).
     found = sorted(checkpoints.rglob("*.ckpt"), key=lambda p: p.stat().st_mtime_ns)
@@ -251,7 +374,9 @@ def markdown(results: list[FaultResult], skipped: list[tuple[str, str, str]], me
         "Checks per run: the exit status the fault calls for (143 after SIGTERM; not 0 or 143 after the engine "
         "was killed; 1 naming ENOSPC on a full disk); no process of the run's session outlives it; a complete "
         "checkpoint and no temporary file; the resume (`--ckpt_path last`) exits 0, its first logged policy "
-        "version is the saved one plus one batch, logged at the step of the checkpoint's batch count.",
+        "version is the saved one plus one batch, logged at the step of the checkpoint's batch count. After a "
+        f"SIGKILL of the trainer (exit -9): every process of the run gone within {ORPHAN_WAIT_S:g} s and none of its "
+        "shared-memory files left; no resume (nothing is saved at a SIGKILL).",
         "",
         "| config | fault | exit | fit wall s | checkpoint | saved version | resumed versions (first step) "
         "| leftovers | result |",
@@ -265,6 +390,22 @@ def markdown(results: list[FaultResult], skipped: list[tuple[str, str, str]], me
             f"| {r.config} | {r.fault} | {r.exit_code} | {r.wall_s or 0:.0f} | {name} | {r.saved_version} "
             f"| {versions} ({r.resumed_first_step}) | {len(r.leftover_processes)} | {verdict} |"
         )
+    killed = [r for r in results if r.fault == "trainer-sigkilled"]
+    if killed:
+        lines += [
+            "",
+            f"`trainer-sigkilled`: the processes of the run at the kill (the trainer, its engine's, the resource "
+            f"tracker), the seconds until the last was gone (limit {ORPHAN_WAIT_S:g} s), the `/dev/shm` files the run "
+            "had mapped or open and those left after; new files no process of the run had are another program's.",
+            "",
+            "| config | processes at the kill | gone after s | /dev/shm files of the run | left | new, not the run's |",
+            "|---|---|---|---|---|---|",
+        ]
+        for r in killed:
+            lines.append(
+                f"| {r.config} | {len(r.processes_at_kill)} | {r.gone_after_s if r.gone_after_s is not None else '-'} "
+                f"| {len(r.shm_of_run)} | {len(r.shm_left)} | {len(r.shm_new_unattributed)} |"
+            )
     if skipped:
         lines += ["", "Not run:", ""] + [f"- `{config}` {fault}: {why}" for config, fault, why in skipped]
     return "\n".join(lines) + "\n"

@@ -22,9 +22,9 @@ What the engine guarantees (each one checked by ``tests/test_vllm_engine.py`` an
 * **LoRA (peft) models, two ways** (``lora_sync``): ``"merged"`` pushes the base weights with the
   adapters folded in (computed out of place); ``"adapter"`` pushes the base once, then only the
   adapter (:class:`~lightning_offpolicy.rollout.vllm.lora.AdapterSync`).
-* **No hangs**: every engine call runs in a watched thread (:mod:`~lightning_offpolicy.rollout.vllm.process`);
-  a dead engine process or a call past ``request_timeout_s`` raises a ``RuntimeError`` and shuts
-  the engine down. :meth:`VLLMEngine.close` stops and reaps every engine process.
+* **No hangs, no orphans**: engine calls run in watched threads (:mod:`~lightning_offpolicy.rollout.vllm.process`):
+  a dead engine process or a call past ``request_timeout_s`` raises a ``RuntimeError`` and shuts the engine
+  down. :meth:`VLLMEngine.close` reaps every engine process; a killed trainer's stop themselves (``watchdog.py``).
 
 Measured start-up, generation and sync times on a CPU machine: docs/training.md, "VLLMEngine on a
 CPU machine". The calling script needs an ``if __name__ == "__main__":`` guard: vLLM starts its

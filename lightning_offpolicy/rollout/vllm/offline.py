@@ -84,6 +84,10 @@ def start_llm(engine: Any, model: str) -> tuple[Any, list[Any], float]:
     kwargs["worker_extension_cls"] = RECEIVER_CLS  # every sync goes through the kit's receiver
     kwargs.update(engine.engine_kwargs)
     env = {"VLLM_CPU_KVCACHE_SPACE": str(engine.kv_cache_space_gib)} if on_cpu and engine.kv_cache_space_gib else {}
+    # Clear what a killed run left, and name this process to the engine's: they exit once it is gone.
+    from lightning_offpolicy.rollout.vllm.leftovers import prepare_start  # not at the top: see leftovers.py
+
+    env.update(prepare_start())
     before = vllm_process.descendants()
     begin = time.perf_counter()
     log.info(

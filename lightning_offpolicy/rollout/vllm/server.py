@@ -39,7 +39,8 @@ class LocalVLLMServer:
 
     A context manager. The server runs in its own process group (its engine-core and worker
     processes with it); :meth:`close` signals the group, waits for every process it had, kills
-    stragglers and reaps them.
+    stragglers and reaps them. If the process that launched it dies without closing it (SIGKILL),
+    the server's processes stop themselves (:mod:`~lightning_offpolicy.rollout.vllm.watchdog`).
 
     Attributes:
         base_url: ``http://127.0.0.1:PORT``, for :class:`RemoteVLLMEngine`.
@@ -319,6 +320,10 @@ def launch_local_server(
         env["VLLM_CPU_KVCACHE_SPACE"] = str(kv_cache_space_gib)  # read by the CPU backend only
     if Path(model).is_dir():
         env.setdefault("HF_HUB_OFFLINE", "1")  # a local checkpoint: no hub look-ups (and their retries)
+    # Clear what a killed run left, and name this process to the server's: they exit once it is gone.
+    from lightning_offpolicy.rollout.vllm.leftovers import prepare_start  # not at the top: see leftovers.py
+
+    env.update(prepare_start(env))
     log.info("launch_local_server: %s", " ".join(cmd))
     begin = time.perf_counter()
     with open(log_path, "ab") as out:

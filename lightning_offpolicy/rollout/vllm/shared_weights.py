@@ -153,7 +153,10 @@ class SharedWeightsBuffer:
         if self._buffer is not None and self.nbytes >= nbytes:
             return
         self.close()
-        fd, name = tempfile.mkstemp(prefix="lightning_offpolicy_weights_", dir=_shared_dir(nbytes))  # mode 0600
+        from lightning_offpolicy.rollout.vllm.leftovers import bucket_prefix  # not at the top: see leftovers.py
+
+        # Named after this process: a later start removes it if this process was killed holding it.
+        fd, name = tempfile.mkstemp(prefix=bucket_prefix(), dir=_shared_dir(nbytes))  # mode 0600
         try:
             os.ftruncate(fd, nbytes)
         finally:
