@@ -7,6 +7,7 @@ fit loop. The vLLM variants are in tests/test_vllm_async.py.
 
 from __future__ import annotations
 
+import pickle
 import threading
 import time
 from functools import partial
@@ -21,6 +22,7 @@ from lightning_offpolicy.lightning.callback import RolloutCallback
 from lightning_offpolicy.lightning.module import OffPolicyRLModule
 from lightning_offpolicy.rollout import AsyncSettings, HFEngine, SamplingConfig
 from lightning_offpolicy.rollout.producer import RolloutProducer
+from tests.module_helpers import TWO_RANK_STRATEGY
 
 
 class VersionSpy(L.Callback):
@@ -283,7 +285,7 @@ def wait_for(condition, timeout: float = 10.0) -> None:
 
 
 class RankRecorder(L.Callback):
-    """Writes each rank's trained prompts and staleness to ``directory/rank<r>.json`` (ddp_spawn children)."""
+    """Writes each rank's trained prompts and staleness to ``directory/rank<r>.json`` (the ranks' processes)."""
 
     def __init__(self, directory) -> None:
         self.directory = directory
@@ -299,10 +301,7 @@ class RankRecorder(L.Callback):
         (self.directory / f"rank{trainer.global_rank}.json").write_text(json.dumps(rows))
 
 
-@pytest.mark.slow
-def test_two_rank_ddp_async_shards_the_prompts_and_keeps_the_bound(tmp_path):
-    import json
-
+def _async_two_rank_parts() -> tuple[OffPolicyRLModule, RolloutCallback, PromptDataModule]:
     module = OffPolicyRLModule(model="tiny:reverse", optimizer=partial(torch.optim.AdamW, lr=1e-3), num_minibatches=2)
     callback = RolloutCallback(
         engine=HFEngine(dtype="float32"),
@@ -310,10 +309,30 @@ def test_two_rank_ddp_async_shards_the_prompts_and_keeps_the_bound(tmp_path):
         asynchrony=AsyncSettings(max_staleness=2),
         seed=3,
     )
+    return module, callback, PromptDataModule(task="reverse", prompts_per_step=4, num_train_prompts=64)
+
+
+def test_the_async_parts_pickle_as_ddp_spawn_sends_them_to_its_ranks():
+    """``ddp_spawn`` pickles the module, the callbacks (an engine, the asynchrony) and the data to each rank
+    (the 2-rank test below forks its ranks: tests/module_helpers.py)."""
+    from multiprocessing.reduction import ForkingPickler
+
+    module, callback, data = _async_two_rank_parts()
+    module2, callback2, data2 = pickle.loads(ForkingPickler.dumps((module, callback, data)))
+    assert callback2.asynchrony == callback.asynchrony and callback2.sampling == callback.sampling
+    assert type(callback2.engine) is HFEngine and callback2.seed == 3
+    assert module2.num_minibatches == 2 and data2.prompts_per_step == 4
+
+
+@pytest.mark.slow
+def test_two_rank_ddp_async_shards_the_prompts_and_keeps_the_bound(tmp_path):
+    import json
+
+    module, callback, data = _async_two_rank_parts()
     trainer = L.Trainer(
         accelerator="cpu",
         devices=2,
-        strategy="ddp_spawn",
+        strategy=TWO_RANK_STRATEGY,
         max_steps=8,
         callbacks=[callback, RankRecorder(tmp_path)],
         default_root_dir=tmp_path,
@@ -322,7 +341,7 @@ def test_two_rank_ddp_async_shards_the_prompts_and_keeps_the_bound(tmp_path):
         enable_model_summary=False,
         enable_checkpointing=False,
     )
-    trainer.fit(module, PromptDataModule(task="reverse", prompts_per_step=4, num_train_prompts=64))
+    trainer.fit(module, data)
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
     for rank in ranks:
         assert len(rank["staleness"]) == 4
