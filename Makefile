@@ -82,6 +82,7 @@ bench: $(VENV)/.dev
 		--output docs/reports/performance_correction.md; \
 	$(PY) benchmarks/logprob_memory.py --output docs/reports/performance_logprobs.md; \
 	$(PY) benchmarks/sampling_mask_cost.py --output docs/reports/performance_sampling_mask.md; \
+	$(PY) benchmarks/vllm_support.py --output docs/reports/performance_vllm_support.md; \
 	$(PY) benchmarks/async_overlap.py --output docs/reports/performance_async.md; \
 	$(PY) benchmarks/end_to_end.py --output docs/reports/performance_end_to_end.md; \
 	$(PY) benchmarks/trainer_memory.py --output docs/reports/performance_trainer_memory.md; \
