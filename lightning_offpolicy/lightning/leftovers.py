@@ -14,6 +14,8 @@ import re
 import socket
 import uuid
 
+from lightning_offpolicy.rollout.vllm.watchdog import pid_alive
+
 __all__ = ["remove_orphaned_temporaries", "temporary_name"]
 
 log = logging.getLogger(__name__)
@@ -25,16 +27,6 @@ def temporary_name(path: str) -> str:
     """A hidden name beside ``path`` (same directory, hence same filesystem) that names its writer process."""
     directory, base = os.path.split(os.path.abspath(path))
     return os.path.join(directory, f".{base}.{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:12]}.tmp")
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's process
-        return True
-    return True
 
 
 def remove_orphaned_temporaries(directory: str) -> list[str]:
@@ -52,7 +44,7 @@ def remove_orphaned_temporaries(directory: str) -> list[str]:
     host = socket.gethostname()
     for entry in os.scandir(directory):
         match = _TEMPORARY.match(entry.name)
-        if match is None or match["host"] != host or _alive(int(match["pid"])) or not entry.is_file():
+        if match is None or match["host"] != host or pid_alive(int(match["pid"])) or not entry.is_file():
             continue
         try:
             os.unlink(entry.path)

@@ -48,6 +48,7 @@ __all__ = [
     "TRAINER_ENV",
     "TrainerToken",
     "arm",
+    "pid_alive",
     "plugin_registered",
     "proc_stat",
     "trainer_env",
@@ -109,7 +110,7 @@ class TrainerToken:
         if stat is None:
             if os.path.isdir("/proc"):
                 return False
-            return _signal_alive(self.pid)
+            return pid_alive(self.pid)
         state, _, start = stat
         # An unreadable start time (another user's process) cannot disprove that it is the trainer.
         return state not in ("Z", "X", "x") and (not self.start or not start or start == self.start)
@@ -140,7 +141,8 @@ def proc_stat(pid: int) -> tuple[str, int, str] | None:
     return fields[0], int(fields[1]), fields[19]
 
 
-def _signal_alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
+    """Whether a process ``pid`` exists on this host (a zombie does; another user's process does)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
