@@ -24,7 +24,8 @@ from lightning_offpolicy.rollout.vllm.inprocess import VLLMEngine, vllm_availabl
 VLLM_MISSING = "vLLM is not installed"
 requires_vllm = pytest.mark.skipif(not vllm_available(), reason=VLLM_MISSING)
 
-#: Engine settings of the shared engine (float32, as the trainer, so the residual is the engine's own).
+#: Engine settings of the vLLM tests' engines (float32, as the trainer, so the residual is the engine's own);
+#: the shared engine takes them but ``dtype`` (its default "auto" gives float32 from the float32 module).
 #: ``max_model_len`` is left unset, as by default: the engine runs at the model's context (256 tokens).
 ENGINE_KWARGS = dict(dtype="float32", gpu_memory_utilization=0.3, kv_cache_space_gib=1)
 
