@@ -36,7 +36,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -48,6 +47,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from soak import machine, prepare_tiny_models, run_dir, saved_run_config  # noqa: E402
 from soak_configs import ROOT, SoakConfig, run_slug, select_configs, vllm_installed  # noqa: E402
 from soak_processes import describe, run_fit, session_processes  # noqa: E402
+
+from lightning_offpolicy.rollout.vllm.leftovers import bucket_prefix  # noqa: E402
+from lightning_offpolicy.rollout.vllm.process import is_alive  # noqa: E402
 
 FAULTS = ("sigterm-group", "engine-killed", "full-disk", "trainer-sigkilled")
 SIGTERM_STATUS = 143
@@ -200,7 +202,7 @@ def sigkill_the_trainer(after_s: float, result: FaultResult, shm_before: set[str
             for pid in named_trainer(proc.pid):
                 with contextlib.suppress(psutil.Error):
                     procs.setdefault(pid, psutil.Process(pid))
-            return [p for p in procs.values() if _running(p)]
+            return [p for p in procs.values() if is_alive(p)]
 
         at_kill = run_processes()
         result.processes_at_kill = describe(at_kill)
@@ -210,7 +212,7 @@ def sigkill_the_trainer(after_s: float, result: FaultResult, shm_before: set[str
         left, seen = at_kill, {p.pid: p for p in at_kill}
         while time.monotonic() - killed < ORPHAN_WAIT_S:
             seen.update((p.pid, p) for p in run_processes())
-            left = [p for p in seen.values() if _running(p)]
+            left = [p for p in seen.values() if is_alive(p)]
             for p in seen.values():
                 if p not in left and p.pid not in result.exit_s:
                     result.exit_s[p.pid] = round(time.monotonic() - killed, 2)
@@ -222,7 +224,7 @@ def sigkill_the_trainer(after_s: float, result: FaultResult, shm_before: set[str
             result.failures.append(f"alive {ORPHAN_WAIT_S:g} s after the kill: {describe(left)}")
         time.sleep(0.5)  # the resource tracker unlinks the run's segments as the last of its processes exits
         new = shm_listing() - shm_before
-        bucket = f"lightning_offpolicy_weights_{socket.gethostname()}-{proc.pid}-"  # the kit's, of this trainer
+        bucket = bucket_prefix(proc.pid)  # the kit's, of this trainer
         of_run |= {name for name in new if name.startswith(bucket)}
         result.shm_of_run = sorted(of_run)
         result.shm_left = sorted(name for name in of_run if (SHM / name).exists())
@@ -231,15 +233,6 @@ def sigkill_the_trainer(after_s: float, result: FaultResult, shm_before: set[str
             result.failures.append(f"{len(result.shm_left)} /dev/shm file(s) of the run left: {result.shm_left}")
 
     return during
-
-
-def _running(proc: Any) -> bool:
-    import psutil
-
-    try:
-        return proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE
-    except psutil.Error:
-        return False
 
 
 def full_disk_wrapper(disk: Path, out: Path, prepare: str = "") -> list[str]:

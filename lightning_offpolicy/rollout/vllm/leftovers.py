@@ -88,9 +88,10 @@ _reported: set[str] = set()  # what this process already warned about (every eng
 _warned_plugin = False
 
 
-def bucket_prefix() -> str:
-    """The name prefix of a weight bucket written by this process (host and pid: who may remove it)."""
-    return f"{BUCKET_PREFIX}{socket.gethostname()}-{os.getpid()}-"
+def bucket_prefix(pid: int | None = None) -> str:
+    """The name prefix of a weight bucket written by process ``pid`` on this host (default: this process); host and
+    pid say who may remove it."""
+    return f"{BUCKET_PREFIX}{socket.gethostname()}-{os.getpid() if pid is None else pid}-"
 
 
 def bucket_dirs() -> list[str]:
