@@ -2,14 +2,18 @@
 
 Times one ``HFEngine.generate`` call per variant, interleaved (every repeat runs each variant once,
 in a rotated order), on one thread, and reports the median seconds per call and the ratio to the
-lean loop measured in the same run. Two shapes:
+lean loop measured in the same run. Three shapes:
 
 - ``vs_trl``: the task of ``benchmarks/vs_trl.py``: its random-init tiny Llama (vocab 64, hidden
   128, 2 layers, float32, weights shared with the trainer), 8 prompts of 4-7 tokens x 8 samples,
   16 new tokens, temperature 1;
 - ``quickstart``: the shape of ``configs/quickstart.yaml``: the tiny Llama (random init, not the
   SFT warm-up), 16 ``reverse``
-  prompts x 8 samples, 8 new tokens, temperature 1, the engine's own bfloat16 copy.
+  prompts x 8 samples, 8 new tokens, temperature 1, the engine's own bfloat16 copy;
+- ``long_tail``: the ``vs_trl`` prompts and model, up to 128 new tokens: the random-init model
+  ends a row with probability ~1/64 per token, so most rows stop long before the longest one (the
+  lean loop drops a row from the forward passes once it stopped; ``generate`` decodes every row to
+  the longest one's end).
 
 Variants: ``lean`` and ``generate`` (``HFEngine(sampler=...)``; the lean loop runs under
 ``torch.inference_mode``); ``lean, no_grad`` (the lean loop under ``no_grad`` only, as ``generate``);
@@ -73,7 +77,16 @@ def quickstart_shape() -> dict[str, Any]:
     }
 
 
-SHAPES: dict[str, Callable[[], dict[str, Any]]] = {"vs_trl": vs_trl_shape, "quickstart": quickstart_shape}
+def long_tail_shape() -> dict[str, Any]:
+    shape = vs_trl_shape()
+    return {**shape, "sampling": SamplingConfig(max_new_tokens=128, temperature=1.0, samples_per_prompt=8)}
+
+
+SHAPES: dict[str, Callable[[], dict[str, Any]]] = {
+    "vs_trl": vs_trl_shape,
+    "quickstart": quickstart_shape,
+    "long_tail": long_tail_shape,
+}
 
 
 def _static_generate(engine: HFEngine) -> None:
@@ -125,16 +138,18 @@ def build_variants(shape: dict[str, Any], compile_model: bool) -> tuple[dict[str
     return variants, extra
 
 
-def check_equal(variants: dict[str, HFEngine], shape: dict[str, Any]) -> dict[str, bool]:
-    """Whether each variant's tokens and logprobs equal ``generate``'s (same seed), exactly."""
+def check_equal(variants: dict[str, HFEngine], shape: dict[str, Any]) -> tuple[dict[str, bool], dict[str, float]]:
+    """Whether each variant's tokens and logprobs equal ``generate``'s (same seed), exactly; and the
+    completion lengths of that call (mean, longest)."""
     reference = variants["generate"].generate(shape["prompts"], shape["sampling"], seed=123)
+    lengths = [len(c.token_ids) for c in reference]
     equal = {}
     for name, engine in variants.items():
         got = engine.generate(shape["prompts"], shape["sampling"], seed=123)
         equal[name] = all(
             a.token_ids == b.token_ids and a.logprobs == b.logprobs for a, b in zip(got, reference, strict=True)
         )
-    return equal
+    return equal, {"mean": statistics.mean(lengths), "max": max(lengths)}
 
 
 def time_variants(variants: dict[str, HFEngine], shape: dict[str, Any], repeats: int, warmup: int) -> dict[str, Any]:
@@ -162,7 +177,7 @@ def run(shapes: list[str], repeats: int, warmup: int, compile_model: bool) -> di
     for key in shapes:
         shape = SHAPES[key]()
         variants, extra = build_variants(shape, compile_model)
-        equal = check_equal(variants, shape)
+        equal, lengths = check_equal(variants, shape)
         timing = time_variants(variants, shape, repeats, warmup)
         sampling: SamplingConfig = shape["sampling"]
         results[key] = {
@@ -171,6 +186,7 @@ def run(shapes: list[str], repeats: int, warmup: int, compile_model: bool) -> di
             "max_new_tokens": sampling.max_new_tokens,
             "engine_dtype": shape["dtype"] or "float32 (shared)",
             "equal_to_generate": equal,
+            "completion_tokens": lengths,
             **timing,
             **extra,
         }
@@ -196,6 +212,9 @@ def render(report: dict[str, Any]) -> str:
             f"## {key}: {result['rows']} rows, prompts {low}-{high} tokens, {result['max_new_tokens']} new tokens, "
             f"engine {result['engine_dtype']}",
             "",
+            f"Completions: {result['completion_tokens']['mean']:.1f} tokens on average, the longest "
+            f"{result['completion_tokens']['max']}.",
+            "",
             "| variant | s / call (median) | x lean | s / call (min) | x lean (min) | = generate |",
             "|---|---:|---:|---:|---:|---|",
         ]
@@ -216,7 +235,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quick", action="store_true", help="few repeats, for a smoke test")
     p.add_argument("--repeats", type=int, default=60)
     p.add_argument("--warmup", type=int, default=5)
-    p.add_argument("--shapes", default="vs_trl,quickstart", help=f"comma separated, of {', '.join(SHAPES)}")
+    p.add_argument("--shapes", default="vs_trl,quickstart,long_tail", help=f"comma separated, of {', '.join(SHAPES)}")
     p.add_argument("--compile", action="store_true", help="also time the lean loop on a torch.compile'd model")
     p.add_argument("--output", type=Path, help="write the Markdown report here (and the .json next to it)")
     args = p.parse_args(argv)

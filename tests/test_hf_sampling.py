@@ -141,3 +141,28 @@ def test_unsupported_models_fall_back_to_generate(caplog):
 def test_sampler_is_checked():
     with pytest.raises(ValueError, match="sampler"):
         HFEngine(sampler="fast")
+
+
+@pytest.mark.parametrize("family", ["llama-tied", "qwen2-tied", "gemma2", "gemma3", "qwen3-moe"])
+def test_rows_that_stopped_leave_the_forward_passes_and_the_tokens_stay_generates(family):
+    """Rows leave the batch as they stop (their KV cache rows with them, sliding-window layers included);
+    the other rows' tokens and logprobs are still ``generate``'s for the same seed."""
+    from lightning_offpolicy.modelcheck.families import build_tiny, family_config
+
+    model = build_tiny(family_config(family))
+    batch_sizes = []
+    model.register_forward_pre_hook(
+        lambda _, args, kwargs: batch_sizes.append(kwargs["input_ids"].shape[0]), with_kwargs=True
+    )
+    # A fifth of the vocabulary stops a row: rows end at every step.
+    sampling = SamplingConfig(max_new_tokens=16, temperature=1.3, samples_per_prompt=4)
+    kwargs = {"eos_token_id": 2, "stop_token_ids": list(range(3, 100))}
+    lean = _run(model, "lean", sampling, **kwargs)
+    lean_sizes, batch_sizes[:] = list(batch_sizes), []
+    _assert_same(lean, _run(model, "generate", sampling, **kwargs))
+    rows = len(PROMPTS) * sampling.samples_per_prompt
+    lengths = sorted(len(c.token_ids) for c in lean)
+    assert lengths[0] < lengths[-1], lengths
+    # One prefill of every row, then one step per token of the longest row, each over the rows still going.
+    assert lean_sizes[0] == rows and len(lean_sizes) == lengths[-1]
+    assert lean_sizes[1:] == [sum(n > step for n in lengths) for step in range(1, lengths[-1])]

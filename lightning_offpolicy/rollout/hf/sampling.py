@@ -4,9 +4,8 @@
 ``_update_model_kwargs_for_generation``: a new attention mask and new position ids by
 concatenation), runs its logits-processor and stopping-criteria lists and keeps every step's
 scores. This loop does the same computation with less around it, under ``torch.inference_mode``
-(the engine enters it). Measured on the tiny Llama of ``benchmarks/vs_trl.py`` (64 rows, 16 new
-tokens, one CPU thread; ``docs/reports/performance_generation.md``) the forward passes are most of a call:
-the loop takes about 10-20% off ``generate``'s time, most of it from ``inference_mode``.
+(the engine enters it), and without the rows that have stopped (``benchmarks/generation.py``
+measures both against ``generate``: docs/performance.md).
 
 - the prefill sees what ``generate`` gives it for left-padded prompts: the attention mask, the
   position ids ``cumsum(mask) - 1`` with the padded positions set to 0, a ``DynamicCache`` built
@@ -17,9 +16,12 @@ the loop takes about 10-20% off ``generate``'s time, most of it from ``inference
   ``TemperatureLogitsWarper``, ``TopKLogitsWarper`` and ``TopPLogitsWarper``, in the order
   ``generate`` applies them and under the same conditions (temperature != 1, top_k != 0,
   top_p < 1); sampling is ``torch.multinomial(softmax(scores), 1)``, greedy is ``argmax``;
-- a row that has produced a stop id gets the pad token from then on, and the loop ends when every
-  row is done or ``max_new_tokens`` is reached: the same number of ``multinomial`` draws of the
-  same shapes as ``generate``, so the same seed gives the same tokens, also across chunks.
+- a row that has produced a stop id leaves the batch: the next forward passes, its KV cache rows
+  and its mask run over the rows still going, so a batch costs what its rows decode rather than
+  its longest row times the batch. ``generate`` decodes every row to the end (pad after a stop);
+  the loop still draws its tokens from a ``multinomial`` over the whole batch (the stopped rows
+  with a certain token), the same draws of the same shapes, so the same seed gives ``generate``'s
+  tokens, also across chunks. The loop ends when every row is done or ``max_new_tokens`` is reached.
 
 The logprob of each sampled token is the log-softmax of the processed scores, as the ``generate``
 path computes it; under top-k / top-p the tokens the warpers kept at each step (the finite
@@ -187,9 +189,9 @@ def lean_sample(
 
     tokens = torch.full((rows, max_new_tokens), pad_token_id, dtype=torch.long, device=device)
     logprobs = torch.zeros((rows, max_new_tokens), dtype=torch.float32, device=device)
-    unfinished = torch.ones(rows, dtype=torch.long, device=device)
+    # The rows still decoding, as indices into the batch: a row that stopped leaves the forward passes.
+    active = torch.arange(rows, device=device)
     stops = torch.tensor(stop_ids, dtype=torch.long, device=device)
-    has_stops = len(stop_ids) > 0
 
     def last_logits(ids: torch.Tensor, ids_mask: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         outputs = model(
@@ -211,25 +213,41 @@ def lean_sample(
     for step in range(max_new_tokens):
         for warper in warpers:
             scores = warper(None, scores)
-        if greedy:
-            next_tokens = torch.argmax(scores, dim=-1)
-        else:
-            probs = torch.softmax(scores, dim=-1)
-            next_tokens = torch.multinomial(probs, num_samples=1).squeeze(1)
-        if has_stops:
-            next_tokens = next_tokens * unfinished + pad_token_id * (1 - unfinished)
-        tokens[:, step] = next_tokens
-        logprobs[:, step] = torch.log_softmax(scores, dim=-1).gather(-1, next_tokens[:, None]).squeeze(-1)
+        next_tokens = torch.argmax(scores, dim=-1) if greedy else _draw(torch.softmax(scores, dim=-1), active, rows)
+        tokens[active, step] = next_tokens
+        logprobs[active, step] = torch.log_softmax(scores, dim=-1).gather(-1, next_tokens[:, None]).squeeze(-1)
         if support is not None:
-            for row, kept in zip(support, kept_support(scores), strict=True):
-                row.append(kept)
+            for row, kept in zip(active.tolist(), kept_support(scores), strict=True):
+                support[row].append(kept)
         steps = step + 1
-        if has_stops:
-            unfinished = unfinished & ~torch.isin(next_tokens, stops)
-            if not bool(unfinished.any()):
-                break
+        if stop_ids:
+            going = ~torch.isin(next_tokens, stops)
+            if not bool(going.all()):
+                if not bool(going.any()):
+                    break
+                # Drop the stopped rows from everything the next forward pass reads.
+                keep = going.nonzero().squeeze(1)
+                active, next_tokens = active[keep], next_tokens[keep]
+                mask, next_position = mask[keep], next_position[keep]
+                cache.reorder_cache(keep)
         if steps == max_new_tokens or (should_stop is not None and should_stop()):
             break
         scores = last_logits(next_tokens[:, None], mask[:, : width + steps], next_position)
         next_position = next_position + 1
     return tokens[:, :steps].cpu(), logprobs[:, :steps].cpu(), support
+
+
+def _draw(probs: torch.Tensor, active: torch.Tensor, rows: int) -> torch.Tensor:
+    """One token per active row from its ``probs``, with the random draws of a batch of all ``rows`` rows.
+
+    ``torch.multinomial``'s draws depend on the shape it samples from, not on the values: sampling
+    the whole batch (the rows that stopped get a certain token) keeps the random stream of
+    ``generate``, which decodes every row to the end, so a seed gives its tokens whatever rows stop.
+    """
+    if active.numel() < rows:
+        whole = probs.new_zeros((rows, probs.shape[-1]))
+        whole[:, 0] = 1.0
+        whole[active] = probs
+        probs = whole
+    drawn = torch.multinomial(probs, num_samples=1).squeeze(1)
+    return drawn if active.numel() == rows else drawn[active]
