@@ -1,8 +1,7 @@
 """RemoteVLLMEngine(lora_sync="adapter") against a real vLLM server with runtime LoRA loading.
 
-One server is started for this module (``launch_local_server(enable_lora=True, max_lora_rank=8)``,
-float32, from the tiny checkpoint) and stopped at its end; the session's in-process engine is
-closed first (one vLLM at a time on a small machine). The reference is the trainer's peft model:
+The tests run on the session's shared server (tests/vllm_fixtures.py: ``launch_local_server(enable_lora=True,
+max_lora_rank=8)``, float32, from the tiny checkpoint). The reference is the trainer's peft model:
 its float32 teacher-forced logprobs (adapter on, and off for the base). Each test makes its own
 engines (an engine pushes the base weights at its first sync, so a test does not depend on what
 an earlier one left in the server). The server-configuration errors that need another server
@@ -24,7 +23,13 @@ from lightning_offpolicy.rollout.engine import Completion, SamplingConfig
 from lightning_offpolicy.rollout.vllm import RemoteVLLMEngine, launch_local_server
 from tests.test_remote_vllm import _models
 from tests.test_vllm_lora import RANK, _bit_identical, _ckpt_lora, _lora, _optimizer_step, _snapshot
-from tests.vllm_fixtures import requires_vllm, residuals, reverse_prompts, teacher_forced_logprobs
+from tests.vllm_fixtures import (
+    SERVER_MAX_LORA_RANK,
+    requires_vllm,
+    residuals,
+    reverse_prompts,
+    teacher_forced_logprobs,
+)
 
 peft = pytest.importorskip("peft")
 
@@ -70,17 +75,17 @@ def _files(path: Path) -> list[Path]:
     return [p for p in path.rglob("*") if p.is_file()]
 
 
-@pytest.fixture(scope="module")
-def lora_server(tiny_ckpt, vllm_engine_holder):
-    vllm_engine_holder.close()  # the session's in-process engine, if a test started it: one vLLM at a time
-    server = launch_local_server(
-        tiny_ckpt, dtype="float32", kv_cache_space_gib=1, enable_lora=True, max_lora_rank=RANK, startup_timeout_s=600
-    )
-    MEASURED["server_start_s"] = server.start_time_s
-    print(f"\nLoRA-enabled vLLM server started in {server.start_time_s:.1f} s")
-    yield server
-    server.close()
+@pytest.fixture(scope="module", autouse=True)
+def _print_measured():
+    yield
     print("\nMEASURED", {k: round(v, 6) for k, v in MEASURED.items()})
+
+
+@pytest.fixture
+def lora_server(vllm_server):
+    """The session's server: it loads adapters up to the rank of this module's."""
+    assert RANK <= SERVER_MAX_LORA_RANK
+    return vllm_server
 
 
 @pytest.fixture

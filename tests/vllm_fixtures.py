@@ -117,9 +117,15 @@ def alive(procs: list) -> list:
     return out
 
 
+#: The shared server loads LoRA adapters at run time up to this rank (tests/test_remote_lora.py's adapters):
+#: one server for the adapter tests and the others, whose base-model requests the LoRA layers leave as they are.
+SERVER_MAX_LORA_RANK = 8
+
+
 class ServerHolder:
-    """Hands out the shared ``vllm serve`` (float32, the model's own context); starts a new one if the
-    previous was closed. At the end no process of any server it started may be left."""
+    """Hands out the shared ``vllm serve`` (float32, the model's own context, runtime LoRA loading up to
+    :data:`SERVER_MAX_LORA_RANK`); starts a new one if the previous was closed. At the end no process of any
+    server it started may be left."""
 
     def __init__(self, model: Path) -> None:
         self.model = model
@@ -135,7 +141,14 @@ class ServerHolder:
                     f"the shared vLLM server is gone (exit status {self.server.process.poll()}): starting another",
                     stacklevel=2,
                 )
-            self.server = launch_local_server(self.model, dtype="float32", kv_cache_space_gib=1, startup_timeout_s=600)
+            self.server = launch_local_server(
+                self.model,
+                dtype="float32",
+                kv_cache_space_gib=1,
+                enable_lora=True,
+                max_lora_rank=SERVER_MAX_LORA_RANK,
+                startup_timeout_s=600,
+            )
             self.processes += self.server.processes()
             print(f"\nvLLM server started in {self.server.start_time_s:.1f} s at {self.server.base_url}")
         return self.server
@@ -157,7 +170,7 @@ def vllm_server_holder(tiny_ckpt):
 
 @pytest.fixture
 def vllm_server(vllm_server_holder, request):
-    """The session's shared ``vllm serve`` of the tiny checkpoint (float32, max_model_len 256)."""
+    """The session's shared ``vllm serve`` of the tiny checkpoint (float32, max_model_len 256, LoRA enabled)."""
     return shared_from(vllm_server_holder, request)
 
 
