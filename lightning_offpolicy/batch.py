@@ -3,12 +3,50 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
-if TYPE_CHECKING:
-    from lightning_offpolicy.metrics.evaluation import EvaluationBatch
+_F64 = torch.float64
+
+
+@dataclass
+class EvaluationBatch:
+    """The scored held-out evaluation completions of one batch of ``P`` prompts
+    (:class:`~lightning_offpolicy.metrics.evaluation.EvaluationMetrics` accumulates them).
+
+    Attributes:
+        greedy_rewards: ``[P]`` reward of each prompt's greedy completion.
+        sampled_rewards: ``[P, k]`` rewards of the ``k`` sampled completions of each prompt.
+        passed: ``[P]`` whether some sample reached the success threshold (pass@k).
+        greedy_lengths: ``[P]`` greedy completion lengths in tokens.
+        sampled_lengths: ``[P, k]`` sampled completion lengths in tokens.
+    """
+
+    greedy_rewards: torch.Tensor
+    sampled_rewards: torch.Tensor
+    passed: torch.Tensor
+    greedy_lengths: torch.Tensor
+    sampled_lengths: torch.Tensor
+
+    @classmethod
+    def from_scores(
+        cls,
+        greedy_rewards: list[float],
+        sampled_rewards: list[list[float]],
+        greedy_lengths: list[int],
+        sampled_lengths: list[list[int]],
+        success_threshold: float,
+    ) -> EvaluationBatch:
+        """Build the batch; a prompt passes when any of its samples has reward ``>= success_threshold``."""
+        sampled = torch.tensor(sampled_rewards, dtype=_F64)
+        return cls(
+            greedy_rewards=torch.tensor(greedy_rewards, dtype=_F64),
+            sampled_rewards=sampled,
+            passed=(sampled >= success_threshold).any(dim=-1),
+            greedy_lengths=torch.tensor(greedy_lengths, dtype=_F64),
+            sampled_lengths=torch.tensor(sampled_lengths, dtype=_F64),
+        )
 
 
 @dataclass
@@ -26,7 +64,7 @@ class PromptBatch:
         metadata: one dict per prompt for the reward function (e.g. the expected answer).
         rollout: the rollouts of these prompts, filled in by the callback.
         evaluation: in a validation batch, the scored greedy and sampled completions
-            (:class:`~lightning_offpolicy.metrics.evaluation.EvaluationBatch`), filled in by the callback.
+            (:class:`EvaluationBatch`), filled in by the callback.
     """
 
     prompts: list[str | list[dict[str, Any]]]

@@ -14,13 +14,13 @@ import lightning as L
 import pytest
 import torch
 
-from lightning_offpolicy.batch import PromptBatch
+from lightning_offpolicy.batch import EvaluationBatch, PromptBatch
 from lightning_offpolicy.data.tasks import TASKS, CopyTask, PromptDataModule
 from lightning_offpolicy.lightning.callback import RolloutCallback
 from lightning_offpolicy.lightning.module import OffPolicyRLModule
-from lightning_offpolicy.metrics.evaluation import EvaluationBatch, EvaluationMetrics, prompt_seed
+from lightning_offpolicy.metrics.evaluation import EvaluationMetrics
 from lightning_offpolicy.rollout import AsyncSettings, HFEngine
-from lightning_offpolicy.rollout.engine import SamplingConfig
+from lightning_offpolicy.rollout.engine import SamplingConfig, prompt_seed
 from tests.module_helpers import argmax_completion, tiny_model
 
 SAMPLES, NEW_TOKENS, SEED, THRESHOLD = 3, 7, 3, 0.75

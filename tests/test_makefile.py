@@ -100,3 +100,22 @@ def test_the_check_names_a_missing_dependency(tmp_path):
     )
     assert result.returncode == 1
     assert "no-such-dist-xyz>=1 is required and no-such-dist-xyz is not installed" in result.stdout
+
+
+def test_the_check_names_an_entry_point_the_install_lacks(tmp_path):
+    """An install older than an entry point pyproject.toml declares (e.g. the `tiny:` model specs) is rebuilt."""
+    pyproject = tmp_path / "pyproject.toml"
+    text = (ROOT / "pyproject.toml").read_text()
+    marker = '[project.entry-points."lightning_offpolicy.model_specs"]\n'
+    assert marker in text
+    pyproject.write_text(text.replace(marker, marker + 'toy = "lightning_offpolicy.no_such:resolve"\n', 1))
+    (tmp_path / "lightning_offpolicy").symlink_to(ROOT / "lightning_offpolicy")
+    check = [sys.executable, str(ROOT / "tools" / "check_venv.py"), "--pyproject"]
+    env = {**os.environ, "PYTHONPATH": str(tmp_path)}
+    result = subprocess.run([*check, str(pyproject)], env=env, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 1
+    expected = "entry point toy = 'lightning_offpolicy.no_such:resolve' of [lightning_offpolicy.model_specs]"
+    assert expected in result.stdout
+    # The checkout's own pyproject.toml: every entry point it declares is installed here.
+    result = subprocess.run([*check, str(ROOT / "pyproject.toml")], capture_output=True, text=True, timeout=60)
+    assert "entry point" not in result.stdout, result.stdout

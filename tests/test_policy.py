@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import re
 import subprocess
 import sys
 from pathlib import Path
@@ -52,19 +51,6 @@ def test_lora_rank_0_keeps_the_model_and_checkpointing_needs_transformers():
     assert policy_building.add_lora(model, 0, 16.0, "all-linear") is model
     with pytest.raises(ValueError, match="gradient_checkpointing=True needs a transformers model"):
         policy_building.enable_gradient_checkpointing(model)
-
-
-def test_only_the_policy_builder_and_the_demo_entry_point_import_the_demo_models():
-    pattern = re.compile(r"^(\s*)(from|import) lightning_offpolicy(\.demo\b| import .*\bdemo\b)", re.M)
-    importers = {
-        str(path.relative_to(PACKAGE)): [m.group(1) for m in pattern.finditer(path.read_text())]
-        for path in PACKAGE.rglob("*.py")
-        if path.relative_to(PACKAGE).parts[0] != "demo"
-    }
-    importers = {name: indents for name, indents in importers.items() if indents}
-    # train/policy.py for tiny: names, cli.py for the `selfcheck` subcommand (demo/selfcheck.py); both lazily.
-    assert set(importers) == {"train/policy.py", "cli.py"}
-    assert all(indent for indents in importers.values() for indent in indents)
 
 
 def test_importing_the_module_changes_no_global_state():

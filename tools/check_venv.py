@@ -10,7 +10,10 @@ kept when, run with the virtualenv's interpreter, every check below passes:
    another copy of the kit;
 2. the installed distribution has the version ``pyproject.toml`` names;
 3. every dependency ``pyproject.toml`` lists (and those of the extras asked for) is installed
-   at a version the requirement accepts.
+   at a version the requirement accepts;
+4. every entry point ``pyproject.toml`` declares (the ``tiny:`` model specs, the vLLM watchdog
+   plugin) is registered with the value it names: an install older than an added entry point
+   would otherwise run without it.
 
 Usage (the Makefile's)::
 
@@ -80,6 +83,11 @@ def problems(pyproject: Path, extras: list[str]) -> list[str]:
             continue
         if not requirement.specifier.contains(version, prereleases=True):
             found.append(f"{requirement} is required and {requirement.name} {version} is installed")
+    for group, declared in project.get("entry-points", {}).items():
+        registered = {ep.name: ep.value for ep in importlib.metadata.entry_points(group=group)}
+        for name, value in declared.items():
+            if registered.get(name) != value:
+                found.append(f"the entry point {name} = {value!r} of [{group}] is not installed (reinstall the kit)")
     return found
 
 

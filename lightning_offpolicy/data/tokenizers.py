@@ -338,7 +338,7 @@ def load_tokenizer(path: str | os.PathLike, **kwargs: Any) -> CharTokenizer | HF
     """:class:`CharTokenizer` when ``path`` holds ``char_tokenizer.json``, else :class:`HFTokenizer`.
 
     ``tiny:...`` model specs are not resolved here: pass the output of
-    :func:`lightning_offpolicy.demo.tiny.resolve_model_path`.
+    :func:`lightning_offpolicy.train.policy.resolve_model_spec`.
     """
     if (Path(path) / CHAR_TOKENIZER_FILE).is_file():
         return CharTokenizer.from_pretrained(path)

@@ -8,7 +8,7 @@
   :class:`~lightning_offpolicy.rollout.producer.RolloutProducer` thread generates from its own copy
   of the train prompts, at most ``k`` versions ahead, and each step trains the next batch it finished.
 * **Held-out evaluation**: in ``on_validation_batch_start`` it attaches an
-  :class:`~lightning_offpolicy.metrics.evaluation.EvaluationBatch` (greedy and sampled completions,
+  :class:`~lightning_offpolicy.batch.EvaluationBatch` (greedy and sampled completions,
   scored) without moving anything of the training stream.
 
 How each mode works and what it needs of the LightningModule (``policy``, ``tokenizer``,
@@ -29,7 +29,7 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 from typing_extensions import override
 
 from lightning_offpolicy.argcheck import is_number, is_real
-from lightning_offpolicy.batch import PromptBatch, RolloutBatch
+from lightning_offpolicy.batch import EvaluationBatch, PromptBatch, RolloutBatch
 from lightning_offpolicy.data.rewards import DEFAULT_REWARD_TIMEOUT_S, RewardSpec, resolve_reward
 from lightning_offpolicy.lightning.log_steps import is_logging_step
 from lightning_offpolicy.lightning.preemption import on_any_rank
@@ -39,7 +39,6 @@ from lightning_offpolicy.lightning.rollout_logs import (
     log_timing,
     steps_per_batch,
 )
-from lightning_offpolicy.metrics.evaluation import EvaluationBatch
 from lightning_offpolicy.preflight import check_context, check_group_size, check_vocab, context_limit
 from lightning_offpolicy.rollout.advantages import ADVANTAGE_ESTIMATORS
 from lightning_offpolicy.rollout.asynchrony import AsyncSettings

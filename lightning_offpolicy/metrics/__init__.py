@@ -2,7 +2,7 @@
 evaluation's, each exact across devices."""
 
 from lightning_offpolicy.metrics.correction import CorrectionMetrics
-from lightning_offpolicy.metrics.evaluation import EvaluationBatch, EvaluationMetrics
+from lightning_offpolicy.metrics.evaluation import EvaluationMetrics
 from lightning_offpolicy.metrics.policy_loss import PolicyLossMetrics
 
-__all__ = ["CorrectionMetrics", "EvaluationBatch", "EvaluationMetrics", "PolicyLossMetrics"]
+__all__ = ["CorrectionMetrics", "EvaluationMetrics", "PolicyLossMetrics"]

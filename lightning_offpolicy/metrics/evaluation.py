@@ -24,66 +24,14 @@ number of processes.
 
 from __future__ import annotations
 
-import json
-import zlib
-from dataclasses import dataclass
-from typing import Any
-
 import torch
 from torchmetrics import Metric
 
-__all__ = ["EvaluationBatch", "EvaluationMetrics", "prompt_seed"]
+from lightning_offpolicy.batch import EvaluationBatch
+
+__all__ = ["EvaluationMetrics"]
 
 _F64 = torch.float64
-
-
-def prompt_seed(seed: int, prompt: str | list[dict[str, Any]]) -> int:
-    """The sampler seed of ``prompt``'s evaluation samples: a function of ``seed`` and the prompt only
-    (a text, or a chat ``messages`` list).
-
-    >>> prompt_seed(0, "rev abc=") == prompt_seed(0, "rev abc=") != prompt_seed(1, "rev abc=")
-    True
-    """
-    text = prompt if isinstance(prompt, str) else json.dumps(prompt, sort_keys=True)
-    return (int(seed) * 1_000_003 + zlib.crc32(text.encode("utf-8"))) % (2**31 - 1)
-
-
-@dataclass
-class EvaluationBatch:
-    """The scored evaluation completions of one batch of ``P`` prompts.
-
-    Attributes:
-        greedy_rewards: ``[P]`` reward of each prompt's greedy completion.
-        sampled_rewards: ``[P, k]`` rewards of the ``k`` sampled completions of each prompt.
-        passed: ``[P]`` whether some sample reached the success threshold (pass@k).
-        greedy_lengths: ``[P]`` greedy completion lengths in tokens.
-        sampled_lengths: ``[P, k]`` sampled completion lengths in tokens.
-    """
-
-    greedy_rewards: torch.Tensor
-    sampled_rewards: torch.Tensor
-    passed: torch.Tensor
-    greedy_lengths: torch.Tensor
-    sampled_lengths: torch.Tensor
-
-    @classmethod
-    def from_scores(
-        cls,
-        greedy_rewards: list[float],
-        sampled_rewards: list[list[float]],
-        greedy_lengths: list[int],
-        sampled_lengths: list[list[int]],
-        success_threshold: float,
-    ) -> EvaluationBatch:
-        """Build the batch; a prompt passes when any of its samples has reward ``>= success_threshold``."""
-        sampled = torch.tensor(sampled_rewards, dtype=_F64)
-        return cls(
-            greedy_rewards=torch.tensor(greedy_rewards, dtype=_F64),
-            sampled_rewards=sampled,
-            passed=(sampled >= success_threshold).any(dim=-1),
-            greedy_lengths=torch.tensor(greedy_lengths, dtype=_F64),
-            sampled_lengths=torch.tensor(sampled_lengths, dtype=_F64),
-        )
 
 
 class EvaluationMetrics(Metric):

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import random
+import zlib
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
@@ -247,6 +249,17 @@ def checked_prompts(prompt_ids: list[list[int]], who: str) -> list[list[int]]:
     if any(t < 0 for p in prompts for t in p):
         raise ValueError(f"{who}: token ids must be >= 0.")
     return prompts
+
+
+def prompt_seed(seed: int, prompt: str | list[dict[str, Any]]) -> int:
+    """The sampler seed of ``prompt``'s evaluation samples: a function of ``seed`` and the prompt only
+    (a text, or a chat ``messages`` list).
+
+    >>> prompt_seed(0, "rev abc=") == prompt_seed(0, "rev abc=") != prompt_seed(1, "rev abc=")
+    True
+    """
+    text = prompt if isinstance(prompt, str) else json.dumps(prompt, sort_keys=True)
+    return (int(seed) * 1_000_003 + zlib.crc32(text.encode("utf-8"))) % (2**31 - 1)
 
 
 def per_prompt_seeds(seed: int | None, num_prompts: int, samples_per_prompt: int) -> list[int | None]:

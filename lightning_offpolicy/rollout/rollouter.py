@@ -3,7 +3,7 @@
 :class:`Rollouter` turns a :class:`~lightning_offpolicy.batch.PromptBatch` into episodes
 (:mod:`~lightning_offpolicy.rollout.episode`; a single-turn rollout is an episode of one turn), and those into the
 :class:`~lightning_offpolicy.batch.RolloutBatch` that ``training_step`` trains on (and, for held-out
-prompts, into an :class:`~lightning_offpolicy.metrics.evaluation.EvaluationBatch`) with whatever weights the
+prompts, into an :class:`~lightning_offpolicy.batch.EvaluationBatch`) with whatever weights the
 engine holds. Pushing weights, threads and staleness are the callers' business: the
 :class:`~lightning_offpolicy.lightning.callback.RolloutCallback` in a Lightning fit, or any loop of
 your own.
@@ -20,14 +20,13 @@ from typing import Any
 
 import torch
 
-from lightning_offpolicy.batch import PromptBatch, RolloutBatch
+from lightning_offpolicy.batch import EvaluationBatch, PromptBatch, RolloutBatch
 from lightning_offpolicy.data.rewards import DEFAULT_REWARD_TIMEOUT_S, score_completions
 from lightning_offpolicy.data.tokenizers import encode_prompt
-from lightning_offpolicy.metrics.evaluation import EvaluationBatch, prompt_seed
 from lightning_offpolicy.preflight import check_prompt_fits
 from lightning_offpolicy.rollout.advantages import compute_advantages
 from lightning_offpolicy.rollout.dapo import DAPOSettings, informative_rows, overlong_penalty
-from lightning_offpolicy.rollout.engine import Completion, RolloutEngine, SamplingConfig
+from lightning_offpolicy.rollout.engine import Completion, RolloutEngine, SamplingConfig, prompt_seed
 from lightning_offpolicy.rollout.episode import Episode, single_turn_episodes, to_rollout_batch
 from lightning_offpolicy.rollout.multi_turn import EpisodeRunner, EpisodeSettings, episode_metadata, episode_stats
 from lightning_offpolicy.rollout.partial import PartialStats, check_not_stopped, generate_resumable

@@ -2,8 +2,8 @@
 
 From a model spec to the modules of a training step, in the order ``configure_model`` applies them:
 
-1. :func:`load_policy`: a local path, a hub name or ``"tiny:<task>"`` (built locally by
-   :mod:`lightning_offpolicy.demo.tiny`) becomes a ``transformers`` causal LM and its tokenizer;
+1. :func:`load_policy`: a local path, a hub name or a spec of a registered scheme such as
+   ``"tiny:<task>"`` (:func:`resolve_model_spec`) becomes a ``transformers`` causal LM and its tokenizer;
 2. :func:`add_lora`: peft LoRA adapters, the only trained parameters;
 3. :func:`build_reference`: the reference policy of the reference KL loss: a frozen copy, or the
    base model behind a peft model's ``disable_adapter()`` (no second copy), or none;
@@ -12,14 +12,17 @@ From a model spec to the modules of a training step, in the order ``configure_mo
 
 :func:`resolve_packing` decides, once the policy is built, whether its micro-batches run packed.
 
-This is the only library module that imports the demo models (``tiny``), and only for ``tiny:`` specs.
+The core does not import the demo models: ``tiny:`` specs reach them through the
+``lightning_offpolicy.model_specs`` entry points (:func:`resolve_model_spec`).
 """
 
 from __future__ import annotations
 
 import contextlib
 import copy
+import os
 from collections.abc import Iterator, Sequence
+from importlib.metadata import entry_points
 from typing import Any, Literal
 
 import torch
@@ -31,13 +34,37 @@ REFERENCE_MODES: tuple[str, ...] = ("auto", "none", "frozen_copy", "disable_adap
 PackingMode = Literal["auto", "on", "off"]
 PACKING_MODES: tuple[str, ...] = ("auto", "on", "off")
 
+#: The entry-point group of model-spec schemes: ``name = "module:function"`` resolves ``"name:..."`` specs to a
+#: local checkpoint directory (the kit registers ``tiny``, its demo checkpoints built on first use).
+MODEL_SPEC_GROUP = "lightning_offpolicy.model_specs"
+
+
+def resolve_model_spec(model: str | os.PathLike) -> str:
+    """The local directory or hub name a model spec stands for.
+
+    ``"SCHEME:REST"`` goes to the function registered under ``SCHEME`` in the
+    :data:`MODEL_SPEC_GROUP` entry points (``"tiny:reverse"``: the demo's tiny checkpoints); anything
+    else (a local directory, a hub name, a path whose prefix names no scheme) is returned as given.
+
+    Raises:
+        ValueError: The scheme's resolver refused the spec (its message says why).
+    """
+    name = os.fspath(model)
+    scheme, colon, _ = name.partition(":")
+    if not colon or not scheme.isidentifier():
+        return name
+    found = entry_points(group=MODEL_SPEC_GROUP, name=scheme)
+    if not found:
+        return name
+    return os.fspath(next(iter(found)).load()(name))
+
 
 def load_policy(model: str, torch_dtype: str, tokenizer: Any = None) -> tuple[torch.nn.Module, Any]:
     """The causal LM named by ``model`` and its tokenizer.
 
     Args:
-        model: A local directory, a hub name, or ``"tiny:<task>"`` (resolved to a local checkpoint by
-            :func:`lightning_offpolicy.demo.tiny.resolve_model_path`, built on first use).
+        model: A local directory, a hub name, or a registered scheme's spec such as ``"tiny:<task>"``
+            (:func:`resolve_model_spec`: the demo's tiny checkpoints, built on first use).
         torch_dtype: ``"float32"``, ``"bfloat16"`` or ``"float16"``: the dtype the weights load in.
         tokenizer: ``None``: loaded from the model's directory; an ``HFTokenizer`` without its files
             (configured options only): its files are loaded from the model's directory; anything
@@ -47,10 +74,9 @@ def load_policy(model: str, torch_dtype: str, tokenizer: Any = None) -> tuple[to
         ``(policy, tokenizer)``.
     """
     from lightning_offpolicy.data.tokenizers import load_tokenizer
-    from lightning_offpolicy.demo.tiny import resolve_model_path
     from lightning_offpolicy.preflight import check_hub_model
 
-    path = resolve_model_path(model)
+    path = resolve_model_spec(model)
     check_hub_model(path)  # a name that cannot be downloaded fails now, not after a minute of retries
     from transformers import AutoModelForCausalLM
 
