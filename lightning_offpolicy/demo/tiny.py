@@ -285,11 +285,20 @@ def prepare_tiny_checkpoint(
 _QUERY_KEYS: dict[str, type] = {"sft_steps": int, "seed": int, "sft_lr": float}
 
 #: Tasks whose ``tiny:`` checkpoint is a real-format chat model (a tiny Qwen2, a BPE tokenizer and a chat
-#: template), warmed up on whole multi-turn episodes: the task -> the import path of its cached builder.
-CHAT_CHECKPOINTS: dict[str, str] = {
-    "multiply": "lightning_offpolicy.demo.tool_use.prepare_tool_use_checkpoint",
-    "guess_number": "lightning_offpolicy.demo.guess_number.prepare_guess_number_checkpoint",
-}
+#: template), warmed up on whole multi-turn episodes (built by their own modules: tool_use.py, guess_number.py).
+CHAT_CHECKPOINTS: tuple[str, ...] = ("multiply", "guess_number")
+
+
+def _prepare_chat_checkpoint(task: str, **kwargs: Any) -> Any:
+    """Build (or find cached) the chat checkpoint of ``task``, one of :data:`CHAT_CHECKPOINTS`."""
+    # Imported here: those modules build on this one.
+    if task == "multiply":
+        from lightning_offpolicy.demo.tool_use import prepare_tool_use_checkpoint
+
+        return prepare_tool_use_checkpoint(**kwargs)
+    from lightning_offpolicy.demo.guess_number import prepare_guess_number_checkpoint
+
+    return prepare_guess_number_checkpoint(**kwargs)
 
 
 def resolve_model_path(name_or_path: str | os.PathLike) -> str:
@@ -330,8 +339,5 @@ def resolve_model_path(name_or_path: str | os.PathLike) -> str:
             raise ValueError(f"resolve_model_path: option {key}={value!r} in {name!r} is not {what}.") from None
     get_task(task)  # a clear error for unknown tasks before any work
     if task in CHAT_CHECKPOINTS:  # a BPE tokenizer with a chat template, warmed up on whole episodes
-        from lightning_offpolicy.data.rewards.named import import_object
-
-        prepare = import_object(CHAT_CHECKPOINTS[task], f"tiny:{task}")
-        return str(prepare(**kwargs))
+        return str(_prepare_chat_checkpoint(task, **kwargs))
     return str(prepare_tiny_checkpoint(task, **kwargs))
