@@ -463,7 +463,8 @@ def test_a_tool_that_fails_every_call_is_named_once():
 
 def test_a_preemption_abandons_the_environment_steps_not_yet_started():
     """Stopped while the first episode's tool runs: the other episodes' steps are not started (each could take
-    its tool's whole timeout), and the runner raises RolloutStopped at once."""
+    its tool's whole timeout), and the runner raises RolloutStopped at once. One step at a time here; side by
+    side: tests/test_concurrent_env_steps.py."""
     from lightning_offpolicy.rollout.partial import RolloutStopped
 
     steps: list[str] = []
@@ -476,7 +477,7 @@ def test_a_preemption_abandons_the_environment_steps_not_yet_started():
             steps.append(reply)  # the preemption arrives while this call runs
             return StepResult(messages=[{"role": "tool", "name": "slow", "content": "1"}], tool_calls=1)
 
-    runner, engine = _one_token_turns(EpisodeSettings(environment=SlowTool))
+    runner, engine = _one_token_turns(EpisodeSettings(environment=SlowTool, max_concurrent_env_steps=1))
     sampling = SamplingConfig(max_new_tokens=4, samples_per_prompt=2)
     ids = runner.prompt_ids(["abc", "de"])
     with pytest.raises(RolloutStopped, match="environment steps"):

@@ -480,3 +480,5 @@ class RolloutCallback(Callback):
             self.engine.close()  # also wakes a vLLM request in flight
         if producer is not None:
             producer.close()
+        if self._episode_runner is not None:
+            self._episode_runner.close()

@@ -4,7 +4,9 @@
 :class:`EpisodeRunner` plays a batch of episodes turn by turn on any
 :class:`~lightning_offpolicy.rollout.engine.RolloutEngine`: every active episode's context goes to one
 ``generate`` call per turn, token ids in and token ids out, so the batch trains on exactly the ids the
-engine sampled. How an episode runs and which tokens train: docs/multi_turn.md.
+engine sampled; the environment steps of a turn (tool calls) run concurrently
+(:mod:`~lightning_offpolicy.rollout.env_steps`). How an episode runs and which tokens train:
+docs/multi_turn.md.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from lightning_offpolicy.data.environments.base import (
     environment_tools,
 )
 from lightning_offpolicy.rollout.engine import Completion, SamplingConfig
+from lightning_offpolicy.rollout.env_steps import ConcurrentSteps, StepOutcome
 from lightning_offpolicy.rollout.episode import Episode, Turn
 from lightning_offpolicy.rollout.partial import check_not_stopped
 
@@ -43,18 +46,19 @@ class EpisodeSettings:
     Give ``tools`` or ``environment`` (not both); with neither, a rollout is single-turn.
 
     Args:
-        tools: Functions the model may call, as import paths (``my_pkg.tools.multiply``) or
-            callables; shown to the model by the chat template, called when a reply holds a tool call
-            (docs/tools.md). An episode ends at a reply without a tool call.
-        environment: Makes one environment per episode: an environment class (``reset`` / ``step``;
-            e.g. ``lightning_offpolicy.data.environments.GuessNumber``) or any callable without
-            arguments; in YAML its ``class_path`` and ``init_args`` (docs/environments.md).
+        tools: Functions the model may call (import paths or callables), shown by the chat template;
+            an episode ends at a reply without a tool call (docs/tools.md).
+        environment: Makes one environment per episode: a class with ``reset`` / ``step`` (plain
+            or ``async def``), e.g. ``lightning_offpolicy.data.environments.GuessNumber``, or any
+            callable without arguments (docs/environments.md).
         max_turns: Most model turns per episode; an episode still going after them is truncated.
         max_episode_tokens: Most ids after the prompt (model and environment tokens); an episode
             that would pass it is truncated. Each turn samples at most
             ``min(sampling.max_new_tokens, tokens left)``.
         max_tool_result_tokens: A tool message's content is cut to this many tokens.
         tool_timeout_s: Longest a tool call may run; past it the call's result is an error message.
+        max_concurrent_env_steps: Most environment steps (tool calls) and resets running at once; 1:
+            one at a time.
 
     Raises:
         ValueError: A setting is out of range or both ``tools`` and ``environment`` are given.
@@ -66,6 +70,7 @@ class EpisodeSettings:
     max_episode_tokens: int = 512
     max_tool_result_tokens: int = 64
     tool_timeout_s: float | None = 10.0
+    max_concurrent_env_steps: int = 32
 
     def __post_init__(self) -> None:
         if self.tools and self.environment is not None:
@@ -73,7 +78,7 @@ class EpisodeSettings:
                 "EpisodeSettings: give `tools` (the kit's tool-calling environment) or `environment`, not both; "
                 "an environment of your own can expose tools through its `tools` attribute."
             )
-        for name in ("max_turns", "max_episode_tokens", "max_tool_result_tokens"):
+        for name in ("max_turns", "max_episode_tokens", "max_tool_result_tokens", "max_concurrent_env_steps"):
             value = getattr(self, name)
             if not is_int(value) or value < 1:
                 raise ValueError(f"EpisodeSettings.{name}={value!r} must be an int >= 1.")
@@ -119,6 +124,11 @@ class EpisodeRunner:
         self.stop_ids = set(int(t) for t in stop_ids)
         self._cut_by: Counter[str] = Counter()  # the limit that ended each truncated episode of a run, by setting
         self._warned: set[str] = set()  # each warning once per runner (it lives as long as the callback)
+        self._steps = ConcurrentSteps(settings.max_concurrent_env_steps)
+
+    def close(self) -> None:
+        """Stop the threads that run the environment steps (the runner starts them again if used after)."""
+        self._steps.close()
 
     def prompt_ids(self, prompts: Sequence[Any]) -> list[list[int]]:
         """Each prompt's ids, rendered with the template and the tools."""
@@ -152,7 +162,8 @@ class EpisodeRunner:
             The episodes, grouped by prompt in order (rewards not yet set).
 
         Raises:
-            RuntimeError: An environment's ``reset`` or ``step`` raised (its error is the cause).
+            RuntimeError: An environment's ``reset`` or ``step`` raised (its error is the cause; the
+                first such episode in order when several did).
             RolloutStopped: ``stop`` returned ``True`` (the environment steps left were not run).
             TypeError: An environment's ``step`` returned something else than a ``StepResult`` (a
                 gym-style tuple, ``None``); the message names the class and what it returned.
@@ -160,16 +171,29 @@ class EpisodeRunner:
         self._cut_by.clear()
         first = generate(prompt_ids, dataclasses.replace(sampling, max_new_tokens=self._first_budget(sampling)), seed)
         episodes = [Episode(group=group_offset + c.prompt_index, prompt_ids=prompt_ids[c.prompt_index]) for c in first]
-        environments = [self._environment(prompts[c.prompt_index], metadata[c.prompt_index]) for c in first]
+        environments = [self.factory() for _ in first]
+        starts = [(prompts[c.prompt_index], metadata[c.prompt_index]) for c in first]
+        resets = [_call(env.reset, *start) for env, start in zip(environments, starts, strict=True)]
+        outcomes = self._steps.run(resets, stop, "episodes' resets")
+        check_not_stopped(stop, "episodes' resets")
+        for environment, outcome in zip(environments, outcomes, strict=True):
+            _value(environment, "reset", outcome)
         pending = dict(enumerate(first))
         turn = 1
         while pending:
+            replies = {i: self._record_turn(episodes[i], c) for i, c in pending.items()}
+            replies = {i: reply for i, reply in replies.items() if reply is not None}
+            # A preemption abandons the environment steps (tool calls) not yet started: the batch is
+            # dropped anyway, and each step may take up to its tool's timeout.
+            calls = [_call(environments[i].step, reply) for i, reply in replies.items()]
+            outcomes = self._steps.run(calls, stop, "episodes' environment steps")
+            check_not_stopped(stop, "episodes' environment steps")
             going = []
-            for i, completion in pending.items():
-                # A preemption abandons the environment steps (tool calls) not yet started: the batch is
-                # dropped anyway, and each step may take up to its tool's timeout.
-                check_not_stopped(stop, "episodes' environment steps")
-                if self._after_turn(episodes[i], environments[i], completion, turn):
+            for i, outcome in zip(replies, outcomes, strict=True):
+                result = _value(environments[i], "step", outcome)
+                if not isinstance(result, StepResult):
+                    raise TypeError(_not_a_step_result(environments[i], result))
+                if self._answer(episodes[i], result, pending[i], turn):
                     going.append(i)
             turn += 1
             pending = {}
@@ -211,31 +235,21 @@ class EpisodeRunner:
     def _first_budget(self, sampling: SamplingConfig) -> int:
         return min(sampling.max_new_tokens, self.settings.max_episode_tokens)
 
-    def _environment(self, prompt: Any, metadata: Mapping[str, Any]) -> Environment:
-        environment = self.factory()
-        try:
-            environment.reset(prompt, metadata)
-        except Exception as error:
-            raise RuntimeError(f"{type(environment).__name__}.reset raised {type(error).__name__}: {error}") from error
-        return environment
-
-    def _after_turn(self, episode: Episode, environment: Environment, completion: Completion, turn: int) -> bool:
-        """Record ``completion`` as the episode's next turn and answer it; whether the episode goes on."""
+    def _record_turn(self, episode: Episode, completion: Completion) -> str | None:
+        """Record ``completion`` as the episode's next turn; the reply the environment answers (``None``: the
+        turn was cut at its token budget, which ends the episode)."""
         episode.turns.append(Turn(completion))
         stopped = completion.finish_reason == "stop" and bool(completion.token_ids)
         if not stopped:  # cut at its token budget: the reply is unfinished
             episode.truncated = True
             whole = len(episode.response_ids) >= self.settings.max_episode_tokens
             self._cut_by["rollout.episodes.max_episode_tokens" if whole else "rollout.sampling.max_new_tokens"] += 1
-            return False
+            return None
         reply_ids = completion.token_ids[:-1] if completion.token_ids[-1] in self.stop_ids else completion.token_ids
-        reply = self.renderer.decode(reply_ids)
-        try:
-            result = environment.step(reply)
-        except Exception as error:
-            raise RuntimeError(f"{type(environment).__name__}.step raised {type(error).__name__}: {error}") from error
-        if not isinstance(result, StepResult):
-            raise TypeError(_not_a_step_result(environment, result))
+        return self.renderer.decode(reply_ids)
+
+    def _answer(self, episode: Episode, result: StepResult, completion: Completion, turn: int) -> bool:
+        """Record the environment's ``result`` for the episode's last turn; whether the episode goes on."""
         episode.environment_reward += float(result.reward)
         episode.tool_calls += int(result.tool_calls)
         episode.tool_errors += int(result.tool_errors)
@@ -277,6 +291,18 @@ class EpisodeRunner:
             left = self.settings.max_episode_tokens - len(episodes[i].response_ids)
             groups.setdefault(min(max_new_tokens, left), []).append(i)
         return sorted(groups.items(), reverse=True)
+
+
+def _call(method: Callable[..., Any], *args: Any) -> Callable[[], Any]:
+    return lambda: method(*args)
+
+
+def _value(environment: Environment, method: str, outcome: StepOutcome) -> Any:
+    """What ``environment.<method>`` returned; its error, naming the environment, if it raised."""
+    if outcome.error is not None:
+        error = outcome.error
+        raise RuntimeError(f"{type(environment).__name__}.{method} raised {type(error).__name__}: {error}") from error
+    return outcome.value
 
 
 def _not_a_step_result(environment: Environment, result: Any) -> str:

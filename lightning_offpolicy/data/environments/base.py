@@ -48,7 +48,8 @@ class Environment(Protocol):
     """One episode's environment: ``reset`` once, then ``step`` after each model reply.
 
     An environment may also have a ``tools`` attribute: the functions the chat template shows the
-    model (``apply_chat_template(tools=...)``).
+    model (``apply_chat_template(tools=...)``). ``reset`` and ``step`` may be ``async def``: the runner
+    awaits them, side by side with the other episodes' (:mod:`~lightning_offpolicy.rollout.env_steps`).
     """
 
     def reset(self, prompt: Any, metadata: Mapping[str, Any]) -> None:
