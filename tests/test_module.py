@@ -120,8 +120,8 @@ def test_bypass_mode_skips_the_proximal_forward(monkeypatch):
     model = tiny_model()
     module = make_module(model, correction=OffPolicyCorrectionConfig.bypass())
     calls = []
-    original = module._no_grad_logprobs
-    monkeypatch.setattr(module, "_no_grad_logprobs", lambda *a, **k: calls.append(1) or original(*a, **k))
+    original = module.update.no_grad_logprobs
+    monkeypatch.setattr(module.update, "no_grad_logprobs", lambda *a, **k: calls.append(1) or original(*a, **k))
     fit_on(module, [make_rollout(model)], max_steps=1)
     assert calls == []
     assert module.policy_version == 1
@@ -140,7 +140,7 @@ def test_one_micro_batch_takes_pi_prox_from_the_training_forward(monkeypatch):
         # The decoder: the fused lm_head path calls it, not the causal LM's own forward.
         model.base_model.register_forward_hook(lambda *_: forwards.append(torch.is_grad_enabled()))
         if not one_forward:
-            monkeypatch.setattr(module, "_one_forward_per_step", lambda rollout: False)
+            monkeypatch.setattr(module.update, "fits_one_forward", lambda rollout, hooks: False)
         trainer = fit_on(module, batches, max_steps=4)
         return module, trainer, forwards
 
@@ -162,8 +162,8 @@ def test_several_micro_batches_keep_the_no_gradient_forward():
     batch = make_rollout(model)
     assert len(batch.micro_batch_rows(12)) > 1
     calls = []
-    original = module._no_grad_logprobs
-    module._no_grad_logprobs = lambda *a, **k: calls.append(1) or original(*a, **k)
+    original = module.update.no_grad_logprobs
+    module.update.no_grad_logprobs = lambda *a, **k: calls.append(1) or original(*a, **k)
     fit_on(module, [batch], max_steps=1)
     assert calls == [1]
 
@@ -328,8 +328,8 @@ def test_fused_loss_logs_what_the_eager_step_logs(correction, backend, monkeypat
             fused_loss=fused,
         )
         prox_forwards = []
-        original = module._no_grad_logprobs
-        module._no_grad_logprobs = lambda *a, **k: prox_forwards.append(1) or original(*a, **k)
+        original = module.update.no_grad_logprobs
+        module.update.no_grad_logprobs = lambda *a, **k: prox_forwards.append(1) or original(*a, **k)
         logger = _ListLogger()
         batches = [make_rollout(model, seed=i, mismatch=0.5) for i in range(3)]
         fit_on(module, batches, max_steps=6, logger=logger, log_every_n_steps=1)
@@ -416,3 +416,35 @@ def test_entropy_bonus_moves_the_weights_along_the_entropy_gradient(fused_loss):
         expected = LR * coef * ref.grad
         torch.testing.assert_close((moved - plain).double(), expected, rtol=1e-3, atol=2e-7, msg=name)
     assert max(p.grad.abs().max() for p in reference.parameters()) > 1e-3, "the entropy has a gradient"
+
+
+def test_the_no_gradient_pass_fills_every_row_and_runs_the_padding_micro_batches_of_the_other_ranks():
+    """PPOUpdate.no_grad_logprobs: micro-batch by micro-batch, each row's logprobs where the whole batch's forward
+    puts them; a rank with fewer micro-batches than the most any rank has runs padding ones (their forwards are
+    collectives under FSDP2) and keeps nothing of them."""
+    from lightning_offpolicy.train import step as train_step
+
+    model = tiny_model()
+    module = make_module(model, max_tokens_per_microbatch=12)
+    batch = make_rollout(model)
+    rows = module.update.micro_batch_rows(batch)
+    assert len(rows) > 1
+    seen = []
+
+    class Hooks:
+        world_size = 1
+
+        def global_max(self, value: int) -> int:
+            return value + 2  # another rank has two micro-batches more
+
+        def no_grad_forward(self, micro, reference: bool) -> torch.Tensor:
+            seen.append((micro.num_response_tokens, torch.is_grad_enabled(), reference))
+            return train_step.response_logprobs(model, micro, 1.0)
+
+    out = module.update.no_grad_logprobs(batch, Hooks(), reference=False)
+    with torch.no_grad():
+        whole = train_step.response_logprobs(model, batch, 1.0)
+    mask = batch.response_mask.bool()
+    torch.testing.assert_close(out[mask], whole[mask], rtol=0, atol=1e-5)
+    assert len(seen) == len(rows) + 2 and [tokens for tokens, _, _ in seen[-2:]] == [0, 0]
+    assert not any(grad for _, grad, _ in seen) and not any(reference for _, _, reference in seen)

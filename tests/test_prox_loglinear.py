@@ -287,8 +287,8 @@ def test_loglinear_runs_no_forward_without_gradient(monkeypatch):
         # The decoder: the fused lm_head path calls it, not the causal LM's own forward.
         model.base_model.register_forward_hook(lambda *_: seen.append(torch.is_grad_enabled()))
         calls = []
-        original = module._no_grad_logprobs
-        monkeypatch.setattr(module, "_no_grad_logprobs", lambda *a, **k: calls.append(1) or original(*a, **k))
+        original = module.update.no_grad_logprobs
+        monkeypatch.setattr(module.update, "no_grad_logprobs", lambda *a, **k: calls.append(1) or original(*a, **k))
         fit_on(module, batches, max_steps=4)
         return seen, calls
 

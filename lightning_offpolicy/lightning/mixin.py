@@ -212,9 +212,6 @@ class _AutomaticOptimizationHooks:
     def no_grad_forward(self, batch: RolloutBatch, reference: bool) -> torch.Tensor:
         raise RuntimeError("OffPolicyMixin takes pi_prox from its one forward and has no reference model.")
 
-    def single_forward(self, batch: RolloutBatch) -> bool:
-        return True
-
     def backward(self, loss: torch.Tensor) -> None:
         self.loss = loss
 

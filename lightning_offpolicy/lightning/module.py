@@ -316,22 +316,6 @@ class OffPolicyRLModule(LightningModule):
             model, batch, self.temperature, self.logprob_chunk_size, return_entropy, packed=self.packed
         )
 
-    @torch.no_grad()
-    def _no_grad_logprobs(self, batch: RolloutBatch, reference: bool = False) -> torch.Tensor:
-        """Logprobs of the whole batch, micro-batch by micro-batch, without gradient."""
-        out = torch.zeros(batch.response_mask.shape, dtype=torch.float32, device=batch.device)
-        rows_per_micro = batch.micro_batch_rows(self.max_tokens_per_microbatch, packed=self.packed)
-        padding = self._global_max(len(rows_per_micro)) - len(rows_per_micro)
-        for rows in rows_per_micro:
-            micro = batch.select(rows).trim()
-            with self._reference_context(reference) as model:
-                lp = self.sequence_logprobs(micro, model=model)
-            out[torch.as_tensor(rows, device=out.device), : lp.shape[1]] = lp.float()
-        for _ in range(padding):  # sharded forwards are collectives: every rank runs as many
-            with self._reference_context(reference) as model:
-                self.sequence_logprobs(batch.select([0]).trim(), model=model)
-        return out
-
     @contextlib.contextmanager
     def _reference_context(self, reference: bool) -> Iterator[torch.nn.Module]:
         if not reference:
@@ -362,10 +346,6 @@ class OffPolicyRLModule(LightningModule):
             self._log_step(rollout, result.grad_norms, result.trained_tokens, time.perf_counter() - started)
         else:
             self._log_progress_bar(rollout, staleness)
-
-    def _one_forward_per_step(self, rollout: RolloutBatch) -> bool:
-        """Whether pi_prox comes from the first step's forward (:meth:`.PPOUpdate.fits_one_forward`)."""
-        return self.update.fits_one_forward(rollout, ManualOptimizationHooks(self))
 
     @property
     def _fused_steps(self) -> dict[bool, FusedCorrectionStep]:

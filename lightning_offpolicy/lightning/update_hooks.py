@@ -26,8 +26,8 @@ class ManualOptimizationHooks:
     """:class:`~lightning_offpolicy.train.update.UpdateHooks` of an ``OffPolicyRLModule`` under manual optimization.
 
     Args:
-        module: The module: its ``sequence_logprobs``, ``_no_grad_logprobs``, ``_one_forward_per_step``,
-            ``_global_max``, ``policy``, ``policy_version`` and ``gradient_clip_val`` are used.
+        module: The module: its ``sequence_logprobs``, ``_reference_context``, ``_global_max``, ``policy``,
+            ``policy_version`` and ``gradient_clip_val`` are used.
     """
 
     def __init__(self, module: Any) -> None:
@@ -43,12 +43,9 @@ class ManualOptimizationHooks:
         return self.module.sequence_logprobs(batch, return_entropy=return_entropy)
 
     def no_grad_forward(self, batch: RolloutBatch, reference: bool) -> torch.Tensor:
-        """The policy's (or the reference's) logprobs of ``batch`` without gradient, micro-batch by micro-batch."""
-        return self.module._no_grad_logprobs(batch, reference=reference)
-
-    def single_forward(self, batch: RolloutBatch) -> bool:
-        """Whether the first step's forward covers ``batch`` at once on every rank."""
-        return self.module._one_forward_per_step(batch)
+        """The policy's (or the reference's) logprobs of one micro-batch (the caller disables the gradient)."""
+        with self.module._reference_context(reference) as model:
+            return self.module.sequence_logprobs(batch, model=model)
 
     def backward(self, loss: torch.Tensor) -> None:
         """``manual_backward`` (precision and strategy aware)."""

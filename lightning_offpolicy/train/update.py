@@ -45,10 +45,7 @@ class UpdateHooks(Protocol):
         """The policy's teacher-forced logprobs of ``batch`` (and entropies), with gradient."""
 
     def no_grad_forward(self, batch: RolloutBatch, reference: bool) -> torch.Tensor:
-        """``[B, T]`` logprobs of the whole ``batch`` without gradient: the policy's, or the reference's."""
-
-    def single_forward(self, batch: RolloutBatch) -> bool:
-        """Whether the first optimizer step's forward covers ``batch`` at once on every rank."""
+        """``[B, T]`` logprobs of one micro-batch (called under ``torch.no_grad``): the policy's, or the reference's."""
 
     def backward(self, loss: torch.Tensor) -> None:
         """Accumulate the gradient of one micro-batch's loss."""
@@ -169,6 +166,22 @@ class PPOUpdate:
         """
         return self.num_minibatches == 1 and hooks.global_max(len(self.micro_batch_rows(batch))) == 1
 
+    @torch.no_grad()
+    def no_grad_logprobs(self, batch: RolloutBatch, hooks: UpdateHooks, reference: bool) -> torch.Tensor:
+        """``[B, T]`` logprobs of the whole ``batch`` without gradient (``pi_prox``, or the reference's with
+        ``reference``), micro-batch by micro-batch; every rank runs as many forwards (sharded ones are
+        collectives), with padding micro-batches where it has fewer."""
+        out = torch.zeros(batch.response_mask.shape, dtype=torch.float32, device=batch.device)
+        rows = self.micro_batch_rows(batch)
+        micro_batches = batch.micro_batches(
+            self.max_tokens_per_microbatch or 1, num_micro_batches=hooks.global_max(len(rows)), rows=rows
+        )
+        for index, micro in enumerate(micro_batches):
+            logprobs = hooks.no_grad_forward(micro, reference)
+            if index < len(rows):  # a padding micro-batch's forward runs (a collective); its output is dropped
+                out[torch.as_tensor(rows[index], device=out.device), : logprobs.shape[1]] = logprobs.float()
+        return out
+
     def __call__(
         self,
         rollout: RolloutBatch,
@@ -193,11 +206,11 @@ class PPOUpdate:
         correction = self.step.correction
         first_forward = prox = None
         if correction.needs_prox:
-            if hooks.single_forward(rollout):
+            if self.fits_one_forward(rollout, hooks):
                 first_forward, prox = prox_from_first_forward(rollout, hooks, logging or self.entropy_in_loss)
             else:
-                prox = hooks.no_grad_forward(rollout, reference=False)
-        ref = hooks.no_grad_forward(rollout, reference=True) if self.step.loss.ref_kl_coef > 0 else None
+                prox = self.no_grad_logprobs(rollout, hooks, reference=False)
+        ref = self.no_grad_logprobs(rollout, hooks, reference=True) if self.step.loss.ref_kl_coef > 0 else None
         rollout, stats = self.step.correct_batch(rollout, prox, ref)
         if logging and stats is not None:
             recorder.correction(stats)
