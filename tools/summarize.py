@@ -51,6 +51,7 @@ SECTIONS = [
     ("performance_correction", "Off-policy correction step", "benchmarks/correction_bench.py"),
     ("performance_vs_trl", "Side by side with TRL's GRPOTrainer on the same task", "benchmarks/vs_trl.py"),
     ("performance_vs_trl_tools", "Tool use side by side with TRL (tools=...)", "benchmarks/vs_trl_tools.py"),
+    ("performance_agentic", "Agentic rollouts with slow tools: steps side by side", "benchmarks/agentic.py"),
     ("performance_weight_sync", "Weight sync: in memory vs files", "benchmarks/weight_sync.py"),
     ("performance_long_tail", "Long-tailed completions side by side with TRL", "benchmarks/vs_trl_long_tail.py"),
     ("performance_compile", "Compiled policy: training step compiled vs eager", "benchmarks/compile_policy.py"),
@@ -310,6 +311,22 @@ def vs_trl_tools(data: dict[str, Any]) -> list[str]:
 WEIGHT_SYNC_GOAL = 5.0
 
 
+def agentic(data: dict[str, Any]) -> list[str]:
+    median = data["results"]["median"]
+    lines = [
+        "| variant | rollout s / batch | x instant, side by side | episodes / s | engine share |",
+        "|---|---:|---:|---:|---:|",
+    ]
+    for name, v in median.items():
+        lines.append(
+            f"| {name} | {v['rollout_s']:.2f} | {_x(v['x_instant_side_by_side'])} | {v['episodes_per_s']:.1f} "
+            f"| {v['engine_share']:.0%} |"
+        )
+    slow = median["slow tool, side by side"]["x_instant_side_by_side"]
+    lines += ["", f"Goal: the slow tool within 1.3x of the instant tool's rollout: {_x(slow)}, {_met(slow <= 1.3)}."]
+    return lines
+
+
 def weight_sync(data: dict[str, Any]) -> list[str]:
     """Per model: whole-sync seconds of both transports, the speed-up against the goal, peak extra memory."""
     lines = []
@@ -362,6 +379,7 @@ RENDER: dict[str, Callable[[Any], list[str]]] = {
     "performance_correction": correction,
     "performance_vs_trl": vs_trl,
     "performance_vs_trl_tools": vs_trl_tools,
+    "performance_agentic": agentic,
     "performance_weight_sync": weight_sync,
     "performance_long_tail": long_tail,
     "performance_compile": compile_policy,
@@ -384,6 +402,9 @@ READING = {
     "performance_vs_trl_tools": "Tool-use episodes (multiply with a calculator tool) from `tiny:multiply`, an "
     "HF-format checkpoint with Qwen2.5's chat template: TRL's tool loop and the kit's episodes on the same "
     "prompts and settings, each in its own process; the reward is the success rate.",
+    "performance_agentic": "Rollouts only, 64 tool-calling episodes of `tiny:multiply` a batch: the `multiply` tool "
+    "instant or behind a long-tailed latency (0.1-2 s), the environment steps of a turn side by side (the default) "
+    "or one at a time (the runner before).",
     "performance_weight_sync": "One weight sync of a float32 trainer into an in-process bfloat16 vLLM engine, the "
     "sync check included: shared-memory buckets (the default) against safetensors files (the earlier default).",
     "performance_long_tail": "Completions of ~16 to 512 tokens from a ~10M-parameter Qwen2 with a byte-level BPE "
