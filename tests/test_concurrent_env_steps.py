@@ -186,3 +186,36 @@ def test_the_setting_is_checked_and_one_runs_in_the_calling_thread():
         EpisodeSettings(max_concurrent_env_steps=0)
     threads = ConcurrentSteps(1).run([threading.current_thread, threading.current_thread])
     assert [o.value for o in threads] == [threading.current_thread()] * 2
+
+
+def _loop_threads() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name == "env-step-loop"]
+
+
+def test_close_stops_and_closes_the_event_loop_after_the_async_steps_running():
+    """close() while an async step runs: the step still ends (its worker is not left waiting on a stopped
+    loop), then the loop's thread closes the loop (an open one holds file descriptors) and ends."""
+    steps = ConcurrentSteps(2)
+    before = set(_loop_threads())
+    results: list = []
+    started: list[int] = []
+
+    async def slow() -> str:
+        started.append(1)
+        await asyncio.sleep(STEP_S)
+        return "done"
+
+    running = threading.Thread(target=lambda: results.extend(steps.run([slow, slow])))
+    running.start()
+    deadline = time.perf_counter() + 10
+    while len(started) < 2 and time.perf_counter() < deadline:  # both steps are on the loop
+        time.sleep(0.005)
+    assert len(started) == 2
+    (loop,) = set(_loop_threads()) - before
+    steps.close()
+    running.join(timeout=5)
+    loop.join(timeout=5)
+    assert [o.value for o in results] == ["done", "done"]
+    assert not running.is_alive() and not loop.is_alive()
+    assert steps._loop is None
+    steps.close()  # a second close is a no-op

@@ -49,6 +49,8 @@ class ConcurrentSteps:
         self.max_concurrent = int(max_concurrent)
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
+        # Each stops its pool / loop once: at close(), else when the object is collected or at exit.
+        self._stoppers: list[weakref.finalize] = []
         self._lock = threading.Lock()
 
     def run(
@@ -84,27 +86,50 @@ class ConcurrentSteps:
         with self._lock:
             if self._pool is None:
                 self._pool = concurrent.futures.ThreadPoolExecutor(self.max_concurrent, thread_name_prefix="env-step")
-                weakref.finalize(self, self._pool.shutdown, wait=False, cancel_futures=True)
+                self._stoppers.append(weakref.finalize(self, self._pool.shutdown, wait=False, cancel_futures=True))
             return self._pool
 
     def _event_loop(self) -> asyncio.AbstractEventLoop:
         with self._lock:
             if self._loop is None:
                 loop = asyncio.new_event_loop()
-                threading.Thread(target=loop.run_forever, name="env-step-loop", daemon=True).start()
-                weakref.finalize(self, loop.call_soon_threadsafe, loop.stop)
+                threading.Thread(target=_serve, args=(loop,), name="env-step-loop", daemon=True).start()
+                self._stoppers.append(weakref.finalize(self, _stop_when_idle, loop))
                 self._loop = loop
             return self._loop
 
     def close(self) -> None:
         """Stop the worker threads and the event loop (idle ones; a call still running finishes alone)."""
         with self._lock:
-            pool, loop, self._pool, self._loop = self._pool, self._loop, None, None
-        if pool is not None:
-            pool.shutdown(wait=False, cancel_futures=True)
-        if loop is not None:
-            loop.call_soon_threadsafe(loop.stop)
+            stoppers, self._stoppers, self._pool, self._loop = self._stoppers, [], None, None
+        for stop in stoppers:
+            stop()
 
 
 async def _awaited(awaitable: Any) -> Any:
     return await awaitable
+
+
+def _serve(loop: asyncio.AbstractEventLoop) -> None:
+    """The loop's thread: runs it until stopped, then closes it (a loop left open holds its file descriptors)."""
+    asyncio.set_event_loop(loop)
+    try:
+        loop.run_forever()
+    finally:
+        loop.close()
+
+
+def _stop_when_idle(loop: asyncio.AbstractEventLoop) -> None:
+    """Stop ``loop`` once the steps it is running have ended: stopped under them, they would never end and
+    their worker threads would wait on them forever."""
+
+    async def drain() -> None:
+        running = [task for task in asyncio.all_tasks() if task is not asyncio.current_task()]
+        await asyncio.gather(*running, return_exceptions=True)
+        loop.stop()
+
+    coroutine = drain()
+    try:
+        asyncio.run_coroutine_threadsafe(coroutine, loop)
+    except RuntimeError:  # already closed
+        coroutine.close()
