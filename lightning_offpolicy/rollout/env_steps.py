@@ -30,11 +30,10 @@ __all__ = ["ConcurrentSteps", "StepOutcome"]
 
 @dataclass
 class StepOutcome:
-    """What one call returned, or the exception it raised (``ran``: ``False`` when a stop came first)."""
+    """What one call returned, or the exception it raised."""
 
     value: Any = None
     error: BaseException | None = None
-    ran: bool = True
 
 
 class ConcurrentSteps:
@@ -58,21 +57,25 @@ class ConcurrentSteps:
     ) -> list[StepOutcome]:
         """Each call's outcome, in the order of ``calls``; returns once every call has ended.
 
-        A call not yet started when ``stop`` returns ``True`` is not started (``ran=False``).
+        A call not yet started when ``stop`` returns ``True`` is not started.
 
         Raises:
-            RolloutStopped: ``stop`` returned ``True`` before the calls began (``what`` names them).
+            RolloutStopped: ``stop`` returned ``True`` before the calls began or by the time they ended
+                (``what`` names them): some may not have run.
         """
         check_not_stopped(stop, what)
         if self.max_concurrent == 1 or len(calls) <= 1:
-            return [self._one(call, stop) for call in calls]
-        pool = self._executor()
-        futures = [pool.submit(self._one, call, stop) for call in calls]
-        return [future.result() for future in futures]
+            outcomes = [self._one(call, stop) for call in calls]
+        else:
+            pool = self._executor()
+            futures = [pool.submit(self._one, call, stop) for call in calls]
+            outcomes = [future.result() for future in futures]
+        check_not_stopped(stop, what)
+        return outcomes
 
-    def _one(self, call: Callable[[], Any], stop: Callable[[], bool] | None) -> StepOutcome:
+    def _one(self, call: Callable[[], Any], stop: Callable[[], bool] | None) -> StepOutcome | None:
         if stop is not None and stop():
-            return StepOutcome(ran=False)
+            return None  # not started: run() raises RolloutStopped
         try:
             value = call()
             if inspect.isawaitable(value):

@@ -12,6 +12,7 @@ docs/multi_turn.md.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import reprlib
 import warnings
 from collections import Counter
@@ -31,7 +32,6 @@ from lightning_offpolicy.data.environments.base import (
 from lightning_offpolicy.rollout.engine import Completion, SamplingConfig
 from lightning_offpolicy.rollout.env_steps import ConcurrentSteps, StepOutcome
 from lightning_offpolicy.rollout.episode import Episode, Turn
-from lightning_offpolicy.rollout.partial import check_not_stopped
 
 __all__ = ["EpisodeRunner", "EpisodeSettings", "Generate", "episode_metadata", "episode_stats"]
 
@@ -173,9 +173,8 @@ class EpisodeRunner:
         episodes = [Episode(group=group_offset + c.prompt_index, prompt_ids=prompt_ids[c.prompt_index]) for c in first]
         environments = [self.factory() for _ in first]
         starts = [(prompts[c.prompt_index], metadata[c.prompt_index]) for c in first]
-        resets = [_call(env.reset, *start) for env, start in zip(environments, starts, strict=True)]
+        resets = [functools.partial(env.reset, *start) for env, start in zip(environments, starts, strict=True)]
         outcomes = self._steps.run(resets, stop, "episodes' resets")
-        check_not_stopped(stop, "episodes' resets")
         for environment, outcome in zip(environments, outcomes, strict=True):
             _value(environment, "reset", outcome)
         pending = dict(enumerate(first))
@@ -185,9 +184,8 @@ class EpisodeRunner:
             replies = {i: reply for i, reply in replies.items() if reply is not None}
             # A preemption abandons the environment steps (tool calls) not yet started: the batch is
             # dropped anyway, and each step may take up to its tool's timeout.
-            calls = [_call(environments[i].step, reply) for i, reply in replies.items()]
+            calls = [functools.partial(environments[i].step, reply) for i, reply in replies.items()]
             outcomes = self._steps.run(calls, stop, "episodes' environment steps")
-            check_not_stopped(stop, "episodes' environment steps")
             going = []
             for i, outcome in zip(replies, outcomes, strict=True):
                 result = _value(environments[i], "step", outcome)
@@ -291,10 +289,6 @@ class EpisodeRunner:
             left = self.settings.max_episode_tokens - len(episodes[i].response_ids)
             groups.setdefault(min(max_new_tokens, left), []).append(i)
         return sorted(groups.items(), reverse=True)
-
-
-def _call(method: Callable[..., Any], *args: Any) -> Callable[[], Any]:
-    return lambda: method(*args)
 
 
 def _value(environment: Environment, method: str, outcome: StepOutcome) -> Any:
