@@ -145,7 +145,8 @@ class EngineContract:
 
     def test_episode_turns_are_generated_from_the_ids_the_engine_sampled(self, engine, trainer_model):
         """Token in, token out over turns: each turn continues the context of the engine's own ids and the
-        environment's appended ids, and its logprobs are the trainer's on exactly that context."""
+        environment's appended ids, and its logprobs are the trainer's on exactly that context. An engine that
+        serves concurrent calls (a vLLM server) plays the episodes independently, as the rollouter has it."""
         tokenizer = CharTokenizer()
         settings = EpisodeSettings(environment=functools.partial(Replies, 3), max_turns=3, max_episode_tokens=48)
         runner = EpisodeRunner(settings, tokenizer, stop_ids=[2])
@@ -157,7 +158,8 @@ class EngineContract:
         def generate(ids, cfg, seed):
             return engine.generate(ids, cfg, seed=seed)
 
-        episodes = runner.run(prompts, [{}] * 4, prompt_ids, sampling, generate, seed=21, group_offset=0)
+        concurrent = getattr(engine, "concurrent_calls", 1)
+        episodes = runner.run(prompts, [{}] * 4, prompt_ids, sampling, generate, 21, 0, concurrent_episodes=concurrent)
         assert [e.group for e in episodes] == [i for i in range(4) for _ in range(2)]
         assert max(len(e.turns) for e in episodes) >= 2
         contexts, completions = [], []

@@ -20,18 +20,25 @@ import torch
 from tests.module_helpers import fit_on, make_rollout, tiny_model
 from tests.test_module_ddp import make_module
 
-SCRIPT = Path(__file__).resolve().parent / "scripts" / "fsdp2_step.py"
+SCRIPT = Path(__file__).resolve().parent / "scripts" / "fsdp2_two_ranks.py"
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory) -> Path:
+    """One two-rank run of tests/scripts/fsdp2_two_ranks.py for the checks below (a start costs ~10 s of
+    imports on each rank); the directory its rank 0 wrote ``step.pt`` and ``saves.json`` to."""
+    out = tmp_path_factory.mktemp("fsdp2")
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPT), str(out)], capture_output=True, text=True, timeout=600, env=env, cwd=out
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return out
 
 
 @pytest.mark.slow
-def test_two_rank_fsdp2_step_equals_single_process_step(tmp_path):
-    out = tmp_path / "fsdp2.pt"
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(
-        [sys.executable, str(SCRIPT), str(out)], capture_output=True, text=True, timeout=600, env=env, cwd=tmp_path
-    )
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    result = torch.load(out, weights_only=False)
+def test_two_rank_fsdp2_step_equals_single_process_step(two_ranks):
+    result = torch.load(two_ranks / "step.pt", weights_only=False)
     assert result["sharded"] > 0  # the parameters really were DTensors
     assert "cannot sample from a policy sharded over 2 ranks" in result["refused"]
 
@@ -109,17 +116,12 @@ def test_engines_that_copy_the_policy_refuse_a_sharded_one_naming_what_works(one
 
 @pytest.mark.slow
 @pytest.mark.parametrize("atomic", [True, False], ids=["atomic", "lightning-alone"])
-def test_a_sharded_checkpoint_that_fails_on_one_rank_leaves_the_previous_one_whole(tmp_path, atomic):
+def test_a_sharded_checkpoint_that_fails_on_one_rank_leaves_the_previous_one_whole(two_ranks, atomic):
     """Three distributed checkpoints to one path under FSDP2, the second failing on rank 1 (a full disk while it
     writes its shard). Lightning alone writes over the previous directory: rank 0's new shard beside rank 1's
     old one, a checkpoint of neither save. With ``make_sharded_saves_atomic`` the previous one stays whole."""
-    out = tmp_path / "saves.json"
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    script = Path(__file__).resolve().parent / "scripts" / "fsdp2_atomic_save.py"
-    command = [sys.executable, str(script), str(out), *([] if atomic else ["plain"])]
-    proc = subprocess.run(command, capture_output=True, text=True, timeout=600, env=env, cwd=tmp_path)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    first, failed, third = json.loads(out.read_text())["saves"]
+    saves = json.loads((two_ranks / "saves.json").read_text())
+    first, failed, third = saves["atomic" if atomic else "lightning-alone"]
     assert first["raised"] == third["raised"] == ""
     assert set(first["files"]) == set(third["files"]) == {".metadata", "__0_0.distcp", "__1_0.distcp", "meta.pt"}
     assert third["files"]["__0_0.distcp"] != first["files"]["__0_0.distcp"]  # other weights: a new checkpoint

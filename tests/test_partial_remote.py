@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import dataclasses
 import http.server
 import json
 import threading
@@ -635,3 +636,106 @@ def test_stream_settings_are_checked():
         RemoteVLLMEngine("http://127.0.0.1:8000", stream_interval=0)
     with pytest.raises(ValueError, match="stream_interval"):
         RemoteVLLMEngine("http://127.0.0.1:8000", stream_interval=2.0)
+
+
+@requires_vllm
+@pytest.mark.slow
+def test_a_push_cuts_every_independent_episodes_turn_in_flight_and_each_goes_on_under_the_new_weights(
+    server, weights_dir, trainer_model, monkeypatch
+):
+    """Episodes played independently on the server (each turn its own call), three of those calls held open
+    mid-stream at once (only possible when calls run side by side), then a producer's push: one interrupt
+    cuts all three, the sync takes the engine alone, and each cut turn goes on under the new weights: every
+    token has the version and the logprob of the weights that sampled it, in the episode's own context."""
+    from lightning_offpolicy.batch import PromptBatch
+    from lightning_offpolicy.data.tokenizers import CharTokenizer
+    from lightning_offpolicy.rollout.multi_turn import EpisodeRunner, EpisodeSettings
+    from lightning_offpolicy.rollout.producer import RolloutProducer
+    from tests.engine_contract import Replies
+    from tests.test_async_rollout import fake_rollout, wait_for
+
+    engine = RemoteVLLMEngine(
+        server.base_url, weights_dir=str(weights_dir), eos_token_id=2, request_timeout_s=300, stream=True
+    )
+    new = perturbed(trainer_model, 0.05)
+    engine.update_weights(trainer_model, 0)
+    tokenizer = CharTokenizer()
+    runner = EpisodeRunner(EpisodeSettings(environment=lambda: Replies(3), max_turns=3), tokenizer, engine.stop_ids)
+    texts = [tokenizer.decode(p) for p in reverse_prompts(8, seed=5)]
+    sampling = SamplingConfig(max_new_tokens=40, temperature=1.0, samples_per_prompt=2)
+    stats, played, first_call_done = PartialStats(), [], threading.Event()
+    go, interrupted, lock, held = threading.Event(), threading.Event(), threading.Lock(), set()
+    add, interrupt = StreamedChoices.add, engine.interrupt
+
+    def held_add(choices: StreamedChoices, event) -> None:
+        """A later turn's stream, not finished by this event, waits here for the push (three of them: the push)."""
+        add(choices, event)
+        if not first_call_done.is_set() or all(reason is not None for reason in choices.finish_reasons):
+            return
+        with lock:
+            if interrupted.is_set():
+                return
+            held.add(id(choices))
+            if len(held) >= 3:
+                go.set()
+        assert interrupted.wait(60)
+
+    def recorded_interrupt() -> None:
+        interrupt()
+        interrupted.set()
+
+    monkeypatch.setattr(StreamedChoices, "add", held_add)
+    monkeypatch.setattr(engine, "interrupt", recorded_interrupt)
+    producer: RolloutProducer
+
+    def generate(ids, cfg, seed):
+        out = generate_resumable(engine, ids, cfg, seed=seed, turn=producer.generation_turn, stats=stats)
+        first_call_done.set()
+        return out
+
+    def produce(prompts, index):
+        if index == 0:
+            ids = runner.prompt_ids(prompts.prompts)
+            played.extend(
+                runner.run(prompts.prompts, [{}] * len(ids), ids, sampling, generate, 11, 0,
+                           concurrent_episodes=engine.concurrent_calls)
+            )  # fmt: skip
+        return fake_rollout([0, 0]), 0.0
+
+    producer = RolloutProducer(
+        produce, iter([PromptBatch(prompts=texts)] + [PromptBatch(prompts=["x"])] * 10), max_staleness=1,
+        steps_per_batch=1, first_index=0, trainer_version=0, engine_version=0, interrupt=engine.interrupt,
+    )  # fmt: skip
+    producer.start()
+    try:
+        assert go.wait(120), "three turns never streamed at once"
+        with producer.engine_access():
+            engine.update_weights(new, 1)
+            producer.set_engine_version(1)
+        wait_for(lambda: len(played) == 16, timeout=120)
+    finally:
+        interrupted.set()
+        producer.close()
+        runner.close()
+    try:
+        assert stats.interrupted >= 3, stats  # the three held turns, cut by one interrupt
+        contexts, turns = [], []
+        for episode in played:
+            context = list(episode.prompt_ids)
+            for turn in episode.turns:
+                contexts.append(list(context))
+                turns.append(dataclasses.replace(turn.completion, prompt_index=len(contexts) - 1))
+                context += turn.completion.token_ids + turn.observation_ids
+        old_lp = teacher_forced_logprobs(trainer_model, contexts, turns, 1.0)
+        new_lp = teacher_forced_logprobs(new, contexts, turns, 1.0)
+        mixed = 0
+        for c, under_old, under_new in zip(turns, old_lp, new_lp, strict=True):
+            versions = c.token_versions()
+            assert versions == sorted(versions) and set(versions) <= {0, 1}  # old tokens, then new ones
+            mixed += len(set(versions)) == 2
+            reference = [o if v == 0 else n for v, o, n in zip(versions, under_old, under_new, strict=True)]
+            assert float((torch.tensor(c.logprobs) - torch.tensor(reference)).abs().max()) <= LOGPROB_MAX_TOL
+        assert mixed >= 3  # the held turns had tokens and went on under the new weights
+    finally:
+        engine.update_weights(trainer_model, 0)  # the module's server goes back to the checkpoint
+        engine.close()

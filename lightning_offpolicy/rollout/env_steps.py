@@ -51,6 +51,7 @@ class ConcurrentSteps:
         # Each stops its pool / loop once: at close(), else when the object is collected or at exit.
         self._stoppers: list[weakref.finalize] = []
         self._lock = threading.Lock()
+        self._slots = threading.BoundedSemaphore(self.max_concurrent)  # bounds the calls of one()
 
     def run(
         self, calls: Sequence[Callable[[], Any]], stop: Callable[[], bool] | None = None, what: str = "steps"
@@ -73,9 +74,23 @@ class ConcurrentSteps:
         check_not_stopped(stop, what)
         return outcomes
 
+    def one(self, call: Callable[[], Any], stop: Callable[[], bool] | None = None, what: str = "step") -> StepOutcome:
+        """One call's outcome, run in the calling thread once fewer than ``max_concurrent`` calls of this
+        method are running (episodes played independently, each in its own thread, share the bound).
+
+        Raises:
+            RolloutStopped: ``stop`` returned ``True`` before the call started (``what`` names it).
+        """
+        with self._slots:
+            check_not_stopped(stop, what)
+            return self._called(call)
+
     def _one(self, call: Callable[[], Any], stop: Callable[[], bool] | None) -> StepOutcome | None:
         if stop is not None and stop():
             return None  # not started: run() raises RolloutStopped
+        return self._called(call)
+
+    def _called(self, call: Callable[[], Any]) -> StepOutcome:
         try:
             value = call()
             if inspect.isawaitable(value):

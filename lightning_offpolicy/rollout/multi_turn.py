@@ -11,9 +11,11 @@ docs/multi_turn.md.
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import functools
 import reprlib
+import threading
 import warnings
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
@@ -32,6 +34,7 @@ from lightning_offpolicy.data.environments.base import (
 from lightning_offpolicy.rollout.engine import Completion, SamplingConfig
 from lightning_offpolicy.rollout.env_steps import ConcurrentSteps, StepOutcome
 from lightning_offpolicy.rollout.episode import Episode, Turn
+from lightning_offpolicy.rollout.partial import check_not_stopped
 
 __all__ = ["EpisodeRunner", "EpisodeSettings", "Generate", "episode_metadata", "episode_stats"]
 
@@ -99,6 +102,13 @@ class EpisodeSettings:
         return Tools(self.tools, timeout_s=self.tool_timeout_s)
 
 
+def _episode_seed(seed: int | None, episode: int, turn: int) -> int | None:
+    """The sampler seed of an episode's ``turn``-th call when episodes are played independently."""
+    if seed is None:
+        return None
+    return (seed * 1_000_003 + episode * 104_729 + turn * 15_485_863) % (2**31 - 1)
+
+
 def _turn_seed(seed: int | None, turn: int, budget: int) -> int | None:
     """The sampler seed of an episode batch's ``turn``-th call for rows with ``budget`` tokens left."""
     if seed is None:
@@ -125,6 +135,7 @@ class EpisodeRunner:
         self._cut_by: Counter[str] = Counter()  # the limit that ended each truncated episode of a run, by setting
         self._warned: set[str] = set()  # each warning once per runner (it lives as long as the callback)
         self._steps = ConcurrentSteps(settings.max_concurrent_env_steps)
+        self._record_lock = threading.Lock()  # episodes played independently record their turns one at a time
 
     def close(self) -> None:
         """Stop the threads that run the environment steps (the runner starts them again if used after)."""
@@ -144,8 +155,16 @@ class EpisodeRunner:
         seed: int | None,
         group_offset: int,
         stop: Callable[[], bool] | None = None,
+        concurrent_episodes: int = 1,
     ) -> list[Episode]:
         """``sampling.samples_per_prompt`` episodes per prompt, played to their end.
+
+        The first turns are one ``generate`` call. After it, with ``concurrent_episodes`` 1, the episodes
+        go turn by turn: each turn's environment steps, then every going episode's next turn in one
+        call. With more, each episode goes on alone as soon as its environment answered (at most
+        ``concurrent_episodes`` at once, each turn its own call, seeded by the episode and the turn):
+        for engines that batch concurrent calls themselves (``concurrent_calls`` > 1, the vLLM
+        servers), so that no episode waits for another's tool or longest reply.
 
         Args:
             prompts: The prompts (texts or chat messages), given to each environment's ``reset``.
@@ -157,6 +176,7 @@ class EpisodeRunner:
             group_offset: The group of the first prompt.
             stop: Returns ``True`` once the rollout must stop (a preemption): checked before each
                 environment step.
+            concurrent_episodes: Most episodes played independently at once; 1: turn by turn.
 
         Returns:
             The episodes, grouped by prompt in order (rewards not yet set).
@@ -177,6 +197,10 @@ class EpisodeRunner:
         outcomes = self._steps.run(resets, stop, "episodes' resets")
         for environment, outcome in zip(environments, outcomes, strict=True):
             _value(environment, "reset", outcome)
+        if concurrent_episodes > 1:
+            self._play_independently(episodes, environments, first, sampling, generate, seed, stop, concurrent_episodes)
+            self._warn_if_nothing_can_train(episodes)
+            return episodes
         pending = dict(enumerate(first))
         turn = 1
         while pending:
@@ -206,6 +230,55 @@ class EpisodeRunner:
                 pending.update(zip(rows, completions, strict=True))
         self._warn_if_nothing_can_train(episodes)
         return episodes
+
+    def _play_independently(
+        self,
+        episodes: list[Episode],
+        environments: list[Environment],
+        first: list[Completion],
+        sampling: SamplingConfig,
+        generate: Generate,
+        seed: int | None,
+        stop: Callable[[], bool] | None,
+        concurrent_episodes: int,
+    ) -> None:
+        """Each episode from its first turn to its end in a thread of its own (see :meth:`run`)."""
+        failed = threading.Event()  # an episode raised: the others end before their next step or turn
+
+        def play(i: int) -> None:
+            completion, turn = first[i], 1
+            while True:
+                with self._record_lock:
+                    reply = self._record_turn(episodes[i], completion)
+                if reply is None or failed.is_set():
+                    return
+                step = functools.partial(environments[i].step, reply)
+                result = _value(environments[i], "step", self._steps.one(step, stop, "episodes' environment steps"))
+                if not isinstance(result, StepResult):
+                    raise TypeError(_not_a_step_result(environments[i], result))
+                with self._record_lock:
+                    going = self._answer(episodes[i], result, completion, turn)
+                if not going or failed.is_set():
+                    return
+                check_not_stopped(stop, "episodes")  # a preemption starts no new turn
+                turn += 1
+                left = min(sampling.max_new_tokens, self.settings.max_episode_tokens - len(episodes[i].response_ids))
+                one = dataclasses.replace(sampling, samples_per_prompt=1, max_new_tokens=left)
+                completions = generate([episodes[i].context_ids], one, _episode_seed(seed, i, turn))
+                if len(completions) != 1:
+                    raise RuntimeError(f"generate returned {len(completions)} completions for one episode context.")
+                completion = completions[0]
+
+        errors: dict[int, BaseException] = {}
+        with concurrent.futures.ThreadPoolExecutor(min(concurrent_episodes, len(episodes)), "episode") as pool:
+            futures = {pool.submit(play, i): i for i in range(len(episodes))}
+            for future in concurrent.futures.as_completed(futures):
+                if (error := future.exception()) is not None:
+                    errors[futures[future]] = error
+                    failed.set()
+        check_not_stopped(stop, "episodes")
+        if errors:  # the first failing episode in order, as turn by turn
+            raise errors[min(errors)]
 
     def _warn_if_nothing_can_train(self, episodes: list[Episode]) -> None:
         """Warn once when a batch's episodes all hit a limit, or its tool calls all failed: a configuration

@@ -105,7 +105,7 @@ class RolloutProducer:
         self._engine_lock = threading.Lock()
         self._interrupt = interrupt
         self._pushes_waiting = 0  # trainer-side engine_access calls waiting for or holding the engine
-        self._in_turn = False  # the producer is in (or about to start) a generation call
+        self._turns_in_flight = 0  # the producer's generation calls in flight (or about to start)
         self._ready: collections.deque[ProducedRollout] = collections.deque()
         self._retry: collections.deque[PromptBatch] = collections.deque()
         self._next_index = first_index
@@ -140,7 +140,7 @@ class RolloutProducer:
     def engine_access(self) -> Iterator[None]:
         """Exclusive use of the engine for the trainer thread (a push, an evaluation).
 
-        Waits for the generation request in flight, or, with ``interrupt``, cuts it short; the
+        Waits for the generation requests in flight, or, with ``interrupt``, cuts them short; the
         producer takes no new :meth:`generation_turn` until every waiting access is done.
         """
         if self._interrupt is None:
@@ -151,11 +151,14 @@ class RolloutProducer:
             self._pushes_waiting += 1
             # Only a call in flight (or one past its turn's wait) is interrupted: an interrupt of an
             # idle engine would cut the producer's next call short for nothing.
-            in_flight = self._in_turn
+            in_flight = self._turns_in_flight > 0
         try:
             if in_flight:
                 self._interrupt()
-            with self._engine_lock:
+            with self._cond:  # the interrupted calls end soon; none starts while an access waits
+                while self._turns_in_flight:
+                    self._cond.wait()
+            with self._engine_lock:  # one access at a time (a push, an evaluation)
                 yield
         finally:
             with self._cond:
@@ -164,23 +167,27 @@ class RolloutProducer:
 
     @contextlib.contextmanager
     def generation_turn(self) -> Iterator[None]:
-        """The engine for one generation call of the producer thread, after any push that is waiting.
+        """The engine for one generation call of the producer, after any push that is waiting.
 
-        Raises :class:`ProducerStopped` once :meth:`request_stop` was called: the batch being
-        generated is abandoned (nothing of it was handed to the trainer).
+        Several turns may be held at once (the independent episodes of a batch on an engine that serves
+        concurrent calls); an :meth:`engine_access` waits for all of them.
+
+        Raises:
+            ProducerStopped: :meth:`request_stop` was called: the batch being generated is abandoned
+                (nothing of it was handed to the trainer).
         """
         with self._cond:
             while self._pushes_waiting and not self._stop:
                 self._cond.wait()
             if self._stop:
                 raise ProducerStopped
-            self._in_turn = True
+            self._turns_in_flight += 1
         try:
-            with self._engine_lock:
-                yield
+            yield
         finally:
             with self._cond:
-                self._in_turn = False
+                self._turns_in_flight -= 1
+                self._cond.notify_all()
 
     def set_engine_version(self, version: int) -> None:
         """Record that the engine now holds the weights of ``version`` (call inside :meth:`engine_access`)."""
@@ -229,7 +236,7 @@ class RolloutProducer:
         with self._cond:
             self._stop = True
             self._cond.notify_all()
-            in_flight = self._in_turn
+            in_flight = self._turns_in_flight > 0
         if self._interrupt is not None and in_flight:
             self._interrupt()
 

@@ -248,9 +248,12 @@ class Rollouter:
         """The episodes of ``prompts``, unscored: one turn each, or played by the episode runner; the
         group of prompt ``i`` is ``group_offset + i``."""
         if self.runner is not None:
+            # An engine that batches concurrent calls itself plays each episode on its own.
+            independent = int(getattr(self.engine, "concurrent_calls", 1))
             return self.runner.run(
-                prompts.prompts, prompts.metadata, prompt_ids, sampling, generate, seed, group_offset, self.stop
-            )
+                prompts.prompts, prompts.metadata, prompt_ids, sampling, generate, seed, group_offset, self.stop,
+                concurrent_episodes=independent,
+            )  # fmt: skip
         completions = generate(prompt_ids, sampling, seed)
         return single_turn_episodes(prompt_ids, completions, group_offset)
 

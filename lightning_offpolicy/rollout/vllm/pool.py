@@ -193,6 +193,11 @@ class RemoteVLLMPool:
         for server in self.servers:
             server.set_special_tokens(pad_token_id, eos_token_id, stop_token_ids)
 
+    @property
+    def concurrent_calls(self) -> int:
+        """``generate`` calls from other threads served side by side: the live servers' together."""
+        return sum(self.servers[i].concurrent_calls for i in self.live_servers())
+
     def live_servers(self) -> list[int]:
         """Indices of the servers still in use."""
         return [i for i in range(len(self.servers)) if i not in self.failed]

@@ -38,6 +38,7 @@ from lightning_offpolicy.rollout.engine import (
     Completion,
     SamplingConfig,
 )
+from lightning_offpolicy.rollout.shared_lock import SharedLock
 from lightning_offpolicy.rollout.vllm.base import SUPPORT_LOGPROBS, RawSample, VLLMEngineBase
 from lightning_offpolicy.rollout.vllm.errors import DEV_MODE_HINT
 from lightning_offpolicy.rollout.vllm.http import (
@@ -312,7 +313,7 @@ class RemoteVLLMEngine(ServerCheck, RemoteRequests, RemoteAdapterSync, RemoteWei
                     ]
                 ),
             )
-        self._lock = threading.Lock()
+        self._lock = SharedLock()  # calls sample side by side (the server batches them); a sync holds it alone
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None
         self._pool_lock = threading.Lock()
         # The model's vocabulary size, learned from the first update_weights: vLLM 0.32 started
@@ -365,6 +366,11 @@ class RemoteVLLMEngine(ServerCheck, RemoteRequests, RemoteAdapterSync, RemoteWei
                     self._stream_interrupt = StreamInterrupt()
 
     @property
+    def concurrent_calls(self) -> int:
+        """``generate`` calls from other threads served side by side (the server batches them continuously)."""
+        return self.max_concurrent_requests
+
+    @property
     def connected(self) -> bool:
         """Whether the connect-time checks have run (and passed)."""
         return self.model_name is not None
@@ -410,7 +416,7 @@ class RemoteVLLMEngine(ServerCheck, RemoteRequests, RemoteAdapterSync, RemoteWei
         bodies = [self._completion_body(p, sampling, s, streaming) for p, s in zip(prompts, seeds, strict=True)]
         interrupt = self._call.interrupt
         n = sampling.samples_per_prompt
-        with self._lock:  # no weight sync while sampling: every token comes from the weights of `version`
+        with self._lock.shared():  # no weight sync while sampling: every token comes from the weights of `version`
             self._check_usable()
             version = self.version
             for body in bodies:  # named under the lock: a sync swaps the adapter (and unloads the old one)
