@@ -83,6 +83,7 @@ bench: $(VENV)/.dev
 	$(PY) benchmarks/logprob_memory.py --output docs/reports/performance_logprobs.md; \
 	$(PY) benchmarks/generation.py --repeats 40 --compile --output docs/reports/performance_generation.md; \
 	$(PY) benchmarks/agentic.py --output docs/reports/performance_agentic.md; \
+	$(PY) benchmarks/agentic_server.py --output docs/reports/performance_agentic_server.md; \
 	$(PY) benchmarks/sampling_mask_cost.py --output docs/reports/performance_sampling_mask.md; \
 	$(PY) benchmarks/vllm_support.py --output docs/reports/performance_vllm_support.md; \
 	$(PY) benchmarks/async_overlap.py --output docs/reports/performance_async.md; \

@@ -1,4 +1,4 @@
-"""benchmarks/agentic.py at its quick size (``make bench``): slow tools side by side and one at a time."""
+"""benchmarks/agentic.py and agentic_server.py (quick runs in ``make bench``): slow tools and environments."""
 
 from __future__ import annotations
 
@@ -34,3 +34,44 @@ def test_slow_tools_side_by_side_cost_less_than_one_at_a_time(tmp_path):
     # at least half of that is hidden behind the other calls.
     assert serial["rollout_s"] - slow["rollout_s"] > 0.5 * 64 * slow["tool_s_per_episode"]
     assert "| rollout with the slow tool within 1.3x" in output.read_text()
+
+
+# ---------------------------------------------------------------------- benchmarks/agentic_server.py
+
+import agentic_server  # noqa: E402
+
+
+def test_the_servers_busy_time_is_the_union_of_the_calls_in_flight():
+    assert agentic_server.busy_seconds([(0.0, 1.0), (0.5, 2.0), (1.5, 1.8), (3.0, 4.0)]) == 3.0
+    assert agentic_server.busy_seconds([]) == 0.0
+    latencies = [agentic_server.latency(f"word|{turn}|reply{i}") for i in range(400) for turn in range(3)]
+    assert min(latencies) >= 0.1 and max(latencies) <= 2.0
+    assert 0.2 < sum(latencies) / len(latencies) < 0.32  # the long-tailed latency of agentic.py, 0.26 in theory
+
+
+def test_the_server_reports_summary_names_the_ratio_it_measured():
+    import importlib.util
+
+    root = Path(__file__).resolve().parent.parent
+    spec = importlib.util.spec_from_file_location("summarize", root / "tools" / "summarize.py")
+    summarize = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(summarize)
+    data = json.loads((root / "docs" / "reports" / "performance_agentic_server.json").read_text())
+    median = data["results"]["median"]
+    ratio = (
+        median["slow environment, turn by turn"]["rollout_s"]
+        / median["slow environment, each episode alone"]["rollout_s"]
+    )
+    lines = summarize.agentic_server(data)
+    assert len(lines) == 2 + len(agentic_server.VARIANTS) + 2 and f"{ratio:.2f}x" in lines[-1]
+
+
+@pytest.mark.bench
+def test_episodes_alone_on_the_server_beat_turn_by_turn_with_a_slow_environment(tmp_path):
+    output = tmp_path / "agentic_server.md"
+    assert agentic_server.main(["--quick", "--output", str(output)]) == 0
+    median = json.loads(output.with_suffix(".json").read_text())["results"]["median"]
+    alone, by_turn = median["slow environment, each episode alone"], median["slow environment, turn by turn"]
+    # Alone: the first turns in one call, then one call per episode and turn; turn by turn: one call a turn.
+    assert alone["calls"] == 1 + 64 * (alone["turns_per_episode"] - 1) and by_turn["calls"] == 3
+    assert alone["rollout_s"] < by_turn["rollout_s"] and alone["server_busy_share"] > by_turn["server_busy_share"]

@@ -52,6 +52,11 @@ SECTIONS = [
     ("performance_vs_trl", "Side by side with TRL's GRPOTrainer on the same task", "benchmarks/vs_trl.py"),
     ("performance_vs_trl_tools", "Tool use side by side with TRL (tools=...)", "benchmarks/vs_trl_tools.py"),
     ("performance_agentic", "Agentic rollouts with slow tools: steps side by side", "benchmarks/agentic.py"),
+    (
+        "performance_agentic_server",
+        "Agentic rollouts on a vLLM server: each episode alone vs turn by turn",
+        "benchmarks/agentic_server.py",
+    ),
     ("performance_weight_sync", "Weight sync: in memory vs files", "benchmarks/weight_sync.py"),
     ("performance_long_tail", "Long-tailed completions side by side with TRL", "benchmarks/vs_trl_long_tail.py"),
     ("performance_compile", "Compiled policy: training step compiled vs eager", "benchmarks/compile_policy.py"),
@@ -327,6 +332,20 @@ def agentic(data: dict[str, Any]) -> list[str]:
     return lines
 
 
+def agentic_server(data: dict[str, Any]) -> list[str]:
+    median = data["results"]["median"]
+    lines = [
+        "| variant | rollout s / batch | episodes / s | server busy |",
+        "|---|---:|---:|---:|",
+    ]
+    for name, v in median.items():
+        lines.append(f"| {name} | {v['rollout_s']:.2f} | {v['episodes_per_s']:.1f} | {v['server_busy_share']:.0%} |")
+    alone = median["slow environment, each episode alone"]["rollout_s"]
+    by_turn = median["slow environment, turn by turn"]["rollout_s"]
+    lines += ["", f"With the slow environment, turn by turn takes {_x(by_turn / alone)} the time of each alone."]
+    return lines
+
+
 def weight_sync(data: dict[str, Any]) -> list[str]:
     """Per model: whole-sync seconds of both transports, the speed-up against the goal, peak extra memory."""
     lines = []
@@ -380,6 +399,7 @@ RENDER: dict[str, Callable[[Any], list[str]]] = {
     "performance_vs_trl": vs_trl,
     "performance_vs_trl_tools": vs_trl_tools,
     "performance_agentic": agentic,
+    "performance_agentic_server": agentic_server,
     "performance_weight_sync": weight_sync,
     "performance_long_tail": long_tail,
     "performance_compile": compile_policy,
@@ -405,6 +425,9 @@ READING = {
     "performance_agentic": "Rollouts only, 64 tool-calling episodes of `tiny:multiply` a batch: the `multiply` tool "
     "instant or behind a long-tailed latency (0.1-2 s), the environment steps of a turn side by side (the default) "
     "or one at a time (the runner before).",
+    "performance_agentic_server": "Rollouts only, 64 episodes of 3 turns a batch of `tiny:reverse` on one local vLLM "
+    "server, the environment answering at once or after a long-tailed latency (0.1-2 s): each episode's next turn as "
+    "soon as its environment answered (the servers' default) or one call per turn (the runner before).",
     "performance_weight_sync": "One weight sync of a float32 trainer into an in-process bfloat16 vLLM engine, the "
     "sync check included: shared-memory buckets (the default) against safetensors files (the earlier default).",
     "performance_long_tail": "Completions of ~16 to 512 tokens from a ~10M-parameter Qwen2 with a byte-level BPE "

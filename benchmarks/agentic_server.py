@@ -1,0 +1,240 @@
+#!/usr/bin/env python
+"""Agentic rollouts on a vLLM server: episodes turn by turn against each episode going on alone.
+
+* **Checkpoint and task**: ``tiny:reverse`` (the tiny Llama warmed up on reversing a word, heads of dim 64 as
+  vLLM's CPU attention needs; ``tiny:multiply``'s Qwen2 of 8 heads of dim 64 on hidden 128 is not servable:
+  vLLM's Qwen2 derives its head size from hidden / heads), 8 prompts x 8 samples a batch of the ``reverse``
+  task, served by one local vLLM server (``launch_local_server``, float32, the checkpoint's own weights)
+  through ``RemoteVLLMEngine``; at most 3 model turns and 160 ids after the prompt, 48 new tokens a turn,
+  temperature 1 (turn lengths from a few tokens to the cap).
+* **Environment**: each reply answered with ``"again"`` until the third, after a latency fixed by the reply's
+  text, drawn from ``benchmarks/agentic.py``'s long-tailed distribution (a Pareto from 0.1 s capped at 2 s,
+  mean 0.26 s: a tool, a sandbox, a judge), or at once; each reply scored by the task's reward, a third each.
+  The environment steps of a turn run side by side (the default ``max_concurrent_env_steps``).
+* **Variants**: each environment with the episodes going on alone (the servers' default: each episode's next
+  turn sent as soon as its environment answered, ``concurrent_calls`` = ``max_concurrent_requests``) and turn
+  by turn (the same engine saying it serves one call at a time: every going episode's next turn in one call
+  after all the turn's steps, the runner before).
+* **Measured** per batch (rollouts only; the same prompts and seeds for every variant): the rollout's wall
+  time, episodes per second, the server's busy share (the part of the rollout with at least one ``generate``
+  call in flight; the rest it idles, waiting for the environment), the generate calls, turns and reward per
+  episode. The variants are interleaved batch by batch; the ratios are within one run. The two modes seed
+  later turns differently (by turn, or by episode and turn): their episodes are other samples of one policy.
+
+    python benchmarks/agentic_server.py --output docs/reports/performance_agentic_server.md
+    python benchmarks/agentic_server.py --quick --output /tmp/agentic_server.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import os
+import random
+import statistics
+import sys
+import threading
+import time
+import zlib
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from agentic import LATENCY_MAX_S, LATENCY_MIN_S, PARETO_SHAPE  # noqa: E402
+from harness.report import header_bullets, load_bullet, run_header, write_report  # noqa: E402
+
+from lightning_offpolicy.batch import PromptBatch  # noqa: E402
+from lightning_offpolicy.data.environments import StepResult  # noqa: E402
+from lightning_offpolicy.data.rewards import environment_reward  # noqa: E402
+from lightning_offpolicy.data.tasks import get_task  # noqa: E402
+from lightning_offpolicy.data.tokenizers import load_tokenizer  # noqa: E402
+from lightning_offpolicy.rollout import SamplingConfig  # noqa: E402
+from lightning_offpolicy.rollout.multi_turn import EpisodeSettings  # noqa: E402
+from lightning_offpolicy.rollout.rollouter import Rollouter  # noqa: E402
+from lightning_offpolicy.rollout.vllm import RemoteVLLMEngine, launch_local_server  # noqa: E402
+from lightning_offpolicy.train.policy import resolve_model_spec  # noqa: E402
+
+PROMPTS_PER_BATCH, SAMPLES = 8, 8
+VARIANTS = {
+    "instant environment, each episode alone": (False, True),
+    "slow environment, each episode alone": (True, True),
+    "instant environment, turn by turn": (False, False),
+    "slow environment, turn by turn": (True, False),
+}
+BASE = "instant environment, each episode alone"
+
+
+def latency(text: str) -> float:
+    """The seconds the environment takes to answer ``text``: a capped Pareto draw fixed by the text."""
+    uniform = (zlib.crc32(text.encode()) + 1) / (2**32 + 1)
+    return min(LATENCY_MAX_S, LATENCY_MIN_S / uniform ** (1 / PARETO_SHAPE))
+
+
+class Again:
+    """Answers "again" until the third reply, slowly or at once; each reply scored by the task (a third each)."""
+
+    task = get_task("reverse")
+
+    def __init__(self, slow: bool) -> None:
+        self.slow = slow
+
+    def reset(self, prompt: str, metadata: dict[str, Any]) -> None:
+        self.metadata, self.replies = metadata, 0
+
+    def step(self, reply: str) -> StepResult:
+        if self.slow:
+            time.sleep(latency(f"{self.metadata['answer']}|{self.replies}|{reply}"))
+        self.replies += 1
+        reward = self.task.reward(reply, self.metadata) / 3
+        return StepResult(messages=[{"role": "user", "content": "again"}], reward=reward, done=self.replies >= 3)
+
+
+def prompt_batches(count: int, seed: int) -> list[PromptBatch]:
+    task, rng = get_task("reverse"), random.Random(seed)
+    batches = []
+    for _ in range(count):
+        samples = [task.sample(rng) for _ in range(PROMPTS_PER_BATCH)]
+        batches.append(PromptBatch(prompts=[p for p, _ in samples], metadata=[m for _, m in samples]))
+    return batches
+
+
+class TimedServerEngine(RemoteVLLMEngine):
+    """A RemoteVLLMEngine that records each ``generate`` call's interval; ``alone=False``: one call at a time."""
+
+    def __init__(self, *args: Any, alone: bool, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.alone = alone
+        self.intervals: list[tuple[float, float]] = []
+        self._intervals_lock = threading.Lock()
+
+    @property
+    def concurrent_calls(self) -> int:
+        return super().concurrent_calls if self.alone else 1
+
+    def generate(self, prompt_ids, sampling, seed=None):
+        started = time.perf_counter()
+        try:
+            return super().generate(prompt_ids, sampling, seed)
+        finally:
+            with self._intervals_lock:
+                self.intervals.append((started, time.perf_counter()))
+
+
+def busy_seconds(intervals: list[tuple[float, float]]) -> float:
+    """The length of the union of the intervals (the time at least one call was in flight)."""
+    total, end = 0.0, float("-inf")
+    for start, stop in sorted(intervals):
+        if stop > end:
+            total += stop - max(start, end)
+            end = stop
+    return total
+
+
+def run(batches: int, seed: int) -> dict[str, Any]:
+    model_dir = resolve_model_spec("tiny:reverse")
+    tokenizer = load_tokenizer(model_dir)
+    server = launch_local_server(model_dir, dtype="float32", kv_cache_space_gib=1, startup_timeout_s=600)
+    try:
+        rollouters = {}
+        for name, (slow, alone) in VARIANTS.items():
+            engine = TimedServerEngine(
+                server.base_url,
+                alone=alone,
+                pad_token_id=tokenizer.pad_token_id,
+                eos_token_id=tokenizer.eos_token_id,
+                request_timeout_s=300,
+            )
+            episodes = EpisodeSettings(environment=functools.partial(Again, slow), max_turns=3, max_episode_tokens=160)
+            sampling = SamplingConfig(max_new_tokens=48, temperature=1.0, samples_per_prompt=SAMPLES)
+            rollouter = Rollouter(engine, tokenizer, environment_reward, sampling, seed=0, episodes=episodes)
+            rollouters[name] = (rollouter, engine)
+        records: dict[str, list[dict[str, float]]] = {name: [] for name in VARIANTS}
+        names = list(VARIANTS)
+        for index, prompts in enumerate(prompt_batches(batches + 1, seed)):
+            for name in names[index % len(names) :] + names[: index % len(names)]:
+                rollouter, engine = rollouters[name]
+                engine.intervals = []
+                started = time.perf_counter()
+                rollout, _ = rollouter.rollout(prompts, index, 0)
+                seconds = time.perf_counter() - started
+                if index == 0:
+                    continue  # warm-up: the server's first batches and the step threads
+                stats = rollouter.last_stats or {}
+                records[name].append(
+                    {
+                        "rollout_s": seconds,
+                        "episodes_per_s": rollout.num_sequences / seconds,
+                        "server_busy_share": busy_seconds(engine.intervals) / seconds,
+                        "calls": float(len(engine.intervals)),
+                        "reward": float(rollout.rewards.mean()),
+                        "turns_per_episode": float(stats.get("turns_per_episode", float("nan"))),
+                    }
+                )
+        for rollouter, engine in rollouters.values():
+            rollouter.runner.close()
+            engine.close()
+    finally:
+        server.close()
+    summary = {
+        name: {key: statistics.median(r[key] for r in rows) for key in rows[0]} for name, rows in records.items()
+    }
+    for values in summary.values():
+        values["x_base"] = values["rollout_s"] / summary[BASE]["rollout_s"]
+    return {"batches": batches, "seed": seed, "per_batch": records, "median": summary}
+
+
+def render(report: dict[str, Any]) -> str:
+    result = report["results"]
+    median = result["median"]
+    lines = [
+        "# Agentic rollouts on a vLLM server: each episode alone against turn by turn",
+        "",
+        "Generated by `benchmarks/agentic_server.py` (its docstring has the method). Rollouts only: 64 episodes a",
+        "batch of `tiny:reverse` (3 model turns), the environment answering at once or after a long-tailed latency",
+        "(0.1-2 s, mean ~0.26 s), on one local vLLM server: each episode's next turn sent as soon as its environment",
+        "answered (the default on the servers) or every going episode's next turn in one call per turn. Medians",
+        "over the batches; the variants interleaved.",
+        "",
+        *header_bullets(report["header"]),
+        report["load"],
+        f"- **Batches**: {result['batches']} per variant after one warm-up batch, seed {result['seed']}",
+        "",
+        f"| variant | rollout s / batch | x {BASE} | episodes / s | server busy | generate calls | turns / episode "
+        "| reward |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for name, v in median.items():
+        lines.append(
+            f"| {name} | {v['rollout_s']:.2f} | {v['x_base']:.2f} | {v['episodes_per_s']:.1f} "
+            f"| {v['server_busy_share']:.0%} | {v['calls']:.0f} | {v['turns_per_episode']:.2f} | {v['reward']:.3f} |"
+        )
+    alone = median["slow environment, each episode alone"]["rollout_s"]
+    by_turn = median["slow environment, turn by turn"]["rollout_s"]
+    lines += [
+        "",
+        f"With the slow environment, turn by turn takes **{by_turn / alone:.2f}x** the time of each episode alone.",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--batches", type=int, default=4, help="timed batches per variant (default 4)")
+    parser.add_argument("--seed", type=int, default=0, help="the prompts' seed (default 0)")
+    parser.add_argument("--quick", action="store_true", help="smoke test: one timed batch")
+    parser.add_argument("--output", type=Path, default=None, help="markdown report (.json next to it)")
+    args = parser.parse_args(argv)
+    load_start = os.getloadavg()[0]
+    results = run(1 if args.quick else args.batches, args.seed)
+    report = {
+        "header": run_header("agentic_server.py", argv if argv is not None else sys.argv[1:], "vLLM CPU server"),
+        "load": load_bullet(load_start, os.getloadavg()[0]),
+        "results": results,
+    }
+    write_report(args.output, render(report), report)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
