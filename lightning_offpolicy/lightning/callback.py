@@ -135,6 +135,8 @@ class RolloutCallback(Callback):
         self.dapo = dapo
         self.episodes = episodes
         self._episode_runner: EpisodeRunner | None = None
+        # Built at its first use in a fit, once the fit's tokenizer, context limit and seed are known.
+        self._rollouter: Rollouter | None = None
         self.success_threshold = float(success_threshold)
         self.reward_timeout_s = None if reward_timeout_s is None else float(reward_timeout_s)
         # Policy version whose weights the current validation epoch pushed (None: not pushed yet).
@@ -192,6 +194,7 @@ class RolloutCallback(Callback):
     @override
     def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._preempted = False  # a preemption during the sanity check still stops the training that follows
+        self._rollouter = None  # this fit's module, tokenizer and limits
         # Here, not in setup: configure_model (which loads a model given by name) runs in between.
         # Checks of what would otherwise crash inside generate, after the training started.
         policy = getattr(pl_module, "policy", None)
@@ -219,6 +222,7 @@ class RolloutCallback(Callback):
     # ------------------------------------------------------------------------------ the step
     @override
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._rollouter = None  # the training's pipeline has the refill prompts and the producer set below
         if self.dapo.dynamic_sampling:
             refill_source = trainer.fit_loop._data_source.dataloader()
             self._refill_prompts = prompt_batches(
@@ -247,6 +251,7 @@ class RolloutCallback(Callback):
             engine_version=version,
             interrupt=engine.interrupt if self.asynchrony.partial_rollouts else None,
         )
+        self._pipeline()  # built in this thread, with the producer's turns, before its first batch
         self.producer.start()
 
     @override
@@ -343,23 +348,27 @@ class RolloutCallback(Callback):
             self.last_timing["sync_probe_diff"] = float(diff)
 
     def _pipeline(self) -> Rollouter:
-        """The rollout pipeline with the callback's current settings (the seed is restored on resume)."""
-        return Rollouter(
-            self.engine,
-            self._tokenizer,
-            self.reward_fn,
-            self.sampling,
-            advantage_estimator=self.advantage_estimator,
-            seed=self.seed,
-            context_limit=self._context_limit,
-            success_threshold=self.success_threshold,
-            dapo=self.dapo,
-            more_prompts=None if self._refill_prompts is None else lambda: next(self._refill_prompts),
-            turn=self.producer.generation_turn if self.producer is not None and self.producer.interrupts else None,
-            reward_timeout_s=self.reward_timeout_s,
-            stop=lambda: self._preempted,
-            episodes=self._runner(),
-        )
+        """The rollout pipeline, built at its first use in a fit's validation and again at the train start
+        (by then the engine and tokenizer are set, a resumed run's seed restored, the refill prompts and the
+        producer made)."""
+        if self._rollouter is None:
+            self._rollouter = Rollouter(
+                self.engine,
+                self._tokenizer,
+                self.reward_fn,
+                self.sampling,
+                advantage_estimator=self.advantage_estimator,
+                seed=self.seed,
+                context_limit=self._context_limit,
+                success_threshold=self.success_threshold,
+                dapo=self.dapo,
+                more_prompts=None if self._refill_prompts is None else lambda: next(self._refill_prompts),
+                turn=self.producer.generation_turn if self.producer is not None and self.producer.interrupts else None,
+                reward_timeout_s=self.reward_timeout_s,
+                stop=lambda: self._preempted,
+                episodes=self._runner(),
+            )
+        return self._rollouter
 
     def _runner(self) -> EpisodeRunner | None:
         """The episode runner, built once the engine's stop ids are known (``None``: single-turn)."""
@@ -462,6 +471,7 @@ class RolloutCallback(Callback):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.generated_batches = int(state_dict["generated_batches"])
         self.seed = int(state_dict.get("seed", self.seed))
+        self._rollouter = None  # rebuilt with the restored seed
 
     @override
     def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:

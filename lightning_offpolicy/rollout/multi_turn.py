@@ -31,12 +31,13 @@ from lightning_offpolicy.data.environments.base import (
     StepResult,
     environment_tools,
 )
+from lightning_offpolicy.data.tokenizers import encode_prompt
 from lightning_offpolicy.rollout.engine import Completion, SamplingConfig
 from lightning_offpolicy.rollout.env_steps import ConcurrentSteps, StepOutcome
-from lightning_offpolicy.rollout.episode import Episode, Turn
+from lightning_offpolicy.rollout.episode import Episode, Turn, single_turn_episodes
 from lightning_offpolicy.rollout.partial import check_not_stopped
 
-__all__ = ["EpisodeRunner", "EpisodeSettings", "Generate", "episode_metadata", "episode_stats"]
+__all__ = ["EpisodeRunner", "EpisodeSettings", "Generate", "SingleTurn", "episode_metadata", "episode_stats"]
 
 #: ``(prompt_ids, sampling, seed) -> completions``: one engine call (with partial rollouts continued).
 Generate = Callable[[list[list[int]], SamplingConfig, "int | None"], list[Completion]]
@@ -102,6 +103,50 @@ class EpisodeSettings:
         return Tools(self.tools, timeout_s=self.tool_timeout_s)
 
 
+class SingleTurn:
+    """Single-turn rollouts as episodes of one turn, with :class:`EpisodeRunner`'s interface: the rollouter
+    plays, counts and scores both alike.
+
+    Args:
+        tokenizer: Encodes each prompt by its own rule (:func:`~lightning_offpolicy.data.tokenizers.encode_prompt`).
+        max_new_tokens: The most ids a completion adds after its prompt.
+    """
+
+    def __init__(self, tokenizer: Any, max_new_tokens: int) -> None:
+        self.tokenizer = tokenizer
+        self.budget = (max_new_tokens, "rollout.sampling.max_new_tokens")
+
+    def prompt_ids(self, prompts: Sequence[Any]) -> list[list[int]]:
+        """Each prompt's ids by the tokenizer's own rule (bos where it adds one; chat via its template)."""
+        return [encode_prompt(self.tokenizer, prompt) for prompt in prompts]
+
+    def run(
+        self,
+        prompts: Sequence[Any],
+        metadata: Sequence[Mapping[str, Any]],
+        prompt_ids: list[list[int]],
+        sampling: SamplingConfig,
+        generate: Generate,
+        seed: int | None,
+        group_offset: int,
+        stop: Callable[[], bool] | None = None,
+        concurrent_episodes: int = 1,
+    ) -> list[Episode]:
+        """One ``generate`` call: an episode of one turn per completion (:meth:`EpisodeRunner.run`'s arguments)."""
+        return single_turn_episodes(prompt_ids, generate(prompt_ids, sampling, seed), group_offset)
+
+    def stats(self, episodes: Sequence[Episode]) -> dict[str, float]:
+        """Nothing beyond the rollouter's own counts."""
+        return {}
+
+    def reward_metadata(self, episode: Episode, metadata: Mapping[str, Any]) -> Mapping[str, Any]:
+        """The row's metadata, as it is."""
+        return metadata
+
+    def close(self) -> None:
+        """Nothing to stop."""
+
+
 def _episode_seed(seed: int | None, episode: int, turn: int) -> int | None:
     """The sampler seed of an episode's ``turn``-th call when episodes are played independently."""
     if seed is None:
@@ -129,6 +174,7 @@ class EpisodeRunner:
 
     def __init__(self, settings: EpisodeSettings, tokenizer: Any, stop_ids: Sequence[int]) -> None:
         self.settings = settings
+        self.tokenizer = tokenizer
         self.factory = settings.factory()
         self.renderer = renderer_for(tokenizer, environment_tools(self.factory))
         self.stop_ids = set(int(t) for t in stop_ids)
@@ -141,9 +187,22 @@ class EpisodeRunner:
         """Stop the threads that run the environment steps (the runner starts them again if used after)."""
         self._steps.close()
 
+    @property
+    def budget(self) -> tuple[int, str]:
+        """The most ids an episode adds after its prompt, and the setting that says so."""
+        return self.settings.max_episode_tokens, "rollout.episodes.max_episode_tokens"
+
     def prompt_ids(self, prompts: Sequence[Any]) -> list[list[int]]:
         """Each prompt's ids, rendered with the template and the tools."""
         return [self.renderer.prompt_ids(p) for p in prompts]
+
+    def stats(self, episodes: Sequence[Episode]) -> dict[str, float]:
+        """A batch's per-episode means (:func:`episode_stats`)."""
+        return episode_stats(episodes)
+
+    def reward_metadata(self, episode: Episode, metadata: Mapping[str, Any]) -> Mapping[str, Any]:
+        """The row's metadata with what the reward function is told about ``episode`` (:func:`episode_metadata`)."""
+        return episode_metadata(episode, metadata, transcript=self.tokenizer.decode(episode.response_ids))
 
     def run(
         self,

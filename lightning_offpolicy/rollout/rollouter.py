@@ -22,13 +22,12 @@ import torch
 
 from lightning_offpolicy.batch import EvaluationBatch, PromptBatch, RolloutBatch
 from lightning_offpolicy.data.rewards import DEFAULT_REWARD_TIMEOUT_S, score_completions
-from lightning_offpolicy.data.tokenizers import encode_prompt
 from lightning_offpolicy.preflight import check_prompt_fits
 from lightning_offpolicy.rollout.advantages import compute_advantages
 from lightning_offpolicy.rollout.dapo import DAPOSettings, informative_rows, overlong_penalty
 from lightning_offpolicy.rollout.engine import Completion, RolloutEngine, SamplingConfig, prompt_seed
-from lightning_offpolicy.rollout.episode import Episode, single_turn_episodes, to_rollout_batch
-from lightning_offpolicy.rollout.multi_turn import EpisodeRunner, EpisodeSettings, episode_metadata, episode_stats
+from lightning_offpolicy.rollout.episode import Episode, to_rollout_batch
+from lightning_offpolicy.rollout.multi_turn import EpisodeRunner, EpisodeSettings, SingleTurn
 from lightning_offpolicy.rollout.partial import PartialStats, check_not_stopped, generate_resumable
 
 __all__ = ["Rollouter", "batch_seed"]
@@ -157,8 +156,11 @@ class Rollouter:
         self.stop = stop
         self._partial = PartialStats()
         self.last_stats: dict[str, float] = {}
-        self.runner = episodes if isinstance(episodes, EpisodeRunner) else None
-        if isinstance(episodes, EpisodeSettings) and episodes.enabled:
+        # What plays a batch's episodes: several turns, or one (single-turn rollouts are episodes of one turn).
+        self.runner: EpisodeRunner | SingleTurn = SingleTurn(tokenizer, sampling.max_new_tokens)
+        if isinstance(episodes, EpisodeRunner):
+            self.runner = episodes
+        elif isinstance(episodes, EpisodeSettings) and episodes.enabled:
             stop_ids = list(getattr(engine, "stop_ids", None) or [])
             if not stop_ids and getattr(tokenizer, "eos_token_id", None) is not None:
                 stop_ids = [int(tokenizer.eos_token_id)]
@@ -167,15 +169,7 @@ class Rollouter:
     def encode(self, prompts: PromptBatch) -> list[list[int]]:
         """The prompts' token ids by the tokenizer's own rule (bos where it adds one; chat via its template);
         for episodes, through the chat template with the tools."""
-        if self.runner is not None:
-            return self.runner.prompt_ids(prompts.prompts)
-        return [encode_prompt(self.tokenizer, prompt) for prompt in prompts.prompts]
-
-    def _budget(self) -> tuple[int, str]:
-        """The most ids a rollout adds after a prompt, and the setting that says so."""
-        if self.runner is not None:
-            return self.runner.settings.max_episode_tokens, "rollout.episodes.max_episode_tokens"
-        return self.sampling.max_new_tokens, "rollout.sampling.max_new_tokens"
+        return self.runner.prompt_ids(prompts.prompts)
 
     def rollout(self, prompts: PromptBatch, index: int, rank: int = 0) -> tuple[RolloutBatch, float]:
         """Training batch ``index``: the scored rollout of ``prompts``, and the seconds generation took."""
@@ -215,8 +209,7 @@ class Rollouter:
             tokens = max(sum(e.model_tokens for e in trained), 1)
             stats["support_unknown_frac"] = unknown / tokens
             _warn_about_supports(unknown / tokens, single / tokens, self.sampling)
-        if self.runner is not None:
-            stats.update(episode_stats(trained))
+        stats.update(self.runner.stats(trained))
         if self.dapo.overlong_filter:
             cut = torch.tensor([e.truncated for e in trained])
             stats["overlong_filtered"] = float(cut.sum())
@@ -245,23 +238,19 @@ class Rollouter:
         group_offset: int,
         generate: Callable[[list[list[int]], SamplingConfig, int | None], list[Completion]],
     ) -> list[Episode]:
-        """The episodes of ``prompts``, unscored: one turn each, or played by the episode runner; the
-        group of prompt ``i`` is ``group_offset + i``."""
-        if self.runner is not None:
-            # An engine that batches concurrent calls itself plays each episode on its own.
-            independent = int(getattr(self.engine, "concurrent_calls", 1))
-            return self.runner.run(
-                prompts.prompts, prompts.metadata, prompt_ids, sampling, generate, seed, group_offset, self.stop,
-                concurrent_episodes=independent,
-            )  # fmt: skip
-        completions = generate(prompt_ids, sampling, seed)
-        return single_turn_episodes(prompt_ids, completions, group_offset)
+        """The episodes of ``prompts``, unscored; the group of prompt ``i`` is ``group_offset + i``."""
+        # An engine that batches concurrent calls itself plays each episode on its own.
+        independent = int(getattr(self.engine, "concurrent_calls", 1))
+        return self.runner.run(
+            prompts.prompts, prompts.metadata, prompt_ids, sampling, generate, seed, group_offset, self.stop,
+            concurrent_episodes=independent,
+        )  # fmt: skip
 
     def _sample(self, samples: _Samples, prompts: PromptBatch, seed: int, group_offset: int) -> float:
         """Generate and score ``prompts`` into ``samples``; the seconds generation took."""
         prompt_ids = self.encode(prompts)
         started = time.perf_counter()
-        budget, setting = self._budget()
+        budget, setting = self.runner.budget
         check_prompt_fits(max(map(len, prompt_ids), default=0), budget, self.context_limit, setting=setting)
         episodes = self._play(prompts, prompt_ids, self.sampling, seed, group_offset, self._generate)
         generate_s = time.perf_counter() - started
@@ -351,12 +340,7 @@ class Rollouter:
     def _score(self, prompts: PromptBatch, owners: Sequence[int], episodes: Sequence[Episode]) -> Any:
         """The reward of each episode: its last turn's text, with what the reward is told about the episode."""
         texts = [self.tokenizer.decode(e.completion.token_ids) for e in episodes]
-        metadata = [prompts.metadata[i] for i in owners]
-        if self.runner is not None:
-            metadata = [
-                episode_metadata(e, m, transcript=self.tokenizer.decode(e.response_ids))
-                for e, m in zip(episodes, metadata, strict=True)
-            ]
+        metadata = [self.runner.reward_metadata(e, prompts.metadata[i]) for e, i in zip(episodes, owners, strict=True)]
         return score_completions(
             self.reward_fn,
             [prompts.prompts[i] for i in owners],
@@ -368,7 +352,7 @@ class Rollouter:
 
 #: Above this share of sampled tokens with an unknown kept set, a batch's loss misses a part worth a warning.
 UNKNOWN_SUPPORT_WARNING = 0.05
-_warned: set[str] = set()  # each warning once per process: the rollouter is rebuilt every batch
+_warned: set[str] = set()  # each warning once per process: a fit builds its rollouter again at the train start
 
 
 def _warn_about_supports(unknown: float, single: float, sampling: SamplingConfig) -> None:
