@@ -75,18 +75,16 @@ class MicroBatchStep:
         self.steps_per_batch = steps_per_batch
         # Built on first use (compiled graphs do not pickle): with and without the metric sums.
         self.graphs: dict[bool, FusedCorrectionStep] = {}
-
-    @property
-    def per_micro_batch(self) -> bool:
-        """Whether the correction runs here, per micro-batch (else once per batch, :meth:`correct_batch`)."""
-        return self.compiled or self.correction.correction_reads_current_policy
-
-    @property
-    def metrics_from_current_policy(self) -> bool:
-        """Plain bypass mode: the ``rollout_corr/*`` metrics compare ``pi_theta`` with ``pi_rollout``
-        per micro-batch (``pi_prox := pi_rollout`` would make them 0; with a mask the correction
-        itself already reads ``pi_theta``)."""
-        return self.correction.bypass_mode and not self.correction.masks_read_current_policy
+        #: Whether the correction runs here, per micro-batch (else once per batch, :meth:`correct_batch`).
+        self.per_micro_batch = compiled or correction.correction_reads_current_policy
+        #: Plain bypass mode: the ``rollout_corr/*`` metrics compare ``pi_theta`` with ``pi_rollout`` per
+        #: micro-batch (``pi_prox := pi_rollout`` would make them 0; with a mask the correction itself
+        #: already reads ``pi_theta``).
+        self.metrics_from_current_policy = correction.bypass_mode and not correction.masks_read_current_policy
+        # The route of every micro-batch, chosen here once: the compiled graph, or the eager functions
+        # (after the micro-batch's own correction when it reads the current policy).
+        self._loss = self._compiled_loss if compiled else self._eager_loss
+        self._prox_from_theta = correction.prox_method == "loglinear"
 
     def correct_batch(
         self, rollout: RolloutBatch, prox: torch.Tensor | None, ref: torch.Tensor | None
@@ -130,21 +128,45 @@ class MicroBatchStep:
         Returns:
             The loss, its info, and what to record of the correction.
         """
-        if self.correction.prox_method == "loglinear":
+        if self._prox_from_theta:
             prox = step.loglinear_prox(micro, logprobs, step_version, self.steps_per_batch)
             micro = micro.with_fields(prox_logprobs=prox)
         stats = None
         if record_correction and self.metrics_from_current_policy:
             # The micro-batches of the first pass cover the batch once: their metrics add up to its.
             stats = step.current_policy_stats(micro, logprobs)
-        if self.compiled:
-            with_sums = record_correction and not self.metrics_from_current_policy
-            fused = self._graph(with_sums)(
-                logprobs, micro.prox_logprobs, micro.rollout_logprobs, micro.advantages, micro.response_mask,
-                ref_logprobs=micro.ref_logprobs, token_count=token_count, sequence_count=sequence_count,
-                entropy=entropy,
-            )  # fmt: skip
-            return MicroStepOutput(fused.loss, fused.info, stats, fused.statistics if with_sums else None)
+        return self._loss(logprobs, micro, token_count, sequence_count, entropy, record_correction, stats)
+
+    def _compiled_loss(
+        self,
+        logprobs: torch.Tensor,
+        micro: RolloutBatch,
+        token_count: torch.Tensor | float | None,
+        sequence_count: torch.Tensor | float | None,
+        entropy: torch.Tensor | None,
+        record_correction: bool,
+        stats: CorrectionStats | None,
+    ) -> MicroStepOutput:
+        """The correction, the loss, its gradient and the metric sums in one compiled graph."""
+        with_sums = record_correction and not self.metrics_from_current_policy
+        fused = self._graph(with_sums)(
+            logprobs, micro.prox_logprobs, micro.rollout_logprobs, micro.advantages, micro.response_mask,
+            ref_logprobs=micro.ref_logprobs, token_count=token_count, sequence_count=sequence_count, entropy=entropy,
+        )  # fmt: skip
+        return MicroStepOutput(fused.loss, fused.info, stats, fused.statistics if with_sums else None)
+
+    def _eager_loss(
+        self,
+        logprobs: torch.Tensor,
+        micro: RolloutBatch,
+        token_count: torch.Tensor | float | None,
+        sequence_count: torch.Tensor | float | None,
+        entropy: torch.Tensor | None,
+        record_correction: bool,
+        stats: CorrectionStats | None,
+    ) -> MicroStepOutput:
+        """The eager functions (:mod:`.step`), the reference; the micro-batch's own correction first when it
+        reads the current policy (else the batch carries it, :meth:`correct_batch`)."""
         if self.correction.correction_reads_current_policy:
             numerator = self.correction.ratio_numerator(micro.prox_logprobs, logprobs)
             micro, own = step.apply_correction(micro, numerator, self.correction, micro.ref_logprobs)
