@@ -151,3 +151,49 @@ def test_seeded_prompts_beyond_one_engine_step_do_not_kill_the_cpu_engine(vllm_e
     prompts = [[1] + [3 + (i * 7 + j) % 25 for j in range(length - 1)] for i in range(budget // length + 4)]
     out = vllm_engine.generate(prompts, SamplingConfig(max_new_tokens=4, samples_per_prompt=2), seed=3)
     assert len(out) == 2 * len(prompts) and all(len(c.token_ids) >= 1 for c in out)
+
+
+def test_calls_from_two_threads_share_the_engines_steps_and_one_interrupt_cuts_both(vllm_engine):
+    """Two generate calls at once (two episodes going on alone) are batched in the same engine steps, each
+    gets its own seeded samples, and one interrupt cuts both; the call after runs normally."""
+    calls = [(reverse_prompts(2, seed=1), 3), (reverse_prompts(2, seed=2), 4)]
+    long = SamplingConfig(max_new_tokens=120, samples_per_prompt=1)
+    with never_stopping(vllm_engine) as engine:
+        alone = [engine.generate(prompts, long, seed=seed) for prompts, seed in calls]
+        llm_engine, in_engine = engine.llm.llm_engine, engine._stepping._in_engine
+        step, seen = llm_engine.step, {"most": 0, "together": 0, "cut_after": None}
+
+        def counted():
+            seen["most"] = max(seen["most"], len(in_engine))
+            seen["together"] += len(in_engine) == 4
+            if seen["cut_after"] is not None and seen["together"] == seen["cut_after"]:
+                engine.interrupt()  # once both calls have run a few steps together
+            return step()
+
+        def both_at_once() -> list:
+            results, start = [None, None], threading.Barrier(2)
+
+            def call(i: int) -> None:
+                start.wait()
+                results[i] = engine.generate(calls[i][0], long, seed=calls[i][1])
+
+            threads = [threading.Thread(target=call, args=(i,)) for i in range(2)]
+            for thread in threads:
+                thread.start()
+            for thread in threads:
+                thread.join(120)
+            return results
+
+        llm_engine.step = counted
+        try:
+            together = both_at_once()
+            assert seen["most"] == 4  # both calls' requests in the same engine steps
+            assert [[c.token_ids for c in r] for r in together] == [[c.token_ids for c in r] for r in alone]
+            seen.update(together=0, cut_after=5)
+            cut = both_at_once()
+        finally:
+            del llm_engine.step  # the class's method again
+        for result in cut:  # one interrupt reached both calls
+            assert all(c.finish_reason == INTERRUPTED and 0 < len(c.token_ids) < 120 for c in result)
+        after = engine.generate(calls[0][0], long, seed=calls[0][1])
+        assert [c.token_ids for c in after] == [c.token_ids for c in alone[0]]

@@ -8,10 +8,11 @@ and how the engine scores the probe sequence of the self-check.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from concurrent.futures import Future, wait
 from dataclasses import dataclass
 from typing import Any
@@ -148,8 +149,9 @@ class VLLMEngineBase(SpecialTokens):
         self._closed = False
         self._failure: str | None = None
         self._sync_check = SyncCheck(who)
-        # Set by interrupt(); the backend's _sample polls it and clears it when its call ends.
+        # Set by interrupt(); each call polls the one current when it began (:meth:`_interrupt_of_call`).
         self._interrupt = threading.Event()
+        self._interrupt_lock = threading.Lock()
 
     # ------------------------------------------------------------------ public API
 
@@ -167,7 +169,22 @@ class VLLMEngineBase(SpecialTokens):
         """Cut the ``generate`` call in flight (or the next one) short: its unfinished completions come
         back :data:`~lightning_offpolicy.rollout.engine.INTERRUPTED` with the tokens sampled so far
         (partial rollouts). Thread-safe, returns at once."""
-        self._interrupt.set()
+        with self._interrupt_lock:  # never lands on an interrupt a call has just replaced
+            self._interrupt.set()
+
+    @contextlib.contextmanager
+    def _interrupt_of_call(self) -> Iterator[threading.Event]:
+        """The interrupt a ``generate`` call polls: the one current when it began, so that one
+        :meth:`interrupt` reaches every call in flight; the first call it cut replaces it as it ends
+        (the calls after run normally)."""
+        with self._interrupt_lock:
+            interrupt = self._interrupt
+        try:
+            yield interrupt
+        finally:
+            with self._interrupt_lock:
+                if interrupt.is_set() and self._interrupt is interrupt:
+                    self._interrupt = threading.Event()
 
     def stats(self) -> dict[str, float]:
         """The engine's measurements, for logging (only the ones measured so far)."""

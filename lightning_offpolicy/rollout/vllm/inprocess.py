@@ -22,6 +22,8 @@ What the engine guarantees (each one checked by ``tests/test_vllm_engine.py`` an
 * **LoRA (peft) models, two ways** (``lora_sync``): ``"merged"`` pushes the base weights with the
   adapters folded in (computed out of place); ``"adapter"`` pushes the base once, then only the
   adapter (:class:`~lightning_offpolicy.rollout.vllm.lora.AdapterSync`).
+* **Calls from several threads batched together** (episodes that go on alone): they share one loop of engine
+  steps (:mod:`~lightning_offpolicy.rollout.vllm.stepping`); a sync waits for them, or cuts them (``interrupt``).
 * **No hangs, no orphans**: engine calls run in watched threads (:mod:`~lightning_offpolicy.rollout.vllm.process`):
   a dead engine process or a call past ``request_timeout_s`` raises a ``RuntimeError`` and shuts the engine
   down. :meth:`VLLMEngine.close` reaps every engine process; a killed trainer's stop themselves (``watchdog.py``).
@@ -49,6 +51,7 @@ from lightning_offpolicy.argcheck import is_int
 from lightning_offpolicy.rollout.engine import (
     SamplingConfig,
 )
+from lightning_offpolicy.rollout.shared_lock import SharedLock
 from lightning_offpolicy.rollout.vllm import process as vllm_process
 from lightning_offpolicy.rollout.vllm.base import (
     ALLOWED_DTYPES,
@@ -67,7 +70,7 @@ from lightning_offpolicy.rollout.vllm.inprocess_sync import InProcessWeightSync
 from lightning_offpolicy.rollout.vllm.lora import AdapterSync
 from lightning_offpolicy.rollout.vllm.offline import start_llm, vllm_available
 from lightning_offpolicy.rollout.vllm.shared_weights import SharedWeightsBuffer
-from lightning_offpolicy.rollout.vllm.stepping import run_requests
+from lightning_offpolicy.rollout.vllm.stepping import SharedStepping
 from lightning_offpolicy.rollout.vllm.weight_sync import probe_ids, weights_dtype
 from lightning_offpolicy.rollout.vllm.worker_extension import RECEIVER_CLS
 
@@ -267,7 +270,8 @@ class VLLMEngine(InProcessWeightSync, AdapterSync, VLLMEngineBase):
 
         self._llm: Any = None
         self._engine_procs: list[Any] = []  # psutil.Process of every engine process
-        self._lock = threading.RLock()
+        self._lock = SharedLock()  # calls sample side by side; a start, a sync or a close holds it alone
+        self._stepping = SharedStepping()
         self._tmp_dirs: list[Path] = []
         self._sync_dir: Path | None = None
         self._shared_weights: SharedWeightsBuffer | None = None
@@ -279,7 +283,6 @@ class VLLMEngine(InProcessWeightSync, AdapterSync, VLLMEngineBase):
         self._lora_serial = 0
         self._lora_dir: Path | None = None
         self._base_synced = False
-        self._request_serial = 0  # ids of the requests this engine adds to vLLM
         # dtype="auto" resolved from the trainer's module at the update_weights that starts the engine.
         self._start_dtype: str | None = None
 
@@ -289,6 +292,11 @@ class VLLMEngine(InProcessWeightSync, AdapterSync, VLLMEngineBase):
     def started(self) -> bool:
         """Whether the engine processes are running."""
         return self._llm is not None
+
+    @property
+    def concurrent_calls(self) -> int:
+        """``generate`` calls from other threads batched together (vLLM's ``max_num_seqs``, 256 unless set)."""
+        return int(self.engine_kwargs.get("max_num_seqs", 256))
 
     @property
     def compute_dtype(self) -> torch.dtype | None:
@@ -332,23 +340,17 @@ class VLLMEngine(InProcessWeightSync, AdapterSync, VLLMEngineBase):
             )
             for prompt_seed in seeds
         ]
-        with self._lock:
-            self._ensure_started()
+        if self._llm is None:
+            with self._lock:
+                self._ensure_started()
+        with self._lock.shared(), self._interrupt_of_call() as interrupt:
+            self._check_usable()
             self._check_length(max(len(p) for p in prompts), sampling.max_new_tokens, _SHORTEN)  # known now
             llm, lora = self._llm, self._lora_request
-            try:
-                samples = self._watched(lambda: self._run_requests(llm, prompts, params, lora), "generate")
-            finally:
-                self._interrupt.clear()  # consumed by this call
+            run = self._stepping.run
+            samples = self._watched(lambda: run(llm.llm_engine, prompts, params, lora, interrupt), "generate")
             version = self.version
         return samples, version
-
-    def _run_requests(self, llm: Any, prompts: list[list[int]], params: list[Any], lora: Any) -> list[list[RawSample]]:
-        return run_requests(llm.llm_engine, prompts, params, lora, self._interrupt, self._new_request_id)
-
-    def _new_request_id(self) -> str:
-        self._request_serial += 1
-        return f"lo-{self._request_serial}"
 
     def _prepare_sync(self, source: torch.nn.Module | Mapping[str, torch.Tensor], is_module: bool) -> None:
         if self.lora_sync == "adapter" and not (is_module and is_peft_model(source)):
