@@ -223,7 +223,7 @@ class EpisodeRunner:
         call. With more, each episode goes on alone as soon as its environment answered (at most
         ``concurrent_episodes`` at once, each turn its own call, seeded by the episode and the turn):
         for engines that batch concurrent calls themselves (``concurrent_calls`` > 1, the vLLM
-        servers), so that no episode waits for another's tool or longest reply.
+        engines), so that no episode waits for another's tool or longest reply.
 
         Args:
             prompts: The prompts (texts or chat messages), given to each environment's ``reset``.
@@ -329,7 +329,7 @@ class EpisodeRunner:
                 completion = completions[0]
 
         errors: dict[int, BaseException] = {}
-        with concurrent.futures.ThreadPoolExecutor(min(concurrent_episodes, len(episodes)), "episode") as pool:
+        with concurrent.futures.ThreadPoolExecutor(max(1, min(concurrent_episodes, len(episodes))), "episode") as pool:
             futures = {pool.submit(play, i): i for i in range(len(episodes))}
             for future in concurrent.futures.as_completed(futures):
                 if (error := future.exception()) is not None:
