@@ -189,23 +189,30 @@ def render(report: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def run_and_report(
+    argv: list[str] | None, doc: str, script: str, measure: Any, render_report: Any, *machine_extras: str
+) -> int:
+    """Parse ``--batches / --seed / --quick / --output``, run ``measure(batches, seed)`` and write its report."""
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
     parser.add_argument("--batches", type=int, default=4, help="timed batches per variant (default 4)")
     parser.add_argument("--seed", type=int, default=0, help="the prompts' seed (default 0)")
     parser.add_argument("--quick", action="store_true", help="smoke test: one timed batch")
     parser.add_argument("--output", type=Path, default=None, help="markdown report (.json next to it)")
     args = parser.parse_args(argv)
-    torch.set_num_threads(1)
     load_start = os.getloadavg()[0]
-    results = run(1 if args.quick else args.batches, args.seed)
+    results = measure(1 if args.quick else args.batches, args.seed)
     report = {
-        "header": run_header("agentic.py", argv if argv is not None else sys.argv[1:], "1 thread"),
+        "header": run_header(script, argv if argv is not None else sys.argv[1:], *machine_extras),
         "load": load_bullet(load_start, os.getloadavg()[0]),
         "results": results,
     }
-    write_report(args.output, render(report), report)
+    write_report(args.output, render_report(report), report)
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    torch.set_num_threads(1)
+    return run_and_report(argv, __doc__, "agentic.py", run, render, "1 thread")
 
 
 if __name__ == "__main__":

@@ -27,9 +27,7 @@
 
 from __future__ import annotations
 
-import argparse
 import functools
-import os
 import random
 import statistics
 import sys
@@ -40,8 +38,8 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from agentic import LATENCY_MAX_S, LATENCY_MIN_S, PARETO_SHAPE  # noqa: E402
-from harness.report import header_bullets, load_bullet, run_header, write_report  # noqa: E402
+from agentic import LATENCY_MAX_S, LATENCY_MIN_S, PARETO_SHAPE, run_and_report  # noqa: E402
+from harness.report import header_bullets  # noqa: E402
 
 from lightning_offpolicy.batch import PromptBatch  # noqa: E402
 from lightning_offpolicy.data.environments import StepResult  # noqa: E402
@@ -219,21 +217,7 @@ def render(report: dict[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--batches", type=int, default=4, help="timed batches per variant (default 4)")
-    parser.add_argument("--seed", type=int, default=0, help="the prompts' seed (default 0)")
-    parser.add_argument("--quick", action="store_true", help="smoke test: one timed batch")
-    parser.add_argument("--output", type=Path, default=None, help="markdown report (.json next to it)")
-    args = parser.parse_args(argv)
-    load_start = os.getloadavg()[0]
-    results = run(1 if args.quick else args.batches, args.seed)
-    report = {
-        "header": run_header("agentic_server.py", argv if argv is not None else sys.argv[1:], "vLLM CPU server"),
-        "load": load_bullet(load_start, os.getloadavg()[0]),
-        "results": results,
-    }
-    write_report(args.output, render(report), report)
-    return 0
+    return run_and_report(argv, __doc__, "agentic_server.py", run, render, "vLLM CPU server")
 
 
 if __name__ == "__main__":

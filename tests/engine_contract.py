@@ -58,6 +58,20 @@ def batch_of(prompts: list[list[int]], completions: list, pad_token_id: int) -> 
     return batch
 
 
+def turn_contexts(episodes) -> tuple[list[list[int]], list]:
+    """Each turn's context (the episode's ids before it) and its completion pointing at it, checking that the
+    turns and the environment's ids add up to each episode's whole context."""
+    contexts, completions = [], []
+    for episode in episodes:
+        context = list(episode.prompt_ids)
+        for turn in episode.turns:
+            contexts.append(list(context))
+            completions.append(dataclasses.replace(turn.completion, prompt_index=len(contexts) - 1))
+            context += turn.completion.token_ids + turn.observation_ids
+        assert context == episode.context_ids
+    return contexts, completions
+
+
 class Replies:
     """An environment that answers "again" until the model has replied ``turns`` times."""
 
@@ -162,14 +176,8 @@ class EngineContract:
         episodes = runner.run(prompts, [{}] * 4, prompt_ids, sampling, generate, 21, 0, concurrent_episodes=concurrent)
         assert [e.group for e in episodes] == [i for i in range(4) for _ in range(2)]
         assert max(len(e.turns) for e in episodes) >= 2
-        contexts, completions = [], []
+        contexts, completions = turn_contexts(episodes)
         for episode in episodes:
-            context = list(episode.prompt_ids)
-            for turn in episode.turns:
-                contexts.append(list(context))
-                completions.append(dataclasses.replace(turn.completion, prompt_index=len(contexts) - 1))
-                context += turn.completion.token_ids + turn.observation_ids
-            assert context == episode.context_ids
             for turn in episode.turns[:-1]:  # each answered turn is followed by exactly the rendered reply
                 assert turn.observation_ids == tokenizer.encode(" again ", add_bos=False)
         reference = teacher_forced_logprobs(trainer_model, contexts, completions, 1.0)

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import dataclasses
 import http.server
 import json
 import threading
@@ -651,7 +650,7 @@ def test_a_push_cuts_every_independent_episodes_turn_in_flight_and_each_goes_on_
     from lightning_offpolicy.data.tokenizers import CharTokenizer
     from lightning_offpolicy.rollout.multi_turn import EpisodeRunner, EpisodeSettings
     from lightning_offpolicy.rollout.producer import RolloutProducer
-    from tests.engine_contract import Replies
+    from tests.engine_contract import Replies, turn_contexts
     from tests.test_async_rollout import fake_rollout, wait_for
 
     engine = RemoteVLLMEngine(
@@ -719,13 +718,7 @@ def test_a_push_cuts_every_independent_episodes_turn_in_flight_and_each_goes_on_
         runner.close()
     try:
         assert stats.interrupted >= 3, stats  # the three held turns, cut by one interrupt
-        contexts, turns = [], []
-        for episode in played:
-            context = list(episode.prompt_ids)
-            for turn in episode.turns:
-                contexts.append(list(context))
-                turns.append(dataclasses.replace(turn.completion, prompt_index=len(contexts) - 1))
-                context += turn.completion.token_ids + turn.observation_ids
+        contexts, turns = turn_contexts(played)
         old_lp = teacher_forced_logprobs(trainer_model, contexts, turns, 1.0)
         new_lp = teacher_forced_logprobs(new, contexts, turns, 1.0)
         mixed = 0
