@@ -97,6 +97,8 @@ bench: $(VENV)/.dev
 		--output docs/reports/performance_vs_trl.md; \
 	$(MAKE) --no-print-directory vs-trl-top-p; \
 	$(PY) benchmarks/vs_trl_tools.py --seeds 0,1 --jobs 2 --output docs/reports/performance_vs_trl_tools.md; \
+	$(PY) benchmarks/vs_trl_tools.py --steps 6 --seeds 0 --held-out-prompts 20 --tool-latency long-tailed \
+		--output docs/reports/performance_vs_trl_tools_slow_tool.md; \
 	$(PY) benchmarks/weight_sync.py --output docs/reports/performance_weight_sync.md; \
 	$(PY) benchmarks/vs_trl_long_tail.py --output docs/reports/performance_long_tail.md; \
 	$(PY) benchmarks/compile_policy.py --output docs/reports/performance_compile.md; \

@@ -31,6 +31,8 @@ Usage::
 
     python benchmarks/vs_trl_tools.py --seeds 0,1 --jobs 2 --output docs/reports/performance_vs_trl_tools.md
     python benchmarks/vs_trl_tools.py --quick --output /tmp/vs_trl_tools.md     # smoke test, 3 steps
+    python benchmarks/vs_trl_tools.py --steps 6 --held-out-prompts 20 --tool-latency long-tailed \
+        --output docs/reports/performance_vs_trl_tools_slow_tool.md            # each tool call waits 0.1-2 s
 
 It writes ``<output>.md``, ``<output>.json`` and ``<output>.png`` (the success-rate curves).
 """
@@ -140,6 +142,20 @@ def check_same_prompt_ids(model_dir: Path, prompt: str) -> int:
 #: Held-out prompts of the final evaluation (the task's held-out stream, which no training row draws from);
 #: ``--held-out-prompts`` sets it.
 HELD_OUT = {"prompts": 200}
+#: The multiply tool both sides call: as shipped, or behind agentic.py's long-tailed latency (0.1-2 s, mean 0.26 s).
+TOOL_LATENCIES = ("none", "long-tailed")
+TOOL = {"latency": "none"}
+
+
+def the_tool() -> Any:
+    """The ``multiply`` both sides are given (the same name, docstring and signature either way)."""
+    if TOOL["latency"] == "long-tailed":
+        from agentic import slow_multiply
+
+        return slow_multiply
+    from lightning_offpolicy.data.tasks.tool_use import multiply
+
+    return multiply
 
 
 def held_out_success(model: Any, model_dir: str) -> dict[str, float]:
@@ -169,8 +185,7 @@ def run_trl(workdir: Path, steps: int, seed: int) -> dict[str, Any]:
     from transformers import AutoTokenizer
     from trl import GRPOConfig, GRPOTrainer
 
-    from lightning_offpolicy.data.tasks.tool_use import multiply
-
+    multiply = the_tool()
     rows = json.loads((workdir / "rows.json").read_text())
     model_dir = (workdir / "model").read_text().strip()
     recorder = TRLStepRecorder()
@@ -245,7 +260,7 @@ def run_kit(workdir: Path, steps: int, seed: int) -> dict[str, Any]:
 
     from lightning_offpolicy.correction import PolicyLossConfig
     from lightning_offpolicy.data.tasks.datamodule import PromptDataset, collate_prompts
-    from lightning_offpolicy.data.tasks.tool_use import multiply, product_reward
+    from lightning_offpolicy.data.tasks.tool_use import product_reward
     from lightning_offpolicy.lightning.callback import RolloutCallback
     from lightning_offpolicy.lightning.module import OffPolicyRLModule
     from lightning_offpolicy.rollout import HFEngine, SamplingConfig
@@ -284,7 +299,7 @@ def run_kit(workdir: Path, steps: int, seed: int) -> dict[str, Any]:
         ),
         seed=seed,
         episodes=EpisodeSettings(
-            tools=[multiply],
+            tools=[the_tool()],
             max_turns=SETTINGS["max_turns"],
             max_episode_tokens=SETTINGS["max_episode_tokens"],
             max_tool_result_tokens=SETTINGS["max_episode_tokens"],
@@ -332,6 +347,7 @@ def _run_subprocess(side: str, workdir: Path, steps: int, seed: int) -> dict[str
     cmd = [sys.executable, str(Path(__file__).resolve()), "--side", side, "--workdir", str(workdir)]
     cmd += ["--steps", str(steps), "--seed", str(seed), "--side-output", str(out)]
     cmd += ["--learning-rate", repr(SETTINGS["learning_rate"]), "--held-out-prompts", str(HELD_OUT["prompts"])]
+    cmd += ["--tool-latency", TOOL["latency"]]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
     if proc.returncode != 0:
         raise RuntimeError(f"vs_trl_tools: the {side} side failed (exit {proc.returncode}):\n{proc.stderr[-6000:]}")
@@ -486,6 +502,12 @@ def main(argv: list[str] | None = None) -> int:
         help="the checkpoint both sides train: a tiny: name or an HF-format directory with the Qwen2.5 template "
         f"and the multiply tool's tokens (default {CHECKPOINT})",
     )
+    parser.add_argument(
+        "--tool-latency",
+        choices=TOOL_LATENCIES,
+        default="none",
+        help="the multiply tool as shipped, or each call waiting 0.1-2 s (long-tailed, benchmarks/agentic.py)",
+    )
     parser.add_argument("--output", type=Path, default=None, help="markdown report (.json and .png next to it)")
     parser.add_argument("--note", action="append", default=[], help="a line added to the report's notes")
     parser.add_argument("--workdir", type=Path, default=None, help="where the prompts and records go (default: temp)")
@@ -510,6 +532,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.held_out_prompts < 1:
         parser.error(f"--held-out-prompts={args.held_out_prompts} must be >= 1")
     HELD_OUT["prompts"] = args.held_out_prompts
+    TOOL["latency"] = args.tool_latency
     if args.jobs < 1:
         parser.error(f"--jobs={args.jobs} must be >= 1")
     sides = [s.strip() for s in args.sides.split(",") if s.strip()]
@@ -564,6 +587,7 @@ def main(argv: list[str] | None = None) -> int:
         "threshold": THRESHOLD,
         "window": WINDOW,
         "held_out_prompts": HELD_OUT["prompts"],
+        "tool_latency": TOOL["latency"],
         "held_out_start": held_out_start,
         "speed_goal": None,
         "elapsed_s": elapsed_s,

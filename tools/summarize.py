@@ -51,6 +51,11 @@ SECTIONS = [
     ("performance_correction", "Off-policy correction step", "benchmarks/correction_bench.py"),
     ("performance_vs_trl", "Side by side with TRL's GRPOTrainer on the same task", "benchmarks/vs_trl.py"),
     ("performance_vs_trl_tools", "Tool use side by side with TRL (tools=...)", "benchmarks/vs_trl_tools.py"),
+    (
+        "performance_vs_trl_tools_slow_tool",
+        "Tool use side by side with TRL, each tool call 0.1-2 s",
+        "benchmarks/vs_trl_tools.py",
+    ),
     ("performance_agentic", "Agentic rollouts with slow tools: steps side by side", "benchmarks/agentic.py"),
     (
         "performance_agentic_server",
@@ -398,6 +403,7 @@ RENDER: dict[str, Callable[[Any], list[str]]] = {
     "performance_correction": correction,
     "performance_vs_trl": vs_trl,
     "performance_vs_trl_tools": vs_trl_tools,
+    "performance_vs_trl_tools_slow_tool": vs_trl_tools,
     "performance_agentic": agentic,
     "performance_agentic_server": agentic_server,
     "performance_weight_sync": weight_sync,
@@ -422,6 +428,8 @@ READING = {
     "performance_vs_trl_tools": "Tool-use episodes (multiply with a calculator tool) from `tiny:multiply`, an "
     "HF-format checkpoint with Qwen2.5's chat template: TRL's tool loop and the kit's episodes on the same "
     "prompts and settings, each in its own process; the reward is the success rate.",
+    "performance_vs_trl_tools_slow_tool": "The same side by side with the `multiply` tool of both sides waiting "
+    "0.1-2 s a call (long-tailed, mean 0.26 s), 6 steps of one seed: what the tool loops cost when tools are slow.",
     "performance_agentic": "Rollouts only, 64 tool-calling episodes of `tiny:multiply` a batch: the `multiply` tool "
     "instant or behind a long-tailed latency (0.1-2 s), the environment steps of a turn side by side (the default) "
     "or one at a time (the runner before).",
