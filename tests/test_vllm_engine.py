@@ -134,6 +134,30 @@ def test_start_failure_hint_names_unsupported_head_dim(tmp_path):
     assert head_dim_hint(str(tmp_path)) is None
 
 
+def test_a_qwen2_whose_head_dim_vllm_would_not_build_is_refused_before_any_process_starts(tmp_path):
+    """vLLM's Qwen2 takes the head size as hidden / heads: 8 heads of dim 64 on hidden 128 (tiny:multiply's shape)
+    would build heads of 16 and fail at the first request. Refused by name, before vLLM starts; the released shape
+    (head_dim x heads == hidden) and a Llama (whose vLLM model reads head_dim) pass."""
+    from transformers import LlamaConfig, Qwen2Config
+
+    from lightning_offpolicy.rollout.vllm import launch_local_server
+    from lightning_offpolicy.rollout.vllm.errors import check_head_size, head_dim_hint
+
+    shape = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=1, num_key_value_heads=8, vocab_size=64)
+    Qwen2Config(num_attention_heads=8, head_dim=64, **shape).save_pretrained(tmp_path / "odd")
+    message = r"head_dim=64 on hidden_size=128, but vLLM's qwen2 takes the head size as .* = 16: .* HFEngine"
+    with pytest.raises(ValueError, match="launch_local_server: .*" + message):
+        launch_local_server(tmp_path / "odd")
+    with pytest.raises(ValueError, match="VLLMEngine: .*" + message):
+        VLLMEngine(model=str(tmp_path / "odd"), eos_token_id=2).generate([[1, 2]], SamplingConfig(), seed=0)
+    assert "16" in head_dim_hint(str(tmp_path / "odd"))  # what a start that failed anyway would say
+    Qwen2Config(num_attention_heads=2, head_dim=64, **shape).save_pretrained(tmp_path / "released")
+    LlamaConfig(num_attention_heads=8, head_dim=64, **shape).save_pretrained(tmp_path / "llama")
+    for ok in ("released", "llama"):
+        check_head_size(str(tmp_path / ok), "test")
+    assert head_dim_hint(str(tmp_path / "released")) is None
+
+
 #: What vLLM 0.32 raises (a pydantic ValidationError of its ModelConfig) for a max_model_len above the model's context.
 _VLLM_MAX_LEN_MESSAGE = (
     "User-specified max_model_len (512) is greater than the derived max_model_len (max_position_embeddings=256.0 "

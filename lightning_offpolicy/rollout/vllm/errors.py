@@ -15,6 +15,7 @@ from __future__ import annotations
 import shutil
 import sys
 from pathlib import Path
+from typing import Any
 
 __all__ = [
     "DEV_MODE_HINT",
@@ -22,6 +23,7 @@ __all__ = [
     "INSTALL_HINT",
     "SERVER_MODULE",
     "SERVE_HINT",
+    "check_head_size",
     "config_error_hint",
     "head_dim_hint",
     "main_guard_missing",
@@ -68,16 +70,55 @@ def supported_cpu_head_dims() -> list[int]:
         return list(_CPU_HEAD_DIMS_0_32)
 
 
-def head_dim_hint(model: str) -> str | None:
-    """A hint when the checkpoint's attention head dimension is one the CPU backend rejects."""
+#: Model types whose vLLM implementation takes the attention head size as hidden_size / num_attention_heads,
+#: whatever the checkpoint's ``head_dim`` says (vLLM 0.32: models/qwen2.py, models/qwen2_moe.py).
+HEAD_SIZE_FROM_HIDDEN = ("qwen2", "qwen2_moe")
+
+
+def _text_config(model: str) -> Any | None:
+    """The checkpoint's (text) config, or ``None`` when it cannot be read here (e.g. a hub name offline)."""
     try:
         from transformers import AutoConfig
 
         config = AutoConfig.from_pretrained(model)
-        config = getattr(config, "text_config", None) or config
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    except Exception:  # noqa: BLE001 - no config to read: no hint
+    except Exception:  # noqa: BLE001 - no config to read: nothing to check
         return None
+    return getattr(config, "text_config", None) or config
+
+
+def vllm_head_dim(config: Any) -> int:
+    """The attention head size vLLM builds for ``config``."""
+    derived = config.hidden_size // config.num_attention_heads
+    if getattr(config, "model_type", None) in HEAD_SIZE_FROM_HIDDEN:
+        return derived
+    return getattr(config, "head_dim", None) or derived
+
+
+def check_head_size(model: str, who: str) -> None:
+    """Refuse a checkpoint whose ``head_dim`` vLLM would not build (its attention would not match the weights).
+
+    Raises:
+        ValueError: The checkpoint's ``head_dim`` differs from vLLM's head size for its model type.
+    """
+    config = _text_config(model)
+    head_dim = getattr(config, "head_dim", None)
+    if config is None or not head_dim or vllm_head_dim(config) == head_dim:
+        return
+    raise ValueError(
+        f"{who}: the checkpoint {model} has {config.num_attention_heads} attention heads of head_dim={head_dim} on "
+        f"hidden_size={config.hidden_size}, but vLLM's {config.model_type} takes the head size as hidden_size / "
+        f"num_attention_heads = {vllm_head_dim(config)}: its attention would not match the weights (a CPU server "
+        "fails at the first request). Use HFEngine or HFProcessEngine for this checkpoint, or one whose head_dim x "
+        "num_attention_heads equals hidden_size (every released Qwen2 / Qwen2.5 does)."
+    )
+
+
+def head_dim_hint(model: str) -> str | None:
+    """A hint when the attention head size vLLM builds for the checkpoint is one the CPU backend rejects."""
+    config = _text_config(model)
+    if config is None:
+        return None
+    head_dim = vllm_head_dim(config)
     supported = supported_cpu_head_dims()
     if head_dim in supported:
         return None

@@ -15,7 +15,7 @@ from typing import Any
 
 from lightning_offpolicy.rollout.vllm import process as vllm_process
 from lightning_offpolicy.rollout.vllm.base import SUPPORT_LOGPROBS
-from lightning_offpolicy.rollout.vllm.errors import INSTALL_HINT, start_failure_message
+from lightning_offpolicy.rollout.vllm.errors import INSTALL_HINT, check_head_size, start_failure_message
 from lightning_offpolicy.rollout.vllm.worker_extension import RECEIVER_CLS
 
 __all__ = ["quiet_chat_template_warmup", "start_llm", "vllm_available"]
@@ -41,9 +41,11 @@ def start_llm(engine: Any, model: str) -> tuple[Any, list[Any], float]:
 
     Raises:
         ModuleNotFoundError: vLLM is not installed.
+        ValueError: vLLM would build another attention head size than the checkpoint's ``head_dim``.
         RuntimeError: vLLM failed to start (the message says why and what to change); the
             processes it had started are reaped.
     """
+    check_head_size(model, "VLLMEngine")
     try:
         import vllm
         from vllm.platforms import current_platform

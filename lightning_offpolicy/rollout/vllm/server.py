@@ -24,7 +24,7 @@ from typing import Any, Literal
 
 from lightning_offpolicy.argcheck import is_int, is_number
 from lightning_offpolicy.rollout.vllm.base import ALLOWED_DTYPES
-from lightning_offpolicy.rollout.vllm.errors import SERVER_MODULE
+from lightning_offpolicy.rollout.vllm.errors import SERVER_MODULE, check_head_size
 from lightning_offpolicy.rollout.vllm.http import host_for_url, is_loopback
 from lightning_offpolicy.rollout.vllm.lora import allowed_lora_ranks
 from lightning_offpolicy.rollout.vllm.worker_extension import RECEIVER_CLS
@@ -227,6 +227,8 @@ def launch_local_server(
             '{"backend": ...}'``; GPU only). ``None``: weights come through files.
 
     Raises:
+        ValueError: A setting is out of range, or vLLM would build another attention head size than the
+            checkpoint's ``head_dim``.
         RuntimeError: The server exited or did not become healthy in time (the message has its log's tail).
     """
     if weight_transfer_backend not in (None, "nccl", "ipc"):
@@ -259,6 +261,7 @@ def launch_local_server(
                 f"launch_local_server: max_lora_rank={max_lora_rank!r} is not one vLLM accepts; allowed: "
                 f"{', '.join(map(str, allowed))} (the smallest >= the adapter's rank)."
             )
+    check_head_size(str(model_dir), "launch_local_server")
     extra = [str(a) for a in extra_args]
     for flag in _LAUNCHER_OWN:
         for spelling, _ in _option_values(extra, flag):
