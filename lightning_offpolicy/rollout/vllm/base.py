@@ -150,7 +150,7 @@ class VLLMEngineBase(SpecialTokens):
         self._failure: str | None = None
         self._sync_check = SyncCheck(who)
         # Set by interrupt(); each call polls the one current when it began (:meth:`_interrupt_of_call`).
-        self._interrupt = threading.Event()
+        self._interrupt = self._new_interrupt()
         self._interrupt_lock = threading.Lock()
 
     # ------------------------------------------------------------------ public API
@@ -184,7 +184,11 @@ class VLLMEngineBase(SpecialTokens):
         finally:
             with self._interrupt_lock:
                 if interrupt.is_set() and self._interrupt is interrupt:
-                    self._interrupt = threading.Event()
+                    self._interrupt = self._new_interrupt()
+
+    def _new_interrupt(self) -> Any:
+        """A fresh, unset interrupt signal (``set()`` / ``is_set()``) for the calls to come."""
+        return threading.Event()
 
     def stats(self) -> dict[str, float]:
         """The engine's measurements, for logging (only the ones measured so far)."""

@@ -320,12 +320,9 @@ class RemoteVLLMEngine(ServerCheck, RemoteRequests, RemoteAdapterSync, RemoteWei
         # without a tokenizer does not check prompt token ids, and an out-of-range id kills its engine.
         self._vocab_size: int | None = None
         self._sync_dir: Path | None = None
-        # The interrupt of the calls to come: interrupt() sets it, and the generate call that it
-        # cut short swaps in a fresh one as it ends (the next call runs normally). Each call keeps
-        # the one it started with in _call (per thread: the base class's generate calls _sample).
-        # (The base class's _interrupt event is not used: setting it would not wake a blocked read.)
-        self._stream_interrupt = StreamInterrupt()
-        self._interrupt_lock = threading.Lock()
+        # Each call keeps the interrupt it started with in _call (per thread: the base class's
+        # generate calls _sample); the interrupts are StreamInterrupts (_new_interrupt), which wake a
+        # blocked read.
         self._call = threading.local()
 
     # ------------------------------------------------------------------ public API
@@ -341,10 +338,9 @@ class RemoteVLLMEngine(ServerCheck, RemoteRequests, RemoteAdapterSync, RemoteWei
         finished ones keep ``"stop"`` / ``"length"``. The call consumes the interrupt: the one
         after it runs normally.
         """
-        with self._interrupt_lock:  # never lands on a signal a call has just consumed
-            if self.stream is None:
-                self._streaming = True  # interrupts are in use: keep the tokens of the next ones
-            self._stream_interrupt.set()
+        if self.stream is None:
+            self._streaming = True  # interrupts are in use: keep the tokens of the next ones
+        super().interrupt()
 
     def generate_seeded(
         self, prompt_ids: list[list[int]], sampling: SamplingConfig, seeds: list[int | None]
@@ -354,21 +350,20 @@ class RemoteVLLMEngine(ServerCheck, RemoteRequests, RemoteAdapterSync, RemoteWei
         draws the seeds from one. :meth:`interrupt` cuts the call short (every call, even one that
         fails, consumes it).
         """
-        with self._interrupt_lock:
-            interrupt = self._stream_interrupt
-        self._call.interrupt = interrupt
-        try:
-            return super().generate_seeded(prompt_ids, sampling, seeds)
-        finally:
-            self._call.interrupt = None
-            with self._interrupt_lock:
-                if interrupt.is_set() and self._stream_interrupt is interrupt:
-                    self._stream_interrupt = StreamInterrupt()
+        with self._interrupt_of_call() as interrupt:
+            self._call.interrupt = interrupt
+            try:
+                return super().generate_seeded(prompt_ids, sampling, seeds)
+            finally:
+                self._call.interrupt = None
 
     @property
     def concurrent_calls(self) -> int:
         """``generate`` calls from other threads served side by side (the server batches them continuously)."""
         return self.max_concurrent_requests
+
+    def _new_interrupt(self) -> StreamInterrupt:
+        return StreamInterrupt()  # set, it shuts down the sockets of the streams reading under it
 
     @property
     def connected(self) -> bool:
