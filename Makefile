@@ -99,6 +99,8 @@ bench: $(VENV)/.dev
 	$(PY) benchmarks/vs_trl_tools.py --seeds 0,1 --jobs 2 --output docs/reports/performance_vs_trl_tools.md; \
 	$(PY) benchmarks/vs_trl_tools.py --steps 6 --seeds 0 --held-out-prompts 20 --tool-latency long-tailed \
 		--output docs/reports/performance_vs_trl_tools_slow_tool.md; \
+	$(PY) benchmarks/vs_trl_tools.py --steps 6 --seeds 0 --held-out-prompts 20 --tool-latency long-tailed \
+		--kit-max-staleness 1 --output docs/reports/performance_vs_trl_tools_slow_tool_async.md; \
 	$(PY) benchmarks/weight_sync.py --output docs/reports/performance_weight_sync.md; \
 	$(PY) benchmarks/vs_trl_long_tail.py --output docs/reports/performance_long_tail.md; \
 	$(PY) benchmarks/compile_policy.py --output docs/reports/performance_compile.md; \

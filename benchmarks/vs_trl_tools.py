@@ -145,6 +145,9 @@ HELD_OUT = {"prompts": 200}
 #: The multiply tool both sides call: as shipped, or behind agentic.py's long-tailed latency (0.1-2 s, mean 0.26 s).
 TOOL_LATENCIES = ("none", "long-tailed")
 TOOL = {"latency": "none"}
+#: The kit's ``AsyncSettings(max_staleness=N)`` (``--kit-max-staleness``): with N >= 1 an ``HFProcessEngine`` plays the
+#: next batch's episodes (its tool calls included) while the trainer steps on this one; 0: synchronous, ``HFEngine()``.
+KIT = {"max_staleness": 0}
 
 
 def the_tool() -> Any:
@@ -263,7 +266,7 @@ def run_kit(workdir: Path, steps: int, seed: int) -> dict[str, Any]:
     from lightning_offpolicy.data.tasks.tool_use import product_reward
     from lightning_offpolicy.lightning.callback import RolloutCallback
     from lightning_offpolicy.lightning.module import OffPolicyRLModule
-    from lightning_offpolicy.rollout import HFEngine, SamplingConfig
+    from lightning_offpolicy.rollout import AsyncSettings, HFEngine, HFProcessEngine, SamplingConfig
     from lightning_offpolicy.rollout.multi_turn import EpisodeSettings
 
     rows = json.loads((workdir / "rows.json").read_text())
@@ -289,8 +292,10 @@ def run_kit(workdir: Path, steps: int, seed: int) -> dict[str, Any]:
         temperature=SETTINGS["temperature"],
         seed=seed,
     )
+    staleness = KIT["max_staleness"]
     rollout = RolloutCallback(
-        HFEngine(),
+        # Asynchronous: the engine keeps its own float32 copy of the weights, in a process of its own.
+        HFProcessEngine(dtype="float32") if staleness else HFEngine(),
         reward_fn=product_reward,
         sampling=SamplingConfig(
             max_new_tokens=SETTINGS["max_episode_tokens"],
@@ -298,6 +303,7 @@ def run_kit(workdir: Path, steps: int, seed: int) -> dict[str, Any]:
             samples_per_prompt=SETTINGS["samples_per_prompt"],
         ),
         seed=seed,
+        asynchrony=AsyncSettings(max_staleness=staleness),
         episodes=EpisodeSettings(
             tools=[the_tool()],
             max_turns=SETTINGS["max_turns"],
@@ -347,7 +353,7 @@ def _run_subprocess(side: str, workdir: Path, steps: int, seed: int) -> dict[str
     cmd = [sys.executable, str(Path(__file__).resolve()), "--side", side, "--workdir", str(workdir)]
     cmd += ["--steps", str(steps), "--seed", str(seed), "--side-output", str(out)]
     cmd += ["--learning-rate", repr(SETTINGS["learning_rate"]), "--held-out-prompts", str(HELD_OUT["prompts"])]
-    cmd += ["--tool-latency", TOOL["latency"]]
+    cmd += ["--tool-latency", TOOL["latency"], "--kit-max-staleness", str(KIT["max_staleness"])]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
     if proc.returncode != 0:
         raise RuntimeError(f"vs_trl_tools: the {side} side failed (exit {proc.returncode}):\n{proc.stderr[-6000:]}")
@@ -355,7 +361,10 @@ def _run_subprocess(side: str, workdir: Path, steps: int, seed: int) -> dict[str
 
 
 def _run_from_record(side: str, seed: int, record: dict[str, Any]) -> dict[str, Any]:
-    run = {"side": side, "engine": "hf", "label": LABELS[side], "seed": seed, **record}
+    label = LABELS[side]
+    if side == "kit" and KIT["max_staleness"]:
+        label += f" (async, max_staleness={KIT['max_staleness']}, HFProcessEngine)"
+    run = {"side": side, "engine": "hf", "label": label, "seed": seed, **record}
     run.update(summarize_run(record, THRESHOLD))
     return run
 
@@ -442,6 +451,14 @@ def held_out_lines(header: dict[str, Any], held_out: dict[str, dict[str, Any]]) 
 def render(
     header: dict[str, Any], summary: list[dict[str, Any]], ratios: dict[str, Any], held_out: dict[str, Any]
 ) -> str:
+    staleness = header.get("kit_max_staleness", 0)
+    kit_engine = "HFProcessEngine(dtype='float32')" if staleness else "HFEngine()"
+    kit_async = (
+        f", asynchrony=AsyncSettings(max_staleness={staleness}): the next batch's episodes, tool calls included, "
+        "are played while the trainer steps on this one; TRL is synchronous"
+        if staleness
+        else ""
+    )
     lines = header_lines(header, TITLE)
     lines += ["Training success rate (the reward of the step's 64 episodes):", ""]
     lines += results_lines(summary, ratios, THRESHOLD, speed_goal=None)
@@ -466,10 +483,10 @@ def render(
         "shuffle_dataset=False, use_cpu=True)`; the dataset's prompts are one user message each. Its per-step "
         "success rate is the `reward` it logs.",
         "- **Kit**: `OffPolicyRLModule(model=<dir>, optimizer=AdamW(...), loss=PolicyLossConfig(eps_clip_low=0.2, "
-        "eps_clip_high=0.28))` + `RolloutCallback(HFEngine(), reward_fn=product_reward, "
+        f"eps_clip_high=0.28))` + `RolloutCallback({kit_engine}, reward_fn=product_reward, "
         "sampling=SamplingConfig(samples_per_prompt=8, max_new_tokens=96), episodes=EpisodeSettings(tools=[multiply], "
-        "max_turns=3, max_episode_tokens=96))`, otherwise the defaults. Its per-step success rate is the mean of "
-        "the batch's rewards.",
+        f"max_turns=3, max_episode_tokens=96){kit_async})`, otherwise the defaults. Its per-step success rate is the "
+        "mean of the batch's rewards.",
         "- **Where the two episode loops differ**: a tool result that would pass the 96-id budget ends TRL's "
         "episode at the call (no answer: reward 0) and the kit's as truncated (reward 0); a last turn cut by the "
         "budget is scored by TRL and earns 0 in the kit (truncated). Both append the tool message as the ids the "
@@ -508,6 +525,13 @@ def main(argv: list[str] | None = None) -> int:
         default="none",
         help="the multiply tool as shipped, or each call waiting 0.1-2 s (long-tailed, benchmarks/agentic.py)",
     )
+    parser.add_argument(
+        "--kit-max-staleness",
+        type=int,
+        default=0,
+        help="the kit's AsyncSettings(max_staleness=N): N >= 1 plays the next batch's episodes in an HFProcessEngine "
+        "while the trainer steps (TRL stays synchronous); default 0 (synchronous, HFEngine())",
+    )
     parser.add_argument("--output", type=Path, default=None, help="markdown report (.json and .png next to it)")
     parser.add_argument("--note", action="append", default=[], help="a line added to the report's notes")
     parser.add_argument("--workdir", type=Path, default=None, help="where the prompts and records go (default: temp)")
@@ -533,6 +557,9 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--held-out-prompts={args.held_out_prompts} must be >= 1")
     HELD_OUT["prompts"] = args.held_out_prompts
     TOOL["latency"] = args.tool_latency
+    if args.kit_max_staleness < 0:
+        parser.error(f"--kit-max-staleness={args.kit_max_staleness} must be >= 0")
+    KIT["max_staleness"] = args.kit_max_staleness
     if args.jobs < 1:
         parser.error(f"--jobs={args.jobs} must be >= 1")
     sides = [s.strip() for s in args.sides.split(",") if s.strip()]
@@ -588,6 +615,7 @@ def main(argv: list[str] | None = None) -> int:
         "window": WINDOW,
         "held_out_prompts": HELD_OUT["prompts"],
         "tool_latency": TOOL["latency"],
+        "kit_max_staleness": KIT["max_staleness"],
         "held_out_start": held_out_start,
         "speed_goal": None,
         "elapsed_s": elapsed_s,

@@ -56,6 +56,11 @@ SECTIONS = [
         "Tool use side by side with TRL, each tool call 0.1-2 s",
         "benchmarks/vs_trl_tools.py",
     ),
+    (
+        "performance_vs_trl_tools_slow_tool_async",
+        "Tool use side by side with TRL, each tool call 0.1-2 s, the kit asynchronous",
+        "benchmarks/vs_trl_tools.py",
+    ),
     ("performance_agentic", "Agentic rollouts with slow tools: steps side by side", "benchmarks/agentic.py"),
     (
         "performance_agentic_server",
@@ -404,6 +409,7 @@ RENDER: dict[str, Callable[[Any], list[str]]] = {
     "performance_vs_trl": vs_trl,
     "performance_vs_trl_tools": vs_trl_tools,
     "performance_vs_trl_tools_slow_tool": vs_trl_tools,
+    "performance_vs_trl_tools_slow_tool_async": vs_trl_tools,
     "performance_agentic": agentic,
     "performance_agentic_server": agentic_server,
     "performance_weight_sync": weight_sync,
@@ -430,6 +436,9 @@ READING = {
     "prompts and settings, each in its own process; the reward is the success rate.",
     "performance_vs_trl_tools_slow_tool": "The same side by side with the `multiply` tool of both sides waiting "
     "0.1-2 s a call (long-tailed, mean 0.26 s), 6 steps of one seed: what the tool loops cost when tools are slow.",
+    "performance_vs_trl_tools_slow_tool_async": "The slow-tool side by side with the kit asynchronous "
+    "(`max_staleness=1`, `HFProcessEngine`): the next batch's episodes, their tool calls included, are played while "
+    "the trainer steps; TRL synchronous as it ships.",
     "performance_agentic": "Rollouts only, 64 tool-calling episodes of `tiny:multiply` a batch: the `multiply` tool "
     "instant or behind a long-tailed latency (0.1-2 s), the environment steps of a turn side by side (the default) "
     "or one at a time (the runner before).",
