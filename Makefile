@@ -72,7 +72,7 @@ test: $(VENV)/.dev
 # Every benchmark writes docs/reports/performance_<name>.md and a .json next to it; summarize.py then
 # gathers the key ratios into docs/reports/performance.md with the wall time of the whole target
 # (~20-30 min on 2 busy cores, plus ~1.5 h for vs_trl's 5 seeds x 2 engines x 2 sides and ~35 min
-# for vs_trl_tools' 2 seeds x 2 sides and ~35 min for vs_trl_long_tail's 3 sides). One shell,
+# for vs_trl_tools' 2 seeds x 2 sides and ~20 min for vs_trl_long_tail's 3 sides). One shell,
 # so that the start time and load reach summarize.py.
 bench: $(VENV)/.dev
 	set -e; start=$$(date +%s); load=$$($(PY) -c "import os; print(os.getloadavg()[0])"); \

@@ -6,14 +6,15 @@ of ~16 to 512 tokens, and a reward that depends on the completion's length.
   ``save_pretrained`` next to its tokenizer (:func:`build_checkpoint`).
 * **Lengths**: a random-init model almost never ends a turn (its end-of-turn token is one of 1024
   near-equally likely ones), so every completion would run to the cap and nothing would be long-tailed.
-  An instruct checkpoint ends its turns at lengths spread over orders of magnitude; the stand-in here
-  is an *end-of-turn prior* set in the weights: every token embedding gets the same component in one
-  hidden dimension, large enough that the final norm leaves a near-constant value there, and the
-  output layer reads it into the end-of-turn logit alone, calibrated so that the chance to end at
-  each token is 1/:data:`MEAN_LENGTH`. Completion lengths start geometric (median ~90 tokens, ~12%
-  under 16, ~2% reaching the 512 cap, so that about every other batch has one). The prior is fragile:
-  AdamW's first steps grow the rest of the residual stream against its dimension, and within a few
-  steps both sides sample much longer completions (docs/performance.md, "Notes on the figures").
+  An instruct checkpoint ends its turns at lengths spread over orders of magnitude, learned; so is this
+  one's: a supervised warm-up (:data:`WARM_UP`, :func:`warm_up_rows`) on completions of random letters
+  that end after a geometric number of tokens (mean :data:`MEAN_LENGTH`, capped below the 512 of the
+  runs), so that completion lengths start geometric (median ~90 tokens, a few percent reaching the cap)
+  and stay so under RL's first steps. With ``warm_up_steps=0`` the checkpoint is the random init with an
+  *end-of-turn prior* set in the weights instead (:func:`add_end_of_turn_prior`, what the benchmark ran
+  before): the same start, but fragile: AdamW's first steps grow the rest of the residual stream
+  against its dimension, and within a few steps both sides sample much longer completions
+  (docs/performance.md, "Notes on the figures").
 * **Task**: the prompt is 3-6 random lowercase letters, a space, a target length ``N`` in characters
   (log-uniform in 16..1024) and ``:``. The reward is the share of the prompt's first letter among the
   completion's characters times the length factor ``min(c / N, N / c)`` of the completion's ``c``
@@ -23,6 +24,7 @@ of ~16 to 512 tokens, and a reward that depends on the completion's length.
 from __future__ import annotations
 
 import math
+import os
 import random
 import string
 from pathlib import Path
@@ -61,6 +63,9 @@ MEAN_LENGTH = 128
 TARGET_RANGE = (16, 1024)
 #: The hidden dimension carrying the end-of-turn prior, and the size of its component in every embedding.
 PRIOR_DIM, PRIOR_COMPONENT = 0, 1.0
+#: The checkpoint's supervised warm-up (:func:`build_checkpoint`): optimizer steps, completion tokens per step, AdamW
+#: learning rate (decaying linearly to 0), the pool of rows the steps draw from, and its length buckets.
+WARM_UP: dict[str, Any] = {"steps": 200, "tokens": 2048, "lr": 1e-3, "rows": 4000, "buckets": 8}
 
 
 def score(prompt: str, completion: str) -> float:
@@ -136,8 +141,27 @@ def add_end_of_turn_prior(model: Any, end_of_turn: int, mean_length: float = MEA
         return chance((low + high) / 2)
 
 
-def build_checkpoint(directory: Path, seed: int) -> Path:
-    """Save the random-init Qwen2 (with the end-of-turn prior) and its BPE tokenizer into ``directory``."""
+def warm_up_rows(tokenizer: Any, count: int, seed: int) -> list[tuple[list[int], list[int]]]:
+    """``count`` ``(prompt_ids, completion_ids)`` rows of the warm-up: a prompt of the task (its own seeded
+    stream, apart from the runs'), then random lowercase letters and spaces cut after a geometric number of
+    tokens (mean :data:`MEAN_LENGTH`, at most ``max_new_tokens - 1``), then the end-of-turn token."""
+    rng = random.Random(seed + 2)
+    cap = SETTINGS["max_new_tokens"] - 1
+    rows = []
+    for prompt in make_prompts(count, seed + 2):
+        length = min(1 + int(rng.expovariate(1.0 / MEAN_LENGTH)), cap)
+        ids: list[int] = []
+        while len(ids) < length:  # a BPE token covers a few letters: draw text until it is long enough
+            text = "".join(rng.choices(string.ascii_lowercase + "  ", k=4 * length))
+            ids += tokenizer(text, add_special_tokens=False).input_ids
+        rows.append((tokenizer(prompt).input_ids, ids[:length] + [tokenizer.eos_token_id]))
+    return rows
+
+
+def build_checkpoint(directory: Path, seed: int, warm_up_steps: int = WARM_UP["steps"]) -> Path:
+    """Save the Qwen2 and its BPE tokenizer into ``directory``: warmed up on :func:`warm_up_rows` for
+    ``warm_up_steps`` (teacher-forced cross-entropy on the completions; one torch thread per core), or,
+    with 0, the random init with the end-of-turn prior (:func:`add_end_of_turn_prior`)."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -151,7 +175,35 @@ def build_checkpoint(directory: Path, seed: int) -> Path:
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = AutoModelForCausalLM.from_config(config).to(torch.float32)
-    add_end_of_turn_prior(model, end_of_turn)
+    if warm_up_steps:
+        from lightning_offpolicy.demo.tiny import sft_step
+
+        # A step's rows come from one length bucket (little padding), as many as make about `tokens` completion
+        # tokens, and a bucket is drawn in proportion to its tokens: every completion token of the pool weighs
+        # the same in expectation, as in batches drawn from the whole pool (where padding to the longest row
+        # would cost several times the compute). The learning rate decays to 0: no last bucket weighs more.
+        rows = sorted(warm_up_rows(tokenizer, WARM_UP["rows"], seed), key=lambda row: len(row[1]))
+        count = WARM_UP["buckets"]
+        buckets = [rows[len(rows) * i // count : len(rows) * (i + 1) // count] for i in range(count)]
+        tokens = [sum(len(completion) for _, completion in bucket) for bucket in buckets]
+        per_step = [
+            min(len(b), max(1, round(WARM_UP["tokens"] * len(b) / t))) for b, t in zip(buckets, tokens, strict=True)
+        ]
+        rng = random.Random(seed + 3)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=WARM_UP["lr"], weight_decay=0.0)
+        decay = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1 - step / warm_up_steps)
+        threads = torch.get_num_threads()
+        torch.set_num_threads(max(threads, os.cpu_count() or 1))  # the build runs before either side
+        model.train()
+        try:
+            for _ in range(warm_up_steps):
+                (index,) = rng.choices(range(count), weights=tokens)
+                sft_step(model, optimizer, rng.sample(buckets[index], per_step[index]), end_of_text)
+                decay.step()
+        finally:
+            torch.set_num_threads(threads)
+    else:
+        add_end_of_turn_prior(model, end_of_turn)
     model.eval()
     return save_chat_checkpoint(model, tokenizer, directory, end_of_turn, end_of_text)
 

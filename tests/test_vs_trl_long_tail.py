@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import statistics
+import string
 import sys
 from pathlib import Path
 
@@ -145,3 +146,23 @@ def test_goals_are_judged_from_the_summary_and_the_probe():
     assert [g["met"] for g in goals] == [True, False, True, True]  # async: faster but a lower reward
     assert goals[0]["speed"] == pytest.approx(40 / 19)
     assert "0.83" in goals[2]["figure"]  # 2.5 / 3.0
+
+
+def test_the_warm_up_rows_end_their_turns_after_a_geometric_number_of_tokens(tmp_path):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(qwen2_dir(tmp_path))
+    rows = long_tail_task.warm_up_rows(tokenizer, 2000, seed=0)
+    assert rows == long_tail_task.warm_up_rows(tokenizer, 2000, seed=0)
+    cap = long_tail_task.SETTINGS["max_new_tokens"] - 1
+    lengths = []
+    for prompt_ids, completion in rows:
+        assert tokenizer.decode(prompt_ids) in long_tail_task.make_prompts(2000, seed=2)
+        assert completion[-1] == tokenizer.eos_token_id and tokenizer.eos_token_id not in completion[:-1]
+        assert set(tokenizer.decode(completion[:-1])) <= set(string.ascii_lowercase + " ")
+        lengths.append(len(completion) - 1)
+    # Geometric with mean MEAN_LENGTH (1 + floor of an exponential), cut at the cap: mean and median by hand.
+    mean, q = long_tail_task.MEAN_LENGTH, 1 - math.exp(-1 / long_tail_task.MEAN_LENGTH)
+    assert 1 <= min(lengths) and max(lengths) <= cap
+    assert statistics.mean(lengths) == pytest.approx(mean * (1 - math.exp(-cap / mean)) + 0.5, rel=0.08)
+    assert statistics.median(lengths) == pytest.approx(1 + math.log(2) / q, rel=0.12)
