@@ -84,6 +84,8 @@ bench: $(VENV)/.dev
 	$(PY) benchmarks/generation.py --repeats 40 --compile --output docs/reports/performance_generation.md; \
 	$(PY) benchmarks/agentic.py --output docs/reports/performance_agentic.md; \
 	$(PY) benchmarks/agentic_server.py --output docs/reports/performance_agentic_server.md; \
+	$(PY) benchmarks/agentic_server.py --model long-tail --batches 3 \
+		--output docs/reports/performance_agentic_server_long_turns.md; \
 	$(PY) benchmarks/sampling_mask_cost.py --output docs/reports/performance_sampling_mask.md; \
 	$(PY) benchmarks/vllm_support.py --output docs/reports/performance_vllm_support.md; \
 	$(PY) benchmarks/async_overlap.py --output docs/reports/performance_async.md; \

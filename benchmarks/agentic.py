@@ -190,17 +190,28 @@ def render(report: dict[str, Any]) -> str:
 
 
 def run_and_report(
-    argv: list[str] | None, doc: str, script: str, measure: Any, render_report: Any, *machine_extras: str
+    argv: list[str] | None,
+    doc: str,
+    script: str,
+    measure: Any,
+    render_report: Any,
+    *machine_extras: str,
+    add_arguments: Any = None,
 ) -> int:
-    """Parse ``--batches / --seed / --quick / --output``, run ``measure(batches, seed)`` and write its report."""
+    """Parse ``--batches / --seed / --quick / --output`` (and what ``add_arguments(parser)`` adds), run
+    ``measure(batches, seed, **added)`` and write its report."""
     parser = argparse.ArgumentParser(description=doc.splitlines()[0])
     parser.add_argument("--batches", type=int, default=4, help="timed batches per variant (default 4)")
     parser.add_argument("--seed", type=int, default=0, help="the prompts' seed (default 0)")
     parser.add_argument("--quick", action="store_true", help="smoke test: one timed batch")
     parser.add_argument("--output", type=Path, default=None, help="markdown report (.json next to it)")
+    common = {action.dest for action in parser._actions}
+    if add_arguments is not None:
+        add_arguments(parser)
     args = parser.parse_args(argv)
+    added = {name: value for name, value in vars(args).items() if name not in common}
     load_start = os.getloadavg()[0]
-    results = measure(1 if args.quick else args.batches, args.seed)
+    results = measure(1 if args.quick else args.batches, args.seed, **added)
     report = {
         "header": run_header(script, argv if argv is not None else sys.argv[1:], *machine_extras),
         "load": load_bullet(load_start, os.getloadavg()[0]),

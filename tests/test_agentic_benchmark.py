@@ -49,6 +49,28 @@ def test_the_servers_busy_time_is_the_union_of_the_calls_in_flight():
     assert 0.2 < sum(latencies) / len(latencies) < 0.32  # the long-tailed latency of agentic.py, 0.26 in theory
 
 
+def test_turn_length_statistics_by_hand():
+    stats = agentic_server.turn_length_stats([10, 1, 9, 2, 8, 3, 7, 4, 6, 5])
+    # Ten turns: mean 5.5, median between 5 and 6, the 90th percentile the 9th of the ten sorted, the longest 10.
+    expected = {"turn_tokens_mean": 5.5, "turn_tokens_median": 5.5, "turn_tokens_p90": 9.0, "turn_tokens_max": 10.0}
+    assert stats == expected
+
+
+def test_the_environment_scores_each_reply_with_the_models_score_and_ends_at_the_third():
+    calls = []
+
+    def score(prompt, reply, metadata):
+        calls.append((prompt, reply, metadata))
+        return 0.6
+
+    environment = agentic_server.Again(False, score)
+    environment.reset("abc 40:", {})
+    results = [environment.step(reply) for reply in ("a", "bb", "ccc")]
+    assert [r.done for r in results] == [False, False, True] and [r.reward for r in results] == [0.2] * 3
+    assert calls == [("abc 40:", "a", {}), ("abc 40:", "bb", {}), ("abc 40:", "ccc", {})]
+    assert results[0].messages == [{"role": "user", "content": "again"}]
+
+
 def test_the_server_reports_summary_names_the_ratio_it_measured():
     import importlib.util
 

