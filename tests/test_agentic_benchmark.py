@@ -66,7 +66,7 @@ def test_the_environment_scores_each_reply_with_the_models_score_and_ends_at_the
     environment = agentic_server.Again(False, score)
     environment.reset("abc 40:", {})
     results = [environment.step(reply) for reply in ("a", "bb", "ccc")]
-    assert [r.done for r in results] == [False, False, True] and [r.reward for r in results] == [0.2] * 3
+    assert [r.done for r in results] == [False, False, True] and [r.reward for r in results] == pytest.approx([0.2] * 3)
     assert calls == [("abc 40:", "a", {}), ("abc 40:", "bb", {}), ("abc 40:", "ccc", {})]
     assert results[0].messages == [{"role": "user", "content": "again"}]
 
