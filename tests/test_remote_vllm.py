@@ -60,9 +60,9 @@ def _models(*names: str) -> tuple[int, object]:
     return 200, {"object": "list", "data": [{"id": n, "object": "model", "max_model_len": 256} for n in names]}
 
 
-def _server_info(mode: str = "processed_logprobs") -> tuple[int, object]:
+def _server_info(mode: str = "processed_logprobs", **vllm_config: object) -> tuple[int, object]:
     config = {"logprobs_mode": mode, "dtype": "torch.float32", "max_model_len": 256, "generation_config": "vllm"}
-    return 200, {"vllm_config": {"model_config": config}, "vllm_env": {}, "system_env": {}}
+    return 200, {"vllm_config": {"model_config": config, **vllm_config}, "vllm_env": {}, "system_env": {}}
 
 
 # ---------------------------------------------------------------------- no vLLM server needed
@@ -173,6 +173,16 @@ def test_connect_checks_the_server_configuration(stand_in, tmp_path):
     raw = stand_in({("GET", "/v1/models"): _models("m"), ("GET", "/server_info"): _server_info("raw_logprobs")})
     with pytest.raises(RuntimeError, match="--logprobs-mode processed_logprobs"):
         RemoteVLLMEngine(raw.base_url, eos_token_id=2).connect()
+
+    # A CPU server with chunked prefill dies at the first seeded prefill split over two steps: refused, naming the flag.
+    chunked = {"device_config": {"device": "cpu"}, "scheduler_config": {"enable_chunked_prefill": True}}
+    cpu = stand_in({("GET", "/v1/models"): _models("m"), ("GET", "/server_info"): _server_info(**chunked)})
+    with pytest.raises(RuntimeError, match="runs vLLM on CPU with chunked prefill.*--no-enable-chunked-prefill"):
+        RemoteVLLMEngine(cpu.base_url, eos_token_id=2).connect()
+    for device, enabled in (("cpu", False), ("cuda", True)):
+        settings = {"device_config": {"device": device}, "scheduler_config": {"enable_chunked_prefill": enabled}}
+        ok = stand_in({("GET", "/v1/models"): _models("m"), ("GET", "/server_info"): _server_info(**settings)})
+        RemoteVLLMEngine(ok.base_url, eos_token_id=2).connect()
 
     two = stand_in({("GET", "/v1/models"): _models("a", "b"), ("GET", "/server_info"): _server_info()})
     with pytest.raises(RuntimeError, match=r"serves 2 models.*model="):

