@@ -205,7 +205,7 @@ def run_and_report(
     parser.add_argument("--seed", type=int, default=0, help="the prompts' seed (default 0)")
     parser.add_argument("--quick", action="store_true", help="smoke test: one timed batch")
     parser.add_argument("--output", type=Path, default=None, help="markdown report (.json next to it)")
-    common = {action.dest for action in parser._actions}
+    common = set(vars(parser.parse_args([])))
     if add_arguments is not None:
         add_arguments(parser)
     args = parser.parse_args(argv)

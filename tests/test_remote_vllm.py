@@ -363,6 +363,7 @@ def test_seeded_prompts_past_a_steps_token_budget_do_not_kill_a_cpu_server(engin
 
     assert _whole_prefills([]) == (["--no-enable-chunked-prefill"] if current_platform.is_cpu() else [])
     assert _whole_prefills(["--enable-chunked-prefill"]) == _whole_prefills(["--no-enable-chunked-prefill=x"]) == []
+    assert _whole_prefills(["--enable_chunked_prefill"]) == []  # read as vLLM's parser reads it
     prompts = [[1] + [5 + (i + j) % 50 for j in range(199)] for i in range(32)]
     assert len(engine.generate(prompts, SamplingConfig(max_new_tokens=4, samples_per_prompt=2), seed=0)) == 64
     assert len(engine.generate(reverse_prompts(1), SamplingConfig(max_new_tokens=2), seed=1)) == 4  # still up

@@ -105,7 +105,12 @@ class ServerCheck:
         return {"timeout": self.request_timeout_s, "timeout_setting": "request_timeout_s"}
 
     def _server_model_config(self) -> dict[str, Any] | None:
-        """The server's model configuration (``/server_info``); ``None`` when it is not in dev mode."""
+        """The server's model configuration (``/server_info``); ``None`` when it is not in dev mode.
+
+        Raises:
+            RuntimeError: The answer has no model configuration, or the server runs vLLM on CPU with
+                chunked prefill (its engine core dies at the first seeded prefill split over two steps).
+        """
         try:
             info = self._http.request(
                 "GET", "/server_info?config_format=json", what="connect (/server_info)", **self._connect_limit()

@@ -175,7 +175,7 @@ def _whole_prefills(extra: list[str]) -> list[str]:
     token budget (episodes' later turns, long prompts) is split. vLLM then sizes the budget to the
     model's context itself. The in-process engine does the same (``offline.start_llm``).
     """
-    if any(arg.split("=")[0] in ("--enable-chunked-prefill", "--no-enable-chunked-prefill") for arg in extra):
+    if any(_option_values(extra, flag) for flag in ("--enable-chunked-prefill", "--no-enable-chunked-prefill")):
         return []
     try:
         from vllm.platforms import current_platform
