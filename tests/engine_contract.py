@@ -29,6 +29,23 @@ from tests.vllm_fixtures import lose_syncs, residuals, reverse_prompts, teacher_
 
 
 @torch.no_grad()
+def top_p_nuclei(
+    model, prompt: list[int], completion: list[int], temperature: float, top_p: float
+) -> tuple[list[list[int]], list[float]]:
+    """vLLM's top-p rule on the model's float64 logits at each completion position: sorted ascending,
+    the tokens whose cumulative probability stays <= 1 - top_p are cut (the last one never). Also the
+    distance of the nearest cumulative sum to that threshold (how much rounding could move the cut)."""
+    logits = model(torch.tensor([prompt + completion])).logits[0, len(prompt) - 1 : -1].double() / temperature
+    probs, order = torch.softmax(logits, -1).sort(-1)
+    cumulative = probs.cumsum(-1)
+    cut = cumulative <= 1 - top_p
+    cut[:, -1] = False
+    nuclei = [row_order[~row_cut].tolist() for row_order, row_cut in zip(order, cut, strict=True)]
+    margins = (cumulative - (1 - top_p)).abs().min(-1).values.tolist()
+    return nuclei, margins
+
+
+@torch.no_grad()
 def top_k_logprobs(model, prompts, completions, temperature: float, top_k: int) -> list[list[float]]:
     """Per-row forward: log_softmax of the top-k-filtered logits / T (the distribution sampled from)."""
     out = []
@@ -289,8 +306,34 @@ class VLLMEngineContract(EngineContract):
         else:
             assert engine.last_sync_check_max_abs_diff is None
 
+    def test_the_worker_records_each_tokens_nucleus_exactly_however_wide(self, engine, trainer_model):
+        """The kept set of every token is the nucleus vLLM's rule gives on the trainer's float64 logits,
+        wide nuclei included (far past the top logprobs a request could afford)."""
+        temperature, top_p = 1.5, 0.98  # the tiny model is peaked: flattened, its nuclei run past 20 tokens
+        sampling = SamplingConfig(max_new_tokens=6, temperature=temperature, samples_per_prompt=2, top_p=top_p)
+        prompts = reverse_prompts(4)
+        completions = engine.generate(prompts, sampling, seed=0)
+        assert engine.records_kept_sets  # known once the engine started (or connected)
+        widths, ambiguous = [], 0
+        for c in completions:
+            nuclei, margins = top_p_nuclei(trainer_model, prompts[c.prompt_index], c.token_ids, temperature, top_p)
+            assert len(c.sampling_support) == len(c.token_ids)
+            for kept, nucleus, margin in zip(c.sampling_support, nuclei, margins, strict=True):
+                if margin < 1e-5:  # a cumulative probability this close to 1 - top_p: float32 decides
+                    ambiguous += 1
+                    continue
+                vocab = trainer_model.config.vocab_size
+                assert sorted(kept) == (sorted(nucleus) if len(nucleus) < vocab else [])
+                widths.append(len(nucleus))
+        assert ambiguous <= len(widths) // 20
+        print(f"kept-set widths: mean {sum(widths) / len(widths):.1f}, widest {max(widths)}, {ambiguous} ambiguous")
+        assert max(widths) > engine.support_logprobs  # nuclei top logprobs would not have shown
+
     def test_a_nucleus_wider_than_the_reported_top_logprobs_is_unknown(self, engine, monkeypatch):
-        """The top token alone never shows a whole nucleus: every support unknown, unless top_k bounds it."""
+        """Where the worker does not record kept sets, the top logprobs show them: the top token alone never
+        shows a whole nucleus, so every support is unknown, unless top_k bounds it."""
+        engine.generate(reverse_prompts(1), SamplingConfig(max_new_tokens=1))  # started (connected): then set
+        monkeypatch.setattr(engine, "records_kept_sets", False)
         monkeypatch.setattr(engine, "support_logprobs", 1)
         sampling = SamplingConfig(max_new_tokens=6, temperature=1.0, samples_per_prompt=2, top_p=0.99)
         completions = engine.generate(reverse_prompts(4), sampling, seed=0)

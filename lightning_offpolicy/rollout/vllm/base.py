@@ -9,9 +9,11 @@ and how the engine scores the probe sequence of the self-check.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
 import threading
 import time
+import uuid
 from collections.abc import Iterator, Mapping
 from concurrent.futures import Future, wait
 from dataclasses import dataclass
@@ -30,6 +32,7 @@ from lightning_offpolicy.rollout.engine import (
     per_prompt_seeds,
 )
 from lightning_offpolicy.rollout.vllm.export import weight_source
+from lightning_offpolicy.rollout.vllm.kept_sets import decode_kept_sets
 from lightning_offpolicy.rollout.vllm.weight_sync import SyncCheck, sync_tolerance, trainer_probe_logprobs
 
 __all__ = ["ALLOWED_DTYPES", "SUPPORT_LOGPROBS", "RawSample", "VLLMEngineBase", "fmt", "kept_from_top"]
@@ -49,9 +52,12 @@ def fmt(value: float | None) -> str:
 class RawSample:
     """One completion as a backend returned it, before the shared checks turn it into a ``Completion``.
 
-    ``top_logprobs``: under a sampling mask, per token the processed logprobs of the top tokens the
-    request asked for (``id -> logprob``, ``-inf`` for a token top-k / top-p cut), from which
-    :func:`kept_from_top` reads the kept support.
+    ``kept_sets``: under a sampling mask, per token the ids top-k / top-p kept (``[]``: the whole
+    vocabulary), as the engine's worker recorded them (:mod:`~lightning_offpolicy.rollout.vllm.kept_sets`);
+    it may run past the tokens (one sampled after an abort). ``top_logprobs``: where the worker does
+    not record them, per token the processed logprobs of the top tokens the request asked for
+    (``id -> logprob``, ``-inf`` for a token top-k / top-p cut), from which :func:`kept_from_top`
+    reads the kept support.
     """
 
     token_ids: list[int]
@@ -59,6 +65,7 @@ class RawSample:
     finish_reason: Any
     stop_reason: Any = None
     top_logprobs: list[dict[int, float]] | None = None
+    kept_sets: list[list[int]] | None = None
 
 
 #: Default of ``support_logprobs``: vLLM's default ``max_logprobs``.
@@ -119,6 +126,10 @@ class VLLMEngineBase(SpecialTokens):
     ) -> None:
         """Validate and store the settings every vLLM backend has; start the shared state."""
         who = self._who
+        # Whether the engine's worker records the exact kept sets (set once it answered that it does).
+        self.records_kept_sets = False
+        self._tag_prefix = f"lo-{uuid.uuid4().hex[:12]}"
+        self._tag_counter = itertools.count()
         if not is_int(support_logprobs) or support_logprobs < 1:
             raise ValueError(
                 f"{who}.support_logprobs={support_logprobs!r} must be an int >= 1 (top logprobs per token that "
@@ -374,9 +385,11 @@ class VLLMEngineBase(SpecialTokens):
         ``support_logprobs``) gets ``None``: the rollout takes it out of the loss and counts it in
         ``rollout/support_unknown_frac``.
         """
-        requested = support_request(sampling, self.support_logprobs)
-        if requested == 0:
+        if not sampling.support_needed:
             return None
+        if self.records_kept_sets:
+            return self._recorded_support(index, sample)
+        requested = support_request(sampling, self.support_logprobs)
         top = sample.top_logprobs
         if top is None or len(top) != len(sample.token_ids):
             raise RuntimeError(f"{self._who}: {self._backend} returned no top logprobs for some generated tokens.")
@@ -391,6 +404,47 @@ class VLLMEngineBase(SpecialTokens):
                 )
             support.append(kept)
         return support
+
+    def _recorded_support(self, index: int, sample: RawSample) -> list[list[int] | None]:
+        """The kept sets the worker recorded for ``sample``'s tokens (each holding its token)."""
+        kept_sets = sample.kept_sets
+        if kept_sets is None or len(kept_sets) < len(sample.token_ids):
+            raise RuntimeError(
+                f"{self._who}: the engine's worker recorded the kept sets of "
+                f"{0 if kept_sets is None else len(kept_sets)} tokens of a completion of prompt {index}, which has "
+                f"{len(sample.token_ids)}."
+            )
+        support: list[list[int] | None] = []
+        for position, (token, kept) in enumerate(zip(sample.token_ids, kept_sets, strict=False)):
+            if kept and int(token) not in kept:
+                raise RuntimeError(
+                    f"{self._who}: token {position} of a completion of prompt {index} ({token}) is not in the kept "
+                    "set the engine's worker recorded for it: the records and the tokens are out of step."
+                )
+            support.append(kept)
+        return support
+
+    def _sampling_tags(self, sampling: SamplingConfig, count: int) -> list[str] | None:
+        """Under a sampling mask with the worker recording, one fresh tag per request (``None`` otherwise)."""
+        if not (sampling.support_needed and self.records_kept_sets):
+            return None
+        return [f"{self._tag_prefix}-{next(self._tag_counter)}" for _ in range(count)]
+
+    @staticmethod
+    def _attach_kept_sets(
+        samples: list[list[RawSample]], tags: list[str], taken: Mapping[str, Mapping[Any, list[str]]]
+    ) -> None:
+        """Give each sample the kept sets its worker recorded (``taken``: what ``lo_take_kept_sets`` answered;
+        sample indices come back as strings over JSON)."""
+        for prompt_samples, tag in zip(samples, tags, strict=True):
+            recorded = {int(index): encoded for index, encoded in taken.get(tag, {}).items()}
+            for index, sample in enumerate(prompt_samples):
+                # Nothing recorded: right for a sample cut before its first token, an error otherwise.
+                sample.kept_sets = decode_kept_sets(recorded[index]) if index in recorded else []
+
+    def _top_logprobs(self, sampling: SamplingConfig) -> int:
+        """How many top logprobs per token a request asks for (0 where the worker records the kept sets)."""
+        return 0 if self.records_kept_sets else support_request(sampling, self.support_logprobs)
 
     def _engine_vocab_size(self) -> int | None:
         """The engine's vocabulary size, when known (a support of every token is then the whole vocabulary)."""

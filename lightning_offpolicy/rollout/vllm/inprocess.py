@@ -58,7 +58,6 @@ from lightning_offpolicy.rollout.vllm.base import (
     SUPPORT_LOGPROBS,
     RawSample,
     VLLMEngineBase,
-    support_request,
 )
 from lightning_offpolicy.rollout.vllm.errors import (
     GUARD_HINT,
@@ -67,6 +66,7 @@ from lightning_offpolicy.rollout.vllm.errors import (
 )
 from lightning_offpolicy.rollout.vllm.export import is_peft_model
 from lightning_offpolicy.rollout.vllm.inprocess_sync import InProcessWeightSync
+from lightning_offpolicy.rollout.vllm.kept_sets import KEPT_SET_KEY
 from lightning_offpolicy.rollout.vllm.lora import AdapterSync
 from lightning_offpolicy.rollout.vllm.offline import start_llm, vllm_available
 from lightning_offpolicy.rollout.vllm.shared_weights import SharedWeightsBuffer
@@ -143,11 +143,12 @@ class VLLMEngine(InProcessWeightSync, AdapterSync, VLLMEngineBase):
             tokenizer (:meth:`set_special_tokens`).
         stop_token_ids: More ids that end a completion besides ``eos_token_id``; ``None``: the eos
             ids the model's generation config lists (set by the ``RolloutCallback``); ``[]``: none.
-        support_logprobs: Under top-k / top-p, top logprobs asked for per generated token, from
-            which the tokens the sampler kept are read (vLLM's processed logprobs are ``-inf`` for
-            the cut ones; ``top_k`` of them when ``top_k`` is at most this): a nucleus wider than
-            this at some position fails the call with a message saying so. The engine's
-            ``max_logprobs`` is raised to it.
+        support_logprobs: Under top-k / top-p, used only where the engine's worker cannot record
+            the tokens the sampler kept (a vLLM model runner without the top-k / top-p sampler the
+            kit wraps): top logprobs asked for per generated token, from which they are read (vLLM's
+            processed logprobs are ``-inf`` for the cut ones; ``top_k`` of them when ``top_k`` is at
+            most this); a token whose nucleus is wider leaves the loss
+            (``rollout/support_unknown_frac``). The engine's ``max_logprobs`` is raised to it.
         engine_kwargs: More keyword arguments for ``vllm.LLM`` (they override the ones above;
             ``logprobs_mode`` must stay ``"processed_logprobs"``).
 
@@ -323,6 +324,10 @@ class VLLMEngine(InProcessWeightSync, AdapterSync, VLLMEngineBase):
     ) -> tuple[list[list[RawSample]], int]:
         from vllm import SamplingParams
 
+        if self._llm is None:  # started first: whether the worker records kept sets decides the requests
+            with self._lock:
+                self._ensure_started()
+        tags = self._sampling_tags(sampling, len(prompts))
         params = [
             SamplingParams(
                 n=sampling.samples_per_prompt,
@@ -330,25 +335,28 @@ class VLLMEngine(InProcessWeightSync, AdapterSync, VLLMEngineBase):
                 **sampling.sampler_settings(),
                 max_tokens=sampling.max_new_tokens,
                 # The sampled token's logprob, and under a sampling mask the top ones that show the kept support.
-                logprobs=support_request(sampling, self.support_logprobs),
+                logprobs=self._top_logprobs(sampling),
                 # Stop on the engine's stop ids and only on them, as HFEngine: without ignore_eos vLLM also
                 # stops on the checkpoint's generation_config.json eos ids (even with generation_config="vllm").
                 ignore_eos=True,
                 stop_token_ids=self.stop_ids,
                 detokenize=False,
                 seed=prompt_seed,
+                # Under a sampling mask, the tag the worker records this request's kept sets under.
+                extra_args=None if tags is None else {KEPT_SET_KEY: tags[i]},
             )
-            for prompt_seed in seeds
+            for i, prompt_seed in enumerate(seeds)
         ]
-        if self._llm is None:
-            with self._lock:
-                self._ensure_started()
         with self._lock.shared(), self._interrupt_of_call() as interrupt:
             self._check_usable()
             self._check_length(max(len(p) for p in prompts), sampling.max_new_tokens, _SHORTEN)  # known now
             llm, lora = self._llm, self._lora_request
             run = self._stepping.run
             samples = self._watched(lambda: run(llm.llm_engine, prompts, params, lora, interrupt), "generate")
+            if tags is not None:
+                take = lambda: llm.collective_rpc("lo_take_kept_sets", args=(tags,))  # noqa: E731
+                taken = self._watched(lambda: self._stepping.between_steps(take), "lo_take_kept_sets")
+                self._attach_kept_sets(samples, tags, taken[0])
             version = self.version
         return samples, version
 
@@ -408,6 +416,7 @@ class VLLMEngine(InProcessWeightSync, AdapterSync, VLLMEngineBase):
                 "starts from the trainer's module), or give `model`."
             )
         self._llm, self._engine_procs, self.start_time_s = start_llm(self, model)
+        self.records_kept_sets = all(self._llm.collective_rpc("lo_record_kept_sets"))
         # The length vLLM runs with (the model's context when max_model_len was None).
         self.max_model_len = int(self._llm.llm_engine.model_config.max_model_len)
 

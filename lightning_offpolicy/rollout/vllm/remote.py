@@ -126,10 +126,12 @@ class RemoteVLLMEngine(ServerCheck, RemoteRequests, RemoteAdapterSync, RemoteWei
             sample); larger: cheaper streaming, and an interrupt drops up to
             ``stream_interval - 1`` tokens per unfinished completion (sampled again when it is
             continued). A server started with a larger ``--stream-interval`` uses its own.
-        support_logprobs: Under top-k / top-p, top logprobs asked for per generated token, from
-            which the tokens the sampler kept are read (``top_k`` of them when ``top_k`` is at most
-            this); a nucleus wider than this fails the call with a message saying so. The server
-            must allow it (``--max-logprobs``, default 20; :class:`VLLMServer` sets it).
+        support_logprobs: Under top-k / top-p, used only with a server whose workers do not record
+            the tokens the sampler kept (one started without the kit's receiver; the servers of
+            :func:`launch_local_server` record them): top logprobs asked for per generated token,
+            from which they are read (``top_k`` of them when ``top_k`` is at most this); a token
+            whose nucleus is wider leaves the loss (``rollout/support_unknown_frac``). The server
+            must allow it (``--max-logprobs``, default 20).
         lora_sync: How a peft LoRA model's weights reach the server. ``"merged"``: at every sync the
             base weights with the active adapter folded in (computed out of place), reloaded like a
             full model; any server. ``"adapter"``: the server applies the adapter itself: the base
@@ -408,7 +410,11 @@ class RemoteVLLMEngine(ServerCheck, RemoteRequests, RemoteAdapterSync, RemoteWei
         self, prompts: list[list[int]], sampling: SamplingConfig, seeds: list[int | None]
     ) -> tuple[list[list[RawSample]], int]:
         streaming = self._streaming
-        bodies = [self._completion_body(p, sampling, s, streaming) for p, s in zip(prompts, seeds, strict=True)]
+        tags = self._sampling_tags(sampling, len(prompts))
+        bodies = [
+            self._completion_body(p, sampling, s, streaming, None if tags is None else tags[i])
+            for i, (p, s) in enumerate(zip(prompts, seeds, strict=True))
+        ]
         interrupt = self._call.interrupt
         n = sampling.samples_per_prompt
         with self._lock.shared():  # no weight sync while sampling: every token comes from the weights of `version`
@@ -417,6 +423,8 @@ class RemoteVLLMEngine(ServerCheck, RemoteRequests, RemoteAdapterSync, RemoteWei
             for body in bodies:  # named under the lock: a sync swaps the adapter (and unloads the old one)
                 body["model"] = self.request_model
             samples = self._map(lambda body: self._stream_completion(body, n, interrupt), bodies)
+            if tags is not None:
+                self._attach_kept_sets(samples, tags, self._take_kept_sets(tags))
         return samples, version
 
     def _engine_vocab_size(self) -> int | None:

@@ -6,12 +6,14 @@ body per prompt (the sampling settings made explicit, the stop ids the engine's)
 from __future__ import annotations
 
 import concurrent.futures
+import json
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
 from lightning_offpolicy.rollout.engine import SamplingConfig
-from lightning_offpolicy.rollout.vllm.base import RawSample, support_request
-from lightning_offpolicy.rollout.vllm.http import StreamInterrupt
+from lightning_offpolicy.rollout.vllm.base import RawSample
+from lightning_offpolicy.rollout.vllm.http import HTTPStatusError, StreamInterrupt
+from lightning_offpolicy.rollout.vllm.kept_sets import KEPT_SET_KEY
 from lightning_offpolicy.rollout.vllm.streamed import StreamedChoices
 
 __all__ = ["RemoteRequests"]
@@ -44,8 +46,39 @@ class RemoteRequests:
                 return choices.samples(interrupted=False)
         return choices.samples(interrupted=True)
 
+    def _record_kept_sets(self) -> bool:
+        """Have the server's workers record the kept sets of top-k / top-p (the kit's receiver does;
+        ``False`` for a server without it, whose top logprobs then show the kept sets)."""
+        try:
+            answer = self._http.request(
+                "POST",
+                "/collective_rpc",
+                {"method": "lo_record_kept_sets", "timeout": self.request_timeout_s},
+                timeout=self.request_timeout_s,
+                what="the kept-set recorder's start",
+            )
+        except HTTPStatusError:  # no such method: a server started without the kit's receiver
+            return False
+        results = list(answer.get("results") or []) if isinstance(answer, dict) else []
+        return bool(results) and all(str(result) == "True" for result in results)  # answers other than lists: str
+
+    def _take_kept_sets(self, tags: list[str]) -> dict[str, Any]:
+        """What the server's first worker recorded for the requests tagged ``tags`` (forgotten there)."""
+        answer = self._http.request(
+            "POST",
+            "/collective_rpc",
+            # The server passes arguments on as they are, and vLLM asks for them serialized as strings.
+            {"method": "lo_take_kept_sets", "args": [json.dumps(tags)], "timeout": self.request_timeout_s},
+            timeout=self.request_timeout_s,
+            what="lo_take_kept_sets",
+        )
+        results = list(answer.get("results") or []) if isinstance(answer, dict) else []
+        if not results or not isinstance(results[0], dict):
+            raise RuntimeError(f"RemoteVLLMEngine: the server answered lo_take_kept_sets with {answer!r}.")
+        return results[0]
+
     def _completion_body(
-        self, prompt: list[int], sampling: SamplingConfig, seed: int | None, streaming: bool
+        self, prompt: list[int], sampling: SamplingConfig, seed: int | None, streaming: bool, tag: str | None = None
     ) -> dict[str, Any]:
         body: dict[str, Any] = {
             "model": self.request_model,
@@ -61,7 +94,7 @@ class RemoteRequests:
             "presence_penalty": 0.0,
             "frequency_penalty": 0.0,
             # The sampled token's logprob, and under a sampling mask the top ones that show the kept support.
-            "logprobs": support_request(sampling, self.support_logprobs),
+            "logprobs": self._top_logprobs(sampling),
             # Stop on the engine's stop ids and only on them, as HFEngine / VLLMEngine: without
             # ignore_eos the server would decide the stop ids itself.
             "ignore_eos": True,
@@ -76,6 +109,8 @@ class RemoteRequests:
             body["stream_interval"] = self.stream_interval
         if seed is not None:
             body["seed"] = seed
+        if tag is not None:  # under a sampling mask: the tag the workers record the kept sets under
+            body["vllm_xargs"] = {KEPT_SET_KEY: tag}
         return body
 
     def _map(self, fn: Callable[[Any], _T], items: Sequence[Any]) -> list[_T]:

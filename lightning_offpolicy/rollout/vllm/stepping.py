@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import itertools
 import threading
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 from lightning_offpolicy.rollout.engine import INTERRUPTED
 from lightning_offpolicy.rollout.vllm.base import RawSample
 
 __all__ = ["SharedStepping"]
+
+_T = TypeVar("_T")
 
 
 class SharedStepping:
@@ -86,6 +89,11 @@ class SharedStepping:
                 self._cancel(mine)
             self._flush_aborts(engine)
         return samples
+
+    def between_steps(self, fn: Callable[[], _T]) -> _T:
+        """``fn()`` while no call steps the engine (a ``collective_rpc`` must not interleave with a step)."""
+        with self._engine_lock:
+            return fn()
 
     def _flush_aborts(self, engine: Any) -> None:
         """Abort the given-up requests before the call returns (a weight sync may follow), unless the thread

@@ -16,6 +16,8 @@ from typing import Any
 
 import torch
 
+from lightning_offpolicy.rollout.vllm.kept_sets import KeptSetRecorder
+
 __all__ = [
     "RECEIVER_CLS",
     "RECEIVER_VERSION",
@@ -29,7 +31,7 @@ __all__ = [
 ]
 
 
-class SharedWeightsReceiver:
+class SharedWeightsReceiver(KeptSetRecorder):
     """Reloads the worker's weights in place, from buckets in a shared-memory file or from safetensors files.
 
     One in-memory sync is a run of calls: the first starts vLLM's layerwise reload (what its
