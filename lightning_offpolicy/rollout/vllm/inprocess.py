@@ -66,9 +66,8 @@ from lightning_offpolicy.rollout.vllm.errors import (
 )
 from lightning_offpolicy.rollout.vllm.export import is_peft_model
 from lightning_offpolicy.rollout.vllm.inprocess_sync import InProcessWeightSync
-from lightning_offpolicy.rollout.vllm.kept_sets import KEPT_SET_KEY
 from lightning_offpolicy.rollout.vllm.lora import AdapterSync
-from lightning_offpolicy.rollout.vllm.offline import start_llm, vllm_available
+from lightning_offpolicy.rollout.vllm.offline import sampling_params, start_llm, vllm_available
 from lightning_offpolicy.rollout.vllm.shared_weights import SharedWeightsBuffer
 from lightning_offpolicy.rollout.vllm.stepping import SharedStepping
 from lightning_offpolicy.rollout.vllm.weight_sync import probe_ids, weights_dtype
@@ -322,31 +321,11 @@ class VLLMEngine(InProcessWeightSync, AdapterSync, VLLMEngineBase):
     def _sample(
         self, prompts: list[list[int]], sampling: SamplingConfig, seeds: list[int | None]
     ) -> tuple[list[list[RawSample]], int]:
-        from vllm import SamplingParams
-
         if self._llm is None:  # started first: whether the worker records kept sets decides the requests
             with self._lock:
                 self._ensure_started()
         tags = self._sampling_tags(sampling, len(prompts))
-        params = [
-            SamplingParams(
-                n=sampling.samples_per_prompt,
-                # temperature 0 (greedy=True) is vLLM's argmax; top_k 0: off (vLLM >= 0.9 also maps -1 to 0)
-                **sampling.sampler_settings(),
-                max_tokens=sampling.max_new_tokens,
-                # The sampled token's logprob, and under a sampling mask the top ones that show the kept support.
-                logprobs=self._top_logprobs(sampling),
-                # Stop on the engine's stop ids and only on them, as HFEngine: without ignore_eos vLLM also
-                # stops on the checkpoint's generation_config.json eos ids (even with generation_config="vllm").
-                ignore_eos=True,
-                stop_token_ids=self.stop_ids,
-                detokenize=False,
-                seed=prompt_seed,
-                # Under a sampling mask, the tag the worker records this request's kept sets under.
-                extra_args=None if tags is None else {KEPT_SET_KEY: tags[i]},
-            )
-            for i, prompt_seed in enumerate(seeds)
-        ]
+        params = sampling_params(sampling, seeds, self._top_logprobs(sampling), self.stop_ids, tags)
         with self._lock.shared(), self._interrupt_of_call() as interrupt:
             self._check_usable()
             self._check_length(max(len(p) for p in prompts), sampling.max_new_tokens, _SHORTEN)  # known now

@@ -13,12 +13,14 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
+from lightning_offpolicy.rollout.engine import SamplingConfig
 from lightning_offpolicy.rollout.vllm import process as vllm_process
 from lightning_offpolicy.rollout.vllm.base import SUPPORT_LOGPROBS
 from lightning_offpolicy.rollout.vllm.errors import INSTALL_HINT, check_head_size, start_failure_message
+from lightning_offpolicy.rollout.vllm.kept_sets import KEPT_SET_KEY
 from lightning_offpolicy.rollout.vllm.worker_extension import RECEIVER_CLS
 
-__all__ = ["quiet_chat_template_warmup", "start_llm", "vllm_available"]
+__all__ = ["quiet_chat_template_warmup", "sampling_params", "start_llm", "vllm_available"]
 
 log = logging.getLogger(__name__)
 
@@ -31,6 +33,33 @@ def vllm_available() -> bool:
         return importlib.util.find_spec("vllm") is not None
     except (ImportError, ValueError):
         return False
+
+
+def sampling_params(
+    sampling: SamplingConfig, seeds: list[int | None], top_logprobs: int, stop_ids: list[int], tags: list[str] | None
+) -> list[Any]:
+    """One ``vllm.SamplingParams`` per prompt: ``sampling`` made explicit, the prompt's seed, the engine's stop
+    ids, ``top_logprobs`` top logprobs per token and, under a sampling mask, the tag that the worker records the
+    kept sets under."""
+    from vllm import SamplingParams
+
+    return [
+        SamplingParams(
+            n=sampling.samples_per_prompt,
+            # temperature 0 (greedy=True) is vLLM's argmax; top_k 0: off (vLLM >= 0.9 also maps -1 to 0)
+            **sampling.sampler_settings(),
+            max_tokens=sampling.max_new_tokens,
+            logprobs=top_logprobs,
+            # Stop on the engine's stop ids and only on them, as HFEngine: without ignore_eos vLLM also
+            # stops on the checkpoint's generation_config.json eos ids (even with generation_config="vllm").
+            ignore_eos=True,
+            stop_token_ids=stop_ids,
+            detokenize=False,
+            seed=seed,
+            extra_args=None if tags is None else {KEPT_SET_KEY: tags[i]},
+        )
+        for i, seed in enumerate(seeds)
+    ]
 
 
 def start_llm(engine: Any, model: str) -> tuple[Any, list[Any], float]:

@@ -409,12 +409,7 @@ class RemoteVLLMEngine(ServerCheck, RemoteRequests, RemoteAdapterSync, RemoteWei
     def _sample(
         self, prompts: list[list[int]], sampling: SamplingConfig, seeds: list[int | None]
     ) -> tuple[list[list[RawSample]], int]:
-        streaming = self._streaming
-        tags = self._sampling_tags(sampling, len(prompts))
-        bodies = [
-            self._completion_body(p, sampling, s, streaming, None if tags is None else tags[i])
-            for i, (p, s) in enumerate(zip(prompts, seeds, strict=True))
-        ]
+        bodies, tags = self._completion_bodies(prompts, sampling, seeds)
         interrupt = self._call.interrupt
         n = sampling.samples_per_prompt
         with self._lock.shared():  # no weight sync while sampling: every token comes from the weights of `version`

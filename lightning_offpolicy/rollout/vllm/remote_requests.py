@@ -77,6 +77,17 @@ class RemoteRequests:
             raise RuntimeError(f"RemoteVLLMEngine: the server answered lo_take_kept_sets with {answer!r}.")
         return results[0]
 
+    def _completion_bodies(
+        self, prompts: list[list[int]], sampling: SamplingConfig, seeds: list[int | None]
+    ) -> tuple[list[dict[str, Any]], list[str] | None]:
+        """The request of each prompt, and under a sampling mask the tags they carry (``None`` otherwise)."""
+        tags = self._sampling_tags(sampling, len(prompts))
+        bodies = [
+            self._completion_body(prompt, sampling, seed, self._streaming, None if tags is None else tags[i])
+            for i, (prompt, seed) in enumerate(zip(prompts, seeds, strict=True))
+        ]
+        return bodies, tags
+
     def _completion_body(
         self, prompt: list[int], sampling: SamplingConfig, seed: int | None, streaming: bool, tag: str | None = None
     ) -> dict[str, Any]:
