@@ -361,9 +361,12 @@ def _warn_about_supports(unknown: float, single: float, sampling: SamplingConfig
         _warned.add("unknown")
         warnings.warn(
             f"{unknown:.0%} of a batch's sampled tokens have no known kept set under top_k={sampling.top_k}, "
-            f"top_p={sampling.top_p} (rollout/support_unknown_frac): the engine reported fewer candidates than the "
-            "sampler kept (a nucleus wider than its support_logprobs), and those tokens leave the loss. Raise the "
-            "engine's support_logprobs, use a top_k the engine can report, or top_p closer to 1.",
+            f"top_p={sampling.top_p} (rollout/support_unknown_frac): the engine's workers do not record the kept "
+            "sets (a vLLM server started without the kit's receiver) and its top logprobs showed fewer candidates "
+            "than the sampler kept (a nucleus wider than its support_logprobs), so those tokens leave the loss. Start "
+            "the server with --worker-extension-cls lightning_offpolicy.rollout.vllm.worker_extension."
+            "SharedWeightsReceiver, raise the engine's support_logprobs, use a top_k it can report, or top_p closer "
+            "to 1.",
             stacklevel=3,
         )
     if single >= 1.0 and "single" not in _warned:
