@@ -64,7 +64,7 @@ def measure_engine(engine, prompts: list[list[int]], vocab: int, settings: dict)
     from lightning_offpolicy.rollout import SamplingConfig
 
     name = type(engine).__name__
-    engine.generate(prompts[:2], SamplingConfig(max_new_tokens=4))  # start-up, not measured
+    engine.generate(prompts[:2], SamplingConfig(max_new_tokens=4, top_p=0.9))  # start-up, not measured
     records = engine.records_kept_sets
     assert records, f"{name}: the worker does not record kept sets"
     rows = []

@@ -15,13 +15,14 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.mark.slow
-def test_fit_with_vllm_rollouts_logs_a_real_bf16_mismatch_and_closes_the_engine(tmp_path, vllm_engine_holder):
+def test_fit_with_vllm_rollouts_at_top_p_logs_a_real_bf16_mismatch_and_closes_the_engine(tmp_path, vllm_engine_holder):
     vllm_engine_holder.close()  # one engine at a time, and none left of the session's at the end
     main([
         "fit", "--config", str(ROOT / "configs" / "vllm.yaml"),
         "--trainer.max_steps=6", f"--trainer.logger.init_args.save_dir={tmp_path}",
         f"--trainer.default_root_dir={tmp_path}", "--trainer.enable_progress_bar=false",
         "--data.init_args.prompts_per_step=8", "--rollout.sampling.samples_per_prompt=4",
+        "--rollout.sampling.top_p=0.7",  # the engine's workers record every kept set: no token leaves the loss
     ])  # fmt: skip
     (version,) = list((tmp_path / "vllm").iterdir())
     events = EventAccumulator(str(version))
@@ -34,6 +35,8 @@ def test_fit_with_vllm_rollouts_logs_a_real_bf16_mismatch_and_closes_the_engine(
     probe = [e.value for e in events.Scalars("rollout/sync_probe_diff")]
     assert len(probe) == 3 and all(0 < value < 10 for value in probe), probe
     assert events.Scalars("train/policy_version")[-1].value == 6
+    assert [e.value for e in events.Scalars("rollout/support_unknown_frac")] == [0.0] * 3
+    assert all(e.value > 0 for e in events.Scalars("train/grad_norm"))
     # The callback closed the engine at the end of the fit: no vLLM process is left behind.
     assert not vllm_children(), vllm_children()
 

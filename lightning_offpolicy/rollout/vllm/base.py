@@ -126,8 +126,9 @@ class VLLMEngineBase(SpecialTokens):
     ) -> None:
         """Validate and store the settings every vLLM backend has; start the shared state."""
         who = self._who
-        # Whether the engine's worker records the exact kept sets (set once it answered that it does).
-        self.records_kept_sets = False
+        # Whether the engine's workers record the exact kept sets (None: not asked yet; asked at the first
+        # call under a sampling mask).
+        self.records_kept_sets: bool | None = None
         self._tag_prefix = f"lo-{uuid.uuid4().hex[:12]}"
         self._tag_counter = itertools.count()
         if not is_int(support_logprobs) or support_logprobs < 1:
@@ -310,6 +311,10 @@ class VLLMEngineBase(SpecialTokens):
         """The raw samples of each prompt, and the policy version of the weights that produced them."""
         raise NotImplementedError
 
+    def _start_kept_set_records(self) -> bool:
+        """Have the engine's workers record the kept sets (idempotent); whether they do."""
+        return False
+
     def _prepare_sync(self, source: torch.nn.Module | Mapping[str, torch.Tensor], is_module: bool) -> None:
         """Checks (and a lazy connect) before a weight sync takes the lock."""
 
@@ -425,8 +430,12 @@ class VLLMEngineBase(SpecialTokens):
         return support
 
     def _sampling_tags(self, sampling: SamplingConfig, count: int) -> list[str] | None:
-        """Under a sampling mask with the worker recording, one fresh tag per request (``None`` otherwise)."""
-        if not (sampling.support_needed and self.records_kept_sets):
+        """Under a sampling mask with the workers recording, one fresh tag per request (``None`` otherwise)."""
+        if not sampling.support_needed:
+            return None
+        if self.records_kept_sets is None:
+            self.records_kept_sets = self._start_kept_set_records()
+        if not self.records_kept_sets:
             return None
         return [f"{self._tag_prefix}-{next(self._tag_counter)}" for _ in range(count)]
 

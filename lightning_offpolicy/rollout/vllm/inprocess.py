@@ -321,7 +321,7 @@ class VLLMEngine(InProcessWeightSync, AdapterSync, VLLMEngineBase):
     def _sample(
         self, prompts: list[list[int]], sampling: SamplingConfig, seeds: list[int | None]
     ) -> tuple[list[list[RawSample]], int]:
-        if self._llm is None:  # started first: whether the worker records kept sets decides the requests
+        if self._llm is None:  # started first: whether the workers record kept sets decides the requests
             with self._lock:
                 self._ensure_started()
         tags = self._sampling_tags(sampling, len(prompts))
@@ -338,6 +338,11 @@ class VLLMEngine(InProcessWeightSync, AdapterSync, VLLMEngineBase):
                 self._attach_kept_sets(samples, tags, taken[0])
             version = self.version
         return samples, version
+
+    def _start_kept_set_records(self) -> bool:
+        llm = self._llm
+        record = lambda: llm.collective_rpc("lo_record_kept_sets")  # noqa: E731
+        return all(self._watched(lambda: self._stepping.between_steps(record), "lo_record_kept_sets"))
 
     def _prepare_sync(self, source: torch.nn.Module | Mapping[str, torch.Tensor], is_module: bool) -> None:
         if self.lora_sync == "adapter" and not (is_module and is_peft_model(source)):
@@ -395,7 +400,7 @@ class VLLMEngine(InProcessWeightSync, AdapterSync, VLLMEngineBase):
                 "starts from the trainer's module), or give `model`."
             )
         self._llm, self._engine_procs, self.start_time_s = start_llm(self, model)
-        self.records_kept_sets = all(self._llm.collective_rpc("lo_record_kept_sets"))
+        self.records_kept_sets = None  # a new engine: its workers are asked again
         # The length vLLM runs with (the model's context when max_model_len was None).
         self.max_model_len = int(self._llm.llm_engine.model_config.max_model_len)
 

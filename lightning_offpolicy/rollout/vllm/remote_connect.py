@@ -78,7 +78,6 @@ class ServerCheck:
                     "RL needs. Restart it with --logprobs-mode processed_logprobs."
                 )
             self.server_dtype = str(config.get("dtype")) if config.get("dtype") is not None else None
-            self.records_kept_sets = self._record_kept_sets()
             if max_model_len is None and isinstance(config.get("max_model_len"), int):
                 max_model_len = int(config["max_model_len"])
             if config.get("generation_config") not in (None, "vllm"):

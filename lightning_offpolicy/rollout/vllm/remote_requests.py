@@ -46,7 +46,7 @@ class RemoteRequests:
                 return choices.samples(interrupted=False)
         return choices.samples(interrupted=True)
 
-    def _record_kept_sets(self) -> bool:
+    def _start_kept_set_records(self) -> bool:
         """Have the server's workers record the kept sets of top-k / top-p (the kit's receiver does;
         ``False`` for a server without it, whose top logprobs then show the kept sets)."""
         try:
