@@ -304,6 +304,36 @@ def test_segments_no_process_uses_are_reported_with_the_command_and_kept(caplog)
 
 
 @needs_shm
+def test_the_segments_a_killed_process_mapped_are_removed_and_one_still_held_is_kept():
+    """What ``LocalVLLMServer.close`` does for a server that was killed: it knows the segments from when it ran."""
+    own, shared = _segment(None), _segment(None)
+    mapper = (
+        "import mmap, os, sys, time\n"
+        "maps = [mmap.mmap(os.open(path, os.O_RDWR), 0) for path in sys.argv[1:]]\n"
+        "print(1, flush=True)\n"
+        "time.sleep(120)\n"
+    )
+    victim = subprocess.Popen([sys.executable, "-c", mapper, str(own), str(shared)], stdout=subprocess.PIPE, text=True)
+    other = subprocess.Popen([sys.executable, "-c", mapper, str(shared)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert victim.stdout.readline().strip() == "1" and other.stdout.readline().strip() == "1"
+        recorded = leftovers.mapped_segments([victim.pid])
+        assert recorded == {str(own), str(shared)}
+        assert leftovers.remove_unused_segments(recorded) == []  # alive: nothing removed
+        victim.kill()
+        victim.wait()
+        removed = leftovers.remove_unused_segments(recorded)
+        assert [r.path for r in removed] == [str(own)] and removed[0].size == 1 << 20
+        assert not own.exists() and shared.exists()  # the other process still maps it
+    finally:
+        for process in (victim, other):
+            process.kill()
+            process.wait()
+        for path in (own, shared):
+            path.unlink(missing_ok=True)
+
+
+@needs_shm
 def test_the_sweep_stops_engine_processes_of_a_dead_trainer_and_nothing_else(caplog):
     dead = str(TrainerToken(_dead_pid()))
     live = str(TrainerToken.of(os.getpid()))

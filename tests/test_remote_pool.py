@@ -310,6 +310,8 @@ def test_a_server_killed_mid_fit_is_left_out_and_the_fit_goes_on(
     finally:
         _restore(servers[:1], weights_dir, trainer_model)  # the session's shared server trained along
     assert module.policy_version == 5 and list(pool.failed) == [1]
+    victim.close()  # the killed server's shared memory (vLLM's message queues) goes with it
+    assert victim.segments and not [path for path in victim.segments if os.path.exists(path)]
     assert victim.base_url in pool.failed[1]
     (version_dir,) = list((tmp_path / "pool").iterdir())
     events = EventAccumulator(str(version_dir))

@@ -11,14 +11,13 @@ can be left, and what :func:`sweep` does with it:
 * **vLLM processes of a dead kit run** (their environment names a trainer, ``watchdog.TRAINER_ENV``,
   that has ended; the watchdog normally stops them within seconds, this catches a process it could
   not run in): stopped (SIGTERM, then SIGKILL), in one log line.
-* **vLLM processes nobody can be sure of** (titled ``VLLM::...``, re-parented to init, no trainer
-  named: started by hand, or by a kit that predates the watchdog) and **shared-memory segments
-  no process uses** (``/dev/shm/psm_*``, Python's multiprocessing segments, vLLM's message queues
-  among them: ~400 MiB in size per killed engine, few of those pages ever written): reported in one
-  warning with the command that clears them, never removed here (a process outside the kit may own them).
+* **vLLM processes nobody can be sure of** (``VLLM::...``, re-parented to init, naming no trainer) and
+  **shared-memory segments no process uses** (``/dev/shm/psm_*``: vLLM's message queues among them,
+  ~400 MiB per killed engine): reported with the command that clears them, never removed here (a process
+  outside the kit may own them); ``LocalVLLMServer.close`` removes those its own killed server left.
 
-``python -m lightning_offpolicy.rollout.vllm.leftovers [--clear]`` prints the same report; with
-``--clear`` it also removes the unused segments it lists.
+``python -m lightning_offpolicy.rollout.vllm.leftovers [--clear]`` prints the report (``--clear``: and
+removes the unused segments).
 
 Imports only the standard library (the watchdog imports it inside vLLM's processes). The kit's modules
 import it where they use it, not at their top: ``python -m`` would otherwise find it imported by the
@@ -58,9 +57,11 @@ __all__ = [
     "bucket_prefix",
     "engine_processes",
     "looks_like_vllm",
+    "mapped_segments",
     "prepare_start",
     "remove_buckets_of",
     "remove_dead_buckets",
+    "remove_unused_segments",
     "sweep",
     "unused_segments",
 ]
@@ -291,10 +292,7 @@ def _used_shm(proc: str = "/proc") -> set[str]:
         for entry in entries:
             if not entry.name.isdigit():
                 continue
-            for line in (_read(f"{proc}/{entry.name}/maps") or b"").decode(errors="replace").splitlines():
-                at = line.find(marker)
-                if at >= 0:
-                    used.add(line[at:].removesuffix(" (deleted)"))
+            used |= _mapped_shm(f"{proc}/{entry.name}")
             with contextlib.suppress(OSError):
                 for fd in os.listdir(f"{proc}/{entry.name}/fd"):
                     with contextlib.suppress(OSError):
@@ -302,6 +300,32 @@ def _used_shm(proc: str = "/proc") -> set[str]:
                         if target.startswith(marker):
                             used.add(target)
     return used
+
+
+def _mapped_shm(process_dir: str) -> set[str]:
+    """The ``/dev/shm`` files the process of ``process_dir`` (``/proc/PID``) maps."""
+    lines = (_read(f"{process_dir}/maps") or b"").decode(errors="replace").splitlines()
+    return {line[line.find(SHM_DIR + "/") :].removesuffix(" (deleted)") for line in lines if SHM_DIR + "/" in line}
+
+
+def mapped_segments(pids: list[int], proc: str = "/proc") -> set[str]:
+    """The ``psm_*`` segments in ``/dev/shm`` that the processes ``pids`` map now."""
+    mapped = set().union(*(_mapped_shm(f"{proc}/{pid}") for pid in pids))
+    return {path for path in mapped if _SEGMENT.match(os.path.basename(path))}
+
+
+def remove_unused_segments(paths: set[str]) -> list[ShmFile]:
+    """Remove those of ``paths`` that exist and that no process maps or holds open (checked now); the removed.
+
+    A killed vLLM process leaves its segments behind; whoever started it knows their names from when it
+    ran (:func:`mapped_segments`), as ``LocalVLLMServer.close`` does.
+    """
+    present = {path for path in paths if os.path.exists(path)}
+    removed = [ShmFile.of(path) for path in sorted(present - _used_shm())] if present else []
+    for segment in removed:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(segment.path)
+    return removed
 
 
 def unused_segments(shm_dir: str = SHM_DIR, min_age_s: float = MIN_AGE_S) -> list[ShmFile]:
@@ -387,9 +411,7 @@ def sweep(clear: bool = False, shm_dir: str = SHM_DIR, report_all: bool = False)
         )
     found.unused_segments = unused_segments(shm_dir)
     if clear:
-        for segment in found.unused_segments:
-            with contextlib.suppress(OSError):
-                os.unlink(segment.path)
+        found.unused_segments = remove_unused_segments({segment.path for segment in found.unused_segments})
     _report(found, clear, report_all)
     return found
 
@@ -460,11 +482,7 @@ def prepare_start(base: dict[str, str] | None = None) -> dict[str, str]:
 def main(argv: list[str] | None = None) -> int:
     """Print what earlier runs left on this host; ``--clear`` also removes the unused segments.
 
-    Args:
-        argv: The command-line arguments (``None``: ``sys.argv``).
-
-    Returns:
-        The exit status: 0.
+    ``argv``: the command-line arguments (``None``: ``sys.argv``); returns the exit status, 0.
     """
     parser = argparse.ArgumentParser(description=main.__doc__.splitlines()[0] if main.__doc__ else None)
     parser.add_argument("--clear", action="store_true", help="remove the psm_* segments that no process uses")

@@ -69,6 +69,8 @@ class LocalVLLMServer:
         self.start_time_s: float | None = None
         self._own_log = own_log
         self._known: dict[int, Any] = {}
+        #: The shared-memory segments its processes mapped once it was up.
+        self.segments: set[str] = set()
 
     @property
     def pid(self) -> int:
@@ -120,6 +122,12 @@ class LocalVLLMServer:
             psutil.wait_procs(alive, timeout=5.0)
         with contextlib.suppress(subprocess.TimeoutExpired):
             self.process.wait(timeout=5.0)  # reap our own child
+        # A killed server leaves its segments (hundreds of MiB of /dev/shm); a stopped one removed them itself.
+        from lightning_offpolicy.rollout.vllm.leftovers import remove_unused_segments  # see leftovers.py
+
+        removed = remove_unused_segments(self.segments)
+        if removed:
+            log.info("LocalVLLMServer: removed %d shared-memory segment(s) its processes left", len(removed))
         if self._own_log and self.log_path.exists():
             shutil.rmtree(self.log_path.parent, ignore_errors=True)
 
@@ -363,7 +371,11 @@ def launch_local_server(
             raise RuntimeError(f"{err}\n--- last lines of the server log ---\n{tail}") from None
         raise
     server.start_time_s = time.perf_counter() - begin
-    server.processes()  # remember its engine processes: close() waits for each
+    # Remember its engine processes (close() waits for each) and their shared memory (close() removes what
+    # they leave when killed).
+    from lightning_offpolicy.rollout.vllm.leftovers import mapped_segments  # not at the top: see leftovers.py
+
+    server.segments = mapped_segments([p.pid for p in server.processes()])
     log.info("launch_local_server: %s healthy after %.1f s", server.base_url, server.start_time_s)
     return server
 
