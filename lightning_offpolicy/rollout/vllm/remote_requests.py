@@ -50,31 +50,17 @@ class RemoteRequests:
         """Have the server's workers record the kept sets of top-k / top-p (the kit's receiver does;
         ``False`` for a server without it, whose top logprobs then show the kept sets)."""
         try:
-            answer = self._http.request(
-                "POST",
-                "/collective_rpc",
-                {"method": "lo_record_kept_sets", "timeout": self.request_timeout_s},
-                timeout=self.request_timeout_s,
-                what="the kept-set recorder's start",
-            )
+            results = self._collective_rpc("lo_record_kept_sets", "the kept-set recorder's start")
         except HTTPStatusError:  # no such method: a server started without the kit's receiver
             return False
-        results = list(answer.get("results") or []) if isinstance(answer, dict) else []
-        return bool(results) and all(str(result) == "True" for result in results)  # answers other than lists: str
+        return bool(results) and all(str(result) == "True" for result in results)
 
     def _take_kept_sets(self, tags: list[str]) -> dict[str, Any]:
         """What the server's first worker recorded for the requests tagged ``tags`` (forgotten there)."""
-        answer = self._http.request(
-            "POST",
-            "/collective_rpc",
-            # The server passes arguments on as they are, and vLLM asks for them serialized as strings.
-            {"method": "lo_take_kept_sets", "args": [json.dumps(tags)], "timeout": self.request_timeout_s},
-            timeout=self.request_timeout_s,
-            what="lo_take_kept_sets",
-        )
-        results = list(answer.get("results") or []) if isinstance(answer, dict) else []
+        # vLLM asks for the arguments of a /collective_rpc serialized as strings.
+        results = self._collective_rpc("lo_take_kept_sets", "lo_take_kept_sets", args=[json.dumps(tags)])
         if not results or not isinstance(results[0], dict):
-            raise RuntimeError(f"RemoteVLLMEngine: the server answered lo_take_kept_sets with {answer!r}.")
+            raise RuntimeError(f"RemoteVLLMEngine: the server answered lo_take_kept_sets with {results!r}.")
         return results[0]
 
     def _completion_bodies(

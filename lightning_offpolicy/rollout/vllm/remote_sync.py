@@ -102,20 +102,25 @@ class RemoteWeightSync:
         assert self.weights_dir is not None
         return str(Path(self.server_weights_dir) / local.relative_to(Path(self.weights_dir)))
 
+    def _collective_rpc(self, method: str, what: str, args: list | None = None, kwargs: dict | None = None) -> list:
+        """Run ``method`` in every worker of the server (``/collective_rpc``); their answers (vLLM passes lists
+        and dicts on as they are, anything else as a string). Raises ``HTTPStatusError`` as the server answers."""
+        body: dict[str, Any] = {"method": method, "timeout": self.request_timeout_s}
+        if args is not None:
+            body["args"] = args
+        if kwargs is not None:
+            body["kwargs"] = kwargs
+        answer = self._http.request("POST", "/collective_rpc", body, timeout=self.request_timeout_s, what=what)
+        return _results(answer)
+
     def _has_receiver(self) -> bool:
         """Whether the server runs the kit's weight-sync receiver (``--worker-extension-cls``, as
         :func:`~lightning_offpolicy.rollout.vllm.server.launch_local_server` starts it); asked once."""
         known = getattr(self, "_receiver_known", None)
         if known is None:
             try:
-                answer = self._http.request(
-                    "POST",
-                    "/collective_rpc",
-                    {"method": "lo_receiver_version", "timeout": self.request_timeout_s},
-                    timeout=self.request_timeout_s,
-                    what="the weight-sync receiver check",
-                )
-                known = str(RECEIVER_VERSION) in map(str, _results(answer))  # non-list answers come back as strings
+                answers = self._collective_rpc("lo_receiver_version", "the weight-sync receiver check")
+                known = str(RECEIVER_VERSION) in map(str, answers)
             except HTTPStatusError:  # no such method: a server started without the kit's receiver
                 known = False
             self._receiver_known = known
@@ -131,15 +136,11 @@ class RemoteWeightSync:
         """Ask the server to reload its weights in place from the safetensors files in ``server_path``; with
         the kit's receiver, what each worker's model did not receive (``None``: not known)."""
         receiver = self._has_receiver()
-        body: dict = {"timeout": self.request_timeout_s}
-        if receiver:
-            body.update(method="lo_reload_from_files", args=[server_path])
-        else:
-            body.update(method="reload_weights", kwargs={"weights_path": server_path})
         try:
-            answer = self._http.request(
-                "POST", "/collective_rpc", body, timeout=self.request_timeout_s, what="reload_weights"
-            )
+            if receiver:
+                results = self._collective_rpc("lo_reload_from_files", "reload_weights", args=[server_path])
+            else:
+                self._collective_rpc("reload_weights", "reload_weights", kwargs={"weights_path": server_path})
         except HTTPStatusError as err:
             if err.status == 404:
                 raise RuntimeError(f"RemoteVLLMEngine: the server has no /collective_rpc: {DEV_MODE_HINT}.") from err
@@ -153,7 +154,7 @@ class RemoteWeightSync:
                 f"--worker-extension-cls {RECEIVER_CLS} (launch_local_server does)."
             )
             raise RuntimeError(f"{err} {self._failure}") from err
-        return _results(answer) if receiver else None
+        return results if receiver else None
 
     def _reset_prefix_cache(self) -> None:
         """Drop the server's prefix cache: cached KV of the old weights must not serve new requests."""
