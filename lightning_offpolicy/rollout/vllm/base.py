@@ -386,7 +386,8 @@ class VLLMEngineBase(SpecialTokens):
     def _support(self, index: int, sample: RawSample, sampling: SamplingConfig) -> list[list[int] | None] | None:
         """The kept support of each token of ``sample`` under a sampling mask (``None`` without one).
 
-        A token whose top logprobs do not show the whole kept set (a nucleus wider than
+        What the engine's workers recorded, where they record; else read from the top logprobs, and
+        a token whose top logprobs do not show the whole kept set (a nucleus wider than
         ``support_logprobs``) gets ``None``: the rollout takes it out of the loss and counts it in
         ``rollout/support_unknown_frac``.
         """
