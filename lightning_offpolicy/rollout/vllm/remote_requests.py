@@ -24,9 +24,11 @@ _T = TypeVar("_T")
 class RemoteRequests:
     """The request steps of :class:`~lightning_offpolicy.rollout.vllm.remote.RemoteVLLMEngine`.
 
-    A mixin: it reads the engine's ``request_model``, ``support_logprobs``, ``stop_ids``,
-    ``stream_interval``, ``max_concurrent_requests``, ``request_timeout_s``, ``_http``, ``_closed``
-    and keeps its thread pool in ``_pool`` (under ``_pool_lock``).
+    A mixin: it reads the engine's ``request_model``, ``stop_ids``, ``stream_interval``,
+    ``max_concurrent_requests``, ``request_timeout_s``, ``_http``, ``_closed``, its sampling tags
+    and top-logprob count (``VLLMEngineBase``) and ``_collective_rpc``, and keeps its thread pool in
+    ``_pool`` (under ``_pool_lock``). Under top-k / top-p it starts and takes the workers' kept-set
+    records (:mod:`~lightning_offpolicy.rollout.vllm.kept_sets`).
     """
 
     def _stream_completion(self, body: dict[str, Any], n: int, interrupt: StreamInterrupt) -> list[RawSample]:
