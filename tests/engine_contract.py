@@ -9,6 +9,7 @@ hand-written argmax loop. Tests that change the engine's weights restore them be
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import functools
 import math
@@ -26,6 +27,27 @@ from lightning_offpolicy.rollout.multi_turn import EpisodeRunner, EpisodeSetting
 from lightning_offpolicy.rollout.vllm.weight_sync import trainer_probe_logprobs
 from tests.module_helpers import argmax_completion
 from tests.vllm_fixtures import lose_syncs, residuals, reverse_prompts, teacher_forced_logprobs
+
+# The tiny model is peaked: flattened (temperature 1.5) its nuclei at top_p 0.98 run past 20 tokens.
+FLAT_TOP_P = SamplingConfig(max_new_tokens=6, temperature=1.5, samples_per_prompt=2, top_p=0.98)
+
+
+def assert_kept_sets_are_nuclei(completions, prompts, model, sampling: SamplingConfig = FLAT_TOP_P) -> list[int]:
+    """Every token's kept set is :func:`top_p_nuclei`'s (positions that float32 could decide either way skipped,
+    at most 1 in 20); the widths compared."""
+    widths, ambiguous = [], 0
+    for c in completions:
+        prompt, temperature = prompts[c.prompt_index], sampling.temperature
+        nuclei, margins = top_p_nuclei(model, prompt, c.token_ids, temperature, sampling.top_p)
+        assert len(c.sampling_support) == len(c.token_ids)
+        for kept, nucleus, margin in zip(c.sampling_support, nuclei, margins, strict=True):
+            if margin < 1e-5:  # a cumulative probability this close to 1 - top_p: float32 decides
+                ambiguous += 1
+                continue
+            assert sorted(kept) == (sorted(nucleus) if len(nucleus) < model.config.vocab_size else [])
+            widths.append(len(nucleus))
+    assert widths and ambiguous <= len(widths) // 20
+    return widths
 
 
 @torch.no_grad()
@@ -309,25 +331,22 @@ class VLLMEngineContract(EngineContract):
     def test_the_worker_records_each_tokens_nucleus_exactly_however_wide(self, engine, trainer_model):
         """The kept set of every token is the nucleus vLLM's rule gives on the trainer's float64 logits,
         wide nuclei included (far past the top logprobs a request could afford)."""
-        temperature, top_p = 1.5, 0.98  # the tiny model is peaked: flattened, its nuclei run past 20 tokens
-        sampling = SamplingConfig(max_new_tokens=6, temperature=temperature, samples_per_prompt=2, top_p=top_p)
         prompts = reverse_prompts(4)
-        completions = engine.generate(prompts, sampling, seed=0)
+        completions = engine.generate(prompts, FLAT_TOP_P, seed=0)
         assert engine.records_kept_sets  # known once the engine started (or connected)
-        widths, ambiguous = [], 0
-        for c in completions:
-            nuclei, margins = top_p_nuclei(trainer_model, prompts[c.prompt_index], c.token_ids, temperature, top_p)
-            assert len(c.sampling_support) == len(c.token_ids)
-            for kept, nucleus, margin in zip(c.sampling_support, nuclei, margins, strict=True):
-                if margin < 1e-5:  # a cumulative probability this close to 1 - top_p: float32 decides
-                    ambiguous += 1
-                    continue
-                vocab = trainer_model.config.vocab_size
-                assert sorted(kept) == (sorted(nucleus) if len(nucleus) < vocab else [])
-                widths.append(len(nucleus))
-        assert ambiguous <= len(widths) // 20
-        print(f"kept-set widths: mean {sum(widths) / len(widths):.1f}, widest {max(widths)}, {ambiguous} ambiguous")
+        widths = assert_kept_sets_are_nuclei(completions, prompts, trainer_model)
+        print(f"kept-set widths: mean {sum(widths) / len(widths):.1f}, widest {max(widths)}")
         assert max(widths) > engine.support_logprobs  # nuclei top logprobs would not have shown
+
+    def test_calls_side_by_side_each_get_their_own_kept_sets(self, engine, trainer_model):
+        """Calls from several threads (episodes that go on alone) share the engine's batches; each takes the
+        records of its own requests."""
+        prompts = reverse_prompts(6, seed=11)
+        with concurrent.futures.ThreadPoolExecutor(3) as pool:
+            calls = [pool.submit(engine.generate, prompts[2 * i : 2 * i + 2], FLAT_TOP_P, i) for i in range(3)]
+            results = [call.result() for call in calls]
+        for i, completions in enumerate(results):
+            assert_kept_sets_are_nuclei(completions, prompts[2 * i : 2 * i + 2], trainer_model)
 
     def test_a_nucleus_wider_than_the_reported_top_logprobs_is_unknown(self, engine, monkeypatch):
         """Where the worker does not record kept sets, the top logprobs show them: the top token alone never
