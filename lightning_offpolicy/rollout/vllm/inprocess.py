@@ -321,28 +321,32 @@ class VLLMEngine(InProcessWeightSync, AdapterSync, VLLMEngineBase):
     def _sample(
         self, prompts: list[list[int]], sampling: SamplingConfig, seeds: list[int | None]
     ) -> tuple[list[list[RawSample]], int]:
-        if self._llm is None:  # started first: whether the workers record kept sets decides the requests
+        if self._llm is None:
             with self._lock:
                 self._ensure_started()
-        tags = self._sampling_tags(sampling, len(prompts))
-        params = sampling_params(sampling, seeds, self._top_logprobs(sampling), self.stop_ids, tags)
         with self._lock.shared(), self._interrupt_of_call() as interrupt:
             self._check_usable()
             self._check_length(max(len(p) for p in prompts), sampling.max_new_tokens, _SHORTEN)  # known now
+            # Under the lock: asking the workers to record kept sets is a collective_rpc, as a sync's calls are.
+            tags = self._sampling_tags(sampling, len(prompts))
+            params = sampling_params(sampling, seeds, self._top_logprobs(sampling), self.stop_ids, tags)
             llm, lora = self._llm, self._lora_request
             run = self._stepping.run
             samples = self._watched(lambda: run(llm.llm_engine, prompts, params, lora, interrupt), "generate")
             if tags is not None:
-                take = lambda: llm.collective_rpc("lo_take_kept_sets", args=(tags,))  # noqa: E731
-                taken = self._watched(lambda: self._stepping.between_steps(take), "lo_take_kept_sets")
-                self._attach_kept_sets(samples, tags, taken[0])
+                self._attach_kept_sets(samples, tags, self._rpc_between_steps("lo_take_kept_sets", tags)[0])
             version = self.version
         return samples, version
 
     def _start_kept_set_records(self) -> bool:
+        return all(self._rpc_between_steps("lo_record_kept_sets"))
+
+    def _rpc_between_steps(self, method: str, *args: Any) -> list:
+        """``collective_rpc(method, args)`` on every worker while no call steps the engine (calls sample side
+        by side; a sync holds the engine alone and calls ``collective_rpc`` directly)."""
         llm = self._llm
-        record = lambda: llm.collective_rpc("lo_record_kept_sets")  # noqa: E731
-        return all(self._watched(lambda: self._stepping.between_steps(record), "lo_record_kept_sets"))
+        call = lambda: llm.collective_rpc(method, args=args)  # noqa: E731
+        return self._watched(lambda: self._stepping.between_steps(call), method)
 
     def _prepare_sync(self, source: torch.nn.Module | Mapping[str, torch.Tensor], is_module: bool) -> None:
         if self.lora_sync == "adapter" and not (is_module and is_peft_model(source)):

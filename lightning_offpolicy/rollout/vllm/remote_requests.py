@@ -70,8 +70,9 @@ class RemoteRequests:
     ) -> tuple[list[dict[str, Any]], list[str] | None]:
         """The request of each prompt, and under a sampling mask the tags they carry (``None`` otherwise)."""
         tags = self._sampling_tags(sampling, len(prompts))
+        streaming = self._streaming  # read once: an interrupt from another thread may turn it on meanwhile
         bodies = [
-            self._completion_body(prompt, sampling, seed, self._streaming, None if tags is None else tags[i])
+            self._completion_body(prompt, sampling, seed, streaming, None if tags is None else tags[i])
             for i, (prompt, seed) in enumerate(zip(prompts, seeds, strict=True))
         ]
         return bodies, tags
