@@ -187,9 +187,14 @@ def test_new_shapes_reuse_the_step_and_stay_equal():
         _assert_same(out, grad, _eager(cfg, loss_cfg, x, x["logprobs"].clone().requires_grad_(True)), cfg)
 
 
+#: What the step does around its graph (the gradient it hands back, the eager fallback) is the same whatever
+#: compiles the graph: these tests run the traced graph op by op.
+WRAPPER_BACKEND = "aot_eager"
+
+
 def test_gradient_is_scaled_by_the_upstream_gradient_and_reaches_earlier_tensors():
     cfg, x = OffPolicyCorrectionConfig.seq_tis(), _inputs(seed=3)
-    step = FusedCorrectionStep(cfg, compiled=True)
+    step = FusedCorrectionStep(cfg, backend=WRAPPER_BACKEND)
     source = x["logprobs"].clone().requires_grad_(True)
     out = step(source * 1.0, x["prox"], x["rollout"], x["advantages"], x["mask"])
     (3.0 * out.loss).backward()
@@ -201,7 +206,8 @@ def test_gradient_is_scaled_by_the_upstream_gradient_and_reaches_earlier_tensors
 
 def test_no_gradient_needed_gives_the_loss_alone():
     cfg, x = OffPolicyCorrectionConfig.token_tis(), _inputs(seed=4)
-    out = FusedCorrectionStep(cfg)(x["logprobs"], x["prox"], x["rollout"], x["advantages"], x["mask"])
+    step = FusedCorrectionStep(cfg, backend=WRAPPER_BACKEND)
+    out = step(x["logprobs"], x["prox"], x["rollout"], x["advantages"], x["mask"])
     assert out.compiled and not out.loss.requires_grad
     reference, _ = policy_loss(
         x["logprobs"], x["prox"], x["rollout"], x["advantages"], x["mask"],
@@ -213,7 +219,7 @@ def test_no_gradient_needed_gives_the_loss_alone():
 def test_nan_at_a_response_token_raises_the_eager_error():
     cfg, x = OffPolicyCorrectionConfig.token_tis(), _inputs(seed=5)
     x["rollout"][0, 2] = float("nan")
-    step = FusedCorrectionStep(cfg)
+    step = FusedCorrectionStep(cfg, backend=WRAPPER_BACKEND)
     with pytest.raises(ValueError, match=r"rollout_logprobs is nan at a response token \(row 0, token 2"):
         step(x["logprobs"].clone().requires_grad_(True), x["prox"], x["rollout"], x["advantages"], x["mask"])
 
@@ -221,7 +227,7 @@ def test_nan_at_a_response_token_raises_the_eager_error():
 def test_infinite_logprob_takes_the_eager_rule():
     cfg, loss_cfg, x = OffPolicyCorrectionConfig.geo_mis(), PolicyLossConfig(), _inputs(seed=6)
     x["prox"][0, 1] = float("-inf")
-    step = FusedCorrectionStep(cfg, loss_cfg, statistics=CorrectionMetrics(cfg).sums)
+    step = FusedCorrectionStep(cfg, loss_cfg, statistics=CorrectionMetrics(cfg).sums, backend=WRAPPER_BACKEND)
     out, grad = _fused(step, cfg, x, x["logprobs"].clone().requires_grad_(True))
     assert not out.compiled, "an infinite logprob must take the eager path"
     _assert_same(out, grad, _eager(cfg, loss_cfg, x, x["logprobs"].clone().requires_grad_(True)), cfg)

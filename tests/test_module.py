@@ -299,22 +299,22 @@ def test_staleness_is_logged_per_token_against_the_version_of_the_step():
 
 
 @pytest.mark.parametrize(
-    ("correction", "backend"),
+    "correction",
     [
-        (OffPolicyCorrectionConfig.geo_mis_token_tis(low=0.7, high=1.3), "aot_eager"),
-        (OffPolicyCorrectionConfig.bypass_ppo_clip_k3_rs(threshold=0.1), "aot_eager"),
-        (OffPolicyCorrectionConfig.bypass_pg_token_icepop(low=0.7, high=1.4), "inductor"),
+        OffPolicyCorrectionConfig.geo_mis_token_tis(low=0.7, high=1.3),
+        OffPolicyCorrectionConfig.bypass_ppo_clip_k3_rs(threshold=0.1),
+        OffPolicyCorrectionConfig.bypass_pg_token_icepop(low=0.7, high=1.4),
     ],
-    ids=["geo_mis_token_tis", "bypass_ppo_clip_k3_rs", "bypass_pg_token_icepop-inductor"],
+    ids=["geo_mis_token_tis", "bypass_ppo_clip_k3_rs", "bypass_pg_token_icepop"],
 )
-def test_fused_loss_logs_what_the_eager_step_logs(correction, backend, monkeypatch):
+def test_fused_loss_logs_what_the_eager_step_logs(correction, monkeypatch):
     """fused_loss=True over several micro-batched, two-epoch steps with rejections: the same weights
     and, at every logged step, the same metrics as the eager path (the correction per micro-batch
     adds up to the whole batch's). In bypass mode both paths compute the masks per micro-batch from
-    the current policy, and no proximal forward runs. One correction through inductor's code (the
-    module's default), the others through the same traced graph run op by op (``aot_eager``)."""
-    if backend == "aot_eager":
-        fused_step_on_aot_eager(monkeypatch)
+    the current policy, and no proximal forward runs. The fused step's traced graph runs op by op
+    (``aot_eager``): inductor's code for these presets is tests/test_fused_correction.py's, and the
+    module's micro-batched fit through inductor is test_decoupled_step_equals_hand_computed_reference's."""
+    fused_step_on_aot_eager(monkeypatch)
 
     def run(fused: bool):
         torch.manual_seed(0)

@@ -136,6 +136,11 @@ class FusedCorrectionStep:
         )
         # In bypass mode with a mask, the correction compares the current policy with pi_rollout.
         prox = cfg.ratio_numerator(prox_logprobs, logprobs)
+        if self._graph is None:  # the eager functions check their inputs themselves
+            return self._eager(
+                logprobs, prox, rollout_logprobs, advantages, response_mask, ref_logprobs,
+                token_count, sequence_count, entropy,
+            )  # fmt: skip
         check_inputs(prox, rollout_logprobs, response_mask, cfg)
         # Advantages come back broadcast to [B, T].
         advantages, _ = checked_loss_inputs(
@@ -143,7 +148,7 @@ class FusedCorrectionStep:
             ref_logprobs, entropy=entropy,
         )  # fmt: skip
         inputs = (logprobs, prox, rollout_logprobs, advantages, response_mask, ref_logprobs)
-        if self._graph is None or (cfg.normalize_weights and is_distributed()):
+        if cfg.normalize_weights and is_distributed():
             return self._eager(*inputs, token_count, sequence_count, entropy)
         # Python numbers would be baked into the graph (one compilation per value): pass tensors.
         counts = [

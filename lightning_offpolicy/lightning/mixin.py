@@ -128,7 +128,8 @@ class OffPolicyMixin:
                 [CorrectionMetrics(self.rl_correction), PolicyLossMetrics(self.rl_correction)]
             ).to(self.device)
         # One optimizer step, one micro-batch: pi_prox is the detached pi_theta of its forward (exact).
-        update = PPOUpdate(MicroBatchStep(self.rl_correction, self.rl_loss), shuffle_minibatches=False, packed=packed)
+        micro_step = MicroBatchStep(self.rl_correction, self.rl_loss, statistics=self._off_policy_metrics[0].sums)
+        update = PPOUpdate(micro_step, shuffle_minibatches=False, packed=packed)
         hooks = _AutomaticOptimizationHooks(self.policy, self.temperature, packed)
         recorder = _StepRecorder(*self._off_policy_metrics)
         update(rollout, hooks, recorder, logging=True, step_version=int(self.policy_version))

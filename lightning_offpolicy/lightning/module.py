@@ -350,7 +350,7 @@ class OffPolicyRLModule(LightningModule):
     @property
     def _fused_steps(self) -> dict[bool, FusedCorrectionStep]:
         """The compiled graphs built so far (with and without the metric sums)."""
-        return self.update.step.graphs
+        return {with_sums: fused for with_sums, fused in self.update.step.graphs.items() if fused.compiled}
 
     # ------------------------------------------------------------------------------ logging
     def _log_step(

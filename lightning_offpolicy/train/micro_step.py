@@ -1,11 +1,12 @@
-"""The correction and the policy loss of one micro-batch, compiled or eager, behind one call.
+"""The correction and the policy loss of one micro-batch, behind one call.
 
 :class:`MicroBatchStep` is what the PPO update (:mod:`.update`) runs between a micro-batch's forward
-and its backward. ``compiled=False`` runs the eager functions of :mod:`.step`
-(:func:`~.step.apply_correction`, :func:`~.step.corrected_loss`), the reference;
-``compiled=True`` runs the same functions inside one ``torch.compile``'d graph
-(:class:`~lightning_offpolicy.correction.fused.FusedCorrectionStep`), metric sums included. See
-docs/training.md for when the correction runs per micro-batch and when once per batch.
+and its backward. Where the correction runs is chosen once, at construction: once per batch before
+the passes (:meth:`MicroBatchStep.correct_batch`, the eager functions of :mod:`.step`), or per
+micro-batch after its forward, when it is compiled or reads the current policy. The per-micro-batch
+route is :class:`~lightning_offpolicy.correction.fused.FusedCorrectionStep`: correction, loss and
+metric sums in one ``torch.compile``'d graph, or, with ``compiled=False``, the same eager functions
+it falls back to. See docs/training.md for when the correction runs per micro-batch.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ class MicroStepOutput:
         loss: The micro-batch's loss, with gradient, normalised by the mini-batch's global counts.
         info: :func:`~lightning_offpolicy.correction.policy_loss`'s statistics of the micro-batch.
         stats: Correction statistics to record (``None``: none computed here, or not asked for).
-        sums: Metric sums computed inside the compiled graph (``None``: none, or not asked for).
+        sums: Metric sums of the micro-batch's own correction (``None``: none, or not asked for).
     """
 
     loss: torch.Tensor
@@ -54,8 +55,8 @@ class MicroBatchStep:
             graph (:class:`~lightning_offpolicy.correction.fused.FusedCorrectionStep`); ``False``:
             the eager functions. The correction then runs per micro-batch, so settings that read
             the whole batch (``correction.whole_batch_settings``) are refused by the caller.
-        statistics: The metric sums computed inside the compiled graph (e.g.
-            ``CorrectionMetrics(correction).sums``); only read with ``compiled=True``.
+        statistics: The metric sums of a correction that runs per micro-batch (e.g.
+            ``CorrectionMetrics(correction).sums``), computed with its loss; ``None``: not recorded.
         steps_per_batch: Optimizer steps one rollout batch takes (``prox_method="loglinear"``
             interpolates by it).
     """
@@ -73,7 +74,8 @@ class MicroBatchStep:
         self.compiled = compiled
         self.statistics = statistics
         self.steps_per_batch = steps_per_batch
-        # Built on first use (compiled graphs do not pickle): with and without the metric sums.
+        #: The per-micro-batch steps built so far, with and without the metric sums (on first use:
+        #: compiled graphs do not pickle).
         self.graphs: dict[bool, FusedCorrectionStep] = {}
         #: Whether the correction runs here, per micro-batch (else once per batch, :meth:`correct_batch`).
         self.per_micro_batch = compiled or correction.correction_reads_current_policy
@@ -81,10 +83,9 @@ class MicroBatchStep:
         #: micro-batch (``pi_prox := pi_rollout`` would make them 0; with a mask the correction itself
         #: already reads ``pi_theta``).
         self.metrics_from_current_policy = correction.bypass_mode and not correction.masks_read_current_policy
-        # The route of every micro-batch, chosen here once: the compiled graph, or the eager functions
-        # (after the micro-batch's own correction when it reads the current policy).
-        self._loss = self._compiled_loss if compiled else self._eager_loss
-        self._prox_from_theta = correction.prox_method == "loglinear"
+        # The route of every micro-batch, chosen here once.
+        self._loss = self._micro_batch_correction_loss if self.per_micro_batch else self._batch_correction_loss
+        self._with_prox = self._loglinear_prox if correction.prox_method == "loglinear" else _as_it_is
 
     def correct_batch(
         self, rollout: RolloutBatch, prox: torch.Tensor | None, ref: torch.Tensor | None
@@ -128,16 +129,14 @@ class MicroBatchStep:
         Returns:
             The loss, its info, and what to record of the correction.
         """
-        if self._prox_from_theta:
-            prox = step.loglinear_prox(micro, logprobs, step_version, self.steps_per_batch)
-            micro = micro.with_fields(prox_logprobs=prox)
-        stats = None
+        micro = self._with_prox(micro, logprobs, step_version)
+        out = self._loss(logprobs, micro, token_count, sequence_count, entropy, record_correction)
         if record_correction and self.metrics_from_current_policy:
             # The micro-batches of the first pass cover the batch once: their metrics add up to its.
-            stats = step.current_policy_stats(micro, logprobs)
-        return self._loss(logprobs, micro, token_count, sequence_count, entropy, record_correction, stats)
+            out.stats = step.current_policy_stats(micro, logprobs)
+        return out
 
-    def _compiled_loss(
+    def _micro_batch_correction_loss(
         self,
         logprobs: torch.Tensor,
         micro: RolloutBatch,
@@ -145,17 +144,16 @@ class MicroBatchStep:
         sequence_count: torch.Tensor | float | None,
         entropy: torch.Tensor | None,
         record_correction: bool,
-        stats: CorrectionStats | None,
     ) -> MicroStepOutput:
-        """The correction, the loss, its gradient and the metric sums in one compiled graph."""
-        with_sums = record_correction and not self.metrics_from_current_policy
+        """The micro-batch's own correction, its loss and gradient (and the metric sums), compiled or eager."""
+        with_sums = record_correction and self.statistics is not None and not self.metrics_from_current_policy
         fused = self._graph(with_sums)(
             logprobs, micro.prox_logprobs, micro.rollout_logprobs, micro.advantages, micro.response_mask,
             ref_logprobs=micro.ref_logprobs, token_count=token_count, sequence_count=sequence_count, entropy=entropy,
         )  # fmt: skip
-        return MicroStepOutput(fused.loss, fused.info, stats, fused.statistics if with_sums else None)
+        return MicroStepOutput(fused.loss, fused.info, sums=fused.statistics if with_sums else None)
 
-    def _eager_loss(
+    def _batch_correction_loss(
         self,
         logprobs: torch.Tensor,
         micro: RolloutBatch,
@@ -163,23 +161,25 @@ class MicroBatchStep:
         sequence_count: torch.Tensor | float | None,
         entropy: torch.Tensor | None,
         record_correction: bool,
-        stats: CorrectionStats | None,
     ) -> MicroStepOutput:
-        """The eager functions (:mod:`.step`), the reference; the micro-batch's own correction first when it
-        reads the current policy (else the batch carries it, :meth:`correct_batch`)."""
-        if self.correction.correction_reads_current_policy:
-            numerator = self.correction.ratio_numerator(micro.prox_logprobs, logprobs)
-            micro, own = step.apply_correction(micro, numerator, self.correction, micro.ref_logprobs)
-            if record_correction:
-                stats = own
+        """The loss of a slice of a batch that carries its correction (:meth:`correct_batch`)."""
         loss, info = step.corrected_loss(
             logprobs, micro, self.loss, self.correction, token_count, sequence_count, entropy
         )
-        return MicroStepOutput(loss, info, stats)
+        return MicroStepOutput(loss, info)
+
+    def _loglinear_prox(self, micro: RolloutBatch, logprobs: torch.Tensor, step_version: int) -> RolloutBatch:
+        prox = step.loglinear_prox(micro, logprobs, step_version, self.steps_per_batch)
+        return micro.with_fields(prox_logprobs=prox)
 
     def _graph(self, with_sums: bool) -> FusedCorrectionStep:
         if with_sums not in self.graphs:
             self.graphs[with_sums] = FusedCorrectionStep(
-                self.correction, self.loss, statistics=self.statistics if with_sums else None
+                self.correction, self.loss, statistics=self.statistics if with_sums else None, compiled=self.compiled
             )
         return self.graphs[with_sums]
+
+
+def _as_it_is(micro: RolloutBatch, logprobs: torch.Tensor, step_version: int) -> RolloutBatch:
+    """The micro-batch unchanged: its ``pi_prox`` came with the batch (or bypass mode has none)."""
+    return micro

@@ -76,11 +76,12 @@ HEAD_SIZE_FROM_HIDDEN = ("qwen2", "qwen2_moe")
 
 
 def _text_config(model: str) -> Any | None:
-    """The checkpoint's (text) config, or ``None`` when it cannot be read here (e.g. a hub name offline)."""
+    """The checkpoint's (text) config, or ``None`` when it cannot be read here (a hub name not in the cache:
+    vLLM downloads it, or says why it cannot, without the hub's retries run twice)."""
     try:
         from transformers import AutoConfig
 
-        config = AutoConfig.from_pretrained(model)
+        config = AutoConfig.from_pretrained(model, local_files_only=True)
     except Exception:  # noqa: BLE001 - no config to read: nothing to check
         return None
     return getattr(config, "text_config", None) or config

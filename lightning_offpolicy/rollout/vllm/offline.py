@@ -74,6 +74,12 @@ def start_llm(engine: Any, model: str) -> tuple[Any, list[Any], float]:
         RuntimeError: vLLM failed to start (the message says why and what to change); the
             processes it had started are reaped.
     """
+    if engine.lora_sync == "adapter" and engine._max_lora_rank is None and "max_lora_rank" not in engine.engine_kwargs:
+        raise RuntimeError(
+            "VLLMEngine(lora_sync='adapter') starts at the first update_weights(peft_model, version): the "
+            "adapter's rank sets the engine's max_lora_rank. Call update_weights before generate (or set "
+            "engine_kwargs={'max_lora_rank': ...})."
+        )
     check_head_size(model, "VLLMEngine")
     try:
         import vllm
@@ -104,12 +110,6 @@ def start_llm(engine: Any, model: str) -> tuple[Any, list[Any], float]:
         # push (the prefix cache is reset), or many long prompts. Whole prefills avoid it.
         kwargs["enable_chunked_prefill"] = False
     if engine.lora_sync == "adapter":
-        if engine._max_lora_rank is None and "max_lora_rank" not in engine.engine_kwargs:
-            raise RuntimeError(
-                "VLLMEngine(lora_sync='adapter') starts at the first update_weights(peft_model, version): the "
-                "adapter's rank sets the engine's max_lora_rank. Call update_weights before generate (or set "
-                "engine_kwargs={'max_lora_rank': ...})."
-            )
         # One adapter at a time: the policy's current one (an old one is never requested again).
         kwargs.update(enable_lora=True, max_loras=1, max_lora_rank=engine._max_lora_rank)
     kwargs["worker_extension_cls"] = RECEIVER_CLS  # every sync goes through the kit's receiver
