@@ -34,7 +34,7 @@ EXCEPTIONS: dict[str, str] = {
         "mirrors `vllm serve`'s flags the kit sets (dtype, KV cache, LoRA, ports, timeouts); not yet grouped"
     ),
     "rollout/rollouter.py:Rollouter": (
-        "built by RolloutCallback from its settings each batch; its arguments are the callback's parts"
+        "built by RolloutCallback once per fit from its settings; its arguments are the callback's parts"
     ),
 }
 

@@ -33,6 +33,7 @@ from lightning_offpolicy.batch import EvaluationBatch, PromptBatch, RolloutBatch
 from lightning_offpolicy.data.rewards import DEFAULT_REWARD_TIMEOUT_S, RewardSpec, resolve_reward
 from lightning_offpolicy.lightning.log_steps import is_logging_step
 from lightning_offpolicy.lightning.preemption import on_any_rank
+from lightning_offpolicy.lightning.prompt_loader import train_prompt_loader
 from lightning_offpolicy.lightning.rollout_logs import (
     log_reward_components,
     log_staleness_histogram,
@@ -224,9 +225,8 @@ class RolloutCallback(Callback):
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._rollouter = None  # the training's pipeline has the refill prompts and the producer set below
         if self.dapo.dynamic_sampling:
-            refill_source = trainer.fit_loop._data_source.dataloader()
             self._refill_prompts = prompt_batches(
-                refill_source, trainer.global_rank, trainer.world_size, skip=0, seed=self.seed + 1
+                train_prompt_loader(trainer), trainer.global_rank, trainer.world_size, skip=0, seed=self.seed + 1
             )
         if not self._background:
             return
@@ -235,14 +235,16 @@ class RolloutCallback(Callback):
         engine = self._engine(pl_module)
         version = int(pl_module.policy_version)
         engine.update_weights(pl_module.policy, version)
-        # A fresh loader of the same dataset and sampler settings, for the producer thread alone:
-        # `trainer.train_dataloader` is the fit loop's own, and set_epoch on its DistributedSampler
-        # from this thread would race with the loop. Lightning has no public way to ask for another.
-        source = trainer.fit_loop._data_source.dataloader()
+        # A loader for the producer thread alone: set_epoch on the fit loop's sampler from this
+        # thread would race with the loop.
         self.producer = RolloutProducer(
             produce=self._produce,
             prompt_batches=prompt_batches(
-                source, trainer.global_rank, trainer.world_size, skip=self.generated_batches, seed=self.seed
+                train_prompt_loader(trainer),
+                trainer.global_rank,
+                trainer.world_size,
+                skip=self.generated_batches,
+                seed=self.seed,
             ),
             max_staleness=self.asynchrony.max_staleness,
             steps_per_batch=steps_per_batch(pl_module),
