@@ -13,6 +13,8 @@ from lightning.pytorch import Trainer
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from torch.utils.data import DataLoader, DistributedSampler
 
+from lightning_offpolicy.rollout.prompt_source import with_sampler
+
 __all__ = ["train_prompt_loader"]
 
 
@@ -50,11 +52,4 @@ def train_prompt_loader(trainer: Trainer) -> Any:
         seed=sampler.seed,
         drop_last=sampler.drop_last,
     )
-    return DataLoader(
-        loader.dataset,
-        batch_size=loader.batch_size,
-        sampler=own,
-        collate_fn=loader.collate_fn,
-        drop_last=loader.drop_last,
-        num_workers=0,
-    )
+    return with_sampler(loader, own)

@@ -16,7 +16,7 @@ from torch.utils.data import DataLoader, DistributedSampler, IterableDataset
 
 from lightning_offpolicy.batch import PromptBatch
 
-__all__ = ["prompt_batches"]
+__all__ = ["prompt_batches", "with_sampler"]
 
 
 def prompt_batches(loader: DataLoader, rank: int, world_size: int, skip: int, seed: int) -> Iterator[PromptBatch]:
@@ -43,7 +43,7 @@ def prompt_batches(loader: DataLoader, rank: int, world_size: int, skip: int, se
                 "prompts; use a map-style dataset, or shard it per rank yourself and use a DistributedSampler."
             )
         sampler = DistributedSampler(loader.dataset, num_replicas=world_size, rank=rank, shuffle=True, seed=seed)
-        loader = _with_sampler(loader, sampler)
+        loader = with_sampler(loader, sampler)
     elif isinstance(loader.sampler, DistributedSampler):
         sampler = loader.sampler
 
@@ -66,7 +66,8 @@ def prompt_batches(loader: DataLoader, rank: int, world_size: int, skip: int, se
     return itertools.islice(endless(), skip, None)
 
 
-def _with_sampler(loader: DataLoader, sampler: DistributedSampler) -> DataLoader:
+def with_sampler(loader: DataLoader, sampler: DistributedSampler) -> DataLoader:
+    """A new loader of ``loader``'s dataset, batch size, collate function and ``drop_last``, in ``sampler``'s order."""
     return DataLoader(
         loader.dataset,
         batch_size=loader.batch_size,
