@@ -33,9 +33,6 @@ EXCEPTIONS: dict[str, str] = {
     "rollout/vllm/server.py:launch_local_server": (
         "mirrors `vllm serve`'s flags the kit sets (dtype, KV cache, LoRA, ports, timeouts); not yet grouped"
     ),
-    "rollout/rollouter.py:Rollouter": (
-        "built by RolloutCallback once per fit from its settings; its arguments are the callback's parts"
-    ),
 }
 
 

@@ -20,7 +20,7 @@ from lightning_offpolicy.rollout.asynchrony import AsyncSettings
 from lightning_offpolicy.rollout.dapo import DAPOSettings, informative_rows, overlong_penalty
 from lightning_offpolicy.rollout.engine import SamplingConfig
 from lightning_offpolicy.rollout.hf.engine import HFEngine
-from lightning_offpolicy.rollout.rollouter import Rollouter
+from lightning_offpolicy.rollout.rollouter import RolloutControls, Rollouter
 
 TOKENIZER = CharTokenizer()
 SAMPLES = 4
@@ -50,7 +50,7 @@ def _rollouter(dapo: DAPOSettings, refills: list[PromptBatch] | None = None, max
         alternating_reward,
         SamplingConfig(max_new_tokens=max_new_tokens, samples_per_prompt=SAMPLES),
         dapo=dapo,
-        more_prompts=(lambda: queue.pop(0)) if refills is not None else None,
+        controls=RolloutControls(more_prompts=(lambda: queue.pop(0)) if refills is not None else None),
     )
 
 

@@ -21,7 +21,7 @@ from lightning_offpolicy.rollout import HFEngine, SamplingConfig
 from lightning_offpolicy.rollout.dapo import DAPOSettings
 from lightning_offpolicy.rollout.multi_turn import EpisodeRunner, EpisodeSettings
 from lightning_offpolicy.rollout.partial import PartialStats, generate_resumable
-from lightning_offpolicy.rollout.rollouter import Rollouter
+from lightning_offpolicy.rollout.rollouter import RolloutControls, Rollouter
 from lightning_offpolicy.train.step import apply_correction, corrected_loss
 from tests.engine_contract import Replies
 from tests.module_helpers import perturbed, tiny_model
@@ -352,7 +352,7 @@ def test_dynamic_sampling_keeps_the_groups_of_informative_episodes(model_and_tok
         reward,
         EpisodeSettings(environment=functools.partial(Again, 3)),
         dapo=DAPOSettings(dynamic_sampling=True),
-        more_prompts=lambda: next(extra),
+        controls=RolloutControls(more_prompts=lambda: next(extra)),
     )
     rollout, _ = rollouter.rollout(_prompts(), index=2)
     stats = rollouter.last_stats

@@ -50,7 +50,7 @@ from lightning_offpolicy.rollout.multi_turn import EpisodeRunner, EpisodeSetting
 from lightning_offpolicy.rollout.partial import RolloutStopped
 from lightning_offpolicy.rollout.producer import RolloutProducer
 from lightning_offpolicy.rollout.prompt_source import prompt_batches
-from lightning_offpolicy.rollout.rollouter import Rollouter
+from lightning_offpolicy.rollout.rollouter import RolloutControls, Rollouter
 from lightning_offpolicy.seeding import run_seed
 
 _T = TypeVar("_T")
@@ -354,6 +354,7 @@ class RolloutCallback(Callback):
         (by then the engine and tokenizer are set, a resumed run's seed restored, the refill prompts and the
         producer made)."""
         if self._rollouter is None:
+            producer = self.producer
             self._rollouter = Rollouter(
                 self.engine,
                 self._tokenizer,
@@ -364,11 +365,13 @@ class RolloutCallback(Callback):
                 context_limit=self._context_limit,
                 success_threshold=self.success_threshold,
                 dapo=self.dapo,
-                more_prompts=None if self._refill_prompts is None else lambda: next(self._refill_prompts),
-                turn=self.producer.generation_turn if self.producer is not None and self.producer.interrupts else None,
                 reward_timeout_s=self.reward_timeout_s,
-                stop=lambda: self._preempted,
                 episodes=self._runner(),
+                controls=RolloutControls(
+                    more_prompts=None if self._refill_prompts is None else lambda: next(self._refill_prompts),
+                    turn=producer.generation_turn if producer is not None and producer.interrupts else None,
+                    stop=lambda: self._preempted,
+                ),
             )
         return self._rollouter
 

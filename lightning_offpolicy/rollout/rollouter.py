@@ -30,7 +30,7 @@ from lightning_offpolicy.rollout.episode import Episode, to_rollout_batch
 from lightning_offpolicy.rollout.multi_turn import EpisodeRunner, EpisodeSettings, SingleTurn
 from lightning_offpolicy.rollout.partial import PartialStats, check_not_stopped, generate_resumable
 
-__all__ = ["Rollouter", "batch_seed"]
+__all__ = ["RolloutControls", "Rollouter", "batch_seed"]
 
 
 def batch_seed(seed: int, index: int, rank: int, refill: int = 0) -> int:
@@ -57,6 +57,28 @@ class _Samples:
         """The groups whose rewards are not all equal, in order of appearance."""
         keep = informative_rows(rewards, torch.tensor(self.groups)).tolist()
         return list(dict.fromkeys(g for g, k in zip(self.groups, keep, strict=True) if k))
+
+
+@dataclass(frozen=True)
+class RolloutControls:
+    """How the caller drives a :class:`Rollouter` from outside (each ``None``: not used).
+
+    Attributes:
+        more_prompts: Returns the next prompt batch to refill from (dynamic sampling; ``None``: no refill).
+        turn: Partial rollouts: a context manager that grants the engine for one ``generate`` call
+            between two weight pushes (the producer's ``generation_turn``); completions a push
+            interrupts are continued under the new weights
+            (:func:`~lightning_offpolicy.rollout.partial.generate_resumable`). ``None``: the caller
+            holds the engine for the whole rollout.
+        stop: Returns ``True`` once the rollout must stop (a preemption): a ``generate`` call it cut
+            short is not continued (nor scored), and :meth:`Rollouter.rollout` and
+            :meth:`Rollouter.evaluate` raise :class:`~lightning_offpolicy.rollout.partial.RolloutStopped`.
+            ``None``: never.
+    """
+
+    more_prompts: Callable[[], PromptBatch] | None = None
+    turn: Callable[[], AbstractContextManager[object]] | None = None
+    stop: Callable[[], bool] | None = None
 
 
 def _partial_stats(partial: PartialStats, generated: int, rollout: RolloutBatch) -> dict[str, float]:
@@ -101,21 +123,14 @@ class Rollouter:
             the longest prompt + ``max_new_tokens`` before generating (``None``: not checked).
         success_threshold: Held-out evaluation: the reward a sample needs for its prompt to pass.
         dapo: DAPO's dynamic sampling and overlong handling (:mod:`~lightning_offpolicy.rollout.dapo`).
-        more_prompts: Returns the next prompt batch to refill from (dynamic sampling; ``None``: no refill).
-        turn: Partial rollouts: a context manager that grants the engine for one ``generate`` call
-            between two weight pushes (the producer's ``generation_turn``); completions a push
-            interrupts are continued under the new weights
-            (:func:`~lightning_offpolicy.rollout.partial.generate_resumable`). ``None``: the caller
-            holds the engine for the whole rollout.
         reward_timeout_s: Longest one call of the reward function (of each part of a weighted
             reward) may take; past it the call is abandoned and a ``RewardError`` names the row it
             was scoring (:func:`~lightning_offpolicy.data.rewards.score_completions`). ``None``: no limit.
-        stop: Returns ``True`` once the rollout must stop (a preemption): a ``generate`` call it cut
-            short is not continued (nor scored), and :meth:`rollout` and :meth:`evaluate` raise
-            :class:`~lightning_offpolicy.rollout.partial.RolloutStopped`. ``None``: never.
         episodes: Multi-turn episodes (tools or an environment, and their limits;
             :mod:`~lightning_offpolicy.rollout.multi_turn`), or a runner built from them once.
             ``None`` or nothing enabled: one turn each.
+        controls: The refill prompts, the engine's turns and the stop the caller drives the rollout
+            with (:class:`RolloutControls`; ``None``: none of them).
 
     After each :meth:`rollout`, :attr:`last_stats` holds its counts (``groups_dropped``,
     ``refill_batches``, ``groups_short``, ``overlong_filtered``; with ``turn``: ``interrupted_frac``,
@@ -135,11 +150,9 @@ class Rollouter:
         context_limit: tuple[int, str] | None = None,
         success_threshold: float = 1.0,
         dapo: DAPOSettings | None = None,
-        more_prompts: Callable[[], PromptBatch] | None = None,
-        turn: Callable[[], AbstractContextManager[object]] | None = None,
         reward_timeout_s: float | None = DEFAULT_REWARD_TIMEOUT_S,
-        stop: Callable[[], bool] | None = None,
         episodes: EpisodeSettings | EpisodeRunner | None = None,
+        controls: RolloutControls | None = None,
     ) -> None:
         self.engine = engine
         self.tokenizer = tokenizer
@@ -150,10 +163,9 @@ class Rollouter:
         self.context_limit = context_limit
         self.success_threshold = success_threshold
         self.dapo = dapo if dapo is not None else DAPOSettings()
-        self.more_prompts = more_prompts
-        self.turn = turn
         self.reward_timeout_s = reward_timeout_s
-        self.stop = stop
+        controls = controls if controls is not None else RolloutControls()
+        self.more_prompts, self.turn, self.stop = controls.more_prompts, controls.turn, controls.stop
         self._partial = PartialStats()
         self.last_stats: dict[str, float] = {}
         # What plays a batch's episodes: several turns, or one (single-turn rollouts are episodes of one turn).
