@@ -142,24 +142,28 @@ HUB_PROBE_TIMEOUT_S = 5.0
 
 
 def check_hub_model(
-    name: str, setting: str = "OffPolicyRLModule.model", timeout_s: float = HUB_PROBE_TIMEOUT_S
+    name: str,
+    setting: str = "OffPolicyRLModule.model",
+    timeout_s: float = HUB_PROBE_TIMEOUT_S,
+    files: tuple[str, ...] = ("config.json",),
 ) -> None:
     """``OSError`` at once when ``name`` would have to be downloaded and cannot be.
 
-    Nothing to check for ``tiny:`` specs, local directories and names already in the Hugging Face
-    cache. Otherwise, with ``HF_HUB_OFFLINE`` set, or when one request to the hub's endpoint gets
-    no answer within ``timeout_s``, the name cannot be fetched: ``transformers`` would retry for
-    about a minute and then blame the connection, where the usual cause is a misspelt name.
+    Nothing to check for ``tiny:`` specs, local directories and names with one of ``files`` already
+    in the Hugging Face cache. Otherwise, with ``HF_HUB_OFFLINE`` set, or when one request to the
+    hub's endpoint gets no answer within ``timeout_s``, the name cannot be fetched: ``transformers``
+    would retry for about a minute and then blame the connection, where the usual cause is a
+    misspelt name.
     """
     if name.startswith("tiny:") or Path(name).expanduser().is_dir():
         return
     from huggingface_hub import constants, try_to_load_from_cache
 
     try:
-        cached = try_to_load_from_cache(name, "config.json")
+        cached = [try_to_load_from_cache(name, file) for file in files]
     except Exception:  # not a valid repo id: transformers' own message says so, without retries
         return
-    if isinstance(cached, str):
+    if any(isinstance(path, str) for path in cached):
         return
     where = (
         f"{setting}={name!r} is not a local directory (working directory: {os.getcwd()}) and not in the Hugging Face "

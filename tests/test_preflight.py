@@ -239,6 +239,28 @@ def test_hub_names_offline_cached_or_local_are_judged_without_the_network(tmp_pa
     preflight.check_hub_model("tiny:reverse")
 
 
+def test_a_tokenizer_hub_name_that_cannot_be_fetched_fails_at_once_naming_the_setting(tmp_path, monkeypatch):
+    from huggingface_hub import constants
+
+    from lightning_offpolicy import preflight
+    from lightning_offpolicy.data.tokenizers import HFTokenizer
+
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setattr(preflight, "_hub_unreachable", lambda *a: pytest.fail("the hub was asked"))
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    with pytest.raises(OSError, match=r"HFTokenizer.path='org/missing' is not a local directory .* HF_HUB_OFFLINE"):
+        HFTokenizer("org/missing")
+    # A repo whose cache holds a tokenizer file but no config.json is judged by the tokenizer's files.
+    snapshot = tmp_path / "hub" / "models--org--tok" / "snapshots" / "abc"
+    snapshot.mkdir(parents=True)
+    (snapshot / "tokenizer.json").write_text("{}")
+    (tmp_path / "hub" / "models--org--tok" / "refs").mkdir()
+    (tmp_path / "hub" / "models--org--tok" / "refs" / "main").write_text("abc")
+    preflight.check_hub_model("org/tok", "HFTokenizer.path", files=("tokenizer_config.json", "tokenizer.json"))
+    with pytest.raises(OSError, match="HF_HUB_OFFLINE is set"):
+        preflight.check_hub_model("org/tok")  # no config.json cached: a model could not load from it
+
+
 def test_cli_names_the_missing_model_directory(tmp_path):
     with pytest.raises(FileNotFoundError, match="was not found"):
         parse("--config", str(ROOT / "configs" / "quickstart.yaml"), f"--model.model={tmp_path}/missing")

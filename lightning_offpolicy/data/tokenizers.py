@@ -149,6 +149,11 @@ class HFTokenizer:
                 "use lightning_offpolicy.data.tokenizers.CharTokenizer."
             )
         local = Path(path).is_dir()
+        if not local:
+            from lightning_offpolicy.preflight import check_hub_model
+
+            # A hub name that cannot be fetched fails now, not after a minute of the hub client's retries.
+            check_hub_model(str(path), "HFTokenizer.path", files=("tokenizer_config.json", "tokenizer.json"))
         files = _tokenizer_files(Path(path)) if local else []
         if local and not files:
             raise FileNotFoundError(_missing_tokenizer_message(Path(path), "holds no tokenizer files"))
