@@ -15,9 +15,9 @@
   mean 0.26 s: a tool, a sandbox, a judge), or at once; each reply scored by the task's reward, a third each.
   The environment steps of a turn run side by side (the default ``max_concurrent_env_steps``).
 * **Variants**: each environment with the episodes going on alone (the servers' default: each episode's next
-  turn sent as soon as its environment answered, ``concurrent_calls`` = ``max_concurrent_requests``) and turn
-  by turn (the same engine saying it serves one call at a time: every going episode's next turn in one call
-  after all the turn's steps, the runner before).
+  turn sent as soon as its environment answered, ``concurrent_calls`` = ``connection.max_concurrent_requests``)
+  and turn by turn (the same engine saying it serves one call at a time: every going episode's next turn in one
+  call after all the turn's steps, the runner before).
 * **Measured** per batch (rollouts only; the same prompts and seeds for every variant): the rollout's wall
   time, episodes per second, the server's busy share (the part of the rollout with at least one ``generate``
   call in flight; the rest it idles, waiting for the environment), the generate calls, turns and reward per
@@ -56,7 +56,7 @@ from lightning_offpolicy.data.tokenizers import load_tokenizer  # noqa: E402
 from lightning_offpolicy.rollout import SamplingConfig  # noqa: E402
 from lightning_offpolicy.rollout.multi_turn import EpisodeSettings  # noqa: E402
 from lightning_offpolicy.rollout.rollouter import Rollouter  # noqa: E402
-from lightning_offpolicy.rollout.vllm import RemoteVLLMEngine, launch_local_server  # noqa: E402
+from lightning_offpolicy.rollout.vllm import RemoteVLLMEngine, StartSettings, launch_local_server  # noqa: E402
 from lightning_offpolicy.train.policy import resolve_model_spec  # noqa: E402
 
 PROMPTS_PER_BATCH, SAMPLES = 8, 8
@@ -199,7 +199,9 @@ def run(batches: int, seed: int, model: str = "reverse") -> dict[str, Any]:
 
 def _run(batches: int, seed: int, model: str, setup: Setup) -> dict[str, Any]:
     tokenizer = load_tokenizer(setup.model_dir)
-    server = launch_local_server(setup.model_dir, dtype="float32", kv_cache_space_gib=1, startup_timeout_s=600)
+    server = launch_local_server(
+        setup.model_dir, start=StartSettings(dtype="float32", kv_cache_space_gib=1), startup_timeout_s=600
+    )
     turn_lengths: dict[str, list[int]] = {name: [] for name in VARIANTS}
     try:
         rollouters = {}

@@ -115,11 +115,11 @@ def make_engine(kind: str, args):
         return HFEngine(dtype="float32", **stops), None
     if kind == "hf_process":
         return HFProcessEngine(dtype="float32", **stops), None
+    from lightning_offpolicy.rollout.vllm import StartSettings
     from lightning_offpolicy.rollout.vllm.inprocess import VLLMEngine
 
-    engine = VLLMEngine(
-        model=None, dtype="float32", max_model_len=args.max_new_tokens + 64, gpu_memory_utilization=0.3, **stops
-    )
+    start = StartSettings(dtype="float32", max_model_len=args.max_new_tokens + 64, gpu_memory_utilization=0.3)
+    engine = VLLMEngine(model=None, start=start, **stops)
     return KeptOpen(engine), engine
 
 

@@ -197,11 +197,14 @@ def make_engine(spec: RunSpec, shared_vllm: Any) -> Any:
 
 def start_vllm(warmup: int) -> Any:
     """The shared engine, built with configs/vllm.yaml's init args and started in an unmeasured fit."""
+    from lightning_offpolicy.rollout.vllm import StartSettings, WeightSyncSettings
     from lightning_offpolicy.rollout.vllm.inprocess import VLLMEngine
 
     with open(VLLM_CONFIG) as f:
         init_args = yaml.safe_load(f)["rollout"]["engine"].get("init_args", {})
-    engine = VLLMEngine(**init_args)
+    # The config's groups (``start:``, ``weight_sync:``) are mappings there: built here as jsonargparse does.
+    groups = {"start": StartSettings, "weight_sync": WeightSyncSettings}
+    engine = VLLMEngine(**{k: groups[k](**v) if k in groups else v for k, v in init_args.items()})
     began = time.perf_counter()
     run_fit(RUNS[2], KeptOpen(engine), warmup + 1, warmup)
     print(f"vLLM engine started and warmed up in {time.perf_counter() - began:.1f} s", file=sys.stderr, flush=True)

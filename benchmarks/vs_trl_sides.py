@@ -224,9 +224,12 @@ def run_kit(
     )
     if engine == "vllm":
         from lightning_offpolicy.rollout import VLLMEngine
+        from lightning_offpolicy.rollout.vllm import StartSettings
 
-        # The model's context is 256 positions; the engine's default (512) exceeds it, and TRL runs 64.
-        rollout_engine = VLLMEngine(seed=seed, max_model_len=64, dtype=variant.get("engine_dtype") or "auto")
+        # The same context as TRL runs (64 tokens), not the model's 256 (the default): less KV cache to reserve.
+        rollout_engine = VLLMEngine(
+            start=StartSettings(seed=seed, max_model_len=64, dtype=variant.get("engine_dtype") or "auto")
+        )
     elif variant.get("max_staleness"):
         # Generation runs while the trainer steps: the engine keeps its own float32 copy of the weights,
         # in its own process unless --kit-engine-process=thread.

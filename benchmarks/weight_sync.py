@@ -2,10 +2,11 @@
 """Weight sync into an in-process vLLM engine: in memory (shared-memory buckets) vs files, by model size.
 
 For each model (a random float32 trainer, a bfloat16 vLLM engine started from the same weights) and
-each ``VLLMEngine(weight_transport=...)``: the wall time of whole ``update_weights`` calls (the
-sync check included), the transfer part alone (``last_sync_time_s``), the bytes moved, and the
-peak extra memory of the trainer and engine processes together during one sync (proportional set
-size, sampled). The transfer bandwidths then give the bytes and seconds of one sync at 7B and 70B.
+each ``VLLMEngine(weight_sync=WeightSyncSettings(transport=...))``: the wall time of whole
+``update_weights`` calls (the sync check included), the transfer part alone (``last_sync_time_s``),
+the bytes moved, and the peak extra memory of the trainer and engine processes together during one
+sync (proportional set size, sampled). The transfer bandwidths then give the bytes and seconds of one
+sync at 7B and 70B.
 
 Usage::
 
@@ -134,6 +135,7 @@ def worker(model_name: str, transport: str, syncs: int) -> dict[str, Any]:
     import torch
 
     from lightning_offpolicy.rollout import VLLMEngine
+    from lightning_offpolicy.rollout.vllm import StartSettings, WeightSyncSettings
     from lightning_offpolicy.rollout.vllm import process as vllm_process
 
     torch.set_num_threads(1)
@@ -143,10 +145,8 @@ def worker(model_name: str, transport: str, syncs: int) -> dict[str, Any]:
         model.save_pretrained(ckpt)
         engine = VLLMEngine(
             model=ckpt,
-            dtype=ENGINE_DTYPE,
-            max_model_len=256,
-            kv_cache_space_gib=1,
-            weight_transport=transport,
+            start=StartSettings(dtype=ENGINE_DTYPE, max_model_len=256, kv_cache_space_gib=1),
+            weight_sync=WeightSyncSettings(transport=transport),
             eos_token_id=0,
         )
         try:

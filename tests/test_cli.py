@@ -87,8 +87,12 @@ def test_invalid_values_give_a_clear_error_before_training(capsys):
     with pytest.raises(ValueError, match="max_staleness >= sync_every - 1"):
         parse("--config", str(ROOT / "configs" / "vllm_async.yaml"), "--rollout.asynchrony.sync_every=4")
     with pytest.raises(SystemExit):
-        parse("--config", str(ROOT / "configs" / "lora_single_gpu.yaml"), "--rollout.engine.init_args.lora_sync=lora")
-    assert "lora_sync" in capsys.readouterr().err
+        parse(
+            "--config",
+            str(ROOT / "configs" / "lora_single_gpu.yaml"),
+            "--rollout.engine.init_args.weight_sync.lora=lora",
+        )
+    assert "weight_sync.lora" in capsys.readouterr().err
 
 
 def test_help_documents_the_knobs(capsys):

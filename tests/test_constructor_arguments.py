@@ -24,15 +24,6 @@ EXCEPTIONS: dict[str, str] = {
         "its arguments are the CLI's flat `model.*` settings (policy, loss, correction, micro-batching, "
         "evaluation); not yet grouped into settings dataclasses"
     ),
-    "rollout/vllm/remote.py:RemoteVLLMEngine": (
-        "server, weight-sync transport, LoRA and request settings in one flat list; not yet grouped"
-    ),
-    "rollout/vllm/inprocess.py:VLLMEngine": (
-        "engine, weight-sync transport, LoRA and sampling-support settings in one flat list; not yet grouped"
-    ),
-    "rollout/vllm/server.py:launch_local_server": (
-        "mirrors `vllm serve`'s flags the kit sets (dtype, KV cache, LoRA, ports, timeouts); not yet grouped"
-    ),
 }
 
 

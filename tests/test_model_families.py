@@ -226,7 +226,7 @@ def test_vllm_lora_on_a_mixture_of_experts_is_refused_on_cpu_naming_the_fix():
     if not vllm_available():
         pytest.skip("vLLM is not installed")
     moe = cpu_moe_lora_refusal(_with_lora(build_tiny(family_config("mixtral")), attention_only=True, seed=1))
-    assert moe is not None and "MixtralConfig" in moe and "lora_sync='merged'" in moe
+    assert moe is not None and "MixtralConfig" in moe and "weight_sync.lora='merged'" in moe
     assert (
         cpu_moe_lora_refusal(_with_lora(build_tiny(family_config("qwen2-tied")), attention_only=True, seed=1)) is None
     )

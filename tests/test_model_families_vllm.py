@@ -14,6 +14,7 @@ import torch
 from lightning_offpolicy.modelcheck import cli as check_model
 from lightning_offpolicy.modelcheck.families import build_tiny, family_config
 from lightning_offpolicy.modelcheck.matrix import FLOAT32_ATOL, check_vllm
+from lightning_offpolicy.rollout.vllm.settings import RemoteWeightSyncSettings
 from tests.vllm_fixtures import requires_vllm
 
 pytestmark = [requires_vllm, pytest.mark.long("three vLLM engines start (~30 s each on 2 cores)")]
@@ -83,7 +84,12 @@ def test_the_remote_server_runs_the_kits_receiver_and_checks_what_arrived(vllm_s
     tied layers again and names a tensor that did not arrive, as the in-process engine does."""
     from lightning_offpolicy.rollout.vllm.remote import RemoteVLLMEngine
 
-    engine = RemoteVLLMEngine(vllm_server.base_url, weights_dir=str(tmp_path), eos_token_id=2, request_timeout_s=300)
+    engine = RemoteVLLMEngine(
+        vllm_server.base_url,
+        eos_token_id=2,
+        request_timeout_s=300,
+        weight_sync=RemoteWeightSyncSettings(weights_dir=str(tmp_path)),
+    )
     try:
         assert engine._has_receiver() and engine._tied_export() == "drop"
         state = {k: v for k, v in trainer_model.state_dict().items() if k != "model.norm.weight"}

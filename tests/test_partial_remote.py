@@ -25,6 +25,7 @@ import torch
 from lightning_offpolicy.rollout.engine import INTERRUPTED, InterruptibleEngine, SamplingConfig
 from lightning_offpolicy.rollout.partial import PartialStats, generate_resumable
 from lightning_offpolicy.rollout.vllm import RemoteVLLMEngine
+from lightning_offpolicy.rollout.vllm.settings import ConnectionSettings, RemoteWeightSyncSettings
 from lightning_offpolicy.rollout.vllm.streamed import StreamedChoices
 from tests.module_helpers import perturbed
 from tests.vllm_fixtures import requires_vllm, residuals, reverse_prompts, teacher_forced_logprobs
@@ -164,14 +165,14 @@ def weights_dir(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("partial_weights")
 
 
-def _engine(server, weights_dir: Path, **kwargs) -> RemoteVLLMEngine:
+def _engine(server, weights_dir: Path, stream: bool | None = None) -> RemoteVLLMEngine:
     return RemoteVLLMEngine(
         server.base_url,
-        weights_dir=str(weights_dir),
         eos_token_id=RARE_STOP,
         stop_token_ids=[],
         request_timeout_s=300,
-        **kwargs,
+        weight_sync=RemoteWeightSyncSettings(weights_dir=str(weights_dir)),
+        connection=ConnectionSettings(stream=stream),
     )
 
 
@@ -541,7 +542,12 @@ class _Stamped:
 
 def test_interrupt_keeps_finished_samples_and_cuts_the_others(streaming_stand_in):
     server = streaming_stand_in(_endless)
-    engine = RemoteVLLMEngine(server.base_url, eos_token_id=2, stop_token_ids=[9], stream=True, stream_interval=3)
+    engine = RemoteVLLMEngine(
+        server.base_url,
+        eos_token_id=2,
+        stop_token_ids=[9],
+        connection=ConnectionSettings(stream=True, stream_interval=3),
+    )
     cfg = SamplingConfig(max_new_tokens=1000, samples_per_prompt=2)
     timer = _Stamped(0.5, engine.interrupt)
     finished, cut = engine.generate([[1, 5]], cfg)
@@ -562,7 +568,9 @@ def test_the_stream_setting_decides_what_an_interrupt_keeps(streaming_stand_in):
     server = streaming_stand_in(lambda body: _endless(body, steps=40))  # 2 s unstreamed
     cfg = SamplingConfig(max_new_tokens=1000, samples_per_prompt=2)
     for stream, kept_then in ((None, True), (False, False)):
-        engine = RemoteVLLMEngine(server.base_url, eos_token_id=2, stop_token_ids=[9], stream=stream)
+        engine = RemoteVLLMEngine(
+            server.base_url, eos_token_id=2, stop_token_ids=[9], connection=ConnectionSettings(stream=stream)
+        )
         done = engine.generate([[1, 5]], cfg)  # not interrupted: one JSON answer, read whole
         assert server.bodies[-1]["stream"] is False and "stream_interval" not in server.bodies[-1]
         assert [c.finish_reason for c in done] == ["stop", "length"] and len(done[1].token_ids) == 41
@@ -584,23 +592,33 @@ def test_stream_errors_are_clear(streaming_stand_in):
         lambda body: [{"error": {"message": message, "type": "BadRequestError"}}, b"data: [DONE]"]
     )
     with pytest.raises(RuntimeError, match=r"reported an error in its streamed answer: token_id\(s\) \[64\]"):
-        RemoteVLLMEngine(failing.base_url, eos_token_id=2, stream=True).generate([[1, 5]], cfg)
+        RemoteVLLMEngine(failing.base_url, eos_token_id=2, connection=ConnectionSettings(stream=True)).generate(
+            [[1, 5]], cfg
+        )
 
     cut_off = streaming_stand_in(lambda body: [{"choices": [_choice(0, [7])]}])  # no finish, no [DONE]
     with pytest.raises(RuntimeError, match=r"ended before its last event \(data: \[DONE\]\)"):
-        RemoteVLLMEngine(cut_off.base_url, eos_token_id=2, stream=True).generate([[1, 5]], cfg)
+        RemoteVLLMEngine(cut_off.base_url, eos_token_id=2, connection=ConnectionSettings(stream=True)).generate(
+            [[1, 5]], cfg
+        )
 
     unfinished = streaming_stand_in(lambda body: [{"choices": [_choice(0, [7])]}, b"data: [DONE]"])
     with pytest.raises(RuntimeError, match=r"finished with None"):  # not interrupted: no finish reason is an error
-        RemoteVLLMEngine(unfinished.base_url, eos_token_id=2, stream=True).generate([[1, 5]], cfg)
+        RemoteVLLMEngine(unfinished.base_url, eos_token_id=2, connection=ConnectionSettings(stream=True)).generate(
+            [[1, 5]], cfg
+        )
 
     claims = streaming_stand_in(lambda body: [{"choices": [_choice(0, [7], INTERRUPTED)]}, b"data: [DONE]"])
     with pytest.raises(RuntimeError, match=r"finish_reason='interrupted'; expected 'stop' or 'length'"):
-        RemoteVLLMEngine(claims.base_url, eos_token_id=2, stream=True).generate([[1, 5]], cfg)
+        RemoteVLLMEngine(claims.base_url, eos_token_id=2, connection=ConnectionSettings(stream=True)).generate(
+            [[1, 5]], cfg
+        )
 
     # request_timeout_s bounds the whole stream, not each read: a server that keeps trickling times out.
     trickling = streaming_stand_in(_endless)
-    engine = RemoteVLLMEngine(trickling.base_url, eos_token_id=2, request_timeout_s=5, stream=True)
+    engine = RemoteVLLMEngine(
+        trickling.base_url, eos_token_id=2, request_timeout_s=5, connection=ConnectionSettings(stream=True)
+    )
     engine.connect()
     engine.request_timeout_s = 0.5
     began = time.perf_counter()
@@ -609,7 +627,7 @@ def test_stream_errors_are_clear(streaming_stand_in):
     assert time.perf_counter() - began < 5
 
     # close() wakes a streamed generate in flight with RuntimeError.
-    engine = RemoteVLLMEngine(trickling.base_url, eos_token_id=2, stream=True)
+    engine = RemoteVLLMEngine(trickling.base_url, eos_token_id=2, connection=ConnectionSettings(stream=True))
     errors: list[BaseException] = []
 
     def rollout() -> None:
@@ -629,12 +647,12 @@ def test_stream_errors_are_clear(streaming_stand_in):
 
 
 def test_stream_settings_are_checked():
-    with pytest.raises(ValueError, match="stream="):
-        RemoteVLLMEngine("http://127.0.0.1:8000", stream="yes")
-    with pytest.raises(ValueError, match="stream_interval"):
-        RemoteVLLMEngine("http://127.0.0.1:8000", stream_interval=0)
-    with pytest.raises(ValueError, match="stream_interval"):
-        RemoteVLLMEngine("http://127.0.0.1:8000", stream_interval=2.0)
+    with pytest.raises(ValueError, match=r"ConnectionSettings\.stream='yes' must be True"):
+        RemoteVLLMEngine("http://127.0.0.1:8000", connection=ConnectionSettings(stream="yes"))
+    with pytest.raises(ValueError, match=r"ConnectionSettings\.stream_interval=0 must be an int >= 1"):
+        RemoteVLLMEngine("http://127.0.0.1:8000", connection=ConnectionSettings(stream_interval=0))
+    with pytest.raises(ValueError, match=r"ConnectionSettings\.stream_interval=2\.0 must be an int >= 1"):
+        RemoteVLLMEngine("http://127.0.0.1:8000", connection=ConnectionSettings(stream_interval=2.0))
 
 
 @requires_vllm
@@ -654,7 +672,11 @@ def test_a_push_cuts_every_independent_episodes_turn_in_flight_and_each_goes_on_
     from tests.test_async_rollout import fake_rollout, wait_for
 
     engine = RemoteVLLMEngine(
-        server.base_url, weights_dir=str(weights_dir), eos_token_id=2, request_timeout_s=300, stream=True
+        server.base_url,
+        eos_token_id=2,
+        request_timeout_s=300,
+        weight_sync=RemoteWeightSyncSettings(weights_dir=str(weights_dir)),
+        connection=ConnectionSettings(stream=True),
     )
     new = perturbed(trainer_model, 0.05)
     engine.update_weights(trainer_model, 0)

@@ -21,6 +21,7 @@ from lightning_offpolicy.lightning.module import OffPolicyRLModule
 from lightning_offpolicy.preflight import GROUP_ESTIMATORS, looks_local
 from lightning_offpolicy.rollout import HFEngine, SamplingConfig
 from lightning_offpolicy.rollout.advantages import compute_advantages
+from lightning_offpolicy.rollout.vllm.settings import StartSettings
 from tests.test_cli import ROOT, parse
 
 
@@ -150,7 +151,7 @@ def test_vllm_max_model_len_is_checked_before_the_engine_starts(tmp_path):
     pytest.importorskip("vllm")
     from lightning_offpolicy.rollout import VLLMEngine
 
-    engine = VLLMEngine(max_model_len=32, eos_token_id=2)
+    engine = VLLMEngine(eos_token_id=2, start=StartSettings(max_model_len=32))
     module = OffPolicyRLModule(model=build_tiny_llama(), tokenizer=CharTokenizer())
     callback = RolloutCallback(engine=engine, sampling=SamplingConfig(samples_per_prompt=2, max_new_tokens=40))
     with pytest.raises(ValueError) as info:

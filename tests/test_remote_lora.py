@@ -1,4 +1,4 @@
-"""RemoteVLLMEngine(lora_sync="adapter") against a real vLLM server with runtime LoRA loading.
+"""RemoteVLLMEngine(weight_sync.lora="adapter") against a real vLLM server with runtime LoRA loading.
 
 The tests run on the session's shared server (tests/vllm_fixtures.py: ``launch_local_server(enable_lora=True,
 max_lora_rank=8)``, float32, from the tiny checkpoint). The reference is the trainer's peft model:
@@ -21,6 +21,7 @@ import torch
 
 from lightning_offpolicy.rollout.engine import Completion, SamplingConfig
 from lightning_offpolicy.rollout.vllm import RemoteVLLMEngine, launch_local_server
+from lightning_offpolicy.rollout.vllm.settings import RemoteWeightSyncSettings
 from tests.test_remote_vllm import _models
 from tests.test_vllm_lora import RANK, _bit_identical, _ckpt_lora, _lora, _optimizer_step, _snapshot
 from tests.vllm_fixtures import (
@@ -90,12 +91,15 @@ def lora_server(vllm_server):
 
 @pytest.fixture
 def make_engine(lora_server, tmp_path):
-    """Engines on the module's server (closed at the test's end), sharing one weights_dir."""
+    """Engines on the module's server (closed at the test's end), sharing one weights_dir; ``make(**fields)``: the
+    other fields of the engine's ``weight_sync`` (``lora``, ``push_lora_base``)."""
     engines: list[RemoteVLLMEngine] = []
 
-    def make(**kwargs) -> RemoteVLLMEngine:
-        kwargs = {"weights_dir": str(tmp_path / "weights"), "eos_token_id": 2, "request_timeout_s": 300, **kwargs}
-        engines.append(RemoteVLLMEngine(lora_server.base_url, **kwargs))
+    def make(**fields) -> RemoteVLLMEngine:
+        weight_sync = RemoteWeightSyncSettings(weights_dir=str(tmp_path / "weights"), **fields)
+        engines.append(
+            RemoteVLLMEngine(lora_server.base_url, eos_token_id=2, request_timeout_s=300, weight_sync=weight_sync)
+        )
         return engines[-1]
 
     yield make
@@ -118,16 +122,20 @@ def test_adapter_mode_checks_its_source_before_any_request(tmp_path):
 
     from lightning_offpolicy.demo.tiny import tiny_llama_config
 
-    with pytest.raises(ValueError, match="lora_sync"):
-        RemoteVLLMEngine("http://127.0.0.1:8000", lora_sync="lora")
-    with pytest.raises(ValueError, match="push_lora_base"):
-        RemoteVLLMEngine("http://127.0.0.1:8000", push_lora_base="no")
+    with pytest.raises(ValueError, match=r"RemoteWeightSyncSettings\.lora='lora' is not known"):
+        RemoteVLLMEngine("http://127.0.0.1:8000", weight_sync=RemoteWeightSyncSettings(lora="lora"))
+    with pytest.raises(ValueError, match=r"RemoteWeightSyncSettings\.push_lora_base='no' must be True or False"):
+        RemoteVLLMEngine("http://127.0.0.1:8000", weight_sync=RemoteWeightSyncSettings(push_lora_base="no"))
     # A closed port: a request would fail with "connection refused", not with these errors.
-    engine = RemoteVLLMEngine("http://127.0.0.1:9", weights_dir=str(tmp_path), eos_token_id=2, lora_sync="adapter")
+    engine = RemoteVLLMEngine(
+        "http://127.0.0.1:9",
+        eos_token_id=2,
+        weight_sync=RemoteWeightSyncSettings(weights_dir=str(tmp_path), lora="adapter"),
+    )
     plain = LlamaForCausalLM(tiny_llama_config()).eval()
-    with pytest.raises(TypeError, match=r"peft LoRA model, got LlamaForCausalLM.*lora_sync='merged'"):
+    with pytest.raises(TypeError, match=r"peft LoRA model, got LlamaForCausalLM.*weight_sync\.lora='merged'"):
         engine.update_weights(plain, 1)
-    with pytest.raises(TypeError, match="lora_sync='merged'"):
+    with pytest.raises(TypeError, match=r"weight_sync\.lora='merged'"):
         engine.update_weights(plain.state_dict(), 1)
     for config, feature in [
         (dict(use_dora=True), r"use_dora=True \(DoRA\)"),
@@ -145,7 +153,11 @@ def test_server_without_lora_support_is_a_clear_error(stand_in, tmp_path):
     model = _lora(_tiny_base())
     models = _models("m")
     no_lora = stand_in({("GET", "/v1/models"): models, ("GET", "/server_info"): _info(None, {})})
-    engine = RemoteVLLMEngine(no_lora.base_url, weights_dir=str(tmp_path), eos_token_id=2, lora_sync="adapter")
+    engine = RemoteVLLMEngine(
+        no_lora.base_url,
+        eos_token_id=2,
+        weight_sync=RemoteWeightSyncSettings(weights_dir=str(tmp_path), lora="adapter"),
+    )
     with pytest.raises(RuntimeError, match=r"without LoRA support.*--enable-lora --max-lora-rank 8 and "):
         engine.update_weights(model, 1)
     engine.close()
@@ -156,7 +168,11 @@ def test_server_without_lora_support_is_a_clear_error(stand_in, tmp_path):
             ("GET", "/server_info"): _info({"max_lora_rank": 8}, {"VLLM_ALLOW_RUNTIME_LORA_UPDATING": False}),
         }
     )
-    engine = RemoteVLLMEngine(no_runtime.base_url, weights_dir=str(tmp_path), eos_token_id=2, lora_sync="adapter")
+    engine = RemoteVLLMEngine(
+        no_runtime.base_url,
+        eos_token_id=2,
+        weight_sync=RemoteWeightSyncSettings(weights_dir=str(tmp_path), lora="adapter"),
+    )
     with pytest.raises(RuntimeError, match="cannot load adapters at run time.*VLLM_ALLOW_RUNTIME_LORA_UPDATING=1"):
         engine.update_weights(model, 1)
     with pytest.raises(ValueError, match=r"rank 16 exceeds the server's --max-lora-rank 8.*--max-lora-rank 16"):
@@ -173,7 +189,9 @@ def test_server_without_lora_support_is_a_clear_error(stand_in, tmp_path):
         }
     )
     engine = RemoteVLLMEngine(
-        unsaid.base_url, weights_dir=str(tmp_path), eos_token_id=2, lora_sync="adapter", check_weight_sync=False
+        unsaid.base_url,
+        eos_token_id=2,
+        weight_sync=RemoteWeightSyncSettings(weights_dir=str(tmp_path), lora="adapter", check=False),
     )
     with pytest.raises(RuntimeError, match="no /v1/load_lora_adapter.*VLLM_ALLOW_RUNTIME_LORA_UPDATING=1"):
         engine.update_weights(model, 1)
@@ -207,7 +225,7 @@ def _tiny_base() -> torch.nn.Module:
 @pytest.mark.slow
 def test_adapter_syncs_follow_the_peft_model(make_engine, lora_server, tiny_ckpt, monkeypatch):
     model = _ckpt_lora(tiny_ckpt)
-    engine = make_engine(lora_sync="adapter")
+    engine = make_engine(lora="adapter")
     reloads: list[str] = []
     reload = engine._reload_weights
     monkeypatch.setattr(engine, "_reload_weights", lambda path: (reloads.append(path), reload(path))[1])
@@ -264,7 +282,7 @@ def test_adapter_syncs_follow_the_peft_model(make_engine, lora_server, tiny_ckpt
 @pytest.mark.slow
 def test_adapter_sync_that_did_not_arrive_is_caught(make_engine, tiny_ckpt, monkeypatch):
     model = _ckpt_lora(tiny_ckpt)
-    engine = make_engine(lora_sync="adapter")
+    engine = make_engine(lora="adapter")
     engine.update_weights(model, 10)  # a good sync: the check's reference point
     monkeypatch.setattr(engine, "_load_adapter", lambda name, path: None)  # written, never loaded
     _optimizer_step(model, seed=4)
@@ -279,7 +297,7 @@ def test_adapter_sync_that_did_not_arrive_is_caught(make_engine, tiny_ckpt, monk
 @requires_vllm
 @pytest.mark.slow
 def test_rank_above_the_servers_limit_is_refused(make_engine, tiny_ckpt):
-    engine = make_engine(lora_sync="adapter")
+    engine = make_engine(lora="adapter")
     model = _lora(_tiny_base(), r=2 * RANK)
     with pytest.raises(ValueError, match=rf"rank {2 * RANK} exceeds the server's --max-lora-rank {RANK}"):
         engine.update_weights(model, 1)
@@ -293,13 +311,13 @@ def test_adapter_bytes_against_merged_and_a_served_base(make_engine, tiny_ckpt):
     from transformers import LlamaForCausalLM
 
     model = _ckpt_lora(tiny_ckpt)
-    adapter = make_engine(lora_sync="adapter")
+    adapter = make_engine(lora="adapter")
     adapter.update_weights(model, 0)
     _optimizer_step(model, seed=5)
     adapter.update_weights(model, 1)
     adapter_bytes, adapter_s = adapter.last_sync_bytes, adapter.last_sync_time_s
     adapter.close()
-    merged = make_engine(lora_sync="merged")
+    merged = make_engine(lora="merged")
     merged.update_weights(model, 2)  # the server's base weights are now W + scaling B A
     merged_bytes, merged_s = merged.last_sync_bytes, merged.last_sync_time_s
     merged_residual, vs_base, _ = _residual(merged, model, seed=6)
@@ -323,12 +341,12 @@ def test_adapter_bytes_against_merged_and_a_served_base(make_engine, tiny_ckpt):
     assert ratio > 0.9 * base_params / lora_params > 30  # the parameter ratio, less the adapter's config file
 
     # push_lora_base=False trusts the server's base: the self-check catches one that is not the trainer's.
-    trusting = make_engine(lora_sync="adapter", push_lora_base=False)
+    trusting = make_engine(lora="adapter", push_lora_base=False)
     with pytest.raises(RuntimeError, match="weight-sync check failed"):
         trusting.update_weights(model, 3)
     assert trusting.version == 0
     merged.update_weights(LlamaForCausalLM.from_pretrained(str(tiny_ckpt), dtype=torch.float32).eval(), 4)
-    served_base = make_engine(lora_sync="adapter", push_lora_base=False)
+    served_base = make_engine(lora="adapter", push_lora_base=False)
     served_base.update_weights(model, 5)  # no base push: the adapter only
     assert served_base.last_sync_check_max_abs_diff <= 1e-3
     assert served_base.last_sync_bytes == adapter_bytes

@@ -21,6 +21,7 @@ import torch
 
 from lightning_offpolicy.rollout import RemoteVLLMEngine, RemoteVLLMPool, SamplingConfig
 from lightning_offpolicy.rollout.engine import per_prompt_seeds
+from lightning_offpolicy.rollout.vllm.settings import ConnectionSettings, RemoteWeightSyncSettings, StartSettings
 from tests.vllm_fixtures import (
     lose_syncs,
     requires_vllm,
@@ -34,7 +35,9 @@ from tests.vllm_fixtures import (
 def second_server(tiny_ckpt):
     from lightning_offpolicy.rollout.vllm import launch_local_server
 
-    server = launch_local_server(tiny_ckpt, dtype="float32", kv_cache_space_gib=1, startup_timeout_s=600)
+    server = launch_local_server(
+        tiny_ckpt, start=StartSettings(dtype="float32", kv_cache_space_gib=1), startup_timeout_s=600
+    )
     yield server
     server.close()
 
@@ -51,7 +54,12 @@ def weights_dir(tmp_path):
 
 def _pool(servers, weights_dir, on_server_failure="retry", timeout_s=120.0):
     clients = [
-        RemoteVLLMEngine(s.base_url, weights_dir=str(weights_dir), eos_token_id=2, request_timeout_s=timeout_s)
+        RemoteVLLMEngine(
+            s.base_url,
+            eos_token_id=2,
+            request_timeout_s=timeout_s,
+            weight_sync=RemoteWeightSyncSettings(weights_dir=str(weights_dir)),
+        )
         for s in servers
     ]
     return RemoteVLLMPool(clients, on_server_failure=on_server_failure)
@@ -243,7 +251,10 @@ def test_a_server_that_hangs_is_named_within_its_timeout(servers, weights_dir):
     thread = threading.Thread(target=accept, daemon=True)
     thread.start()
     hung = RemoteVLLMEngine(
-        f"http://127.0.0.1:{listener.getsockname()[1]}", eos_token_id=2, request_timeout_s=3, connect_timeout_s=2
+        f"http://127.0.0.1:{listener.getsockname()[1]}",
+        eos_token_id=2,
+        request_timeout_s=3,
+        connection=ConnectionSettings(connect_timeout_s=2),
     )
     live = RemoteVLLMEngine(servers[0].base_url, eos_token_id=2, request_timeout_s=120)
     sampling = SamplingConfig(max_new_tokens=4, samples_per_prompt=1)

@@ -20,6 +20,7 @@ import torch
 from lightning_offpolicy.rollout.vllm import RemoteVLLMEngine, launch_local_server
 from lightning_offpolicy.rollout.vllm import server as vllm_server
 from lightning_offpolicy.rollout.vllm.export import write_safetensors
+from lightning_offpolicy.rollout.vllm.settings import ConnectionSettings, RemoteWeightSyncSettings
 from tests.vllm_fixtures import requires_vllm
 
 #: Spellings of --host / --port / --logprobs-mode that vLLM's parser accepts (abbreviations, =, underscores).
@@ -126,7 +127,8 @@ def test_sync_directory_and_file_are_private_under_umask_000(
     tmp_path, umask_000, monkeypatch, share, dir_mode, file_mode
 ):
     engine = RemoteVLLMEngine(
-        "http://127.0.0.1:9", weights_dir=str(tmp_path / "weights"), share_weights_with_group=share
+        "http://127.0.0.1:9",
+        weight_sync=RemoteWeightSyncSettings(weights_dir=str(tmp_path / "weights"), share_with_group=share),
     )
     monkeypatch.setattr(engine, "_has_receiver", lambda: False)  # the three HTTP calls of a sync
     monkeypatch.setattr(engine, "_reload_weights", lambda path: None)
@@ -156,7 +158,9 @@ def test_write_safetensors_ignores_the_umask_and_leftovers(tmp_path, umask_000):
 def test_missing_parents_of_weights_dir_are_created_private_under_umask_000(tmp_path, umask_000, share, dir_mode):
     before = _mode(tmp_path)
     weights = tmp_path / "jobs" / "run1" / "weights"
-    engine = RemoteVLLMEngine("http://127.0.0.1:9", weights_dir=str(weights), share_weights_with_group=share)
+    engine = RemoteVLLMEngine(
+        "http://127.0.0.1:9", weight_sync=RemoteWeightSyncSettings(weights_dir=str(weights), share_with_group=share)
+    )
     sync_dir = engine._ensure_sync_dir()
     # Before: `mkdir -p` made jobs/ and run1/ 0777 under umask 000, so any local user could rename weights/ away
     # and put a directory of their own in its place before the server reloads from it.
@@ -172,12 +176,12 @@ def test_world_writable_weights_dir_without_sticky_bit_warns(tmp_path, monkeypat
     root = tmp_path / "shared"
     root.mkdir()
     os.chmod(root, 0o777)
-    engine = RemoteVLLMEngine("http://127.0.0.1:9", weights_dir=str(root))
+    engine = RemoteVLLMEngine("http://127.0.0.1:9", weight_sync=RemoteWeightSyncSettings(weights_dir=str(root)))
     with pytest.warns(RuntimeWarning, match="writable by other users .*sticky bit"):
         engine._ensure_sync_dir()
     engine.close()
     os.chmod(root, 0o1777)  # like /tmp: others cannot rename our entries
-    engine = RemoteVLLMEngine("http://127.0.0.1:9", weights_dir=str(root))
+    engine = RemoteVLLMEngine("http://127.0.0.1:9", weight_sync=RemoteWeightSyncSettings(weights_dir=str(root)))
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         engine._ensure_sync_dir()
@@ -187,7 +191,7 @@ def test_world_writable_weights_dir_without_sticky_bit_warns(tmp_path, monkeypat
 def test_api_key_over_plain_http_to_another_host_warns(monkeypatch):
     monkeypatch.delenv("VLLM_API_KEY", raising=False)
     with pytest.warns(RuntimeWarning, match=r"API key goes to 10.0.0.5 over plain http://"):
-        RemoteVLLMEngine("http://10.0.0.5:8000", api_key="secret")
+        RemoteVLLMEngine("http://10.0.0.5:8000", connection=ConnectionSettings(api_key="secret"))
     monkeypatch.setenv("VLLM_API_KEY", "secret")
     with pytest.warns(RuntimeWarning, match="over plain http://"):
         RemoteVLLMEngine("http://rollout-node:8000")

@@ -27,6 +27,7 @@ import torch
 from lightning_offpolicy.rollout import AsyncSettings
 from lightning_offpolicy.rollout.engine import Completion, RolloutEngine, SamplingConfig
 from lightning_offpolicy.rollout.vllm import LocalVLLMServer, RemoteVLLMEngine, launch_local_server
+from lightning_offpolicy.rollout.vllm.settings import ConnectionSettings, RemoteWeightSyncSettings, StartSettings
 from tests.engine_contract import VLLMEngineContract
 from tests.vllm_fixtures import alive, requires_vllm, residuals, reverse_prompts, teacher_forced_logprobs
 
@@ -90,22 +91,33 @@ def test_import_does_not_import_vllm():
         (dict(model=""), "model"),
         (dict(request_timeout_s=0), "request_timeout_s"),
         (dict(request_timeout_s=float("nan")), "request_timeout_s"),
-        (dict(max_concurrent_requests=0), "max_concurrent_requests"),
-        (dict(max_concurrent_requests=2.5), "max_concurrent_requests"),
-        (dict(weight_sync_tolerance=-1.0), "weight_sync_tolerance"),
-        (dict(check_weight_sync="yes"), "check_weight_sync"),
+        (
+            dict(connection=dict(max_concurrent_requests=0)),
+            r"ConnectionSettings\.max_concurrent_requests=0 must be an int >= 1",
+        ),
+        (
+            dict(connection=dict(max_concurrent_requests=2.5)),
+            r"ConnectionSettings\.max_concurrent_requests=2\.5 must be an int >= 1",
+        ),
+        (dict(weight_sync=dict(tolerance=-1.0)), r"RemoteWeightSyncSettings\.tolerance=-1\.0 must be > 0"),
+        (dict(weight_sync=dict(check="yes")), r"RemoteWeightSyncSettings\.check='yes' must be True or False"),
         (dict(eos_token_id=-1), "eos_token_id"),
         (dict(pad_token_id=True), "pad_token_id"),
-        (dict(api_key=""), "api_key"),
-        (dict(server_weights_dir="/mnt/x"), "server_weights_dir"),
-        (dict(weight_transport="rdma"), "weight_transport='rdma' is not known"),
-        (dict(transfer_master_port=70000), "transfer_master_port"),
+        (dict(connection=dict(api_key="")), r"ConnectionSettings\.api_key must be a non-empty str or None"),
+        (
+            dict(weight_sync=dict(server_weights_dir="/mnt/x")),
+            r"RemoteWeightSyncSettings\.server_weights_dir is set but weights_dir is not",
+        ),
+        (dict(weight_sync=dict(transport="rdma")), r"RemoteWeightSyncSettings\.transport='rdma' is not known"),
+        (dict(weight_sync=dict(master_port=70000)), r"RemoteWeightSyncSettings\.master_port=70000 must be a port"),
     ],
 )
 def test_bad_arguments(kwargs, match):
-    kwargs = {"base_url": "http://127.0.0.1:8000", **kwargs}
+    """A bad argument, or a bad field of the ``weight_sync`` / ``connection`` settings (refused as they are built)."""
+    groups = {"weight_sync": RemoteWeightSyncSettings, "connection": ConnectionSettings}
     with pytest.raises(ValueError, match=match):
-        RemoteVLLMEngine(**kwargs)
+        built = {name: groups[name](**value) if name in groups else value for name, value in kwargs.items()}
+        RemoteVLLMEngine(**{"base_url": "http://127.0.0.1:8000", **built})
 
 
 def test_base_url_forms_and_weights_dir_file(tmp_path):
@@ -114,8 +126,8 @@ def test_base_url_forms_and_weights_dir_file(tmp_path):
     assert RemoteVLLMEngine("http://[::1]:9000").base_url == "http://[::1]:9000"
     file = tmp_path / "f"
     file.write_text("x")
-    with pytest.raises(ValueError, match="weights_dir"):
-        RemoteVLLMEngine("http://127.0.0.1:8000", weights_dir=str(file))
+    with pytest.raises(ValueError, match=r"RemoteWeightSyncSettings\.weights_dir=.* exists and is not a directory"):
+        RemoteVLLMEngine("http://127.0.0.1:8000", weight_sync=RemoteWeightSyncSettings(weights_dir=str(file)))
 
 
 def test_bad_calls_fail_before_any_request(tmp_path):
@@ -133,7 +145,7 @@ def test_bad_calls_fail_before_any_request(tmp_path):
         engine.update_weights([1, 2], 1)
     with pytest.raises(TypeError, match="version"):
         engine.update_weights({}, "1")
-    with pytest.raises(RuntimeError, match="weights_dir"):
+    with pytest.raises(RuntimeError, match=r"needs weights_dir.*weight_sync\.weights_dir"):
         engine.update_weights({"w": torch.zeros(1)}, 1)
     no_eos = RemoteVLLMEngine("http://127.0.0.1:8000")
     with pytest.raises(RuntimeError, match="eos_token_id"):
@@ -195,7 +207,9 @@ def test_connect_checks_the_server_configuration(stand_in, tmp_path):
 
     # Not in dev mode (/server_info is 404): a loud warning at connect, a clear error at the first sync.
     plain = stand_in({("GET", "/v1/models"): _models("m")})
-    engine = RemoteVLLMEngine(plain.base_url, weights_dir=str(tmp_path), eos_token_id=2)
+    engine = RemoteVLLMEngine(
+        plain.base_url, eos_token_id=2, weight_sync=RemoteWeightSyncSettings(weights_dir=str(tmp_path))
+    )
     with pytest.warns(RuntimeWarning, match="processed_logprobs"):
         engine.connect()
     with pytest.raises(RuntimeError, match="VLLM_SERVER_DEV_MODE=1"):
@@ -212,7 +226,7 @@ def test_http_errors_carry_the_servers_message_and_the_api_key_is_sent(stand_in)
             ("POST", "/v1/completions"): (400, {"error": {"message": message, "type": "BadRequestError"}}),
         }
     )
-    engine = RemoteVLLMEngine(server.base_url + "/v1", eos_token_id=2, api_key="secret")
+    engine = RemoteVLLMEngine(server.base_url + "/v1", eos_token_id=2, connection=ConnectionSettings(api_key="secret"))
     with pytest.raises(RuntimeError, match=r"HTTP 400 /v1/completions: max_tokens=300 cannot be greater"):
         engine.generate([[1, 2]], SamplingConfig(max_new_tokens=2))
     method, path, headers, body = server.requests[-1]
@@ -223,7 +237,7 @@ def test_http_errors_carry_the_servers_message_and_the_api_key_is_sent(stand_in)
     assert body["repetition_penalty"] == 1.0 and body["top_k"] == 0 and "seed" not in body
 
     server.routes[("GET", "/v1/models")] = (401, {"error": "Unauthorized"})
-    with pytest.raises(RuntimeError, match=r"HTTP 401.*Unauthorized.*api_key"):
+    with pytest.raises(RuntimeError, match=r"HTTP 401.*Unauthorized.*connection\.api_key"):
         RemoteVLLMEngine(server.base_url).connect()
 
 
@@ -279,9 +293,9 @@ def test_gpu_transports_say_what_they_need(transport):
 
     if torch.cuda.is_available():
         pytest.skip("this machine has CUDA: the refusal does not apply")
-    refusal = f"weight_transport='{transport}'.*no CUDA device: use weight_transport='file'"
+    refusal = rf"weight_sync\.transport='{transport}'.*no CUDA device: use weight_sync\.transport='file'"
     with pytest.raises(ValueError, match=refusal):
-        RemoteVLLMEngine("http://127.0.0.1:8000", weight_transport=transport)
+        RemoteVLLMEngine("http://127.0.0.1:8000", weight_sync=RemoteWeightSyncSettings(transport=transport))
     assert gpu_transport_refusal("file") is None
 
 
@@ -291,14 +305,14 @@ def test_launcher_argument_checks(tmp_path):
         (dict(extra_args=["--host=0.0.0.0"]), "--host"),
         (dict(extra_args=["--logprobs-mode", "raw_logprobs"]), "processed_logprobs"),
         (dict(extra_args=["--logprobs-mode=raw_logits"]), "processed_logprobs"),
-        (dict(dtype="int8"), "dtype"),
+        (dict(start=dict(dtype="int8")), r"StartSettings\.dtype='int8' is not known"),
         (dict(port=0), "port"),
-        (dict(kv_cache_space_gib=0), "kv_cache_space_gib"),
-        (dict(gpu_memory_utilization=2.0), "gpu_memory_utilization"),
+        (dict(start=dict(kv_cache_space_gib=0)), r"StartSettings\.kv_cache_space_gib=0 must be an int >= 1"),
+        (dict(start=dict(gpu_memory_utilization=2.0)), r"StartSettings\.gpu_memory_utilization=2\.0 must be in"),
         (dict(weight_transfer_backend="rdma"), "weight_transfer_backend"),
     ]:
-        with pytest.raises(ValueError, match=match):
-            launch_local_server(tmp_path, **kwargs)
+        with pytest.raises(ValueError, match=match):  # the start settings' fields refused as they are built
+            launch_local_server(tmp_path, **{k: StartSettings(**v) if k == "start" else v for k, v in kwargs.items()})
 
 
 # ---------------------------------------------------------------------- the module's real server
@@ -320,14 +334,21 @@ def weights_dir(tmp_path_factory) -> Path:
 
 @pytest.fixture
 def engine(server, weights_dir):
-    eng = RemoteVLLMEngine(server.base_url, weights_dir=str(weights_dir), eos_token_id=2, request_timeout_s=300)
+    eng = RemoteVLLMEngine(
+        server.base_url,
+        eos_token_id=2,
+        request_timeout_s=300,
+        weight_sync=RemoteWeightSyncSettings(weights_dir=str(weights_dir)),
+    )
     yield eng
     eng.close()
 
 
 def _restore(server: LocalVLLMServer, weights_dir: Path, model) -> None:
     """Put the original checkpoint's weights back into the module's server (checked)."""
-    with RemoteVLLMEngine(server.base_url, weights_dir=str(weights_dir), eos_token_id=2) as eng:
+    with RemoteVLLMEngine(
+        server.base_url, eos_token_id=2, weight_sync=RemoteWeightSyncSettings(weights_dir=str(weights_dir))
+    ) as eng:
         eng.update_weights(model, 0)
         assert eng.last_sync_check_max_abs_diff <= 1e-3
 
@@ -489,7 +510,9 @@ def test_fit_with_remote_rollouts(server, weights_dir, tiny_ckpt, trainer_model,
     from lightning_offpolicy.lightning.module import OffPolicyRLModule
     from lightning_offpolicy.rollout import RemoteVLLMEngine as Exported
 
-    engine = Exported(server.base_url, weights_dir=str(weights_dir), request_timeout_s=300)
+    engine = Exported(
+        server.base_url, request_timeout_s=300, weight_sync=RemoteWeightSyncSettings(weights_dir=str(weights_dir))
+    )
     seen: list[Completion] = []
     generate = engine.generate
 
@@ -550,10 +573,12 @@ def test_fit_with_remote_rollouts(server, weights_dir, tiny_ckpt, trainer_model,
 def test_failed_reload_makes_the_engine_refuse_further_use(server, weights_dir, trainer_model):
     """vLLM 0.32 leaves the weights half-loaded after a failed reload: the engine says restart, and stops."""
     eng = RemoteVLLMEngine(
-        server.base_url, weights_dir=str(weights_dir), server_weights_dir="/nonexistent/mount", eos_token_id=2
+        server.base_url,
+        eos_token_id=2,
+        weight_sync=RemoteWeightSyncSettings(weights_dir=str(weights_dir), server_weights_dir="/nonexistent/mount"),
     )
     with pytest.raises(
-        RuntimeError, match=r"HTTP 500 /collective_rpc(.|\n)*must be restarted(.|\n)*server_weights_dir"
+        RuntimeError, match=r"HTTP 500 /collective_rpc(.|\n)*must be restarted(.|\n)*weight_sync\.server_weights_dir"
     ):
         eng.update_weights(trainer_model, 1)
     with pytest.raises(RuntimeError, match="unusable.*restarted"):

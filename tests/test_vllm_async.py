@@ -21,7 +21,7 @@ from lightning_offpolicy.rollout import AsyncSettings, SamplingConfig
 from lightning_offpolicy.rollout.vllm.inprocess import VLLMEngine
 from tests.test_async_rollout import VersionSpy
 from tests.test_vllm_fit import vllm_children
-from tests.vllm_fixtures import ENGINE_KWARGS, requires_vllm
+from tests.vllm_fixtures import ENGINE_START, requires_vllm
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -85,7 +85,7 @@ class KillEngineCore(L.Callback):
 
 def test_engine_death_mid_async_fit_stops_cleanly_and_keeps_the_checkpoint(tmp_path, tiny_ckpt, vllm_engine_holder):
     vllm_engine_holder.close()
-    engine = VLLMEngine(model=None, request_timeout_s=120, **ENGINE_KWARGS)
+    engine = VLLMEngine(model=None, request_timeout_s=120, start=ENGINE_START)
     module = OffPolicyRLModule(model=str(tiny_ckpt), optimizer=partial(torch.optim.AdamW, lr=1e-3), num_minibatches=2)
     spy = VersionSpy()
     killer = KillEngineCore(engine, after_batch=3)

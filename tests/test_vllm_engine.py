@@ -7,6 +7,7 @@ in ``MEASURED``. About 100 s on a 2-core CPU machine (three engine starts of ~20
 
 from __future__ import annotations
 
+import dataclasses
 import subprocess
 import sys
 import threading
@@ -17,9 +18,11 @@ import torch
 
 from lightning_offpolicy.rollout.engine import RolloutEngine, SamplingConfig
 from lightning_offpolicy.rollout.vllm.inprocess import VLLMEngine
+from lightning_offpolicy.rollout.vllm.settings import StartSettings
 from tests.engine_contract import VLLMEngineContract
 from tests.vllm_fixtures import (
-    ENGINE_KWARGS,
+    ENGINE_START,
+    engine_arguments,
     requires_vllm,
     reverse_prompts,
 )
@@ -76,27 +79,28 @@ def test_missing_vllm_gives_install_hint(monkeypatch):
 @pytest.mark.parametrize(
     ("kwargs", "match"),
     [
-        (dict(dtype="int8"), "dtype"),
-        (dict(max_model_len=1), "max_model_len"),
-        (dict(gpu_memory_utilization=0.0), "gpu_memory_utilization"),
-        (dict(gpu_memory_utilization=1.5), "gpu_memory_utilization"),
-        (dict(kv_cache_space_gib=0), "kv_cache_space_gib"),
+        (dict(start=dict(dtype="int8")), r"StartSettings\.dtype='int8' is not known"),
+        (dict(start=dict(max_model_len=1)), r"StartSettings\.max_model_len=1 must be an int >= 2"),
+        (dict(start=dict(gpu_memory_utilization=0.0)), r"StartSettings\.gpu_memory_utilization=0\.0 must be in"),
+        (dict(start=dict(gpu_memory_utilization=1.5)), r"StartSettings\.gpu_memory_utilization=1\.5 must be in"),
+        (dict(start=dict(kv_cache_space_gib=0)), r"StartSettings\.kv_cache_space_gib=0 must be an int >= 1"),
         (dict(tensor_parallel_size=0), "tensor_parallel_size"),
         (dict(request_timeout_s=0), "request_timeout_s"),
-        (dict(weight_sync_tolerance=-1.0), "weight_sync_tolerance"),
+        (dict(weight_sync=dict(tolerance=-1.0)), r"WeightSyncSettings\.tolerance=-1\.0 must be > 0"),
         (dict(engine_kwargs={"logprobs_mode": "raw_logprobs"}), "processed_logprobs"),
         (dict(engine_kwargs={"model": "x"}), "model"),
-        (dict(lora_sync="lora"), "lora_sync"),
+        (dict(weight_sync=dict(lora="lora")), r"WeightSyncSettings\.lora='lora' is not known"),
     ],
 )
 def test_bad_arguments(kwargs, match):
+    """A bad argument, or a bad field of the ``start`` / ``weight_sync`` settings (refused as they are built)."""
     with pytest.raises(ValueError, match=match):
-        VLLMEngine(model="unused", **kwargs)
+        VLLMEngine(model="unused", **engine_arguments(**kwargs))
 
 
 @requires_vllm
 def test_bad_calls_fail_before_starting_anything(monkeypatch):
-    engine = VLLMEngine(model=None, eos_token_id=2, max_model_len=32)
+    engine = VLLMEngine(model=None, eos_token_id=2, start=StartSettings(max_model_len=32))
     cfg = SamplingConfig(max_new_tokens=8, samples_per_prompt=1)
     with pytest.raises(RuntimeError, match="no weights yet"):
         engine.generate([[1, 2, 3]], cfg)
@@ -285,7 +289,7 @@ def test_close_leaves_no_processes(vllm_engine, vllm_engine_holder):
 def test_dead_engine_raises_instead_of_hanging(tiny_ckpt, vllm_engine_holder):
     """Killing the engine-core process mid-generate: vLLM 0.32 alone would block forever."""
     vllm_engine_holder.close()  # one engine at a time on a small machine
-    engine = VLLMEngine(model=str(tiny_ckpt), eos_token_id=63, request_timeout_s=120, **ENGINE_KWARGS)
+    engine = VLLMEngine(model=str(tiny_ckpt), eos_token_id=63, request_timeout_s=120, start=ENGINE_START)
     before = {p.pid for p in _psutil_engine_procs()}
     killed: dict = {}
 
@@ -330,15 +334,14 @@ def test_start_failure_says_what_to_change(tiny_ckpt, vllm_engine_holder, monkey
         pytest.skip("the memory check that fails here is the CPU backend's")
     vllm_engine_holder.close()
     monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)
-    engine = VLLMEngine(
-        model=str(tiny_ckpt), eos_token_id=2, dtype="float32", max_model_len=64,
-        gpu_memory_utilization=1.0, kv_cache_space_gib=None,
-    )  # fmt: skip
+    start = StartSettings(dtype="float32", max_model_len=64, gpu_memory_utilization=1.0, kv_cache_space_gib=None)
+    engine = VLLMEngine(model=str(tiny_ckpt), eos_token_id=2, start=start)
     before = {p.pid for p in _psutil_engine_procs()}
     with pytest.raises(RuntimeError, match="failed to start") as info:
         engine.update_weights({}, 0)
     message = str(info.value)
-    assert "gpu_memory_utilization" in message and "kv_cache_space_gib" in message and "__main__" in message
+    assert "start.gpu_memory_utilization" in message and "start.kv_cache_space_gib" in message
+    assert "__main__" in message
     assert not engine.started
     assert [p for p in _psutil_engine_procs() if p.pid not in before and _running(p)] == []
     engine.close()
@@ -351,14 +354,16 @@ def test_default_max_model_len_is_the_models_context(tiny_ckpt, vllm_engine):
     from transformers import AutoConfig
 
     context = AutoConfig.from_pretrained(str(tiny_ckpt)).max_position_embeddings
-    assert context == 256 and "max_model_len" not in ENGINE_KWARGS
-    assert VLLMEngine(model=str(tiny_ckpt), eos_token_id=2, **ENGINE_KWARGS).max_model_len is None  # until it starts
+    assert context == 256 and ENGINE_START.max_model_len is None
+    assert VLLMEngine(model=str(tiny_ckpt), eos_token_id=2, start=ENGINE_START).max_model_len is None  # until it starts
     cfg = SamplingConfig(max_new_tokens=8, samples_per_prompt=2)
     out = vllm_engine.generate(reverse_prompts(3), cfg, seed=0)
     assert len(out) == 6 and vllm_engine.max_model_len == context
     with pytest.raises(ValueError, match=f"exceeds max_model_len={context}"):
         vllm_engine.generate([[1] * (context - 4)], cfg)
-    too_long = VLLMEngine(model=str(tiny_ckpt), eos_token_id=2, **{**ENGINE_KWARGS, "max_model_len": 512})
+    too_long = VLLMEngine(
+        model=str(tiny_ckpt), eos_token_id=2, start=dataclasses.replace(ENGINE_START, max_model_len=512)
+    )
     with pytest.raises(RuntimeError, match="rejected its configuration") as info:
         too_long.generate(reverse_prompts(1), cfg)
     first_hint = str(info.value).split("\n- ")[1]

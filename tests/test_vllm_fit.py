@@ -54,7 +54,7 @@ def vllm_children() -> list[str]:
 
 @requires_vllm
 def test_the_default_engine_dtype_is_the_trainers(vllm_engine, trainer_model):
-    """``VLLMEngine()`` (``dtype="auto"``, the session's shared engine's) started from a float32 module samples in
+    """``VLLMEngine()`` (``start.dtype="auto"``, the session's shared engine's) started from a float32 module samples in
     the trainer's float32, not in vLLM's bfloat16 downcast.
 
     The downcast stalled the vs_trl task at a reward of ~0.08 where a float32 engine reached 0.9

@@ -1,4 +1,4 @@
-"""LoRA (peft) weight sync into VLLMEngine, both ``lora_sync`` modes, on real vLLM.
+"""LoRA (peft) weight sync into VLLMEngine, both ``weight_sync.lora`` modes, on real vLLM.
 
 The export itself (:func:`merged_state_dict`, :func:`base_state_dict`) is checked in pure Python
 against a float64 hand computation. The engine tests start one engine per mode (never two alive
@@ -20,8 +20,9 @@ from lightning_offpolicy.logprobs import causal_lm_token_logprobs
 from lightning_offpolicy.rollout.engine import Completion, SamplingConfig
 from lightning_offpolicy.rollout.vllm.inprocess import VLLMEngine
 from lightning_offpolicy.rollout.vllm.peft_export import adapter_rank, base_state_dict, merged_state_dict, save_adapter
+from lightning_offpolicy.rollout.vllm.settings import WeightSyncSettings
 from tests.vllm_fixtures import (
-    ENGINE_KWARGS,
+    ENGINE_START,
     lose_syncs,
     requires_vllm,
 )
@@ -200,16 +201,16 @@ def test_adapter_mode_needs_a_peft_model_and_a_first_sync():
     from lightning_offpolicy.demo.tiny import build_tiny_llama
     from lightning_offpolicy.rollout.vllm.lora import vllm_lora_rank
 
-    engine = VLLMEngine(model="unused", eos_token_id=2, lora_sync="adapter")
-    with pytest.raises(TypeError, match="lora_sync='merged'"):
+    engine = VLLMEngine(model="unused", eos_token_id=2, weight_sync=WeightSyncSettings(lora="adapter"))
+    with pytest.raises(TypeError, match=r"weight_sync\.lora='merged'"):
         engine.update_weights(build_tiny_llama(), 0)
-    with pytest.raises(TypeError, match="lora_sync='merged'"):
+    with pytest.raises(TypeError, match=r"weight_sync\.lora='merged'"):
         engine.update_weights({"w": torch.zeros(1)}, 0)
     with pytest.raises(RuntimeError, match="update_weights before generate"):
         engine.generate([[1, 2]], SamplingConfig(max_new_tokens=2))
     assert not engine.started
     assert [vllm_lora_rank(r) for r in (1, 2, 8, 9, 17, 320)] == [1, 8, 8, 16, 32, 320]
-    with pytest.raises(ValueError, match="lora_sync='merged'"):
+    with pytest.raises(ValueError, match=r"weight_sync\.lora='merged'"):
         vllm_lora_rank(4096)
 
 
@@ -218,7 +219,7 @@ def test_adapter_mode_needs_a_peft_model_and_a_first_sync():
 
 @pytest.fixture
 def merged_engine(vllm_engine, tiny_ckpt):
-    """The session's shared engine: started from a module with ``lora_sync="merged"`` (the default), what a
+    """The session's shared engine: started from a module with ``weight_sync.lora="merged"`` (the default), what a
     merged-LoRA run starts; the checkpoint's weights are put back after the test."""
     from transformers import LlamaForCausalLM
 
@@ -232,7 +233,9 @@ def adapter_engine(vllm_engine_holder, tiny_ckpt):
     """An engine of its own with vLLM's LoRA on, started from the checkpoint (the base weights pushed at the
     first sync, and only then)."""
     vllm_engine_holder.close()  # the session's shared engine, if a test started it: one engine at a time
-    engine = VLLMEngine(model=str(tiny_ckpt), eos_token_id=2, lora_sync="adapter", **ENGINE_KWARGS)
+    engine = VLLMEngine(
+        model=str(tiny_ckpt), eos_token_id=2, start=ENGINE_START, weight_sync=WeightSyncSettings(lora="adapter")
+    )
     yield engine
     engine.close()
     print("\nMEASURED", {k: round(v, 6) for k, v in MEASURED.items()})

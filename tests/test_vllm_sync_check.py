@@ -14,6 +14,7 @@ import torch
 
 from lightning_offpolicy.rollout.engine import SamplingConfig
 from lightning_offpolicy.rollout.vllm.inprocess import VLLMEngine
+from lightning_offpolicy.rollout.vllm.settings import StartSettings
 from lightning_offpolicy.rollout.vllm.weight_sync import SyncCheck, trainer_probe_logprobs
 from tests.vllm_fixtures import lose_syncs, requires_vllm, reverse_prompts
 
@@ -36,10 +37,8 @@ def test_bfloat16_engine_on_a_peaked_policy(tiny_ckpt, vllm_engine_holder, monke
     trainer = LlamaForCausalLM.from_pretrained(str(tiny_ckpt), dtype=torch.float32).eval()
     with torch.no_grad():
         trainer.lm_head.weight.mul_(30.0)  # near-deterministic: greedy tokens at ~0 nats, the rest at -100 and below
-    engine = VLLMEngine(
-        model=None, dtype="bfloat16", max_model_len=256, gpu_memory_utilization=0.3, kv_cache_space_gib=1,
-        eos_token_id=2,
-    )  # fmt: skip
+    start = StartSettings(dtype="bfloat16", max_model_len=256, gpu_memory_utilization=0.3, kv_cache_space_gib=1)
+    engine = VLLMEngine(model=None, eos_token_id=2, start=start)
     try:
         engine.update_weights(trainer, 0)  # starts from the module, then checks it
         probe = engine._probe()

@@ -51,7 +51,9 @@ def test_weights_that_arrived_wrong_are_caught_in_reduced_precision():
     tol = sync_tolerance(torch.bfloat16, _module(torch.float32), None)
     # Token 2: |diff| 3.0 > 1 + 0.125 * 4 = 1.5 (another model's weights: tens of percent off).
     engine = torch.tensor([-200.0, -7.0, -2.0], dtype=torch.float64)
-    with pytest.raises(RuntimeError, match=r"probe token 2: engine -7, trainer -4; accepted: weight_sync_tolerance=1 "):
+    with pytest.raises(
+        RuntimeError, match=r"probe token 2: engine -7, trainer -4; accepted: weight_sync\.tolerance=1 "
+    ):
         SyncCheck("E")(engine, trainer, tol)
     # Token 1: 30 nats off at -200 is 15% (> 12.5%): caught although the absolute bound alone would be huge.
     with pytest.raises(RuntimeError, match="did not arrive"):

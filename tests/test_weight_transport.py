@@ -19,7 +19,7 @@ from lightning_offpolicy.rollout.vllm.inprocess import VLLMEngine
 from lightning_offpolicy.rollout.vllm.shared_weights import SharedWeightsBuffer, plan_buckets
 from lightning_offpolicy.rollout.vllm.weight_sync import trainer_probe_logprobs
 from lightning_offpolicy.rollout.vllm.worker_extension import slot_views
-from tests.vllm_fixtures import requires_vllm
+from tests.vllm_fixtures import engine_arguments, requires_vllm
 
 
 def _llama(**overrides):
@@ -129,18 +129,21 @@ def test_views_vllm_still_holds_are_copied_out_before_the_pages_are_reused():
 @pytest.mark.parametrize(
     ("kwargs", "match"),
     [
-        (dict(weight_transport="nccl"), "weight_transport"),
-        (dict(weight_bucket_mb=0), "weight_bucket_mb"),
+        (dict(weight_sync=dict(transport="nccl")), r"WeightSyncSettings\.transport='nccl' is not known"),
+        (dict(weight_sync=dict(bucket_mb=0)), r"WeightSyncSettings\.bucket_mb=0 must be an int >= 1"),
         (dict(engine_kwargs={"worker_extension_cls": "my.Ext"}), "worker_extension_cls.*Leave it unset"),
-        (dict(weight_transport="file", engine_kwargs={"worker_extension_cls": "my.Ext"}), "worker_extension_cls"),
-        (dict(engine_kwargs={"quantization": "fp8"}), "quantization.*weight_transport='file'"),
+        (
+            dict(weight_sync=dict(transport="file"), engine_kwargs={"worker_extension_cls": "my.Ext"}),
+            "worker_extension_cls",
+        ),
+        (dict(engine_kwargs={"quantization": "fp8"}), r"quantization.*weight_sync\.transport='file'"),
     ],
 )
 def test_bad_transport_settings(kwargs, match):
     with pytest.raises(ValueError, match=match):
-        VLLMEngine(model="unused", **kwargs)
+        VLLMEngine(model="unused", **engine_arguments(**kwargs))
     if "quantization" in kwargs.get("engine_kwargs", {}):  # allowed with the file transport
-        VLLMEngine(model="unused", weight_transport="file", **kwargs)
+        VLLMEngine(model="unused", **engine_arguments(**kwargs, weight_sync=dict(transport="file")))
 
 
 @requires_vllm

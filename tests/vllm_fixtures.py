@@ -8,6 +8,7 @@ start a fresh one if a later test asks for it again.
 
 from __future__ import annotations
 
+import dataclasses
 import http.server
 import json
 import threading
@@ -19,15 +20,23 @@ import pytest
 import torch
 
 from lightning_offpolicy.rollout.vllm.inprocess import VLLMEngine, vllm_available
+from lightning_offpolicy.rollout.vllm.settings import StartSettings, WeightSyncSettings
 
 #: The reason of :data:`requires_vllm` (tests/conftest.py groups the tests that carry it).
 VLLM_MISSING = "vLLM is not installed"
 requires_vllm = pytest.mark.skipif(not vllm_available(), reason=VLLM_MISSING)
 
-#: Engine settings of the vLLM tests' engines (float32, as the trainer, so the residual is the engine's own);
+#: Start settings of the vLLM tests' engines (float32, as the trainer, so the residual is the engine's own);
 #: the shared engine takes them but ``dtype`` (its default "auto" gives float32 from the float32 module).
 #: ``max_model_len`` is left unset, as by default: the engine runs at the model's context (256 tokens).
-ENGINE_KWARGS = dict(dtype="float32", gpu_memory_utilization=0.3, kv_cache_space_gib=1)
+ENGINE_START = StartSettings(dtype="float32", gpu_memory_utilization=0.3, kv_cache_space_gib=1)
+
+
+def engine_arguments(**kwargs) -> dict:
+    """``kwargs`` for a :class:`VLLMEngine`, its ``start`` / ``weight_sync`` given as dicts of their fields and built
+    here into :class:`StartSettings` / :class:`WeightSyncSettings` (a bad field raises here, as the settings do)."""
+    built = {"start": StartSettings, "weight_sync": WeightSyncSettings}
+    return {name: built[name](**value) if name in built else value for name, value in kwargs.items()}
 
 
 @pytest.fixture(scope="session")
@@ -77,8 +86,8 @@ class EngineHolder:
                 self.engine.close()
             # model=None: the engine starts from the trainer's module at the first update_weights. Its dtype
             # is left at the default ("auto"): it follows that float32 module (test_vllm_fit checks).
-            settings = {name: value for name, value in ENGINE_KWARGS.items() if name != "dtype"}
-            self.engine = VLLMEngine(model=None, eos_token_id=2, **settings)
+            start = dataclasses.replace(ENGINE_START, dtype="auto")
+            self.engine = VLLMEngine(model=None, eos_token_id=2, start=start)
             trainer = LlamaForCausalLM.from_pretrained(str(self.model), dtype=torch.float32).eval()
             self.engine.update_weights(trainer, 0)
         # An interrupt a test sent after its last call ended would cut the next test's first call.
@@ -143,8 +152,7 @@ class ServerHolder:
                 )
             self.server = launch_local_server(
                 self.model,
-                dtype="float32",
-                kv_cache_space_gib=1,
+                start=StartSettings(dtype="float32", kv_cache_space_gib=1),
                 enable_lora=True,
                 max_lora_rank=SERVER_MAX_LORA_RANK,
                 startup_timeout_s=600,

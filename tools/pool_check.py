@@ -46,7 +46,7 @@ def engine_yaml(urls: list[str], weights_dir: Path) -> str:
     import yaml
 
     def server(url: str) -> dict[str, Any]:
-        args = {"base_url": url, "weights_dir": str(weights_dir), "request_timeout_s": 120}
+        args = {"base_url": url, "weight_sync": {"weights_dir": str(weights_dir)}, "request_timeout_s": 120}
         return {"class_path": "lightning_offpolicy.rollout.RemoteVLLMEngine", "init_args": args}
 
     engine = (
@@ -146,7 +146,7 @@ def main(argv: list[str] | None = None) -> int:
     import vllm
 
     from lightning_offpolicy.demo.tiny import prepare_tiny_checkpoint
-    from lightning_offpolicy.rollout.vllm import launch_local_server
+    from lightning_offpolicy.rollout.vllm import StartSettings, launch_local_server
 
     work = Path(tempfile.mkdtemp(prefix="pool_check_"))
     checkpoint = prepare_tiny_checkpoint("reverse")
@@ -154,7 +154,8 @@ def main(argv: list[str] | None = None) -> int:
     for core in range(2):
         # vLLM's CPU build binds every server's worker to the first core by default: one core each instead.
         os.environ["VLLM_CPU_OMP_THREADS_BIND"] = str(core % (os.cpu_count() or 1))
-        servers.append(launch_local_server(checkpoint, dtype="bfloat16", kv_cache_space_gib=1, startup_timeout_s=600))
+        start = StartSettings(dtype="bfloat16", kv_cache_space_gib=1)
+        servers.append(launch_local_server(checkpoint, start=start, startup_timeout_s=600))
     os.environ.pop("VLLM_CPU_OMP_THREADS_BIND")
     urls = [s.base_url for s in servers]
     extra = [f"--trainer.max_steps={args.max_steps}"] if args.max_steps else []

@@ -17,7 +17,7 @@ CPU_FORMS: dict[str, list[str]] = {
     "lora_single_gpu.yaml": [
         "--model.model=tiny:reverse", "--model.torch_dtype=float32", "--model.lora_rank=8",
         "--model.lora_alpha=16", "--model.optimizer.init_args.lr=1e-3", "--trainer.accelerator=cpu",
-        "--rollout.engine.init_args.dtype=float32", "--rollout.engine.init_args.max_model_len=128",
+        "--rollout.engine.init_args.start.dtype=float32", "--rollout.engine.init_args.start.max_model_len=128",
         "--rollout.engine.init_args.enforce_eager=true", "--rollout.sampling.max_new_tokens=8",
         "--rollout.sampling.samples_per_prompt=2", "--data.init_args.prompts_per_step=4",
     ],

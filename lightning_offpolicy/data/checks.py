@@ -268,6 +268,6 @@ def check_prompt_lengths(
             + (f" (others: {others})" if others else "")
             + f"; the longest is row {longest_row} ({longest[0]} tokens). Drop or shorten those rows, lower "
             "rollout.sampling.max_new_tokens, or use a model / engine with a longer context (vLLM: a larger "
-            "max_model_len)."
+            "start.max_model_len)."
         )
     return longest[0]

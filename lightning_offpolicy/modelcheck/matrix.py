@@ -9,7 +9,7 @@ computes with what the trainer computes:
   transports bit-identical on the same weights;
 * the trainer's own forwards (packed micro-batches, the fused head: what changes how the trainer
   scores a sequence) against a float64 reference of the model's logits;
-* vLLM applying a LoRA adapter itself (``lora_sync="adapter"``: the base once, then the adapter);
+* vLLM applying a LoRA adapter itself (``weight_sync.lora="adapter"``: the base once, then the adapter);
 * a local ``vllm serve`` (:func:`~lightning_offpolicy.rollout.vllm.server.launch_local_server`) synced by
   :class:`~lightning_offpolicy.rollout.RemoteVLLMEngine` through files, the same probe comparison;
 * the embedded HF engines (:class:`~lightning_offpolicy.rollout.HFEngine`,
@@ -30,13 +30,14 @@ from dataclasses import dataclass
 
 import torch
 
+from lightning_offpolicy.rollout.vllm.settings import RemoteWeightSyncSettings, StartSettings, WeightSyncSettings
 from lightning_offpolicy.rollout.vllm.weight_sync import trainer_probe_logprobs
 
 __all__ = [
     "CELLS",
     "FLOAT32_ATOL",
     "Cell",
-    "VLLMSettings",
+    "matrix_start",
     "check_hf_engines",
     "check_lora_adapter",
     "check_server",
@@ -81,13 +82,9 @@ class Cell:
     detail: str = ""
 
 
-@dataclass
-class VLLMSettings:
-    """How the in-process engine of the matrix runs (float32, small context and cache: CPU-friendly)."""
-
-    max_model_len: int = 256
-    gpu_memory_utilization: float = 0.3
-    kv_cache_space_gib: int = 1
+def matrix_start() -> StartSettings:
+    """How the matrix's engines and server start: float32, a small context and cache (CPU-friendly)."""
+    return StartSettings(dtype="float32", max_model_len=256)
 
 
 @torch.no_grad()
@@ -129,7 +126,7 @@ def _attempt(name: str, run: Callable[[], Cell | list[Cell]]) -> list[Cell]:
 
 def check_vllm(
     model: torch.nn.Module,
-    settings: VLLMSettings | None = None,
+    start: StartSettings | None = None,
     lora: bool = True,
     engine: object | None = None,
 ) -> list[Cell]:
@@ -140,17 +137,14 @@ def check_vllm(
     """
     from lightning_offpolicy.rollout.vllm.inprocess import VLLMEngine
 
-    settings = settings or VLLMSettings()
+    start = start or matrix_start()
     own = engine is None
     if engine is None:
         engine = VLLMEngine(
             model=None,
-            dtype="float32",
+            start=start,
             eos_token_id=0,
-            max_model_len=settings.max_model_len,
-            gpu_memory_utilization=settings.gpu_memory_utilization,
-            kv_cache_space_gib=settings.kv_cache_space_gib,
-            check_weight_sync=False,  # the matrix measures the difference itself
+            weight_sync=WeightSyncSettings(check=False),  # the matrix measures the difference itself
         )
     cells: list[Cell] = []
     try:
@@ -238,25 +232,18 @@ def _is_projection(name: str, module: torch.nn.Module) -> bool:
     return isinstance(module, torch.nn.Linear) and ".layers." in name and "gate" != name.rsplit(".", 1)[-1]
 
 
-def check_lora_adapter(model: torch.nn.Module, settings: VLLMSettings | None = None) -> Cell:
+def check_lora_adapter(model: torch.nn.Module, start: StartSettings | None = None) -> Cell:
     """The ``vllm lora adapter`` cell: an engine with vLLM's LoRA support started from a peft copy of ``model``
     (LoRA on the attention projections), then a sync of a moved adapter, applied by vLLM (float32)."""
-    return _attempt("vllm lora adapter", lambda: _lora_adapter_cell(model, settings or VLLMSettings()))[0]
+    return _attempt("vllm lora adapter", lambda: _lora_adapter_cell(model, start or matrix_start()))[0]
 
 
-def _lora_adapter_cell(model: torch.nn.Module, settings: VLLMSettings) -> Cell:
+def _lora_adapter_cell(model: torch.nn.Module, start: StartSettings) -> Cell:
     from lightning_offpolicy.rollout.vllm.inprocess import VLLMEngine
 
     peft_model = _with_lora(model, attention_only=True, seed=8)
     engine = VLLMEngine(
-        model=None,
-        dtype="float32",
-        eos_token_id=0,
-        lora_sync="adapter",
-        max_model_len=settings.max_model_len,
-        gpu_memory_utilization=settings.gpu_memory_utilization,
-        kv_cache_space_gib=settings.kv_cache_space_gib,
-        check_weight_sync=False,
+        model=None, start=start, eos_token_id=0, weight_sync=WeightSyncSettings(lora="adapter", check=False)
     )
     try:
         engine.update_weights(peft_model, 0)  # starts from the base, loads the first adapter
@@ -272,13 +259,13 @@ def _lora_adapter_cell(model: torch.nn.Module, settings: VLLMSettings) -> Cell:
         engine.close()
 
 
-def check_server(model: torch.nn.Module, settings: VLLMSettings | None = None) -> Cell:
+def check_server(model: torch.nn.Module, start: StartSettings | None = None) -> Cell:
     """The ``vllm server file`` cell: a local server started from ``model``'s checkpoint, then a sync of moved
     weights through :class:`~lightning_offpolicy.rollout.RemoteVLLMEngine` (float32). ``model`` is moved."""
-    return _attempt("vllm server file", lambda: _server_cell(model, settings or VLLMSettings()))[0]
+    return _attempt("vllm server file", lambda: _server_cell(model, start or matrix_start()))[0]
 
 
-def _server_cell(model: torch.nn.Module, settings: VLLMSettings) -> Cell:
+def _server_cell(model: torch.nn.Module, start: StartSettings) -> Cell:
     import tempfile
 
     from lightning_offpolicy.rollout.vllm.remote import RemoteVLLMEngine
@@ -286,15 +273,11 @@ def _server_cell(model: torch.nn.Module, settings: VLLMSettings) -> Cell:
 
     with tempfile.TemporaryDirectory(prefix="lightning_offpolicy_check_model_") as tmp:
         model.save_pretrained(f"{tmp}/model")
-        server = launch_local_server(
-            f"{tmp}/model",
-            dtype="float32",
-            max_model_len=settings.max_model_len,
-            kv_cache_space_gib=settings.kv_cache_space_gib,
-            gpu_memory_utilization=settings.gpu_memory_utilization,
-        )
+        server = launch_local_server(f"{tmp}/model", start=start)
         try:
-            engine = RemoteVLLMEngine(server.base_url, weights_dir=f"{tmp}/sync", check_weight_sync=False)
+            engine = RemoteVLLMEngine(
+                server.base_url, weight_sync=RemoteWeightSyncSettings(weights_dir=f"{tmp}/sync", check=False)
+            )
             try:
                 move_every_parameter(model, 21)
                 engine.update_weights(model, 1)

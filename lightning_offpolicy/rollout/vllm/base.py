@@ -35,12 +35,9 @@ from lightning_offpolicy.rollout.vllm.export import weight_source
 from lightning_offpolicy.rollout.vllm.kept_sets import decode_kept_sets
 from lightning_offpolicy.rollout.vllm.weight_sync import SyncCheck, sync_tolerance, trainer_probe_logprobs
 
-__all__ = ["ALLOWED_DTYPES", "SUPPORT_LOGPROBS", "RawSample", "VLLMEngineBase", "fmt", "kept_from_top"]
+__all__ = ["SUPPORT_LOGPROBS", "RawSample", "VLLMEngineBase", "fmt", "kept_from_top"]
 
 log = logging.getLogger(__name__)
-
-#: vLLM's names of the dtypes an engine may run in.
-ALLOWED_DTYPES = ("auto", "half", "float16", "bfloat16", "float", "float32")
 
 
 def fmt(value: float | None) -> str:
@@ -116,15 +113,16 @@ class VLLMEngineBase(SpecialTokens):
 
     def _init_common(
         self,
-        check_weight_sync: Any,
-        weight_sync_tolerance: Any,
+        check_weight_sync: bool,
+        weight_sync_tolerance: float | None,
         request_timeout_s: Any,
         pad_token_id: Any,
         eos_token_id: Any,
         stop_token_ids: Any,
         support_logprobs: Any = SUPPORT_LOGPROBS,
     ) -> None:
-        """Validate and store the settings every vLLM backend has; start the shared state."""
+        """Validate and store the settings every vLLM backend has (the sync check's already checked by its
+        settings object); start the shared state."""
         who = self._who
         # Whether the engine's workers record the exact kept sets (None: not asked yet; asked at the first
         # call under a sampling mask).
@@ -137,10 +135,6 @@ class VLLMEngineBase(SpecialTokens):
                 "show the support top-k / top-p kept)."
             )
         self.support_logprobs = int(support_logprobs)
-        if not isinstance(check_weight_sync, bool):
-            raise ValueError(f"{who}.check_weight_sync={check_weight_sync!r} must be True or False.")
-        if weight_sync_tolerance is not None and not (is_number(weight_sync_tolerance) and weight_sync_tolerance > 0):
-            raise ValueError(f"{who}.weight_sync_tolerance={weight_sync_tolerance!r} must be > 0 or None.")
         if not (is_number(request_timeout_s) and request_timeout_s > 0):
             raise ValueError(f"{who}.request_timeout_s={request_timeout_s!r} must be > 0 (seconds).")
         for name, value in (("eos_token_id", eos_token_id), ("pad_token_id", pad_token_id)):
@@ -255,7 +249,7 @@ class VLLMEngineBase(SpecialTokens):
         """Load the trainer's weights into the engine in place and stamp what follows with ``version``.
 
         ``source`` is the trainer's causal LM (a ``transformers`` model, or a peft LoRA model around
-        one) or its state dict (names as in the checkpoint). With ``check_weight_sync`` and a
+        one) or its state dict (names as in the checkpoint). With ``weight_sync.check`` and a
         module, the probe self-check runs afterwards; it raises a ``RuntimeError`` (and the
         version is not bumped) when the weights did not arrive.
         """

@@ -159,7 +159,7 @@ def config_error_hint(err: BaseException) -> str | None:
     hint = f"likely: vLLM rejected a setting while validating its configuration: {text} Change the setting it names"
     if "max_model_len" in text:
         hint += (
-            "; for max_model_len: leave it unset (None: the model's own context length, e.g. its "
+            "; for start.max_model_len: leave it unset (None: the model's own context length, e.g. its "
             "max_position_embeddings) or set it to at most that length"
         )
     return hint + "."
@@ -201,14 +201,14 @@ def start_failure_message(
         gpu_memory_utilization: The engine's setting (named in the memory hint).
         kv_cache_space_gib: The engine's setting (named in the memory hint on CPU).
     """
-    memory = f"memory: lower gpu_memory_utilization (now {gpu_memory_utilization}"
+    memory = f"memory: lower start.gpu_memory_utilization (now {gpu_memory_utilization}"
     if on_cpu:
         memory += (
             "; on CPU the fraction of host memory vLLM reserves, which must be free at start) or "
-            f"kv_cache_space_gib (now {kv_cache_space_gib})"
+            f"start.kv_cache_space_gib (now {kv_cache_space_gib})"
         )
     else:
-        memory += ") or max_model_len"
+        memory += ") or start.max_model_len"
     hints = [memory]
     shm = shared_memory_hint()
     if shm:  # a small /dev/shm fails a start in ways that read as memory or as the spawn guard

@@ -31,7 +31,7 @@ __all__ = [
 ]
 
 #: Default longest wait for a TCP connection, and for the first answers of a server at connect time
-#: (``RemoteVLLMEngine.connect_timeout_s``): a server that does not accept within it is down or
+#: (``RemoteVLLMEngine``'s ``connection.connect_timeout_s``): a server that does not accept within it is down or
 #: unreachable, one that accepts but does not answer ``/v1/models`` / ``/server_info`` within it is
 #: hung. The first ``/server_info`` collects the server's environment, which takes seconds on a
 #: loaded machine (docs/remote_vllm.md has the figures); the default leaves room for a busier one
@@ -331,7 +331,7 @@ class HTTPClient:
         message = error_message(raw)
         hint = ""
         if status == 401:
-            hint = " The server wants an API key: pass RemoteVLLMEngine(api_key=...) (its --api-key)."
+            hint = " The server wants an API key: set RemoteVLLMEngine's connection.api_key (its --api-key)."
         elif status == 404 and not path.startswith("/v1"):
             hint = f" This endpoint needs dev mode: {DEV_MODE_HINT}."
         raise HTTPStatusError(
@@ -345,7 +345,7 @@ class HTTPClient:
             return RuntimeError(
                 f"RemoteVLLMEngine: {what}: the server at {self.base_url} accepted the connection but sent no answer "
                 f"within connect_timeout_s={timeout:g} s: it is hung (or that port is not a vLLM server's). Check the "
-                "server's log; raise RemoteVLLMEngine(connect_timeout_s=...) if it is only slow to answer."
+                "server's log; raise RemoteVLLMEngine's connection.connect_timeout_s if it is only slow to answer."
             )
         return RuntimeError(
             f"RemoteVLLMEngine: {what} got no answer from {self.base_url} within request_timeout_s={timeout:g} s "

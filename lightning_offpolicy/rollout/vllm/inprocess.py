@@ -15,11 +15,11 @@ What the engine guarantees (each one checked by ``tests/test_vllm_engine.py`` an
   stop ids and only on them, and the stop token is part of ``Completion.token_ids``, as in ``HFEngine``.
 * **In-place weight sync in memory, with a self-check**: the weights cross in buckets through
   shared memory into every worker's ``load_weights`` (:mod:`~lightning_offpolicy.rollout.vllm.shared_weights`;
-  ``weight_transport="file"``: safetensors the same receiver reloads), a tied output layer processed
+  ``weight_sync.transport="file"``: safetensors the same receiver reloads), a tied output layer processed
   again, every parameter checked to have received a tensor, the prefix cache reset, then a fixed
   probe scored by the engine and by the trainer (:mod:`~lightning_offpolicy.rollout.vllm.weight_sync`):
   a sync that did not arrive raises at once.
-* **LoRA (peft) models, two ways** (``lora_sync``): ``"merged"`` pushes the base weights with the
+* **LoRA (peft) models, two ways** (``weight_sync.lora``): ``"merged"`` pushes the base weights with the
   adapters folded in (computed out of place); ``"adapter"`` pushes the base once, then only the
   adapter (:class:`~lightning_offpolicy.rollout.vllm.lora.AdapterSync`).
 * **Calls from several threads batched together** (episodes that go on alone): they share one loop of engine
@@ -43,7 +43,7 @@ import tempfile
 import threading
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any, Literal, TypeVar
+from typing import Any, TypeVar
 
 import torch
 
@@ -54,7 +54,6 @@ from lightning_offpolicy.rollout.engine import (
 from lightning_offpolicy.rollout.shared_lock import SharedLock
 from lightning_offpolicy.rollout.vllm import process as vllm_process
 from lightning_offpolicy.rollout.vllm.base import (
-    ALLOWED_DTYPES,
     SUPPORT_LOGPROBS,
     RawSample,
     VLLMEngineBase,
@@ -68,6 +67,7 @@ from lightning_offpolicy.rollout.vllm.export import is_peft_model
 from lightning_offpolicy.rollout.vllm.inprocess_sync import InProcessWeightSync
 from lightning_offpolicy.rollout.vllm.lora import AdapterSync
 from lightning_offpolicy.rollout.vllm.offline import sampling_params, start_llm, vllm_available
+from lightning_offpolicy.rollout.vllm.settings import StartSettings, WeightSyncSettings, require_settings
 from lightning_offpolicy.rollout.vllm.shared_weights import SharedWeightsBuffer
 from lightning_offpolicy.rollout.vllm.stepping import SharedStepping
 from lightning_offpolicy.rollout.vllm.weight_sync import probe_ids, weights_dtype
@@ -81,9 +81,9 @@ _T = TypeVar("_T")
 
 #: The vLLM ``dtype`` of a trainer weight dtype (``dtype="auto"``); others (float64) keep vLLM's rule.
 _VLLM_DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
-_LORA_SYNC_MODES = ("merged", "adapter")
-_WEIGHT_TRANSPORTS = ("memory", "file")
-_SHORTEN = "raise max_model_len (at most the model's context length), or shorten the prompts / lower max_new_tokens"
+_SHORTEN = (
+    "raise start.max_model_len (at most the model's context length), or shorten the prompts / lower max_new_tokens"
+)
 
 
 class VLLMEngine(InProcessWeightSync, AdapterSync, VLLMEngineBase):
@@ -93,50 +93,17 @@ class VLLMEngine(InProcessWeightSync, AdapterSync, VLLMEngineBase):
         model: Checkpoint directory or hub name the engine starts from. ``None``: start from the
             trainer's module at the first ``update_weights`` (saved with ``save_pretrained`` into a
             private temporary directory; a peft model as its base model's config with the merged
-            weights, or with ``lora_sync="adapter"`` the base weights).
-        dtype: Precision of the engine's weights and activations (vLLM's ``dtype``). ``"auto"``: the
-            trainer's, i.e. the dtype of the module passed to the first ``update_weights`` (the one
-            that starts the engine; the callback's way), so the engine samples the policy being
-            trained; vLLM's own rule only when the engine starts without a module (``generate``
-            first, or a state dict), which downcasts a float32 checkpoint to bfloat16.
-            ``"float32"`` / ``"bfloat16"`` / ``"float16"`` force one: a bfloat16 engine against a
-            float32 trainer is faster but samples a different policy: give it a correction
-            (docs/troubleshooting.md, "Training looks wrong").
-        max_model_len: Longest prompt + completion in tokens. ``None``: the model's own context length
-            as vLLM derives it from the checkpoint's config (``max_position_embeddings``), read back
-            into this attribute once the engine has started. A smaller value (the longest prompt +
-            ``max_new_tokens``) saves KV-cache memory on long-context models.
-        gpu_memory_utilization: Fraction of GPU memory vLLM may use; on CPU, the fraction of host
-            memory it reserves (keep it low on CPU: start-up fails when that much is not free).
-        kv_cache_space_gib: CPU only: GiB of KV cache (sets ``VLLM_CPU_KVCACHE_SPACE``); ``None``
-            leaves the sizing to vLLM. Ignored on GPU (``gpu_memory_utilization`` decides there).
+            weights, or with ``weight_sync.lora="adapter"`` the base weights).
+        start: What vLLM starts with (:class:`~lightning_offpolicy.rollout.vllm.settings.StartSettings`:
+            ``dtype``, ``max_model_len``, ``gpu_memory_utilization``, ``kv_cache_space_gib``,
+            ``seed``); ``dtype="auto"`` (the default) samples in the trainer's dtype.
         enforce_eager: Skip graph capture / compilation (faster start, slower steps on GPU).
-        seed: Seed of the engine's global random state (samples drawn without a per-call seed).
         tensor_parallel_size: Number of workers a model is split across.
-        check_weight_sync: After each ``update_weights`` from a module, check that the engine's
-            logprobs of a fixed probe sequence match the module's; raise ``RuntimeError`` if not.
-        weight_sync_tolerance: Absolute part (nats) of the per-token |logprob difference| the check
-            accepts. ``None``: ``1e-3`` when the engine and the trainer are both float32, else
-            ``1.0``, plus a relative part under reduced precision (``weight_sync.SyncTolerance``).
         request_timeout_s: Longest an engine call (generate, weight reload) may take before the
             engine is declared hung, shut down and a ``RuntimeError`` raised.
-        weight_transport: How the trainer's weights reach the engine at a sync. ``"memory"``: cast
-            to the engine's dtype, in buckets through one shared-memory file, each loaded in place
-            by every worker with vLLM's layerwise reload (no disk; one bucket held); needs an
-            unquantized engine. ``"file"``: written as safetensors and reloaded in place from them
-            (the reference path). Both go through the kit's ``worker_extension_cls``, which also
-            processes a tied output layer again and reports any parameter that received nothing.
-            docs/scaling.md, "Weight sync", compares them.
-        weight_bucket_mb: Size of one in-memory bucket (MiB, in the engine's dtype); the buffer
-            grows to hold a decoder layer, or the embedding and output layer together, when one is
-            larger.
-        lora_sync: How a peft LoRA model's weights reach the engine. ``"merged"``: at every sync the
-            base weights with the active adapters folded in (out of place), reloaded like a full
-            model (plain LoRA on any target module). ``"adapter"``: vLLM applies the adapter itself
-            (``enable_lora=True``, ``max_loras=1``, ``max_lora_rank`` from the first adapter); the
-            base is pushed once, then only the adapter, as a new ``LoRARequest`` per sync: less to
-            move, but the base must stay frozen and the adapter be one vLLM supports (no DoRA, no
-            LoRA bias). Ignored for a model without adapters; the self-check runs in both modes.
+        weight_sync: How the weights reach the engine and how each sync is checked
+            (:class:`~lightning_offpolicy.rollout.vllm.settings.WeightSyncSettings`: ``transport``
+            ``"memory"`` by default, ``check``, ``tolerance``, ``bucket_mb``, ``lora``).
         pad_token_id: Not needed by vLLM; accepted for symmetry with :class:`HFEngine`.
         eos_token_id: Stop token id; ``None``: set by the ``RolloutCallback`` from the module's
             tokenizer (:meth:`set_special_tokens`).
@@ -155,9 +122,9 @@ class VLLMEngine(InProcessWeightSync, AdapterSync, VLLMEngineBase):
         version: Policy version of the weights in the engine (stamped on every completion).
         start_time_s: Seconds the engine start took (``None`` before the start).
         last_sync_bytes: Bytes the last weight sync moved (``None`` before one; with
-            ``lora_sync="adapter"``: the adapter's files, plus the base weights when pushed).
+            ``weight_sync.lora="adapter"``: the adapter's files, plus the base weights when pushed).
         last_sync_time_s: Seconds of the last weight sync (write + reload + cache reset; with
-            ``lora_sync="adapter"``: adapter save + load, plus the one-time base push).
+            ``weight_sync.lora="adapter"``: adapter save + load, plus the one-time base push).
         last_sync_check_max_abs_diff: Largest |engine - trainer| probe logprob difference measured
             by the last self-check (``None`` when it did not run).
         last_generate_tokens_per_s: Generated tokens per second of the last ``generate``.
@@ -168,19 +135,11 @@ class VLLMEngine(InProcessWeightSync, AdapterSync, VLLMEngineBase):
     def __init__(
         self,
         model: str | None = None,
-        dtype: Literal["auto", "half", "float16", "bfloat16", "float", "float32"] = "auto",
-        max_model_len: int | None = None,
-        gpu_memory_utilization: float = 0.3,
-        kv_cache_space_gib: int | None = 1,
+        start: StartSettings = StartSettings(),  # noqa: B008 (frozen)
         enforce_eager: bool = True,
-        seed: int = 0,
         tensor_parallel_size: int = 1,
-        check_weight_sync: bool = True,
-        weight_sync_tolerance: float | None = None,
         request_timeout_s: float = 600.0,
-        weight_transport: Literal["memory", "file"] = "memory",
-        weight_bucket_mb: int = 512,
-        lora_sync: Literal["merged", "adapter"] = "merged",
+        weight_sync: WeightSyncSettings = WeightSyncSettings(),  # noqa: B008 (frozen)
         pad_token_id: int | None = None,
         eos_token_id: int | None = None,
         stop_token_ids: list[int] | None = None,
@@ -191,39 +150,10 @@ class VLLMEngine(InProcessWeightSync, AdapterSync, VLLMEngineBase):
             raise ModuleNotFoundError(INSTALL_HINT)
         if model is not None and not isinstance(model, (str, os.PathLike)):
             raise TypeError(f"VLLMEngine.model must be a path or hub name (str) or None, got {type(model).__name__}.")
-        if dtype not in ALLOWED_DTYPES:
-            raise ValueError(
-                f"VLLMEngine.dtype={dtype!r} is not known; allowed: {', '.join(map(repr, ALLOWED_DTYPES))}."
-            )
-        if max_model_len is not None and (not is_int(max_model_len) or max_model_len < 2):
-            raise ValueError(
-                f"VLLMEngine.max_model_len={max_model_len!r} must be an int >= 2 or None (the model's own context)."
-            )
-        if not isinstance(gpu_memory_utilization, (int, float)) or not 0 < gpu_memory_utilization <= 1:
-            raise ValueError(
-                f"VLLMEngine.gpu_memory_utilization={gpu_memory_utilization!r} must be in (0, 1] (on CPU: the "
-                "fraction of host memory vLLM reserves)."
-            )
-        if kv_cache_space_gib is not None and (not is_int(kv_cache_space_gib) or kv_cache_space_gib < 1):
-            raise ValueError(
-                f"VLLMEngine.kv_cache_space_gib={kv_cache_space_gib!r} must be an int >= 1 (GiB) "
-                "or None (vLLM sizes it)."
-            )
-        if not is_int(seed):
-            raise ValueError(f"VLLMEngine.seed={seed!r} must be an int.")
+        start = require_settings(start, StartSettings, "VLLMEngine.start")
+        weight_sync = require_settings(weight_sync, WeightSyncSettings, "VLLMEngine.weight_sync")
         if not is_int(tensor_parallel_size) or tensor_parallel_size < 1:
             raise ValueError(f"VLLMEngine.tensor_parallel_size={tensor_parallel_size!r} must be an int >= 1.")
-        if lora_sync not in _LORA_SYNC_MODES:
-            raise ValueError(
-                f"VLLMEngine.lora_sync={lora_sync!r} is not known; allowed: {', '.join(map(repr, _LORA_SYNC_MODES))}."
-            )
-        if weight_transport not in _WEIGHT_TRANSPORTS:
-            raise ValueError(
-                f"VLLMEngine.weight_transport={weight_transport!r} is not known; allowed: "
-                f"{', '.join(map(repr, _WEIGHT_TRANSPORTS))}."
-            )
-        if not is_int(weight_bucket_mb) or weight_bucket_mb < 1:
-            raise ValueError(f"VLLMEngine.weight_bucket_mb={weight_bucket_mb!r} must be an int >= 1 (MiB).")
         engine_kwargs = dict(engine_kwargs or {})
         if "model" in engine_kwargs:
             raise ValueError("VLLMEngine.engine_kwargs must not set 'model': use the `model` argument.")
@@ -232,11 +162,11 @@ class VLLMEngine(InProcessWeightSync, AdapterSync, VLLMEngineBase):
                 f"VLLMEngine.engine_kwargs sets worker_extension_cls={engine_kwargs['worker_extension_cls']!r}: the "
                 f"weight sync needs the kit's own ({RECEIVER_CLS}). Leave it unset."
             )
-        if weight_transport == "memory" and engine_kwargs.get("quantization") is not None:
+        if weight_sync.transport == "memory" and engine_kwargs.get("quantization") is not None:
             raise ValueError(
                 f"VLLMEngine.engine_kwargs sets quantization={engine_kwargs['quantization']!r}, but "
-                "weight_transport='memory': the in-memory sync loads with the model's load_weights, without "
-                "re-quantizing. Use weight_transport='file'."
+                "weight_sync.transport='memory': the in-memory sync loads with the model's load_weights, without "
+                "re-quantizing. Use weight_sync.transport='file'."
             )
         mode = engine_kwargs.get("logprobs_mode", "processed_logprobs")
         if mode != "processed_logprobs":
@@ -245,25 +175,25 @@ class VLLMEngine(InProcessWeightSync, AdapterSync, VLLMEngineBase):
                 "actually sampled from (temperature, top-k, top-p applied), i.e. 'processed_logprobs'."
             )
         self.model = None if model is None else str(model)
-        self.dtype = dtype
-        self.max_model_len: int | None = None if max_model_len is None else int(max_model_len)
-        self.gpu_memory_utilization = float(gpu_memory_utilization)
-        self.kv_cache_space_gib = kv_cache_space_gib
+        self.dtype = start.dtype
+        self.max_model_len: int | None = None if start.max_model_len is None else int(start.max_model_len)
+        self.gpu_memory_utilization = float(start.gpu_memory_utilization)
+        self.kv_cache_space_gib = start.kv_cache_space_gib
         self.enforce_eager = enforce_eager
-        self.seed = int(seed)
+        self.seed = int(start.seed)
         self.tensor_parallel_size = int(tensor_parallel_size)
         self._init_common(
-            check_weight_sync,
-            weight_sync_tolerance,
+            weight_sync.check,
+            weight_sync.tolerance,
             request_timeout_s,
             pad_token_id,
             eos_token_id,
             stop_token_ids,
             support_logprobs,
         )
-        self.weight_transport = weight_transport
-        self.weight_bucket_mb = int(weight_bucket_mb)
-        self.lora_sync = lora_sync
+        self.weight_transport = weight_sync.transport
+        self.weight_bucket_mb = int(weight_sync.bucket_mb)
+        self.lora_sync = weight_sync.lora
         self.engine_kwargs = engine_kwargs
         self.last_sync_bytes: int | None = None
         self.start_time_s: float | None = None
@@ -276,7 +206,7 @@ class VLLMEngine(InProcessWeightSync, AdapterSync, VLLMEngineBase):
         self._sync_dir: Path | None = None
         self._shared_weights: SharedWeightsBuffer | None = None
         self._probe_ids: list[int] | None = None
-        # lora_sync="adapter": the engine's max_lora_rank, the adapter every request uses, and a
+        # weight_sync.lora="adapter": the engine's max_lora_rank, the adapter every request uses, and a
         # counter for LoRA ids (vLLM caches adapters by id: a reused id would serve the old weights).
         self._max_lora_rank: int | None = None
         self._lora_request: Any = None
@@ -351,9 +281,9 @@ class VLLMEngine(InProcessWeightSync, AdapterSync, VLLMEngineBase):
     def _prepare_sync(self, source: torch.nn.Module | Mapping[str, torch.Tensor], is_module: bool) -> None:
         if self.lora_sync == "adapter" and not (is_module and is_peft_model(source)):
             raise TypeError(
-                "VLLMEngine(lora_sync='adapter') syncs the adapter of a peft LoRA model, got "
-                f"{type(source).__name__}: pass the peft model, or use lora_sync='merged' (the default) for a model "
-                "without adapters or a state dict."
+                "VLLMEngine(weight_sync.lora='adapter') syncs the adapter of a peft LoRA model, got "
+                f"{type(source).__name__}: pass the peft model, or use weight_sync.lora='merged' (the default) for a "
+                "model without adapters or a state dict."
             )
 
     def _push(self, source: torch.nn.Module | Mapping[str, torch.Tensor], is_module: bool, version: int) -> None:

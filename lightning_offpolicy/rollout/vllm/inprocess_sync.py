@@ -35,7 +35,7 @@ class InProcessWeightSync:
         return self._watched(lambda: llm.collective_rpc("lo_reload_from_files", args=(weights_path,)), "reload_weights")
 
     def _update_full(self, source: torch.nn.Module | Mapping[str, torch.Tensor], is_module: bool) -> None:
-        """Full-weight sync (``lora_sync="merged"``): a peft model's weights are merged with its adapters."""
+        """Full-weight sync (``weight_sync.lora="merged"``): a peft model's weights are merged with its adapters."""
         peft = is_module and is_peft_model(source)
         if self._llm is None and self.model is None:
             if not is_module or not (peft or hasattr(source, "save_pretrained")):

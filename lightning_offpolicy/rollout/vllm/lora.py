@@ -1,6 +1,6 @@
 """vLLM's LoRA support as the in-process engine uses it: the adapter rank vLLM accepts, a base
 checkpoint written from a peft model for an engine that starts from the trainer's module, and the
-adapter sync (``lora_sync="adapter"``: the base weights once, then only the adapter)."""
+adapter sync (``weight_sync.lora="adapter"``: the base weights once, then only the adapter)."""
 
 from __future__ import annotations
 
@@ -46,7 +46,7 @@ def allowed_lora_ranks() -> list[int]:
         return list(VLLM_LORA_RANKS_0_32)
 
 
-def vllm_lora_rank(rank: int, who: str = "VLLMEngine(lora_sync='adapter')") -> int:
+def vllm_lora_rank(rank: int, who: str = "VLLMEngine(weight_sync.lora='adapter')") -> int:
     """The smallest ``max_lora_rank`` vLLM accepts that fits an adapter of rank ``rank`` (``who``: for the error)."""
     allowed = allowed_lora_ranks()
     for candidate in allowed:
@@ -54,7 +54,7 @@ def vllm_lora_rank(rank: int, who: str = "VLLMEngine(lora_sync='adapter')") -> i
             return candidate
     raise ValueError(
         f"{who}: the adapter's rank {rank} exceeds the largest max_lora_rank vLLM accepts ({allowed[-1]}); use "
-        "lora_sync='merged'."
+        "weight_sync.lora='merged'."
     )
 
 
@@ -78,7 +78,7 @@ def cpu_moe_lora_refusal(peft_model: torch.nn.Module) -> str | None:
     return (
         f"the model is a mixture of experts ({architecture}), and vLLM's CPU backend cannot apply LoRA to it (its "
         "MoE LoRA kernels need Triton, i.e. a GPU; the engine would die at the first request). Use "
-        "lora_sync='merged' on this machine."
+        "weight_sync.lora='merged' on this machine."
     )
 
 
@@ -95,19 +95,19 @@ def write_base_checkpoint(directory: Path, peft_model: torch.nn.Module, tensors:
 
 
 class AdapterSync:
-    """The adapter sync of :class:`~lightning_offpolicy.rollout.VLLMEngine` (``lora_sync="adapter"``).
+    """The adapter sync of :class:`~lightning_offpolicy.rollout.VLLMEngine` (``weight_sync.lora="adapter"``).
 
     A mixin: it uses the engine's state (``_llm``, ``_lora_request``, ``_lora_dir``, ...) and its
     ``_ensure_started``, ``_push_weights``, ``_watched`` and ``_new_tmp_dir``.
     """
 
     def _update_adapter(self, model: torch.nn.Module, version: int) -> None:
-        """Adapter sync (``lora_sync="adapter"``): the base weights once, then only the adapter."""
+        """Adapter sync (``weight_sync.lora="adapter"``): the base weights once, then only the adapter."""
         check_vllm_adapter(model, SYNC_CALLER)
         rank = adapter_rank(model)
         if self._llm is None:
             if (why := cpu_moe_lora_refusal(model)) is not None:
-                raise ValueError(f"VLLMEngine(lora_sync='adapter'): {why}")
+                raise ValueError(f"VLLMEngine(weight_sync.lora='adapter'): {why}")
             self._max_lora_rank = vllm_lora_rank(rank)
             if self.model is None:
                 model_dir = self._new_tmp_dir("model")
@@ -119,8 +119,8 @@ class AdapterSync:
         limit = self.engine_kwargs.get("max_lora_rank", self._max_lora_rank)
         if limit is not None and rank > limit:
             raise ValueError(
-                f"VLLMEngine(lora_sync='adapter'): the adapter's rank {rank} exceeds the engine's max_lora_rank="
-                f"{limit} (set from the first adapter). Keep the rank, or use lora_sync='merged'."
+                f"VLLMEngine(weight_sync.lora='adapter'): the adapter's rank {rank} exceeds the engine's max_lora_rank="
+                f"{limit} (set from the first adapter). Keep the rank, or use weight_sync.lora='merged'."
             )
         begin = time.perf_counter()
         moved = 0

@@ -76,7 +76,7 @@ def start_llm(engine: Any, model: str) -> tuple[Any, list[Any], float]:
     """
     if engine.lora_sync == "adapter" and engine._max_lora_rank is None and "max_lora_rank" not in engine.engine_kwargs:
         raise RuntimeError(
-            "VLLMEngine(lora_sync='adapter') starts at the first update_weights(peft_model, version): the "
+            "VLLMEngine(weight_sync.lora='adapter') starts at the first update_weights(peft_model, version): the "
             "adapter's rank sets the engine's max_lora_rank. Call update_weights before generate (or set "
             "engine_kwargs={'max_lora_rank': ...})."
         )

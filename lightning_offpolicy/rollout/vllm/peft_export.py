@@ -148,8 +148,8 @@ def check_vllm_adapter(model: torch.nn.Module, who: str) -> None:
     if problems:
         raise NotImplementedError(
             f"{who}: vLLM's LoRA support cannot apply this adapter ({'; '.join(problems)}): use plain LoRA, or "
-            "lora_sync='merged', which folds the adapter into the weights (lora_bias and modules_to_save included; "
-            "DoRA in neither mode)."
+            "weight_sync.lora='merged', which folds the adapter into the weights (lora_bias and modules_to_save "
+            "included; DoRA in neither mode)."
         )
 
 

@@ -29,11 +29,10 @@ import threading
 import warnings
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import torch
 
-from lightning_offpolicy.argcheck import is_int, is_number
 from lightning_offpolicy.rollout.engine import (
     Completion,
     SamplingConfig,
@@ -42,7 +41,6 @@ from lightning_offpolicy.rollout.shared_lock import SharedLock
 from lightning_offpolicy.rollout.vllm.base import SUPPORT_LOGPROBS, RawSample, VLLMEngineBase
 from lightning_offpolicy.rollout.vllm.errors import DEV_MODE_HINT
 from lightning_offpolicy.rollout.vllm.http import (
-    CONNECT_TIMEOUT_S,
     HTTPClient,
     StreamInterrupt,
     host_for_url,
@@ -53,6 +51,7 @@ from lightning_offpolicy.rollout.vllm.remote_connect import ServerCheck
 from lightning_offpolicy.rollout.vllm.remote_lora import RemoteAdapterSync
 from lightning_offpolicy.rollout.vllm.remote_requests import RemoteRequests
 from lightning_offpolicy.rollout.vllm.remote_sync import RemoteWeightSync
+from lightning_offpolicy.rollout.vllm.settings import ConnectionSettings, RemoteWeightSyncSettings, require_settings
 from lightning_offpolicy.rollout.vllm.transfer import VLLMWeightTransfer, check_transport_settings
 
 __all__ = ["RemoteVLLMEngine"]
@@ -60,7 +59,6 @@ __all__ = ["RemoteVLLMEngine"]
 log = logging.getLogger(__name__)
 
 _WHO = "RemoteVLLMEngine"
-_LORA_SYNC_MODES = ("merged", "adapter")
 
 
 class RemoteVLLMEngine(ServerCheck, RemoteRequests, RemoteAdapterSync, RemoteWeightSync, VLLMEngineBase):
@@ -76,90 +74,26 @@ class RemoteVLLMEngine(ServerCheck, RemoteRequests, RemoteAdapterSync, RemoteWei
             accepted and dropped).
         model: Served model name (``--served-model-name``, by default the path the server was
             started with); ``None``: ask the server (``/v1/models``), which must serve exactly one.
-        weights_dir: Directory that BOTH this trainer and the server can read and write at the
-            same path (shared storage such as NFS when they run on different machines; see
-            ``server_weights_dir`` when the server mounts it elsewhere). Each sync writes the
-            trainer's weights as safetensors into a private subdirectory (``0700``, files
-            ``0600``; removed by :meth:`close`) and asks the server to reload from there. Whoever
-            can write there controls the policy the server samples (docs/remote_vllm.md, "Trust
-            model"). ``None``: no weight syncs (``update_weights`` raises).
-        server_weights_dir: The path under which the server sees ``weights_dir`` (``None``: the
-            same path).
         request_timeout_s: Longest one HTTP request (a generation of one prompt's samples, a
             weight reload) may take before a ``RuntimeError`` is raised.
-        connect_timeout_s: Longest wait for a TCP connection (and TLS handshake) to the server,
-            and for its answers to the connect-time checks (``/v1/models``, ``/server_info``),
-            which a working server gives at once: a server that accepts the connection but does
-            not answer is reported after this, not after ``request_timeout_s`` (at most that).
-        max_concurrent_requests: Requests in flight at once from this client (one request per
-            prompt, carrying its ``samples_per_prompt`` samples); the server batches them.
-        check_weight_sync: After each ``update_weights`` from a module, check that the server's
-            logprobs of a fixed probe sequence match the module's; raise ``RuntimeError`` if not.
-        weight_sync_tolerance: Absolute part (nats) of the per-token |logprob difference| the check
-            accepts. ``None``: ``1e-3`` when the server and the trainer's module are both float32,
-            else ``1.0``. With a reduced-precision server or trainer a relative part is added,
-            ``16 * eps * |trainer logprob|`` (bfloat16: 0.125 |lp|), since the difference grows with
-            the logits (``weight_sync.SyncTolerance``); a sync that did not arrive is also caught by
-            the "server unchanged while the trainer moved" test.
+        weight_sync: How a sync reaches the server and how it is checked
+            (:class:`~lightning_offpolicy.rollout.vllm.settings.RemoteWeightSyncSettings`: ``transport``
+            ``"file"`` by default through ``weights_dir``, ``check``, ``tolerance``, ``lora``, ...).
+            Without a ``weights_dir`` (and ``transport="file"``) the engine samples but cannot sync.
+        connection: How the engine talks to the server
+            (:class:`~lightning_offpolicy.rollout.vllm.settings.ConnectionSettings`: ``api_key``,
+            ``connect_timeout_s``, ``max_concurrent_requests``, ``stream``, ``stream_interval``).
         eos_token_id: Stop token id; ``None``: set by the ``RolloutCallback`` from the module's
             tokenizer (:meth:`set_special_tokens`).
         stop_token_ids: More ids that end a completion besides ``eos_token_id``; ``None``: the eos
             ids the model's generation config lists (set by the ``RolloutCallback``); ``[]``: none.
         pad_token_id: Not needed by the server; accepted for symmetry with :class:`HFEngine`.
-        api_key: The server's ``--api-key`` (sent as ``Authorization: Bearer``); ``None``: the
-            environment variable ``VLLM_API_KEY`` if set. vLLM checks it on ``/v1`` routes only:
-            its dev-mode endpoints are unauthenticated, keep the server on a private network. A
-            key sent over ``http://`` to a host other than loopback gets a warning.
-        share_weights_with_group: Make the sync directory and files readable (never writable) by
-            the group of ``weights_dir`` (``0750`` / ``0640``) for a server running as another user
-            of that group. ``False``: owner only (``0700`` / ``0600``), whatever the umask.
-        stream: Whether generation requests stream their tokens, which lets an :meth:`interrupt`
-            keep the tokens sampled so far (streaming costs the server a little per request:
-            docs/remote_vllm.md, "What the engine guarantees"). ``None``: from the first
-            :meth:`interrupt` on (the call it cuts short, if sent before, keeps no tokens of its
-            unfinished completions); ``True``: always (set it for partial rollouts to keep the first
-            interrupted call's tokens too); ``False``: never (an interrupted completion always comes
-            back with no tokens).
-        stream_interval: Tokens the server sends per streamed chunk of a completion (its first
-            and last chunks go at once). 1: every token as it is sampled, so an :meth:`interrupt`
-            keeps them all, at a measurable cost to the server (one JSON event per token and
-            sample); larger: cheaper streaming, and an interrupt drops up to
-            ``stream_interval - 1`` tokens per unfinished completion (sampled again when it is
-            continued). A server started with a larger ``--stream-interval`` uses its own.
         support_logprobs: Under top-k / top-p, used only with a server whose workers do not record
             the tokens the sampler kept (one started without the kit's receiver; the servers of
             :func:`launch_local_server` record them): top logprobs asked for per generated token,
             from which they are read (``top_k`` of them when ``top_k`` is at most this); a token
             whose nucleus is wider leaves the loss (``rollout/support_unknown_frac``). The server
             must allow it (``--max-logprobs``, default 20).
-        lora_sync: How a peft LoRA model's weights reach the server. ``"merged"``: at every sync the
-            base weights with the active adapter folded in (computed out of place), reloaded like a
-            full model; any server. ``"adapter"``: the server applies the adapter itself: the base
-            weights are pushed once (see ``push_lora_base``), then each sync writes only the adapter
-            (into its own private directory in the sync directory) and loads it under a new name
-            (``policy-v{version}-...``), which requests then use as their ``model``; the previous
-            adapter is unloaded and its files removed. Needs a server started with ``--enable-lora
-            --max-lora-rank R`` (R >= the adapter's rank) and ``VLLM_ALLOW_RUNTIME_LORA_UPDATING=1``
-            (``launch_local_server(enable_lora=True)``), a frozen base, and an adapter vLLM applies
-            (plain LoRA: no DoRA, ``lora_bias`` or ``modules_to_save``); checked at the first sync.
-            The self-check runs against the adapter in both modes.
-        weight_transport: How a full-weight sync reaches the server. ``"file"``: safetensors in
-            ``weights_dir``, reloaded by the server (any machine, CPU included). ``"nccl"``: vLLM's
-            weight-transfer engine broadcasts the weights from the trainer's GPU to the server's
-            workers over NCCL; ``"ipc"``: the server's workers read them from the trainer's GPU
-            through CUDA IPC (the same machine). Both need CUDA and vLLM on the trainer's side and a
-            server started with ``--weight-transfer-config '{"backend": "nccl"}'`` (or ``"ipc"``),
-            no ``weights_dir``, and full weights (not ``lora_sync="adapter"``). The self-check runs
-            after every transport.
-        transfer_master_address: ``weight_transport="nccl"``: an address of the trainer's machine
-            the server's workers can reach (the NCCL rendezvous); ``None``: ``127.0.0.1`` for a
-            server on loopback, else required.
-        transfer_master_port: ``weight_transport="nccl"``: the rendezvous port; ``None``: a free one.
-        push_lora_base: With ``lora_sync="adapter"``: whether the first sync pushes the peft model's
-            base weights (a full-weight reload). ``False``: the server was started from the
-            trainer's base checkpoint, so that push is skipped; the self-check of each sync still
-            compares the server's adapter with the trainer's peft model, so a server with another
-            base fails it (beyond the tolerance).
 
     Attributes:
         version: Policy version of the weights in the server (stamped on every completion).
@@ -169,10 +103,10 @@ class RemoteVLLMEngine(ServerCheck, RemoteRequests, RemoteAdapterSync, RemoteWei
         last_sync_time_s: Seconds of the last weight sync (write + reload + cache reset).
         last_write_time_s: Seconds the last sync spent writing the safetensors file.
         last_reload_time_s: Seconds the server took to reload the weights in the last sync
-            (``lora_sync="adapter"``: to load the adapter, plus the base reload at the first sync).
+            (``weight_sync.lora="adapter"``: to load the adapter, plus the base reload at the first sync).
         last_sync_bytes: Bytes the last sync wrote into ``weights_dir`` (the safetensors file;
-            ``lora_sync="adapter"``: the adapter's files, plus the base weights at the first sync).
-        adapter_name: With ``lora_sync="adapter"``: the name the server serves the current adapter
+            ``weight_sync.lora="adapter"``: the adapter's files, plus the base weights at the first sync).
+        adapter_name: With ``weight_sync.lora="adapter"``: the name the server serves the current adapter
             under, which every request uses (``None`` before the first sync).
         server_lora_config: The server's LoRA settings from ``/server_info`` (``max_lora_rank``,
             ``max_loras``, ...; ``None``: LoRA not enabled; known after :meth:`connect`).
@@ -186,26 +120,13 @@ class RemoteVLLMEngine(ServerCheck, RemoteRequests, RemoteAdapterSync, RemoteWei
         self,
         base_url: str,
         model: str | None = None,
-        weights_dir: str | None = None,
-        server_weights_dir: str | None = None,
         request_timeout_s: float = 600.0,
-        max_concurrent_requests: int = 32,
-        check_weight_sync: bool = True,
-        weight_sync_tolerance: float | None = None,
+        weight_sync: RemoteWeightSyncSettings = RemoteWeightSyncSettings(),  # noqa: B008 (frozen)
+        connection: ConnectionSettings = ConnectionSettings(),  # noqa: B008 (frozen)
         eos_token_id: int | None = None,
         stop_token_ids: list[int] | None = None,
         pad_token_id: int | None = None,
-        api_key: str | None = None,
-        share_weights_with_group: bool = False,
-        stream: bool | None = None,
-        stream_interval: int = 8,
         support_logprobs: int = SUPPORT_LOGPROBS,
-        connect_timeout_s: float = CONNECT_TIMEOUT_S,
-        lora_sync: Literal["merged", "adapter"] = "merged",
-        push_lora_base: bool = True,
-        weight_transport: Literal["file", "nccl", "ipc"] = "file",
-        transfer_master_address: str | None = None,
-        transfer_master_port: int | None = None,
     ) -> None:
         scheme, host, port, prefix = parse_base_url(base_url)
         if model is not None and (not isinstance(model, str) or not model):
@@ -213,49 +134,10 @@ class RemoteVLLMEngine(ServerCheck, RemoteRequests, RemoteAdapterSync, RemoteWei
                 f"RemoteVLLMEngine.model={model!r} must be the served model name (a non-empty str) or None "
                 "(ask the server)."
             )
-        for name, value in (("weights_dir", weights_dir), ("server_weights_dir", server_weights_dir)):
-            if value is not None and (not isinstance(value, (str, os.PathLike)) or not str(value)):
-                raise ValueError(f"RemoteVLLMEngine.{name}={value!r} must be a directory path (str) or None.")
-        if weights_dir is not None and Path(weights_dir).exists() and not Path(weights_dir).is_dir():
-            raise ValueError(
-                f"RemoteVLLMEngine.weights_dir={str(weights_dir)!r} exists and is not a directory: give a directory "
-                "that both the trainer and the server can read (it is created if missing)."
-            )
-        if server_weights_dir is not None and weights_dir is None:
-            raise ValueError("RemoteVLLMEngine.server_weights_dir is set but weights_dir is not: set weights_dir too.")
-        if not is_int(max_concurrent_requests) or max_concurrent_requests < 1:
-            raise ValueError(
-                f"RemoteVLLMEngine.max_concurrent_requests={max_concurrent_requests!r} must be an int >= 1."
-            )
-        if api_key is not None and (not isinstance(api_key, str) or not api_key):
-            raise ValueError("RemoteVLLMEngine.api_key must be a non-empty str or None.")
-        if not isinstance(share_weights_with_group, bool):
-            raise ValueError(
-                f"RemoteVLLMEngine.share_weights_with_group={share_weights_with_group!r} must be True or False."
-            )
-        if stream is not None and not isinstance(stream, bool):
-            raise ValueError(
-                f"RemoteVLLMEngine.stream={stream!r} must be True (always stream), False (never) or None (from the "
-                "first interrupt() on)."
-            )
-        if not (is_number(connect_timeout_s) and connect_timeout_s > 0):
-            raise ValueError(
-                f"RemoteVLLMEngine.connect_timeout_s={connect_timeout_s!r} must be > 0 (seconds to connect and get the "
-                "server's first answers)."
-            )
-        if not is_int(stream_interval) or stream_interval < 1:
-            raise ValueError(
-                f"RemoteVLLMEngine.stream_interval={stream_interval!r} must be an int >= 1 (tokens per streamed chunk)."
-            )
-        if lora_sync not in _LORA_SYNC_MODES:
-            raise ValueError(
-                f"RemoteVLLMEngine.lora_sync={lora_sync!r} is not known; allowed: "
-                f"{', '.join(map(repr, _LORA_SYNC_MODES))}."
-            )
-        if not isinstance(push_lora_base, bool):
-            raise ValueError(f"RemoteVLLMEngine.push_lora_base={push_lora_base!r} must be True or False.")
-        check_transport_settings(weight_transport, lora_sync, host, transfer_master_address, transfer_master_port)
-        api_key = api_key or os.environ.get("VLLM_API_KEY") or None
+        weight_sync = require_settings(weight_sync, RemoteWeightSyncSettings, "RemoteVLLMEngine.weight_sync")
+        connection = require_settings(connection, ConnectionSettings, "RemoteVLLMEngine.connection")
+        check_transport_settings(weight_sync, host)
+        api_key = connection.api_key or os.environ.get("VLLM_API_KEY") or None
         if api_key and scheme == "http" and not is_loopback(host):
             warnings.warn(
                 f"RemoteVLLMEngine: the API key goes to {host} over plain http://: anyone on the network path can read "
@@ -266,21 +148,21 @@ class RemoteVLLMEngine(ServerCheck, RemoteRequests, RemoteAdapterSync, RemoteWei
             )
         self.base_url = f"{scheme}://{host_for_url(host)}:{port}{prefix}"
         self.model = model
-        self.weights_dir = None if weights_dir is None else str(weights_dir)
-        self.server_weights_dir = None if server_weights_dir is None else str(server_weights_dir)
+        self.weights_dir = weight_sync.weights_dir
+        self.server_weights_dir = weight_sync.server_weights_dir
         self._init_common(
-            check_weight_sync,
-            weight_sync_tolerance,
+            weight_sync.check,
+            weight_sync.tolerance,
             request_timeout_s,
             pad_token_id,
             eos_token_id,
             stop_token_ids,
             support_logprobs,
         )
-        self.max_concurrent_requests = int(max_concurrent_requests)
-        self.stream = stream
-        self.stream_interval = int(stream_interval)
-        self._streaming = stream is True  # stream=None: turned on by the first interrupt()
+        self.max_concurrent_requests = int(connection.max_concurrent_requests)
+        self.stream = connection.stream
+        self.stream_interval = int(connection.stream_interval)
+        self._streaming = connection.stream is True  # stream=None: turned on by the first interrupt()
         self.model_name: str | None = None
         self.max_model_len: int | None = None
         self.dev_mode: bool | None = None
@@ -289,25 +171,25 @@ class RemoteVLLMEngine(ServerCheck, RemoteRequests, RemoteAdapterSync, RemoteWei
         self.last_write_time_s: float | None = None
         self.last_reload_time_s: float | None = None
         self.last_sync_bytes: int | None = None
-        self.lora_sync = lora_sync
-        self.push_lora_base = push_lora_base
+        self.lora_sync = weight_sync.lora
+        self.push_lora_base = weight_sync.push_lora_base
         # Read from /server_info at connect time: the LoRA settings (None: LoRA off) and whether the
         # runtime adapter routes are on (None: not said, e.g. another vLLM version).
         self.server_lora_config: dict[str, Any] | None = None
         self.server_runtime_lora: bool | None = None
         self._init_adapter_state()
 
-        self.share_weights_with_group = share_weights_with_group
-        self.connect_timeout_s = float(connect_timeout_s)
+        self.share_weights_with_group = weight_sync.share_with_group
+        self.connect_timeout_s = float(connection.connect_timeout_s)
         self._http = HTTPClient(scheme, host, port, prefix, api_key, self.base_url, self.connect_timeout_s)
-        self.weight_transport = weight_transport
+        self.weight_transport = weight_sync.transport
         self._transfer: VLLMWeightTransfer | None = None
-        if weight_transport != "file":
+        if weight_sync.transport != "file":
             self._transfer = VLLMWeightTransfer(
                 self.base_url,
-                weight_transport,
-                transfer_master_address or "127.0.0.1",
-                transfer_master_port,
+                weight_sync.transport,
+                weight_sync.master_address or "127.0.0.1",
+                weight_sync.master_port,
                 self.request_timeout_s,
                 lambda: int(
                     self._http.request("GET", "/get_world_size", timeout=self.request_timeout_s, what="get_world_size")[
@@ -374,7 +256,8 @@ class RemoteVLLMEngine(ServerCheck, RemoteRequests, RemoteAdapterSync, RemoteWei
 
     @property
     def request_model(self) -> str | None:
-        """What requests name as their ``model``: the current adapter (``lora_sync="adapter"``), else the model."""
+        """What requests name as their ``model``: the current adapter (``weight_sync.lora="adapter"``), else the
+        model."""
         return self.adapter_name or self.model_name
 
     @property
@@ -431,7 +314,7 @@ class RemoteVLLMEngine(ServerCheck, RemoteRequests, RemoteAdapterSync, RemoteWei
         if self.weights_dir is None and self.weight_transport == "file":
             raise RuntimeError(
                 "RemoteVLLMEngine.update_weights needs weights_dir: a directory both this trainer and the server can "
-                "read (shared storage across machines). Pass RemoteVLLMEngine(weights_dir=...)."
+                "read (shared storage across machines). Set RemoteVLLMEngine's weight_sync.weights_dir."
             )
         self.connect()
         if not self.dev_mode:
@@ -453,7 +336,7 @@ class RemoteVLLMEngine(ServerCheck, RemoteRequests, RemoteAdapterSync, RemoteWei
         """Stop using the server: wake a request in flight, remove the sync files. The server keeps running.
 
         A ``generate`` running in another thread (a background rollout) raises ``RuntimeError``.
-        With ``lora_sync="adapter"`` the adapter in use is unloaded first (best effort, when no
+        With ``weight_sync.lora="adapter"`` the adapter in use is unloaded first (best effort, when no
         call is in flight). Idempotent.
         """
         if not self._closed and self.adapter_name is not None and self._lock.acquire(blocking=False):

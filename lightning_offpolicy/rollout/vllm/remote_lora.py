@@ -1,4 +1,4 @@
-"""The adapter sync of :class:`~lightning_offpolicy.rollout.vllm.remote.RemoteVLLMEngine` (``lora_sync="adapter"``).
+"""The adapter sync of :class:`~lightning_offpolicy.rollout.vllm.remote.RemoteVLLMEngine` (``lora="adapter"``).
 
 A peft LoRA policy's base weights go to the server once (the file reload of
 :class:`~lightning_offpolicy.rollout.vllm.remote_sync.RemoteWeightSync`), then each sync saves only
@@ -29,7 +29,7 @@ from lightning_offpolicy.rollout.vllm.peft_export import adapter_rank, base_stat
 
 __all__ = ["LORA_ROUTES_HINT", "RemoteAdapterSync", "enable_lora_hint"]
 
-_WHO = "RemoteVLLMEngine(lora_sync='adapter')"
+_WHO = "RemoteVLLMEngine(weight_sync.lora='adapter')"
 _CALLER = "RemoteVLLMEngine.update_weights"
 #: Prefix of the per-sync adapter directories inside the engine's sync directory.
 _ADAPTER_DIR = "adapter-"
@@ -65,11 +65,11 @@ class RemoteAdapterSync:
         self._base_synced = not self.push_lora_base
 
     def _check_adapter_source(self, source: Any, is_module: bool) -> None:
-        """Trainer-side checks of ``lora_sync="adapter"`` (no request sent)."""
+        """Trainer-side checks of ``weight_sync.lora="adapter"`` (no request sent)."""
         if not (is_module and is_peft_model(source)):
             raise TypeError(
                 f"{_WHO} syncs the adapter of a peft LoRA model, got {type(source).__name__}: pass the peft model, "
-                "or use lora_sync='merged' (the default) for a model without adapters or a state dict."
+                "or use weight_sync.lora='merged' (the default) for a model without adapters or a state dict."
             )
         check_vllm_adapter(source, _CALLER)
 
@@ -80,13 +80,13 @@ class RemoteAdapterSync:
         if config is None:
             raise RuntimeError(
                 f"{_WHO}: the server at {self.base_url} runs without LoRA support (no --enable-lora): "
-                f"{enable_lora_hint(rank)}; or use lora_sync='merged'."
+                f"{enable_lora_hint(rank)}; or use weight_sync.lora='merged'."
             )
         limit = config.get("max_lora_rank") if isinstance(config, dict) else None
         if isinstance(limit, int) and rank > limit:
             raise ValueError(
                 f"{_WHO}: the adapter's rank {rank} exceeds the server's --max-lora-rank {limit}: restart the server "
-                f"with --max-lora-rank {vllm_lora_rank(rank, _WHO)}, lower the rank, or use lora_sync='merged'."
+                f"with --max-lora-rank {vllm_lora_rank(rank, _WHO)}, lower the rank, or use weight_sync.lora='merged'."
             )
         if self.server_runtime_lora is False:
             raise RuntimeError(

@@ -148,10 +148,10 @@ class RemoteWeightSync:
             # server's model is half-loaded and its next generation kills the engine. Do not use it again.
             self._failure = (
                 f"the server at {self.base_url} failed to reload the weights written to {server_path!r} and must be "
-                "restarted (a failed reload leaves vLLM's weights half-loaded). Is weights_dir on storage the server "
-                "can read at that path (set server_weights_dir if it mounts it elsewhere)? A model whose vLLM class "
-                "has no output layer of its own (Gemma-2) refuses a tied lm_head.weight: start the server with "
-                f"--worker-extension-cls {RECEIVER_CLS} (launch_local_server does)."
+                "restarted (a failed reload leaves vLLM's weights half-loaded). Is weight_sync.weights_dir on storage "
+                "the server can read at that path (set weight_sync.server_weights_dir if it mounts it elsewhere)? A "
+                "model whose vLLM class has no output layer of its own (Gemma-2) refuses a tied lm_head.weight: start "
+                f"the server with --worker-extension-cls {RECEIVER_CLS} (launch_local_server does)."
             )
             raise RuntimeError(f"{err} {self._failure}") from err
         return results if receiver else None
@@ -184,7 +184,7 @@ class RemoteWeightSync:
             "POST",
             "/v1/completions",
             {
-                "model": self.request_model,  # the adapter, with lora_sync="adapter"
+                "model": self.request_model,  # the adapter, with weight_sync.lora="adapter"
                 "prompt": probe,
                 "max_tokens": 1,
                 "temperature": 1.0,

@@ -23,10 +23,10 @@ from pathlib import Path
 from typing import Any, Literal
 
 from lightning_offpolicy.argcheck import is_int, is_number
-from lightning_offpolicy.rollout.vllm.base import ALLOWED_DTYPES
 from lightning_offpolicy.rollout.vllm.errors import SERVER_MODULE, check_head_size
 from lightning_offpolicy.rollout.vllm.http import host_for_url, is_loopback
 from lightning_offpolicy.rollout.vllm.lora import allowed_lora_ranks
+from lightning_offpolicy.rollout.vllm.settings import StartSettings, require_settings
 from lightning_offpolicy.rollout.vllm.worker_extension import RECEIVER_CLS
 
 __all__ = ["LocalVLLMServer", "launch_local_server"]
@@ -195,11 +195,7 @@ def _whole_prefills(extra: list[str]) -> list[str]:
 def launch_local_server(
     model_dir: str | os.PathLike,
     port: int | None = None,
-    dtype: Literal["auto", "half", "float16", "bfloat16", "float", "float32"] = "auto",
-    max_model_len: int | None = None,
-    kv_cache_space_gib: int | None = 1,
-    gpu_memory_utilization: float = 0.3,
-    seed: int = 0,
+    start: StartSettings = StartSettings(),  # noqa: B008 (frozen)
     skip_tokenizer_init: bool = True,
     startup_timeout_s: float = 300.0,
     log_file: str | os.PathLike | None = None,
@@ -220,13 +216,11 @@ def launch_local_server(
     Args:
         model_dir: Checkpoint directory (or hub name) to serve; also the served model name.
         port: Port on 127.0.0.1; ``None``: a free one.
-        dtype: Precision of the server's weights (vLLM's ``--dtype``).
-        max_model_len: Longest prompt + completion in tokens; ``None``: the model's own context length
-            (vLLM derives it from the checkpoint's config; the engine reads it from the server).
-        kv_cache_space_gib: CPU only: GiB of KV cache (``VLLM_CPU_KVCACHE_SPACE``); ``None``: vLLM's default.
-        gpu_memory_utilization: Fraction of GPU memory; on CPU the fraction of host memory vLLM
-            reserves (keep it low there: start-up fails when that much is not free).
-        seed: The server's global seed (requests without a seed).
+        start: What vLLM starts with (:class:`~lightning_offpolicy.rollout.vllm.settings.StartSettings`:
+            ``dtype`` (``"auto"``: vLLM's rule), ``max_model_len`` (``None``: the model's own context
+            length, which the engine reads from the server), ``gpu_memory_utilization``,
+            ``kv_cache_space_gib`` (``VLLM_CPU_KVCACHE_SPACE``) and the server's global ``seed``,
+            for requests without one).
         skip_tokenizer_init: Start without a tokenizer (``--skip-tokenizer-init``).
         startup_timeout_s: Longest wait for ``/health``; the server is stopped and a ``RuntimeError``
             with the tail of its log raised after it.
@@ -240,7 +234,7 @@ def launch_local_server(
             server then answers anyone who can reach the port, and with ``VLLM_SERVER_DEV_MODE``
             its unauthenticated ``/collective_rpc`` reloads weights from any path it is given
             (docs/remote_vllm.md, "Trust model"): only on a private network.
-        enable_lora: Start a server that ``RemoteVLLMEngine(lora_sync="adapter")`` can sync adapters
+        enable_lora: Start a server that ``RemoteVLLMEngine(weight_sync.lora="adapter")`` can sync adapters
             into: ``--enable-lora --max-lora-rank max_lora_rank`` (one adapter at a time, vLLM's
             default ``--max-loras 1``) and ``VLLM_ALLOW_RUNTIME_LORA_UPDATING=1`` (the routes
             ``/v1/load_lora_adapter`` and ``/v1/unload_lora_adapter``, unauthenticated like the
@@ -248,7 +242,7 @@ def launch_local_server(
         max_lora_rank: With ``enable_lora``: the largest adapter rank the server accepts, one of
             the values vLLM allows (1, 8, 16, 32, 64, 128, 256, 320, 512 in vLLM 0.32); the smallest
             that fits the adapter wastes the least memory.
-        weight_transfer_backend: Start a server that ``RemoteVLLMEngine(weight_transport=...)`` can
+        weight_transfer_backend: Start a server that ``RemoteVLLMEngine(weight_sync.transport=...)`` can
             push weights into with vLLM's weight-transfer engine of that name (``--weight-transfer-config
             '{"backend": ...}'``; GPU only). ``None``: weights come through files.
 
@@ -261,19 +255,9 @@ def launch_local_server(
         raise ValueError(
             f"launch_local_server: weight_transfer_backend={weight_transfer_backend!r}: allowed 'nccl', 'ipc' or None."
         )
-    if dtype not in ALLOWED_DTYPES:
-        raise ValueError(f"launch_local_server: dtype={dtype!r} is not known; allowed: {', '.join(ALLOWED_DTYPES)}.")
+    start = require_settings(start, StartSettings, "launch_local_server.start")
     if port is not None and (not is_int(port) or not 0 < port < 65536):
         raise ValueError(f"launch_local_server: port={port!r} must be an int in 1..65535 or None (a free port).")
-    if max_model_len is not None and (not is_int(max_model_len) or max_model_len < 2):
-        raise ValueError(
-            f"launch_local_server: max_model_len={max_model_len!r} must be an int >= 2 or None (the model's own "
-            "context)."
-        )
-    if kv_cache_space_gib is not None and (not is_int(kv_cache_space_gib) or kv_cache_space_gib < 1):
-        raise ValueError(f"launch_local_server: kv_cache_space_gib={kv_cache_space_gib!r} must be an int >= 1 or None.")
-    if not is_number(gpu_memory_utilization) or not 0 < gpu_memory_utilization <= 1:
-        raise ValueError(f"launch_local_server: gpu_memory_utilization={gpu_memory_utilization!r} must be in (0, 1].")
     if not is_number(startup_timeout_s) or not startup_timeout_s > 0:
         raise ValueError(f"launch_local_server: startup_timeout_s={startup_timeout_s!r} must be > 0 (seconds).")
     if not isinstance(allow_non_loopback, bool):
@@ -323,10 +307,10 @@ def launch_local_server(
         "--model", model,
         "--host", "127.0.0.1",
         "--port", str(chosen),
-        "--dtype", dtype,
-        *(["--max-model-len", str(max_model_len)] if max_model_len is not None else []),
-        "--gpu-memory-utilization", str(gpu_memory_utilization),
-        "--seed", str(seed),
+        "--dtype", start.dtype,
+        *(["--max-model-len", str(start.max_model_len)] if start.max_model_len is not None else []),
+        "--gpu-memory-utilization", str(start.gpu_memory_utilization),
+        "--seed", str(start.seed),
         "--enforce-eager",
         "--logprobs-mode", "processed_logprobs",
         "--generation-config", "vllm",
@@ -346,8 +330,8 @@ def launch_local_server(
     env["VLLM_SERVER_DEV_MODE"] = "1"
     if enable_lora:
         env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "1"  # the adapter load / unload routes
-    if kv_cache_space_gib is not None:
-        env["VLLM_CPU_KVCACHE_SPACE"] = str(kv_cache_space_gib)  # read by the CPU backend only
+    if start.kv_cache_space_gib is not None:
+        env["VLLM_CPU_KVCACHE_SPACE"] = str(start.kv_cache_space_gib)  # read by the CPU backend only
     if Path(model).is_dir():
         env.setdefault("HF_HUB_OFFLINE", "1")  # a local checkpoint: no hub look-ups (and their retries)
     # Clear what a killed run left, and name this process to the server's: they exit once it is gone.

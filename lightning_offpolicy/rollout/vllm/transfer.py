@@ -1,7 +1,7 @@
 """A server's weights pushed GPU to GPU with vLLM's own weight-transfer engines (``nccl``, ``ipc``).
 
 :class:`~lightning_offpolicy.rollout.vllm.remote.RemoteVLLMEngine` moves weights through files by
-default (``weight_transport="file"``: safetensors in a shared directory, reloaded by the server).
+default (``weight_sync.transport="file"``: safetensors in a shared directory, reloaded by the server).
 With ``"nccl"`` or ``"ipc"`` it drives vLLM's weight-transfer API instead: the trainer side is
 vLLM's own trainer engine (``WeightTransferTrainerFactory.trainer_init``) talking to the server's
 HTTP control plane (``/init_weight_transfer_engine``, ``/start_weight_update``,
@@ -19,13 +19,16 @@ transports only.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
+if TYPE_CHECKING:
+    from lightning_offpolicy.rollout.vllm.settings import RemoteWeightSyncSettings
+
 __all__ = ["GPU_TRANSPORTS", "VLLMWeightTransfer", "check_transport_settings", "gpu_transport_refusal"]
 
-#: The ``weight_transport`` values that use vLLM's weight-transfer engines.
+#: The ``weight_sync.transport`` values that use vLLM's weight-transfer engines.
 GPU_TRANSPORTS = ("nccl", "ipc")
 
 
@@ -35,56 +38,47 @@ def gpu_transport_refusal(transport: str) -> str | None:
         return None
     if not torch.cuda.is_available():
         return (
-            f"weight_transport={transport!r} moves the weights from the trainer's GPU with vLLM's {transport} "
-            "weight-transfer engine, and this machine has no CUDA device: use weight_transport='file'"
+            f"weight_sync.transport={transport!r} moves the weights from the trainer's GPU with vLLM's {transport} "
+            "weight-transfer engine, and this machine has no CUDA device: use weight_sync.transport='file'"
         )
     try:
         import vllm.distributed.weight_transfer  # noqa: F401
     except ImportError as err:
         return (
-            f"weight_transport={transport!r} drives vLLM's weight-transfer engines from the trainer, which needs vLLM "
-            f"installed in the trainer's environment ({err}): install it, or use weight_transport='file'"
+            f"weight_sync.transport={transport!r} drives vLLM's weight-transfer engines from the trainer, which needs "
+            f"vLLM installed in the trainer's environment ({err}): install it, or use weight_sync.transport='file'"
         )
     return None
 
 
-def check_transport_settings(
-    weight_transport: str,
-    lora_sync: str,
-    host: str,
-    transfer_master_address: str | None,
-    transfer_master_port: int | None,
-) -> None:
-    """Refuse a :class:`~lightning_offpolicy.rollout.vllm.remote.RemoteVLLMEngine` transport setting that cannot work.
+def check_transport_settings(settings: RemoteWeightSyncSettings, host: str) -> None:
+    """Refuse a :class:`~lightning_offpolicy.rollout.vllm.remote.RemoteVLLMEngine` transport this setup cannot run.
+
+    Args:
+        settings: The engine's ``weight_sync`` (its own ranges are checked when it is built).
+        host: The server's host.
 
     Raises:
-        ValueError: An unknown transport, a GPU transport this machine cannot drive, one combined
-            with ``lora_sync="adapter"``, NCCL to a remote ``host`` without ``transfer_master_address``,
-            or a port out of range; the message names the setting.
+        ValueError: A GPU transport this machine cannot drive, one combined with ``lora="adapter"``,
+            or NCCL to a remote ``host`` without ``master_address``; the message names the setting.
     """
-    from lightning_offpolicy.argcheck import is_int
     from lightning_offpolicy.rollout.vllm.http import is_loopback
 
-    if weight_transport not in ("file", *GPU_TRANSPORTS):
+    transport = settings.transport
+    if transport == "file":
+        return
+    if (why := gpu_transport_refusal(transport)) is not None:
+        raise ValueError(f"RemoteVLLMEngine: {why}.")
+    if settings.lora == "adapter":
         raise ValueError(
-            f"RemoteVLLMEngine.weight_transport={weight_transport!r} is not known; allowed: 'file', "
-            f"{', '.join(map(repr, GPU_TRANSPORTS))}."
+            f"RemoteVLLMEngine(weight_sync.transport={transport!r}) moves full weights: the adapter of "
+            "weight_sync.lora='adapter' goes through files (weight_sync.transport='file')."
         )
-    if weight_transport != "file":
-        if (why := gpu_transport_refusal(weight_transport)) is not None:
-            raise ValueError(f"RemoteVLLMEngine: {why}.")
-        if lora_sync == "adapter":
-            raise ValueError(
-                f"RemoteVLLMEngine(weight_transport={weight_transport!r}) moves full weights: the adapter of "
-                "lora_sync='adapter' goes through files (weight_transport='file')."
-            )
-        if weight_transport == "nccl" and transfer_master_address is None and not is_loopback(host):
-            raise ValueError(
-                "RemoteVLLMEngine(weight_transport='nccl') needs transfer_master_address: an address of this "
-                f"trainer's machine that the server at {host} can reach for the NCCL rendezvous."
-            )
-    if transfer_master_port is not None and (not is_int(transfer_master_port) or not 0 < transfer_master_port < 65536):
-        raise ValueError(f"RemoteVLLMEngine.transfer_master_port={transfer_master_port!r} must be a port number.")
+    if transport == "nccl" and settings.master_address is None and not is_loopback(host):
+        raise ValueError(
+            "RemoteVLLMEngine(weight_sync.transport='nccl') needs weight_sync.master_address: an address of this "
+            f"trainer's machine that the server at {host} can reach for the NCCL rendezvous."
+        )
 
 
 def _tensors_source() -> Any:

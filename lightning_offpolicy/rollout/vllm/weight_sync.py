@@ -80,7 +80,7 @@ def sync_tolerance(engine_dtype: torch.dtype | None, module: torch.nn.Module, at
     Args:
         engine_dtype: The engine's compute dtype (``None``: unknown, taken as bfloat16).
         module: The trainer's module (its parameters' dtype counts too).
-        atol: The user's ``weight_sync_tolerance``; ``None``: ``1e-3`` when engine and trainer
+        atol: The user's ``weight_sync.tolerance``; ``None``: ``1e-3`` when engine and trainer
             are both float32, else ``1.0``.
     """
     dtypes = [engine_dtype or torch.bfloat16, next(module.parameters()).dtype]
@@ -111,7 +111,7 @@ def trainer_probe_logprobs(module: torch.nn.Module, probe: list[int]) -> torch.T
     except Exception as err:
         raise RuntimeError(
             "weight-sync check: scoring the probe sequence with the trainer's module failed "
-            f"({err!r}); it needs a transformers causal LM. Pass check_weight_sync=False to skip the check."
+            f"({err!r}); it needs a transformers causal LM. Pass weight_sync.check=False to skip the check."
         ) from err
     finally:
         module.train(was_training)
@@ -189,7 +189,7 @@ class SyncCheck:
             raise RuntimeError(
                 f"{self.who} weight-sync check failed: the engine's logprobs of a probe sequence differ from the "
                 f"trainer's by up to {diff:.4g} (probe token {worst + 1}: engine {float(engine[worst]):.4g}, trainer "
-                f"{float(trainer[worst]):.4g}; accepted: weight_sync_tolerance={tolerance}): the new weights did not "
+                f"{float(trainer[worst]):.4g}; accepted: weight_sync.tolerance={tolerance}): the new weights did not "
                 "arrive in the engine (or arrived wrong: parameter names / dtype). Nothing was stamped with the new "
                 "version."
             )
