@@ -7,7 +7,7 @@ shape, on ``--device``) move to a second process that copies them into its own c
 weights on the same device, as a vLLM worker's load does. Ways:
 
 * ``shared_memory``: the kit's in-memory transport
-  (:class:`~lightning_offpolicy.rollout.vllm.shared_weights.SharedWeightsBuffer`): each bucket is
+  (:class:`~lightning_offpolicy.rollout.vllm.sync.shared_weights.SharedWeightsBuffer`): each bucket is
   copied into a shared-memory file (device to host on a GPU), the receiver maps it and copies each
   tensor into its weights (host to device);
 * ``cuda_ipc`` (CUDA only): each bucket is packed into one device buffer whose CUDA IPC handle the
@@ -38,7 +38,7 @@ import torch.multiprocessing as mp
 # benchmarks/*.py run as scripts: their directory is on sys.path, and with it the shared harness.
 from harness.report import write_report
 
-from lightning_offpolicy.rollout.vllm.shared_weights import SharedWeightsBuffer
+from lightning_offpolicy.rollout.vllm.sync.shared_weights import SharedWeightsBuffer
 from lightning_offpolicy.rollout.vllm.worker_extension import slot_views
 
 #: Decoder shapes: (vocab, hidden, intermediate, layers, heads, kv heads, tied).

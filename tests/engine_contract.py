@@ -24,7 +24,7 @@ from lightning_offpolicy.data.tokenizers import CharTokenizer
 from lightning_offpolicy.logprobs import causal_lm_token_logprobs
 from lightning_offpolicy.rollout.engine import RolloutEngine, SamplingConfig
 from lightning_offpolicy.rollout.multi_turn import EpisodeRunner, EpisodeSettings
-from lightning_offpolicy.rollout.vllm.weight_sync import trainer_probe_logprobs
+from lightning_offpolicy.rollout.vllm.sync.check import trainer_probe_logprobs
 from tests.module_helpers import argmax_completion
 from tests.vllm_fixtures import lose_syncs, residuals, reverse_prompts, teacher_forced_logprobs
 

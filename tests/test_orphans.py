@@ -264,7 +264,7 @@ def test_the_sweep_removes_a_dead_writers_weight_bucket_and_keeps_a_live_ones(ca
 
 
 def test_a_weight_bucket_is_named_after_its_writer():
-    from lightning_offpolicy.rollout.vllm.shared_weights import SharedWeightsBuffer
+    from lightning_offpolicy.rollout.vllm.sync.shared_weights import SharedWeightsBuffer
 
     buffer = SharedWeightsBuffer(1 << 10)
     buffer.ensure(1 << 10)

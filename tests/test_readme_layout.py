@@ -66,6 +66,6 @@ def test_every_module_a_package_entry_names_exists():
 
 def test_the_parser_reads_nested_packages_and_their_modules():
     entries = layout_entries()
-    assert "weight_sync.py" in entries["rollout/vllm/"]
+    assert "check.py" in entries["rollout/vllm/sync/"]
     assert "engine.py" in entries["rollout/"]
     assert entries["cli.py"] == []

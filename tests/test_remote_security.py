@@ -19,8 +19,8 @@ import torch
 
 from lightning_offpolicy.rollout.vllm import RemoteVLLMEngine, launch_local_server
 from lightning_offpolicy.rollout.vllm import server as vllm_server
-from lightning_offpolicy.rollout.vllm.export import write_safetensors
 from lightning_offpolicy.rollout.vllm.settings import ConnectionSettings, RemoteWeightSyncSettings
+from lightning_offpolicy.rollout.vllm.sync.export import write_safetensors
 from tests.vllm_fixtures import requires_vllm
 
 #: Spellings of --host / --port / --logprobs-mode that vLLM's parser accepts (abbreviations, =, underscores).

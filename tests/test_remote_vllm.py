@@ -289,7 +289,7 @@ def test_launch_failure_raises_with_the_log_tail(tmp_path):
 @pytest.mark.parametrize("transport", ["nccl", "ipc"])
 def test_gpu_transports_say_what_they_need(transport):
     """vLLM's NCCL / IPC weight-transfer engines need CUDA on the trainer's side: without it, a clear refusal."""
-    from lightning_offpolicy.rollout.vllm.transfer import gpu_transport_refusal
+    from lightning_offpolicy.rollout.vllm.sync.transfer import gpu_transport_refusal
 
     if torch.cuda.is_available():
         pytest.skip("this machine has CUDA: the refusal does not apply")

@@ -63,7 +63,7 @@ def test_the_default_engine_dtype_is_the_trainers(vllm_engine, trainer_model):
     """
     import torch
 
-    from lightning_offpolicy.rollout.vllm.weight_sync import trainer_probe_logprobs
+    from lightning_offpolicy.rollout.vllm.sync.check import trainer_probe_logprobs
 
     assert vllm_engine.dtype == "auto" and vllm_engine.compute_dtype == torch.float32
     # float32 on both sides: the engine's and the trainer's logprobs agree to float32 round-off (the

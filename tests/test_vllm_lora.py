@@ -19,8 +19,13 @@ from lightning_offpolicy.data.tokenizers import CharTokenizer
 from lightning_offpolicy.logprobs import causal_lm_token_logprobs
 from lightning_offpolicy.rollout.engine import Completion, SamplingConfig
 from lightning_offpolicy.rollout.vllm.inprocess import VLLMEngine
-from lightning_offpolicy.rollout.vllm.peft_export import adapter_rank, base_state_dict, merged_state_dict, save_adapter
 from lightning_offpolicy.rollout.vllm.settings import WeightSyncSettings
+from lightning_offpolicy.rollout.vllm.sync.peft_export import (
+    adapter_rank,
+    base_state_dict,
+    merged_state_dict,
+    save_adapter,
+)
 from tests.vllm_fixtures import (
     ENGINE_START,
     lose_syncs,
@@ -199,7 +204,7 @@ def test_save_adapter_and_rank(tmp_path):
 @requires_vllm
 def test_adapter_mode_needs_a_peft_model_and_a_first_sync():
     from lightning_offpolicy.demo.tiny import build_tiny_llama
-    from lightning_offpolicy.rollout.vllm.lora import vllm_lora_rank
+    from lightning_offpolicy.rollout.vllm.sync.lora import vllm_lora_rank
 
     engine = VLLMEngine(model="unused", eos_token_id=2, weight_sync=WeightSyncSettings(lora="adapter"))
     with pytest.raises(TypeError, match=r"weight_sync\.lora='merged'"):

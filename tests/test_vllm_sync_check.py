@@ -15,7 +15,7 @@ import torch
 from lightning_offpolicy.rollout.engine import SamplingConfig
 from lightning_offpolicy.rollout.vllm.inprocess import VLLMEngine
 from lightning_offpolicy.rollout.vllm.settings import StartSettings
-from lightning_offpolicy.rollout.vllm.weight_sync import SyncCheck, trainer_probe_logprobs
+from lightning_offpolicy.rollout.vllm.sync.check import SyncCheck, trainer_probe_logprobs
 from tests.vllm_fixtures import lose_syncs, requires_vllm, reverse_prompts
 
 pytestmark = pytest.mark.slow

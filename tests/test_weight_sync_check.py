@@ -1,4 +1,4 @@
-"""The weight-sync self-check's decision rules (``weight_sync.SyncCheck`` / ``sync_tolerance``), without an engine.
+"""The weight-sync self-check's decision rules (``sync.check.SyncCheck`` / ``sync_tolerance``), without an engine.
 
 The real-engine versions (a bfloat16 vLLM engine on a peaked policy, missing and partial syncs)
 are in tests/test_vllm_engine.py; these pin the arithmetic with hand-computed numbers.
@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from lightning_offpolicy.demo.tiny import build_tiny_llama
-from lightning_offpolicy.rollout.vllm.weight_sync import SyncCheck, SyncTolerance, sync_tolerance, weights_dtype
+from lightning_offpolicy.rollout.vllm.sync.check import SyncCheck, SyncTolerance, sync_tolerance, weights_dtype
 
 
 def _module(dtype: torch.dtype) -> torch.nn.Module:

@@ -14,10 +14,10 @@ import pytest
 import torch
 
 from lightning_offpolicy.demo.tiny import tiny_llama_config
-from lightning_offpolicy.rollout.vllm.export import unique_tensors
 from lightning_offpolicy.rollout.vllm.inprocess import VLLMEngine
-from lightning_offpolicy.rollout.vllm.shared_weights import SharedWeightsBuffer, plan_buckets
-from lightning_offpolicy.rollout.vllm.weight_sync import trainer_probe_logprobs
+from lightning_offpolicy.rollout.vllm.sync.check import trainer_probe_logprobs
+from lightning_offpolicy.rollout.vllm.sync.export import unique_tensors
+from lightning_offpolicy.rollout.vllm.sync.shared_weights import SharedWeightsBuffer, plan_buckets
 from lightning_offpolicy.rollout.vllm.worker_extension import slot_views
 from tests.vllm_fixtures import engine_arguments, requires_vllm
 

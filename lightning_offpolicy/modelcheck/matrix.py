@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import torch
 
 from lightning_offpolicy.rollout.vllm.settings import RemoteWeightSyncSettings, StartSettings, WeightSyncSettings
-from lightning_offpolicy.rollout.vllm.weight_sync import trainer_probe_logprobs
+from lightning_offpolicy.rollout.vllm.sync.check import trainer_probe_logprobs
 
 __all__ = [
     "CELLS",

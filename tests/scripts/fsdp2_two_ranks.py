@@ -30,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from lightning_offpolicy.lightning.checkpointing import make_sharded_saves_atomic  # noqa: E402
 from lightning_offpolicy.rollout.hf.engine import HFEngine  # noqa: E402
-from lightning_offpolicy.rollout.vllm.export import export_state_dict  # noqa: E402
+from lightning_offpolicy.rollout.vllm.sync.export import export_state_dict  # noqa: E402
 from tests.module_helpers import fit_on, make_rollout, tiny_model  # noqa: E402
 from tests.test_module_ddp import make_module  # noqa: E402
 

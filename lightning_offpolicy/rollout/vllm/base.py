@@ -31,9 +31,9 @@ from lightning_offpolicy.rollout.engine import (
     checked_token_ids,
     per_prompt_seeds,
 )
-from lightning_offpolicy.rollout.vllm.export import weight_source
 from lightning_offpolicy.rollout.vllm.kept_sets import decode_kept_sets
-from lightning_offpolicy.rollout.vllm.weight_sync import SyncCheck, sync_tolerance, trainer_probe_logprobs
+from lightning_offpolicy.rollout.vllm.sync.check import SyncCheck, sync_tolerance, trainer_probe_logprobs
+from lightning_offpolicy.rollout.vllm.sync.export import weight_source
 
 __all__ = ["SUPPORT_LOGPROBS", "RawSample", "VLLMEngineBase", "fmt", "kept_from_top"]
 

@@ -14,14 +14,14 @@ What the engine guarantees (each one checked by ``tests/test_vllm_engine.py`` an
 * **Token ids in, token ids out** (``skip_tokenizer_init=True``); generation stops on the engine's
   stop ids and only on them, and the stop token is part of ``Completion.token_ids``, as in ``HFEngine``.
 * **In-place weight sync in memory, with a self-check**: the weights cross in buckets through
-  shared memory into every worker's ``load_weights`` (:mod:`~lightning_offpolicy.rollout.vllm.shared_weights`;
+  shared memory into every worker's ``load_weights`` (:mod:`~lightning_offpolicy.rollout.vllm.sync.shared_weights`;
   ``weight_sync.transport="file"``: safetensors the same receiver reloads), a tied output layer processed
   again, every parameter checked to have received a tensor, the prefix cache reset, then a fixed
-  probe scored by the engine and by the trainer (:mod:`~lightning_offpolicy.rollout.vllm.weight_sync`):
+  probe scored by the engine and by the trainer (:mod:`~lightning_offpolicy.rollout.vllm.sync.check`):
   a sync that did not arrive raises at once.
 * **LoRA (peft) models, two ways** (``weight_sync.lora``): ``"merged"`` pushes the base weights with the
   adapters folded in (computed out of place); ``"adapter"`` pushes the base once, then only the
-  adapter (:class:`~lightning_offpolicy.rollout.vllm.lora.AdapterSync`).
+  adapter (:class:`~lightning_offpolicy.rollout.vllm.sync.lora.AdapterSync`).
 * **Calls from several threads batched together** (episodes that go on alone): they share one loop of engine
   steps (:mod:`~lightning_offpolicy.rollout.vllm.stepping`); a sync waits for them, or cuts them (``interrupt``).
 * **No hangs, no orphans**: engine calls run in watched threads (:mod:`~lightning_offpolicy.rollout.vllm.process`):
@@ -63,14 +63,14 @@ from lightning_offpolicy.rollout.vllm.errors import (
     INSTALL_HINT,
     supported_cpu_head_dims,
 )
-from lightning_offpolicy.rollout.vllm.export import is_peft_model
-from lightning_offpolicy.rollout.vllm.inprocess_sync import InProcessWeightSync
-from lightning_offpolicy.rollout.vllm.lora import AdapterSync
 from lightning_offpolicy.rollout.vllm.offline import sampling_params, start_llm, vllm_available
 from lightning_offpolicy.rollout.vllm.settings import StartSettings, WeightSyncSettings, require_settings
-from lightning_offpolicy.rollout.vllm.shared_weights import SharedWeightsBuffer
 from lightning_offpolicy.rollout.vllm.stepping import SharedStepping
-from lightning_offpolicy.rollout.vllm.weight_sync import probe_ids, weights_dtype
+from lightning_offpolicy.rollout.vllm.sync.check import probe_ids, weights_dtype
+from lightning_offpolicy.rollout.vllm.sync.export import is_peft_model
+from lightning_offpolicy.rollout.vllm.sync.in_process import InProcessWeightSync
+from lightning_offpolicy.rollout.vllm.sync.lora import AdapterSync
+from lightning_offpolicy.rollout.vllm.sync.shared_weights import SharedWeightsBuffer
 from lightning_offpolicy.rollout.vllm.worker_extension import RECEIVER_CLS
 
 __all__ = ["VLLMEngine", "supported_cpu_head_dims", "vllm_available"]

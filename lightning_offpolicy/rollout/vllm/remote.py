@@ -12,8 +12,8 @@ and interruptible (partial rollouts, streamed requests): how each is kept over H
 requests stream, is in docs/remote_vllm.md, "What the engine guarantees".
 Connecting is :class:`~lightning_offpolicy.rollout.vllm.remote_connect.ServerCheck`, the requests
 :class:`~lightning_offpolicy.rollout.vllm.remote_requests.RemoteRequests`, the weight
-sync :class:`~lightning_offpolicy.rollout.vllm.remote_sync.RemoteWeightSync` (full weights) and
-:class:`~lightning_offpolicy.rollout.vllm.remote_lora.RemoteAdapterSync` (a peft model's adapter).
+sync :class:`~lightning_offpolicy.rollout.vllm.sync.remote.RemoteWeightSync` (full weights) and
+:class:`~lightning_offpolicy.rollout.vllm.sync.remote_lora.RemoteAdapterSync` (a peft model's adapter).
 
 Start-up, connect and sync times measured on a CPU machine: ``docs/remote_vllm.md``.
 """
@@ -48,11 +48,11 @@ from lightning_offpolicy.rollout.vllm.http import (
     parse_base_url,
 )
 from lightning_offpolicy.rollout.vllm.remote_connect import ServerCheck
-from lightning_offpolicy.rollout.vllm.remote_lora import RemoteAdapterSync
 from lightning_offpolicy.rollout.vllm.remote_requests import RemoteRequests
-from lightning_offpolicy.rollout.vllm.remote_sync import RemoteWeightSync
 from lightning_offpolicy.rollout.vllm.settings import ConnectionSettings, RemoteWeightSyncSettings, require_settings
-from lightning_offpolicy.rollout.vllm.transfer import VLLMWeightTransfer, check_transport_settings
+from lightning_offpolicy.rollout.vllm.sync.remote import RemoteWeightSync
+from lightning_offpolicy.rollout.vllm.sync.remote_lora import RemoteAdapterSync
+from lightning_offpolicy.rollout.vllm.sync.transfer import VLLMWeightTransfer, check_transport_settings
 
 __all__ = ["RemoteVLLMEngine"]
 

@@ -25,8 +25,8 @@ from typing import Any, Literal
 from lightning_offpolicy.argcheck import is_int, is_number
 from lightning_offpolicy.rollout.vllm.errors import SERVER_MODULE, check_head_size
 from lightning_offpolicy.rollout.vllm.http import host_for_url, is_loopback
-from lightning_offpolicy.rollout.vllm.lora import allowed_lora_ranks
 from lightning_offpolicy.rollout.vllm.settings import StartSettings, require_settings
+from lightning_offpolicy.rollout.vllm.sync.lora import allowed_lora_ranks
 from lightning_offpolicy.rollout.vllm.worker_extension import RECEIVER_CLS
 
 __all__ = ["LocalVLLMServer", "launch_local_server"]

@@ -125,7 +125,7 @@ class WeightSyncSettings:
             fixed probe sequence match the module's; raise ``RuntimeError`` if not.
         tolerance: Absolute part (nats) of the per-token |logprob difference| the check accepts.
             ``None``: ``1e-3`` when the engine and the trainer are both float32, else ``1.0``, plus a
-            relative part under reduced precision (``weight_sync.SyncTolerance``).
+            relative part under reduced precision (``sync.check.SyncTolerance``).
         bucket_mb: Size of one in-memory bucket (MiB, in the engine's dtype); the buffer grows to
             hold a decoder layer, or the embedding and output layer together, when one is larger.
         lora: How a peft LoRA model's weights reach the engine. ``"merged"``: at every sync the base
@@ -183,7 +183,7 @@ class RemoteWeightSyncSettings:
             ``None``: ``1e-3`` when the server and the trainer's module are both float32, else
             ``1.0``. With a reduced-precision server or trainer a relative part is added,
             ``16 * eps * |trainer logprob|`` (bfloat16: 0.125 |lp|), since the difference grows with
-            the logits (``weight_sync.SyncTolerance``); a sync that did not arrive is also caught by
+            the logits (``sync.check.SyncTolerance``); a sync that did not arrive is also caught by
             the "server unchanged while the trainer moved" test.
         lora: How a peft LoRA model's weights reach the server. ``"merged"``: at every sync the base
             weights with the active adapter folded in (computed out of place), reloaded like a full

@@ -3,7 +3,7 @@
 :class:`~lightning_offpolicy.rollout.VLLMEngine` starts vLLM with ``worker_extension_cls`` set to
 :data:`RECEIVER_CLS`: vLLM mixes the class into each worker, and
 ``collective_rpc("lo_load_shared_bucket", ...)`` runs its method there. The trainer's side is
-:mod:`~lightning_offpolicy.rollout.vllm.shared_weights`.
+:mod:`~lightning_offpolicy.rollout.vllm.sync.shared_weights`.
 """
 
 from __future__ import annotations

@@ -12,8 +12,8 @@ from typing import Any
 
 import torch
 
-from lightning_offpolicy.rollout.vllm.export import write_safetensors
-from lightning_offpolicy.rollout.vllm.peft_export import (
+from lightning_offpolicy.rollout.vllm.sync.export import write_safetensors
+from lightning_offpolicy.rollout.vllm.sync.peft_export import (
     adapter_rank,
     base_state_dict,
     check_vllm_adapter,

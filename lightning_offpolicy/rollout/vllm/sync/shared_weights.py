@@ -24,7 +24,7 @@ from typing import TypeVar
 
 import torch
 
-from lightning_offpolicy.rollout.vllm.export import unique_tensors
+from lightning_offpolicy.rollout.vllm.sync.export import unique_tensors
 
 _T = TypeVar("_T")
 

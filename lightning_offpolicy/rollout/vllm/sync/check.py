@@ -3,7 +3,7 @@
 :class:`SyncCheck` raises when they disagree by more than the engine's precision explains
 (:class:`SyncTolerance`), or when the engine's did not move while the trainer's did (a sync that
 silently never arrived: a known failure of LoRA syncs in peer frameworks). Exporting the weights
-is :mod:`~lightning_offpolicy.rollout.vllm.export` (and :mod:`~lightning_offpolicy.rollout.vllm.peft_export`).
+is :mod:`~lightning_offpolicy.rollout.vllm.sync.export` (and :mod:`~lightning_offpolicy.rollout.vllm.sync.peft_export`).
 """
 
 from __future__ import annotations

@@ -11,11 +11,11 @@ from collections.abc import Mapping
 
 import torch
 
-from lightning_offpolicy.rollout.vllm.export import is_peft_model, write_safetensors
-from lightning_offpolicy.rollout.vllm.lora import SYNC_CALLER, write_base_checkpoint
-from lightning_offpolicy.rollout.vllm.peft_export import full_state_dict, merged_state_dict
-from lightning_offpolicy.rollout.vllm.shared_weights import SharedWeightsBuffer
-from lightning_offpolicy.rollout.vllm.weight_sync import check_received
+from lightning_offpolicy.rollout.vllm.sync.check import check_received
+from lightning_offpolicy.rollout.vllm.sync.export import is_peft_model, write_safetensors
+from lightning_offpolicy.rollout.vllm.sync.lora import SYNC_CALLER, write_base_checkpoint
+from lightning_offpolicy.rollout.vllm.sync.peft_export import full_state_dict, merged_state_dict
+from lightning_offpolicy.rollout.vllm.sync.shared_weights import SharedWeightsBuffer
 
 __all__ = ["InProcessWeightSync"]
 

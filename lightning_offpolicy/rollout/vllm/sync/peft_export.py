@@ -14,7 +14,7 @@ from typing import Any, Literal
 
 import torch
 
-from lightning_offpolicy.rollout.vllm.export import checkpoint_format, export_state_dict, is_peft_model, unwrap
+from lightning_offpolicy.rollout.vllm.sync.export import checkpoint_format, export_state_dict, is_peft_model, unwrap
 
 __all__ = [
     "adapter_rank",
@@ -37,7 +37,7 @@ def full_state_dict(
 ) -> dict[str, torch.Tensor]:
     """The weights an engine without adapters computes with: merged for a peft model, else exported as they are.
 
-    ``for_files``, ``tied``: as :func:`~lightning_offpolicy.rollout.vllm.export.export_state_dict`'s (a
+    ``for_files``, ``tied``: as :func:`~lightning_offpolicy.rollout.vllm.sync.export.export_state_dict`'s (a
     merged peft model's tensors are always CPU copies).
     """
     if is_peft_model(source):

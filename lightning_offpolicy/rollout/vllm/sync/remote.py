@@ -18,10 +18,10 @@ from typing import Any, Literal
 import torch
 
 from lightning_offpolicy.rollout.vllm.errors import DEV_MODE_HINT
-from lightning_offpolicy.rollout.vllm.export import make_private_dirs, write_safetensors
 from lightning_offpolicy.rollout.vllm.http import HTTPStatusError
-from lightning_offpolicy.rollout.vllm.peft_export import full_state_dict
-from lightning_offpolicy.rollout.vllm.weight_sync import PROBE_LENGTH, check_received, probe_ids
+from lightning_offpolicy.rollout.vllm.sync.check import PROBE_LENGTH, check_received, probe_ids
+from lightning_offpolicy.rollout.vllm.sync.export import make_private_dirs, write_safetensors
+from lightning_offpolicy.rollout.vllm.sync.peft_export import full_state_dict
 from lightning_offpolicy.rollout.vllm.worker_extension import RECEIVER_CLS, RECEIVER_VERSION
 
 __all__ = ["RemoteWeightSync"]

@@ -1,7 +1,7 @@
 """The adapter sync of :class:`~lightning_offpolicy.rollout.vllm.remote.RemoteVLLMEngine` (``lora="adapter"``).
 
 A peft LoRA policy's base weights go to the server once (the file reload of
-:class:`~lightning_offpolicy.rollout.vllm.remote_sync.RemoteWeightSync`), then each sync saves only
+:class:`~lightning_offpolicy.rollout.vllm.sync.remote.RemoteWeightSync`), then each sync saves only
 the adapter into a private directory and loads it with vLLM's runtime adapter routes
 (``POST /v1/load_lora_adapter``) under a name never used before: vLLM serves a known name from its
 cache without reading the new files (and keys its prefix cache by name and path). Requests then
@@ -22,10 +22,15 @@ from typing import Any
 
 import torch
 
-from lightning_offpolicy.rollout.vllm.export import is_peft_model, make_private_dirs
 from lightning_offpolicy.rollout.vllm.http import HTTPStatusError
-from lightning_offpolicy.rollout.vllm.lora import vllm_lora_rank
-from lightning_offpolicy.rollout.vllm.peft_export import adapter_rank, base_state_dict, check_vllm_adapter, save_adapter
+from lightning_offpolicy.rollout.vllm.sync.export import is_peft_model, make_private_dirs
+from lightning_offpolicy.rollout.vllm.sync.lora import vllm_lora_rank
+from lightning_offpolicy.rollout.vllm.sync.peft_export import (
+    adapter_rank,
+    base_state_dict,
+    check_vllm_adapter,
+    save_adapter,
+)
 
 __all__ = ["LORA_ROUTES_HINT", "RemoteAdapterSync", "enable_lora_hint"]
 
@@ -51,7 +56,7 @@ class RemoteAdapterSync:
 
     A mixin: it uses the engine's ``push_lora_base``, the server's LoRA settings read at connect
     time (``server_lora_config``, ``server_runtime_lora``), the sync directory and file reload of
-    :class:`~lightning_offpolicy.rollout.vllm.remote_sync.RemoteWeightSync`, and sets
+    :class:`~lightning_offpolicy.rollout.vllm.sync.remote.RemoteWeightSync`, and sets
     ``adapter_name`` (what requests name as their ``model``) and the ``last_*`` figures.
     """
 
