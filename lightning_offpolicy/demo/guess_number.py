@@ -27,6 +27,7 @@ from lightning_offpolicy.demo.tiny_bpe import (
     CHATML_TEMPLATE,
     SPECIAL_TOKENS,
     save_chat_checkpoint,
+    seeded_model,
     tiny_config,
     train_bpe_tokenizer,
 )
@@ -115,8 +116,6 @@ def guess_number_success(
 
 def build_guess_number_checkpoint(directory: str | os.PathLike, seed: int = 0, **settings: Any) -> dict[str, Any]:
     """Build the guess-my-number checkpoint into ``directory`` (the keys of :data:`DEFAULT_GUESS_NUMBER_SETTINGS`)."""
-    from transformers import AutoModelForCausalLM
-
     chosen = {**DEFAULT_GUESS_NUMBER_SETTINGS, **settings}
     low, high = chosen["low"], chosen["high"]
     task = GuessNumberTask(low, high)
@@ -142,9 +141,7 @@ def build_guess_number_checkpoint(directory: str | os.PathLike, seed: int = 0, *
         num_attention_heads=8,
         num_key_value_heads=8,
     )
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        model = AutoModelForCausalLM.from_config(config).to(torch.float32)
+    model = seeded_model(config, seed)
     losses = sft_on_conversations(
         model,
         tokenizer,

@@ -37,6 +37,7 @@ __all__ = [
     "chat_prompt_ids",
     "save_chat_checkpoint",
     "sft_on_pairs",
+    "seeded_model",
     "tiny_config",
     "train_bpe_tokenizer",
 ]
@@ -164,6 +165,15 @@ def tiny_config(architecture: Architecture, vocab_size: int, pad_token_id: int, 
     return classes[architecture](**kwargs)
 
 
+def seeded_model(config: Any, seed: int) -> torch.nn.Module:
+    """A float32 causal LM of ``config`` initialised from ``seed``; the global RNG state is left untouched."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return AutoModelForCausalLM.from_config(config).to(torch.float32)
+
+
 def chat_prompt_ids(tokenizer: Any, prompt: str, system: str | None = None) -> list[int]:
     """Ids of ``prompt`` as one user turn, rendered by the tokenizer's chat template with the generation
     prompt (``apply_chat_template(..., add_generation_prompt=True)``)."""
@@ -241,7 +251,6 @@ def build_bpe_checkpoint(
     Returns the absolute directory: ``AutoModelForCausalLM.from_pretrained`` and
     ``AutoTokenizer.from_pretrained`` load it, and so does ``OffPolicyRLModule(model=<directory>)``.
     """
-    from transformers import AutoModelForCausalLM
 
     if sft_steps and not sft_pairs:
         raise ValueError(f"build_bpe_checkpoint: sft_steps={sft_steps} needs `sft_pairs` to train on.")
@@ -254,9 +263,7 @@ def build_bpe_checkpoint(
     eos, end_of_text = tokenizer.convert_tokens_to_ids(_IM_END), tokenizer.convert_tokens_to_ids(_PAD)
     padded_vocab = -(-len(tokenizer) // 64) * 64
     config = tiny_config(architecture, padded_vocab, pad_token_id=end_of_text, eos_token_id=eos, **config_overrides)
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        model = AutoModelForCausalLM.from_config(config).to(torch.float32)
+    model = seeded_model(config, seed)
     if sft_steps:
         pairs = list(sft_pairs)
         sft_on_pairs(model, tokenizer, pairs, steps=sft_steps, batch_size=sft_batch_size, lr=sft_lr, seed=seed)

@@ -28,7 +28,13 @@ from lightning_offpolicy.argcheck import is_int
 from lightning_offpolicy.data.tasks.tool_use import MultiplyToolTask
 from lightning_offpolicy.demo.chat_sft import play_held_out, sft_on_conversations
 from lightning_offpolicy.demo.checkpoint_cache import cached_build, chat_checkpoint_target
-from lightning_offpolicy.demo.tiny_bpe import SPECIAL_TOKENS, save_chat_checkpoint, tiny_config, train_bpe_tokenizer
+from lightning_offpolicy.demo.tiny_bpe import (
+    SPECIAL_TOKENS,
+    save_chat_checkpoint,
+    seeded_model,
+    tiny_config,
+    train_bpe_tokenizer,
+)
 from lightning_offpolicy.rollout.multi_turn import EpisodeSettings, episode_metadata
 
 __all__ = [
@@ -181,8 +187,6 @@ def build_tool_use_checkpoint(
     Returns:
         ``{"final_loss": ..., "directory": ...}``: the last warm-up loss and the absolute directory.
     """
-    from transformers import AutoModelForCausalLM
-
     if not is_int(num_conversations) or num_conversations < 1:
         raise ValueError(f"build_tool_use_checkpoint: num_conversations={num_conversations!r} must be an int >= 1.")
     task = MultiplyToolTask(a_digits=a_digits, b_digits=b_digits)
@@ -197,9 +201,7 @@ def build_tool_use_checkpoint(
     padded_vocab = -(-len(tokenizer) // 64) * 64
     overrides = {**_MODEL_OVERRIDES, **config_overrides}
     config = tiny_config("qwen2", padded_vocab, pad_token_id=end_of_text, eos_token_id=end_of_turn, **overrides)
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        model = AutoModelForCausalLM.from_config(config).to(torch.float32)
+    model = seeded_model(config, seed)
     losses = sft_on_conversations(
         model,
         tokenizer,

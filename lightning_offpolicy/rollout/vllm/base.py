@@ -32,6 +32,7 @@ from lightning_offpolicy.rollout.engine import (
     per_prompt_seeds,
 )
 from lightning_offpolicy.rollout.vllm.kept_sets import decode_kept_sets
+from lightning_offpolicy.rollout.vllm.settings import RemoteWeightSyncSettings, WeightSyncSettings
 from lightning_offpolicy.rollout.vllm.sync.check import SyncCheck, sync_tolerance, trainer_probe_logprobs
 from lightning_offpolicy.rollout.vllm.sync.export import weight_source
 
@@ -113,16 +114,17 @@ class VLLMEngineBase(SpecialTokens):
 
     def _init_common(
         self,
-        check_weight_sync: bool,
-        weight_sync_tolerance: float | None,
+        weight_sync: WeightSyncSettings | RemoteWeightSyncSettings,
         request_timeout_s: Any,
         pad_token_id: Any,
         eos_token_id: Any,
         stop_token_ids: Any,
         support_logprobs: Any = SUPPORT_LOGPROBS,
     ) -> None:
-        """Validate and store the settings every vLLM backend has (the sync check's already checked by its
-        settings object); start the shared state."""
+        """Validate and store the settings every vLLM backend has; start the shared state.
+
+        ``weight_sync`` is the engine's sync settings (its ``check`` and ``tolerance``, checked when it was built).
+        """
         who = self._who
         # Whether the engine's workers record the exact kept sets (None: not asked yet; asked at the first
         # call under a sampling mask).
@@ -140,8 +142,8 @@ class VLLMEngineBase(SpecialTokens):
         for name, value in (("eos_token_id", eos_token_id), ("pad_token_id", pad_token_id)):
             if value is not None and (not is_int(value) or value < 0):
                 raise ValueError(f"{who}.{name}={value!r} must be a token id (int >= 0) or None.")
-        self.check_weight_sync = check_weight_sync
-        self.weight_sync_tolerance = weight_sync_tolerance
+        self.check_weight_sync = weight_sync.check
+        self.weight_sync_tolerance = weight_sync.tolerance
         self.request_timeout_s = float(request_timeout_s)
         self.pad_token_id = pad_token_id
         self.eos_token_id = eos_token_id

@@ -182,15 +182,7 @@ class VLLMEngine(InProcessWeightSync, AdapterSync, VLLMEngineBase):
         self.enforce_eager = enforce_eager
         self.seed = int(start.seed)
         self.tensor_parallel_size = int(tensor_parallel_size)
-        self._init_common(
-            weight_sync.check,
-            weight_sync.tolerance,
-            request_timeout_s,
-            pad_token_id,
-            eos_token_id,
-            stop_token_ids,
-            support_logprobs,
-        )
+        self._init_common(weight_sync, request_timeout_s, pad_token_id, eos_token_id, stop_token_ids, support_logprobs)
         self.weight_transport = weight_sync.transport
         self.weight_bucket_mb = int(weight_sync.bucket_mb)
         self.lora_sync = weight_sync.lora

@@ -150,15 +150,7 @@ class RemoteVLLMEngine(ServerCheck, RemoteRequests, RemoteAdapterSync, RemoteWei
         self.model = model
         self.weights_dir = weight_sync.weights_dir
         self.server_weights_dir = weight_sync.server_weights_dir
-        self._init_common(
-            weight_sync.check,
-            weight_sync.tolerance,
-            request_timeout_s,
-            pad_token_id,
-            eos_token_id,
-            stop_token_ids,
-            support_logprobs,
-        )
+        self._init_common(weight_sync, request_timeout_s, pad_token_id, eos_token_id, stop_token_ids, support_logprobs)
         self.max_concurrent_requests = int(connection.max_concurrent_requests)
         self.stream = connection.stream
         self.stream_interval = int(connection.stream_interval)
