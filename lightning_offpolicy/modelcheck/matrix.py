@@ -37,7 +37,7 @@ __all__ = [
     "CELLS",
     "FLOAT32_ATOL",
     "Cell",
-    "matrix_start",
+    "MATRIX_START",
     "check_hf_engines",
     "check_lora_adapter",
     "check_server",
@@ -82,9 +82,8 @@ class Cell:
     detail: str = ""
 
 
-def matrix_start() -> StartSettings:
-    """How the matrix's engines and server start: float32, a small context and cache (CPU-friendly)."""
-    return StartSettings(dtype="float32", max_model_len=256)
+#: How the matrix's engines and server start: float32, a small context and cache (CPU-friendly).
+MATRIX_START = StartSettings(dtype="float32", max_model_len=256)
 
 
 @torch.no_grad()
@@ -126,7 +125,7 @@ def _attempt(name: str, run: Callable[[], Cell | list[Cell]]) -> list[Cell]:
 
 def check_vllm(
     model: torch.nn.Module,
-    start: StartSettings | None = None,
+    start: StartSettings = MATRIX_START,
     lora: bool = True,
     engine: object | None = None,
 ) -> list[Cell]:
@@ -137,7 +136,6 @@ def check_vllm(
     """
     from lightning_offpolicy.rollout.vllm.inprocess import VLLMEngine
 
-    start = start or matrix_start()
     own = engine is None
     if engine is None:
         engine = VLLMEngine(
@@ -232,10 +230,10 @@ def _is_projection(name: str, module: torch.nn.Module) -> bool:
     return isinstance(module, torch.nn.Linear) and ".layers." in name and "gate" != name.rsplit(".", 1)[-1]
 
 
-def check_lora_adapter(model: torch.nn.Module, start: StartSettings | None = None) -> Cell:
+def check_lora_adapter(model: torch.nn.Module, start: StartSettings = MATRIX_START) -> Cell:
     """The ``vllm lora adapter`` cell: an engine with vLLM's LoRA support started from a peft copy of ``model``
     (LoRA on the attention projections), then a sync of a moved adapter, applied by vLLM (float32)."""
-    return _attempt("vllm lora adapter", lambda: _lora_adapter_cell(model, start or matrix_start()))[0]
+    return _attempt("vllm lora adapter", lambda: _lora_adapter_cell(model, start))[0]
 
 
 def _lora_adapter_cell(model: torch.nn.Module, start: StartSettings) -> Cell:
@@ -259,10 +257,10 @@ def _lora_adapter_cell(model: torch.nn.Module, start: StartSettings) -> Cell:
         engine.close()
 
 
-def check_server(model: torch.nn.Module, start: StartSettings | None = None) -> Cell:
+def check_server(model: torch.nn.Module, start: StartSettings = MATRIX_START) -> Cell:
     """The ``vllm server file`` cell: a local server started from ``model``'s checkpoint, then a sync of moved
     weights through :class:`~lightning_offpolicy.rollout.RemoteVLLMEngine` (float32). ``model`` is moved."""
-    return _attempt("vllm server file", lambda: _server_cell(model, start or matrix_start()))[0]
+    return _attempt("vllm server file", lambda: _server_cell(model, start))[0]
 
 
 def _server_cell(model: torch.nn.Module, start: StartSettings) -> Cell:
