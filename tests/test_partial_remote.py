@@ -519,28 +519,15 @@ def _endless(body, steps: int = 600):
     yield b"data: [DONE]"
 
 
-class _Stamped:
-    """``fn()`` from another thread after ``delay_s``; :meth:`latency`: seconds from then to now."""
-
-    def __init__(self, delay_s: float, fn) -> None:
-        self.at: float | None = None
-
-        def run() -> None:
-            time.sleep(delay_s)
-            self.at = time.perf_counter()
-            fn()
-
-        self.thread = threading.Thread(target=run, daemon=True)
-        self.thread.start()
-
-    def latency(self) -> float:
-        now = time.perf_counter()
-        self.thread.join(10)
-        assert self.at is not None
-        return now - self.at
+def _wait_until(condition, timeout_s: float = 60.0) -> None:
+    """Returns once ``condition()`` holds; fails after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, f"still not so after {timeout_s} s"
+        time.sleep(0.01)
 
 
-def test_interrupt_keeps_finished_samples_and_cuts_the_others(streaming_stand_in):
+def test_interrupt_keeps_finished_samples_and_cuts_the_others(streaming_stand_in, monkeypatch):
     server = streaming_stand_in(_endless)
     engine = RemoteVLLMEngine(
         server.base_url,
@@ -549,9 +536,10 @@ def test_interrupt_keeps_finished_samples_and_cuts_the_others(streaming_stand_in
         connection=ConnectionSettings(stream=True, stream_interval=3),
     )
     cfg = SamplingConfig(max_new_tokens=1000, samples_per_prompt=2)
-    timer = _Stamped(0.5, engine.interrupt)
+    # Sample 0's two tokens and three of sample 1's: the interrupt lands inside the call, whatever the load.
+    trigger = InterruptAfterTokens(engine, monkeypatch, tokens=2 + 3)
     finished, cut = engine.generate([[1, 5]], cfg)
-    assert timer.latency() < 1.0  # (the stand-in would trickle for 30 s)
+    assert time.perf_counter() - trigger.at < 1.0  # (the stand-in would trickle for 30 s)
     body = server.bodies[-1]
     assert body["stream"] is True and body["stream_interval"] == 3 and body["n"] == 2
     assert (finished.finish_reason, finished.token_ids) == ("stop", [7, 9])
@@ -563,7 +551,7 @@ def test_interrupt_keeps_finished_samples_and_cuts_the_others(streaming_stand_in
     engine.close()
 
 
-def test_the_stream_setting_decides_what_an_interrupt_keeps(streaming_stand_in):
+def test_the_stream_setting_decides_what_an_interrupt_keeps(streaming_stand_in, monkeypatch):
     """stream=None streams from the first interrupt on (the call it cuts keeps no tokens); False never streams."""
     server = streaming_stand_in(lambda body: _endless(body, steps=40))  # 2 s unstreamed
     cfg = SamplingConfig(max_new_tokens=1000, samples_per_prompt=2)
@@ -575,9 +563,17 @@ def test_the_stream_setting_decides_what_an_interrupt_keeps(streaming_stand_in):
         assert server.bodies[-1]["stream"] is False and "stream_interval" not in server.bodies[-1]
         assert [c.finish_reason for c in done] == ["stop", "length"] and len(done[1].token_ids) == 41
         for kept in (False, kept_then):
-            timer = _Stamped(0.5, engine.interrupt)
+            # Streamed: once sample 0 has ended and sample 1 has three tokens; unstreamed: once the request is sent.
+            if kept:
+                trigger = InterruptAfterTokens(engine, monkeypatch, tokens=2 + 3)
+            else:
+                trigger = InterruptOnceSent(engine, monkeypatch)
+            sent = len(server.bodies)
             finished, cut = engine.generate([[1, 5]], cfg)
-            assert timer.latency() < 1.0  # (the stand-in answers after 2 s)
+            assert time.perf_counter() - trigger.at < 1.0  # (the stand-in answers after 2 s)
+            # A request cut right after it was written can reach the stand-in's handler after the call returns:
+            # the next call waits for it, or the two bodies could be recorded in either order.
+            _wait_until(lambda sent=sent: len(server.bodies) > sent)
             assert server.bodies[-1]["stream"] is kept
             # Unstreamed, the sample that had finished is lost with the rest: nothing of the answer arrived.
             assert (finished.finish_reason, finished.token_ids) == (("stop", [7, 9]) if kept else (INTERRUPTED, []))
@@ -636,9 +632,11 @@ def test_stream_errors_are_clear(streaming_stand_in):
         except BaseException as err:  # noqa: BLE001
             errors.append(err)
 
+    sent = len(trickling.bodies)
     thread = threading.Thread(target=rollout, daemon=True)
     thread.start()
-    time.sleep(0.5)
+    _wait_until(lambda: len(trickling.bodies) > sent or not thread.is_alive())  # the server has the request
+    assert thread.is_alive(), errors
     began = time.perf_counter()
     engine.close()
     thread.join(5)

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import threading
-import time
 
 import pytest
 import torch
@@ -61,21 +60,15 @@ def test_interrupt_returns_the_tokens_so_far_soon_and_the_next_call_runs_normall
     prompts = reverse_prompts(3)
     long = SamplingConfig(max_new_tokens=200, samples_per_prompt=2)
     with never_stopping(vllm_engine) as engine:
-        began = time.perf_counter()
         full = engine.generate(prompts, long, seed=5)
-        full_s = time.perf_counter() - began
         assert all(c.finish_reason == "length" and len(c.token_ids) == 200 for c in full)
 
-        timer = threading.Timer(full_s / 4, engine.interrupt)
-        began = time.perf_counter()
-        timer.start()
-        cut = engine.generate(prompts, long, seed=5)
-        cut_s = time.perf_counter() - began
-        timer.join()
-        # It returned within a few engine steps of the interrupt, long before the full call's time.
-        assert cut_s < full_s * 0.6, (cut_s, full_s)
-        assert all(c.finish_reason == INTERRUPTED and len(c.token_ids) < 200 for c in cut)
-        assert any(c.token_ids for c in cut)
+        with interrupt_after_steps(engine, 50):
+            cut = engine.generate(prompts, long, seed=5)
+        # It returned within an engine step of the interrupt (a step samples at most one token of each
+        # sample; a request added a step late has one fewer), not after 200 tokens.
+        print("tokens kept per sample:", [len(c.token_ids) for c in cut])
+        assert all(c.finish_reason == INTERRUPTED and 0 < len(c.token_ids) <= 51 for c in cut)
         for c, f in zip(cut, full, strict=True):
             assert c.token_ids == f.token_ids[: len(c.token_ids)]  # the same seeded draws, cut short
             assert len(c.logprobs) == len(c.token_ids)
