@@ -18,6 +18,7 @@ from typing import Any, Literal
 
 from lightning_offpolicy.argcheck import is_int, is_number
 from lightning_offpolicy.rollout.vllm.http import CONNECT_TIMEOUT_S
+from lightning_offpolicy.rollout.vllm.sync.transfer import GPU_TRANSPORTS
 
 __all__ = [
     "ALLOWED_DTYPES",
@@ -31,6 +32,9 @@ __all__ = [
 #: vLLM's ``dtype`` values.
 ALLOWED_DTYPES = ("auto", "half", "float16", "bfloat16", "float", "float32")
 LORA_SYNC_MODES = ("merged", "adapter")
+#: How the weights reach an in-process engine, and a server (files, or vLLM's GPU-to-GPU weight transfer).
+IN_PROCESS_TRANSPORTS = ("memory", "file")
+REMOTE_TRANSPORTS = ("file", *GPU_TRANSPORTS)
 
 
 def require_settings(value: Any, settings_type: type, where: str) -> Any:
@@ -147,9 +151,10 @@ class WeightSyncSettings:
     lora: Literal["merged", "adapter"] = "merged"
 
     def __post_init__(self) -> None:
-        if self.transport not in ("memory", "file"):
+        if self.transport not in IN_PROCESS_TRANSPORTS:
             raise ValueError(
-                f"WeightSyncSettings.transport={self.transport!r} is not known; allowed: 'memory', 'file'."
+                f"WeightSyncSettings.transport={self.transport!r} is not known; allowed: "
+                f"{', '.join(map(repr, IN_PROCESS_TRANSPORTS))}."
             )
         _check_sync_check("WeightSyncSettings", self.check, self.tolerance, self.lora)
         if not is_int(self.bucket_mb) or self.bucket_mb < 1:
@@ -226,8 +231,10 @@ class RemoteWeightSyncSettings:
 
     def __post_init__(self) -> None:
         who = "RemoteWeightSyncSettings"
-        if self.transport not in ("file", "nccl", "ipc"):
-            raise ValueError(f"{who}.transport={self.transport!r} is not known; allowed: 'file', 'nccl', 'ipc'.")
+        if self.transport not in REMOTE_TRANSPORTS:
+            raise ValueError(
+                f"{who}.transport={self.transport!r} is not known; allowed: {', '.join(map(repr, REMOTE_TRANSPORTS))}."
+            )
         for name in ("weights_dir", "server_weights_dir"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, (str, os.PathLike)) or not str(value)):

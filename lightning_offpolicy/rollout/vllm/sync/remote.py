@@ -88,8 +88,8 @@ class RemoteWeightSync:
                 os.chmod(path, dir_mode)
             except OSError as err:
                 raise RuntimeError(
-                    f"RemoteVLLMEngine: cannot create the sync directory in weights_dir={self.weights_dir!r} ({err}): "
-                    "it must be writable by the trainer."
+                    "RemoteVLLMEngine: cannot create the sync directory in "
+                    f"weight_sync.weights_dir={self.weights_dir!r} ({err}): it must be writable by the trainer."
                 ) from err
             _warn_if_others_can_replace(root)
             self._sync_dir = path
@@ -211,7 +211,7 @@ def _warn_if_others_can_replace(root: Path) -> None:
         st = root.stat()
         if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH) and not st.st_mode & stat.S_ISVTX:
             warnings.warn(
-                f"RemoteVLLMEngine: weights_dir={str(root)!r} is writable by other users (mode "
+                f"RemoteVLLMEngine: weight_sync.weights_dir={str(root)!r} is writable by other users (mode "
                 f"{st.st_mode & 0o7777:o}) without the sticky bit: one of them could replace the sync directory "
                 "between the write and the server's reload. Use a directory only the trainer (and the "
                 "server's user) can write, or chmod +t it.",
