@@ -21,8 +21,9 @@ import torch
 
 from lightning_offpolicy.rollout import RemoteVLLMEngine, RemoteVLLMPool, SamplingConfig
 from lightning_offpolicy.rollout.engine import per_prompt_seeds
-from lightning_offpolicy.rollout.vllm.settings import ConnectionSettings, RemoteWeightSyncSettings, StartSettings
+from lightning_offpolicy.rollout.vllm.settings import ConnectionSettings, RemoteWeightSyncSettings
 from tests.vllm_fixtures import (
+    ENGINE_START,
     lose_syncs,
     requires_vllm,
     residuals,
@@ -35,9 +36,7 @@ from tests.vllm_fixtures import (
 def second_server(tiny_ckpt):
     from lightning_offpolicy.rollout.vllm import launch_local_server
 
-    server = launch_local_server(
-        tiny_ckpt, start=StartSettings(dtype="float32", kv_cache_space_gib=1), startup_timeout_s=600
-    )
+    server = launch_local_server(tiny_ckpt, start=ENGINE_START, startup_timeout_s=600)
     yield server
     server.close()
 

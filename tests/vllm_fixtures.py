@@ -26,7 +26,7 @@ from lightning_offpolicy.rollout.vllm.settings import StartSettings, WeightSyncS
 VLLM_MISSING = "vLLM is not installed"
 requires_vllm = pytest.mark.skipif(not vllm_available(), reason=VLLM_MISSING)
 
-#: Start settings of the vLLM tests' engines (float32, as the trainer, so the residual is the engine's own);
+#: Start settings of the vLLM tests' engines and servers (float32, as the trainer, so the residual is the engine's own);
 #: the shared engine takes them but ``dtype`` (its default "auto" gives float32 from the float32 module).
 #: ``max_model_len`` is left unset, as by default: the engine runs at the model's context (256 tokens).
 ENGINE_START = StartSettings(dtype="float32", gpu_memory_utilization=0.3, kv_cache_space_gib=1)
@@ -152,7 +152,7 @@ class ServerHolder:
                 )
             self.server = launch_local_server(
                 self.model,
-                start=StartSettings(dtype="float32", kv_cache_space_gib=1),
+                start=ENGINE_START,
                 enable_lora=True,
                 max_lora_rank=SERVER_MAX_LORA_RANK,
                 startup_timeout_s=600,
